@@ -1,0 +1,3 @@
+from hpref.cli import main
+
+main()

@@ -1,0 +1,83 @@
+"""The plugin contract: every hook a plugin (built-in or third-party) may implement.
+
+Components are registered through a callback rather than returned, so one hook implementation can
+register any number of them and errors point at the exact `register(...)` call:
+
+    from hpref import hookimpl
+
+    @hookimpl
+    def register_schedulers(register):
+        register(name="step-decay", config=StepDecayConfig, build=build_step_decay)
+
+`register(name, config, build, description=None)`:
+    name        the component's name as recipes spell it (`[scheduler] name = "step-decay"`)
+    config      a pydantic model class: the component's parameters, with defaults and descriptions.
+                Recipe keys beside `name` are validated against it (unknown keys are an error).
+    build       a callable taking the validated config instance (plus keyword arguments documented
+                per kind below) and returning the component. It is only called when a run needs it,
+                so heavy imports (torch, transformers) belong inside it, not at module level.
+    description one line for `hpref components`; defaults to the first line of build's docstring.
+
+Third-party packages expose their hook implementations through the `hpref` entry-point group:
+
+    [project.entry-points.hpref]
+    my_plugin = "my_package.hpref_plugin"
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("hpref")
+hookimpl = pluggy.HookimplMarker("hpref")
+
+
+@hookspec
+def register_models(register) -> None:
+    """Register model components (`[model]`).
+
+    `build(config)` returns a `torch.nn.Module` whose forward is
+    `forward(input_ids, cu_seqlens, position_ids) -> logits [num_sequences, num_labels]`
+    for one packed, padding-free micro-batch.
+    """
+
+
+@hookspec
+def register_datasets(register) -> None:
+    """Register dataset components (`[dataset.train]`, `[dataset.eval]`).
+
+    `build(config, seed)` returns an object with `battles() -> Iterator[hpref.data.Battle]`.
+    """
+
+
+@hookspec
+def register_schedulers(register) -> None:
+    """Register learning-rate schedulers (`[scheduler]`).
+
+    `build(config, total_steps)` returns `multiplier(step: int) -> float`, the factor applied to
+    the optimizer's base learning rate at optimizer step `step` (0-based) of `total_steps`.
+    """
+
+
+@hookspec
+def register_formatters(register) -> None:
+    """Register prompt formatters (`[formatter]`).
+
+    `build(config, tokenizer)` returns an object turning a `Battle` into token ids.
+    """
+
+
+@hookspec
+def register_rewards(register) -> None:
+    """Register reward components for `hpref rl` (`[rl.reward]`).
+
+    `build(config)` returns an object scoring policies' answers to a prompt.
+    """
+
+
+@hookspec
+def register_commands(app) -> None:
+    """Add subcommands to the `hpref` Typer app (`@app.command()` or `app.add_typer(...)`).
+
+    Keep imports inside the command functions: `hpref --help` loads every plugin.
+    """

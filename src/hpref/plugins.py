@@ -1,0 +1,237 @@
+"""Plugin loading and the component registry.
+
+One module-level plugin manager. `load_plugins()` is idempotent: it registers the built-in plugins,
+then every third-party plugin from the `hpref` entry-point group (restricted by `HPREF_PLUGINS`),
+then asks every plugin to register its components. A third-party plugin that fails to import is
+recorded with its reason instead of taking the CLI down; its name is surfaced when a recipe asks for
+a component nobody provides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel
+
+from hpref import hookspecs
+from hpref.errors import ComponentError, did_you_mean
+
+ENTRY_POINT_GROUP = "hpref"
+PLUGINS_ENV = "HPREF_PLUGINS"
+
+#: Component kinds, each with the hook that registers it. Order is the order `hpref components` shows.
+KINDS: dict[str, str] = {
+    "model": "register_models",
+    "dataset": "register_datasets",
+    "scheduler": "register_schedulers",
+    "formatter": "register_formatters",
+    "reward": "register_rewards",
+}
+
+BUILTIN_PLUGINS = (
+    "hpref.builtin.schedulers",
+    "hpref.builtin.datasets",
+    "hpref.builtin.formatters",
+    "hpref.builtin.models",
+    "hpref.builtin.rewards",
+)
+
+
+@dataclass(frozen=True)
+class Component:
+    kind: str
+    name: str
+    config: type[BaseModel]
+    build: Callable[..., Any]
+    description: str
+    plugin: str
+
+    def parameters(self) -> list[dict[str, Any]]:
+        """Name, type, default and description of each parameter, from the config schema."""
+        rows = []
+        for pname, info in self.config.model_fields.items():
+            annotation = info.annotation
+            type_name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+            if info.is_required():
+                default: Any = "(required)"
+            else:
+                default = info.get_default(call_default_factory=True)
+            rows.append(
+                {"name": pname, "type": type_name, "default": default, "description": info.description or ""}
+            )
+        return rows
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    hooks: tuple[str, ...]
+    builtin: bool
+
+
+@dataclass
+class FailedPlugin:
+    name: str
+    distribution: str
+    reason: str
+
+
+@dataclass
+class Registry:
+    components: dict[str, dict[str, Component]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    failed: list[FailedPlugin] = field(default_factory=list)
+
+    def add(self, component: Component) -> None:
+        existing = self.components[component.kind].get(component.name)
+        if existing is not None:
+            raise ComponentError(
+                f"{component.kind} '{component.name}' is registered twice: by plugin '{existing.plugin}' "
+                f"and by plugin '{component.plugin}'"
+            )
+        self.components[component.kind][component.name] = component
+
+    def get(self, kind: str, name: str) -> Component:
+        """The component `name` of `kind`, or a `ComponentError` that suggests the nearest name."""
+        if kind not in self.components:
+            raise ComponentError(f"unknown component kind '{kind}'{did_you_mean(kind, KINDS)}")
+        try:
+            return self.components[kind][name]
+        except KeyError:
+            pass
+        known = sorted(self.components[kind])
+        hint = did_you_mean(name, known)
+        if not hint and self.failed:
+            broken = ", ".join(f"'{f.name}' ({f.reason})" for f in self.failed)
+            hint = f"; plugins that failed to load and may provide it: {broken}"
+        elif not hint:
+            hint = f"; known: {', '.join(known) or 'none'}"
+        raise ComponentError(f"unknown {kind} '{name}'{hint}")
+
+
+class _Loader:
+    """Holds the plugin manager and registry; `load_plugins()` uses one module-level instance."""
+
+    def __init__(self) -> None:
+        self.pm: pluggy.PluginManager | None = None
+        self.registry: Registry | None = None
+        self.infos: dict[str, PluginInfo] = {}
+
+    def reset(self) -> None:
+        self.pm = None
+        self.registry = None
+        self.infos = {}
+
+
+_state = _Loader()
+
+
+def _allowed_third_party() -> set[str] | None:
+    """Entry-point names allowed by HPREF_PLUGINS; None when unset (all allowed)."""
+    value = os.environ.get(PLUGINS_ENV)
+    if value is None:
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+def _hook_names(module: object) -> tuple[str, ...]:
+    return tuple(sorted(n for n in dir(module) if n.startswith("register_") and hasattr(getattr(module, n), "hpref_impl")))
+
+
+def plugin_manager() -> pluggy.PluginManager:
+    load_plugins()
+    assert _state.pm is not None
+    return _state.pm
+
+
+def load_plugins(extra: list[object] | None = None) -> Registry:
+    """Load built-in and third-party plugins once and return the component registry.
+
+    `extra` plugin objects (used by tests) are registered beside the others; passing them forces a
+    reload so the registry reflects them.
+    """
+    if _state.registry is not None and not extra:
+        return _state.registry
+    _state.reset()
+    pm = pluggy.PluginManager("hpref")
+    pm.add_hookspecs(hookspecs)
+    registry = Registry()
+    version = importlib.import_module("hpref").__version__
+
+    for module_name in BUILTIN_PLUGINS:
+        module = importlib.import_module(module_name)
+        pm.register(module, name=module_name)
+        _state.infos[module_name] = PluginInfo(module_name, "hpref", version, _hook_names(module), True)
+
+    allowed = _allowed_third_party()
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        dist = ep.dist.name if ep.dist else "?"
+        dist_version = ep.dist.version if ep.dist else "?"
+        try:
+            module = ep.load()
+        except Exception as exc:  # a broken plugin must not take the CLI down
+            registry.failed.append(FailedPlugin(ep.name, dist, f"{type(exc).__name__}: {exc}"))
+            continue
+        if pm.is_registered(module):
+            continue
+        pm.register(module, name=ep.name)
+        _state.infos[ep.name] = PluginInfo(ep.name, dist, dist_version, _hook_names(module), False)
+
+    for i, plugin in enumerate(extra or []):
+        name = getattr(plugin, "__name__", None) or f"extra-{i}"
+        pm.register(plugin, name=name)
+        _state.infos[name] = PluginInfo(name, "(in-process)", "-", _hook_names(plugin), False)
+
+    pm.check_pending()  # a misspelt hook name in a plugin is an error, not silently ignored
+
+    for kind, hook_name in KINDS.items():
+        hook = getattr(pm.hook, hook_name)
+        for impl in hook.get_hookimpls():
+            plugin_name = pm.get_name(impl.plugin) or "?"
+
+            def register(
+                name: str,
+                config: type[BaseModel],
+                build: Callable[..., Any],
+                description: str | None = None,
+                *,
+                _kind: str = kind,
+                _plugin: str = plugin_name,
+            ) -> None:
+                if description is None:
+                    description = (build.__doc__ or "").strip().splitlines()[0] if build.__doc__ else ""
+                registry.add(Component(_kind, name, config, build, description, _plugin))
+
+            impl.function(register=register)
+
+    _state.pm = pm
+    _state.registry = registry
+    return registry
+
+
+def plugin_infos() -> list[PluginInfo]:
+    load_plugins()
+    return list(_state.infos.values())
+
+
+def components_by_plugin() -> dict[str, list[Component]]:
+    registry = load_plugins()
+    out: dict[str, list[Component]] = {}
+    for kind_components in registry.components.values():
+        for comp in kind_components.values():
+            out.setdefault(comp.plugin, []).append(comp)
+    return out
+
+
+def reset_plugins() -> None:
+    """Forget loaded plugins (tests use this after changing HPREF_PLUGINS)."""
+    _state.reset()

@@ -1,0 +1,303 @@
+"""Recipes: typed TOML files that say what to train and how.
+
+Loading is three steps, each with its own error messages:
+1. read the TOML file (`RecipeError` naming the file and the TOML error),
+2. apply `--set section.key=value` overrides (values parsed as TOML literals, else strings),
+3. validate with pydantic (unknown keys forbidden), then validate every component section
+   (`name = "..."` plus parameters) against that component's own config class.
+
+Precedence is CLI override > file > defaults. Every error is one line naming the file and the
+dotted key, and suggests the nearest valid name for a misspelt key or component.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from hpref.errors import RecipeError, UserError, did_you_mean
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ComponentSection(BaseModel):
+    """`name` picks a registered component; every other key is one of its parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(description="registered component name (see `hpref components`)")
+    _config: BaseModel | None = PrivateAttr(default=None)
+
+    @property
+    def config(self) -> BaseModel:
+        if self._config is None:
+            raise RuntimeError(f"component section '{self.name}' was not resolved against the registry")
+        return self._config
+
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RunSection(Section):
+    name: str = Field("run", description="run name; the run folder is output_dir/name")
+    output_dir: Path = Field(Path("runs"), description="folder holding run folders")
+    seed: int = Field(0, description="seed for data order, augmentation and init")
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.name
+
+
+class DatasetSection(Section):
+    train: ComponentSection | None = Field(None, description="training data")
+    eval: ComponentSection | None = Field(None, description="evaluation data")
+
+
+class OptimizerSection(Section):
+    name: Literal["adamw"] = Field("adamw", description="optimizer (AdamW, fused/foreach where available)")
+    lr: float = Field(1e-4, gt=0, description="base learning rate")
+    head_lr: float | None = Field(None, gt=0, description="learning rate of the new head (default: lr)")
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+
+
+class TrainSection(Section):
+    epochs: int = Field(1, ge=1, description="passes over the training data")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    batch_size: int = Field(32, ge=1, description="battles per optimizer step, over all ranks")
+    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch on one rank")
+    max_length: int = Field(1024, ge=8, description="token budget of one formatted sequence")
+    swap: Literal["none", "full", "random"] = Field(
+        "full", description="A/B swap augmentation: full = battle and swapped copy in the same step"
+    )
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the global grad norm (none = off)")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="compute dtype; auto = bf16 where the hardware does it well"
+    )
+    activation_checkpointing: bool = Field(False, description="recompute each block's activations")
+    checkpoint_interval: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0 = epoch ends only)")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept in the run folder")
+    eval_interval: int = Field(1, ge=0, description="evaluate every N epochs (0 = never)")
+    eval_steps: int = Field(0, ge=0, description="also evaluate every N optimizer steps (0 = off)")
+    log_interval: int = Field(10, ge=1, description="log metrics every N optimizer steps")
+
+
+class LaunchSection(Section):
+    nproc: int = Field(1, ge=1, description="processes per node when no GPU is present")
+    nnodes: int = Field(1, ge=1, description="number of nodes")
+    node_rank: int = Field(0, ge=0, description="this node's rank")
+    rdzv_endpoint: str | None = Field(None, description="HOST:PORT of the rendezvous (default: a free local port)")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process group: auto = nccl on GPUs, else gloo")
+
+
+class Recipe(Section):
+    run: RunSection = Field(default_factory=RunSection)
+    model: ComponentSection | None = None
+    dataset: DatasetSection = Field(default_factory=DatasetSection)
+    formatter: ComponentSection | None = None
+    optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
+    scheduler: ComponentSection = Field(default_factory=lambda: ComponentSection(name="constant"))
+    train: TrainSection = Field(default_factory=TrainSection)
+    launch: LaunchSection = Field(default_factory=LaunchSection)
+    rl: dict[str, Any] | None = Field(None, description="multi-policy RL settings (hpref rl)")
+
+    _source: Path | None = PrivateAttr(default=None)
+
+    def component_sections(self) -> list[tuple[str, str, ComponentSection]]:
+        """(dotted key, component kind, section) for every component section present."""
+        found: list[tuple[str, str, ComponentSection]] = []
+        if self.model is not None:
+            found.append(("model", "model", self.model))
+        for split in ("train", "eval"):
+            sec = getattr(self.dataset, split)
+            if sec is not None:
+                found.append((f"dataset.{split}", "dataset", sec))
+        if self.formatter is not None:
+            found.append(("formatter", "formatter", self.formatter))
+        found.append(("scheduler", "scheduler", self.scheduler))
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved recipe: defaults filled in, component parameters included."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        for dotted, _kind, sec in self.component_sections():
+            resolved = {"name": sec.name}
+            if sec._config is not None:
+                resolved.update(sec._config.model_dump(mode="json", exclude_none=True))
+            else:
+                resolved.update(sec.params())
+            target = data
+            *parents, last = dotted.split(".")
+            for p in parents:
+                target = target[p]
+            target[last] = resolved
+        return data
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+    def write(self, folder: Path) -> Path:
+        """Write the resolved recipe as `recipe.toml` into a run folder."""
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "recipe.toml"
+        path.write_text(self.to_toml())
+        return path
+
+
+# --------------------------------------------------------------------------------------------------
+# loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"train.epochs=3"` -> (["train", "epochs"], 3). Values are TOML literals, else plain strings."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise RecipeError(f"--set {text!r}: expected section.key=value")
+    parts = key.split(".")
+    if any(not p for p in parts) or len(parts) < 2:
+        raise RecipeError(f"--set {text!r}: the key must be dotted, like train.epochs")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        parts, value = parse_override(text)
+        target = data
+        for i, p in enumerate(parts[:-1]):
+            node = target.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"--set {text!r}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            target = node
+        target[parts[-1]] = value
+    return data
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise RecipeError(f"{path}: recipe file not found")
+    if path.is_dir():
+        raise RecipeError(f"{path}: is a folder, expected a .toml recipe file")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None, *, resolve: bool = True) -> Recipe:
+    """Read, override, validate and (by default) resolve components against the plugin registry."""
+    path = Path(path)
+    data = apply_overrides(read_toml(path), list(overrides or []))
+    return recipe_from_dict(data, source=path, resolve=resolve)
+
+
+def recipe_from_dict(data: dict[str, Any], *, source: Path | None = None, resolve: bool = True) -> Recipe:
+    where = str(source) if source else "recipe"
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"{where}: {_describe(exc, Recipe, ())}") from None
+    recipe._source = source
+    if resolve:
+        resolve_components(recipe, where)
+    return recipe
+
+
+def resolve_components(recipe: Recipe, where: str = "recipe") -> None:
+    """Validate each component section's parameters against its registered config class."""
+    from hpref.plugins import load_plugins
+
+    registry = load_plugins()
+    for dotted, kind, sec in recipe.component_sections():
+        try:
+            component = registry.get(kind, sec.name)
+        except UserError as exc:
+            raise RecipeError(f"{where}: {dotted}.name: {exc}") from None
+        try:
+            sec._config = component.config.model_validate(sec.params())
+        except ValidationError as exc:
+            raise RecipeError(f"{where}: {_describe(exc, component.config, tuple(dotted.split('.')))}") from None
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the last element of `loc` (for key suggestions)."""
+    current: type[BaseModel] | None = model
+    for part in loc[:-1]:
+        if current is None or not isinstance(part, str) or part not in current.model_fields:
+            return None
+        annotation = current.model_fields[part].annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return current
+
+
+def _describe(exc: ValidationError, model: type[BaseModel], prefix: tuple[str, ...]) -> str:
+    """One line for the first validation error: dotted key, what was wrong, a suggestion."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in (*prefix, *loc)) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        owner = _model_at(model, loc)
+        fields = list(owner.model_fields) if owner else []
+        if owner is ComponentSection:
+            return f"{key}: unknown key{did_you_mean(str(loc[-1]), fields)}"
+        return f"{key}: unknown key{did_you_mean(str(loc[-1]), fields)}; valid keys: {', '.join(fields)}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    got = err.get("input")
+    got_text = json.dumps(got, default=str) if not isinstance(got, dict) else "a table"
+    if len(got_text) > 60:
+        got_text = got_text[:57] + "..."
+    return f"{key}: {err['msg'].rstrip('.')}, got {got_text}"
+
+
+# --------------------------------------------------------------------------------------------------
+# writing (tomllib reads only; recipes are small and flat, so a tiny writer is enough)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value))
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
+def dump_toml(data: dict[str, Any], _prefix: str = "") -> str:
+    lines: list[str] = []
+    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    if _prefix and (scalars or not tables):
+        lines.append(f"[{_prefix}]")
+    for k, v in scalars.items():
+        lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+    if lines:
+        lines.append("")
+    for k, v in tables.items():
+        lines.append(dump_toml(v, f"{_prefix}.{_toml_key(k)}" if _prefix else _toml_key(k)))
+    return "\n".join(lines)
