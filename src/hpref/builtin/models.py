@@ -26,7 +26,7 @@ class _Config(BaseModel):
 class HeadConfig(_Config):
     attention: Attention = Field(
         "auto",
-        description="packed attention backend: auto = flash-attn / torch varlen on CUDA bf16, else sdpa_segments",
+        description="packed attention: auto = flash-attn or torch varlen on CUDA bf16, else sdpa_segments",
     )
     head_hidden_size: int | None = Field(
         None, ge=1, description="width of the head's hidden layer (default: the backbone's hidden size)"

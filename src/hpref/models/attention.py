@@ -235,7 +235,7 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
     outputs = []
     bounds = ctx.boundaries
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         length = end - start
         mask = None
         if window is not None and length > window:

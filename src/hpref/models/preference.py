@@ -165,8 +165,8 @@ class PreferenceModel(nn.Module):
         super().__init__()
         if not getattr(backbone, "_supports_attention_backend", False):
             raise ValueError(
-                f"{type(backbone).__name__} does not route attention through transformers' attention interface, "
-                "so packed sequences would attend across each other; pick another backbone"
+                f"{type(backbone).__name__} does not route attention through transformers' attention "
+                "interface, so packed sequences would attend across each other; pick another backbone"
             )
         self.backbone = backbone
         self.tokenizer = tokenizer

@@ -1,0 +1,144 @@
+"""Every CPU attention path must give, token for token, what each sequence gives on its own.
+
+The reference runs each packed sequence alone through the same backbone with transformers' stock
+eager attention and default positions. A mismatch means tokens attend across a sequence boundary,
+a decoder peeks at the future, positions do not restart per sequence, or GQA heads are mis-mapped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpref.models.attention import (
+    VarlenContext,
+    block_diagonal_mask,
+    resolve_backend,
+    segment_ids_from_cu_seqlens,
+)
+
+from .conftest import (
+    model_from_config,
+    packed_batch,
+    reference_backbone,
+    tiny_bert_config,
+    tiny_gemma2_config,
+    tiny_llama_config,
+)
+
+CPU_BACKENDS = ("sdpa_segments", "sdpa_block_mask", "auto")
+CONFIGS = {"llama": tiny_llama_config, "bert": tiny_bert_config, "gemma2": tiny_gemma2_config}
+
+
+def packed_hidden(model, input_ids, cu, positions):
+    """Run the PreferenceModel and capture the backbone's packed hidden states alongside the logits."""
+    captured = {}
+    handle = model.backbone.register_forward_hook(lambda m, a, out: captured.update(h=out.last_hidden_state))
+    try:
+        logits = model(input_ids, cu, positions)
+    finally:
+        handle.remove()
+    return captured["h"][0], logits
+
+
+def alone(model, seqs):
+    """Hidden states and logits with each sequence run by itself through stock eager attention."""
+    ref = reference_backbone(model.backbone)
+    hidden = [ref(input_ids=s[None]).last_hidden_state[0] for s in seqs]
+    index = 0 if model.pooling == "first" else -1
+    logits = model.head(torch.stack([h[index] for h in hidden]))
+    return torch.cat(hidden), logits
+
+
+def test_segment_ids_and_mask_are_block_diagonal_and_causal():
+    cu = torch.tensor([0, 2, 3, 6], dtype=torch.int32)
+    seg = segment_ids_from_cu_seqlens(cu, 6)
+    assert seg.tolist() == [0, 0, 1, 2, 2, 2]
+    mask = block_diagonal_mask(seg, causal=True)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 0, 1, 0, 0],
+            [0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
+    windowed = block_diagonal_mask(seg, causal=True, window=2)
+    assert windowed[5].tolist() == [False, False, False, False, True, True]  # i - j < 2 only
+    bidirectional = block_diagonal_mask(seg, causal=False)
+    assert bidirectional[3].tolist() == [False, False, False, True, True, True]
+
+
+def test_context_caches_one_mask_per_kind():
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    ctx = VarlenContext(backend="sdpa_block_mask", cu_seqlens=cu, max_seqlen=3)
+    assert ctx.block_mask(True, None) is ctx.block_mask(True, None)  # built once, reused by every layer
+    assert ctx.boundaries == [0, 2, 5]
+
+
+def test_backend_resolution_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", device=cpu, dtype=torch.bfloat16) == "sdpa_segments"
+    assert resolve_backend("sdpa_block_mask", device=cpu, dtype=torch.float32) == "sdpa_block_mask"
+    with pytest.raises(RuntimeError, match="CUDA"):
+        resolve_backend("torch_varlen", device=cpu, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="flash"):
+        resolve_backend("flash_varlen", device=cpu, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend("eager", device=cpu, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_packed_matches_each_sequence_alone(family, backend):
+    model = model_from_config(CONFIGS[family](), attention=backend)
+    input_ids, cu, positions, seqs = packed_batch()
+    with torch.no_grad():
+        hidden, logits = packed_hidden(model, input_ids, cu, positions)
+        ref_hidden, ref_logits = alone(model, seqs)
+    assert model.pooling == ("first" if family == "bert" else "last")
+    assert logits.shape == (len(seqs), 3) and logits.dtype == torch.float32
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_match_each_sequence_alone():
+    """Backward through the packed path gives the per-sequence gradients (no cross-talk in grads)."""
+    model = model_from_config(tiny_llama_config(), attention="sdpa_block_mask")
+    input_ids, cu, positions, seqs = packed_batch()
+    model(input_ids, cu, positions).sum().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = reference_backbone(model.backbone)
+    total = sum(model.head(ref(input_ids=s[None]).last_hidden_state[0, -1]).sum() for s in seqs)
+    total.backward()
+    for name, param in ref.named_parameters():
+        torch.testing.assert_close(packed[f"backbone.{name}"], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+    for name, param in model.head.named_parameters():
+        torch.testing.assert_close(packed[f"head.{name}"], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_bf16_forward_runs_in_bf16_and_returns_float32():
+    """bf16 params and compute (what FSDP2 mixed precision gives) must not be forced back to fp32."""
+    model = model_from_config(tiny_llama_config())
+    input_ids, cu, positions, _ = packed_batch()
+    with torch.no_grad():
+        fp32 = model(input_ids, cu, positions)
+        model.to(torch.bfloat16)
+        hidden, bf16 = packed_hidden(model, input_ids, cu, positions)
+    assert hidden.dtype == torch.bfloat16
+    assert bf16.dtype == torch.float32
+    torch.testing.assert_close(bf16, fp32, atol=2e-2, rtol=5e-2)
+
+
+def test_attention_mask_is_rejected():
+    """The packed function builds its own masks; a padded-batch mask would mean the caller is wrong."""
+    from hpref.models.attention import varlen_attention_forward
+
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="attention_mask"):
+        varlen_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 1, 3, 3))

