@@ -36,9 +36,18 @@ hookimpl = pluggy.HookimplMarker("hpref")
 def register_models(register) -> None:
     """Register model components (`[model]`).
 
-    `build(config)` returns a `torch.nn.Module` whose forward is
-    `forward(input_ids, cu_seqlens, position_ids) -> logits [num_sequences, num_labels]`
-    for one packed, padding-free micro-batch.
+    `build(config, *, num_labels=3, device="cpu", meta=False)` returns a
+    `hpref.models.PreferenceModel` (or an `nn.Module` with the same members):
+
+    - `forward(input_ids [T], cu_seqlens int32 [n+1], position_ids [T], *, max_seqlen=None)
+      -> logits float32 [n, num_labels]` for one packed, padding-free micro-batch (positions restart
+      at 0 per sequence);
+    - `blocks()`: the transformer blocks, for `fully_shard` and activation checkpointing;
+    - `tokenizer`, `backbone_config`, `max_position_embeddings`, `flops_per_token(seq_len)`;
+    - `meta=True` allocates nothing; after sharding, `load_pretrained_weights(device=...,
+      broadcast_from_rank0=...)` fills the weights (`pretrained_state_dict()` is the full CPU dict);
+    - `save_pretrained(folder, state_dict=None)` writes an HF-style folder that
+      `PreferenceModel.from_pretrained(folder)` reads back. State-dict keys: `backbone.<HF key>`, `head.*`.
     """
 
 

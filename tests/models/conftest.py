@@ -71,6 +71,23 @@ def tiny_bert_config(**overrides):
     return BertConfig(**values)
 
 
+def tiny_roberta_config(**overrides):
+    """RoBERTa numbers positions from padding_idx + 1: packed position ids must be shifted to match."""
+    from transformers import RobertaConfig
+
+    values = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=66,
+        pad_token_id=1,
+    )
+    values.update(overrides)
+    return RobertaConfig(**values)
+
+
 def tiny_gemma2_config(**overrides):
     from transformers import Gemma2Config
 

@@ -24,10 +24,16 @@ from .conftest import (
     tiny_bert_config,
     tiny_gemma2_config,
     tiny_llama_config,
+    tiny_roberta_config,
 )
 
 CPU_BACKENDS = ("sdpa_segments", "sdpa_block_mask", "auto")
-CONFIGS = {"llama": tiny_llama_config, "bert": tiny_bert_config, "gemma2": tiny_gemma2_config}
+CONFIGS = {
+    "llama": tiny_llama_config,
+    "bert": tiny_bert_config,
+    "roberta": tiny_roberta_config,
+    "gemma2": tiny_gemma2_config,
+}
 
 
 def packed_hidden(model, input_ids, cu, positions):
@@ -100,7 +106,7 @@ def test_packed_matches_each_sequence_alone(family, backend):
     with torch.no_grad():
         hidden, logits = packed_hidden(model, input_ids, cu, positions)
         ref_hidden, ref_logits = alone(model, seqs)
-    assert model.pooling == ("first" if family == "bert" else "last")
+    assert model.pooling == ("first" if family in ("bert", "roberta") else "last")
     assert logits.shape == (len(seqs), 3) and logits.dtype == torch.float32
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
@@ -120,6 +126,25 @@ def test_gradients_match_each_sequence_alone():
         torch.testing.assert_close(packed[f"backbone.{name}"], param.grad, atol=1e-5, rtol=1e-4, msg=name)
     for name, param in model.head.named_parameters():
         torch.testing.assert_close(packed[f"head.{name}"], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_activation_checkpointing_keeps_the_gradients():
+    """Recomputing blocks in backward must reproduce the stored-activation gradients exactly."""
+    model = model_from_config(tiny_llama_config()).train()
+    input_ids, cu, positions, _ = packed_batch()
+
+    def grads():
+        model.zero_grad()
+        torch.manual_seed(0)  # the head's dropout draws the same mask in both runs
+        model(input_ids, cu, positions).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    stored = grads()
+    model.set_activation_checkpointing(True)
+    assert all(block.gradient_checkpointing for block in model.blocks())
+    recomputed = grads()
+    for name, grad in stored.items():
+        torch.testing.assert_close(recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_bf16_forward_runs_in_bf16_and_returns_float32():

@@ -153,6 +153,9 @@ def test_meta_init_under_fsdp2_loads_sharded_weights():
         fully_shard(model)
         model.load_pretrained_weights(device="cpu", broadcast_from_rank0=True)
         assert all(isinstance(p, DTensor) for p in model.parameters())
+        direct_buffers = dict(direct.named_buffers())
+        for name, buffer in model.named_buffers():  # position ids & co: not in any checkpoint
+            assert torch.equal(buffer, direct_buffers[name]), name
         input_ids, cu, positions, _ = packed_batch()
         with torch.no_grad():
             torch.testing.assert_close(
@@ -207,6 +210,25 @@ def test_export_round_trip_and_hf_classifier_on_the_folder(tmp_path):
     assert torch.equal(
         fresh.backbone.layers[0].mlp.up_proj.weight, model.backbone.layers[0].mlp.up_proj.weight
     )
+
+
+def test_hf_classifier_reads_a_causal_lm_checkpoint(tmp_path):
+    """Real decoders ship as *ForCausalLM folders (`model.` prefix, an lm_head): only the base is kept."""
+    from transformers import LlamaForCausalLM
+
+    lm = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tiny_llama().tokenizer)))
+    lm.save_pretrained(tmp_path / "lm")
+    tiny_llama().tokenizer.save_pretrained(tmp_path / "lm")
+    config = builtin_models.HFClassifierConfig(path=str(tmp_path / "lm"))
+    model = builtin_models.build_hf_classifier(config)
+    assert model.pooling == "last"
+    assert torch.equal(
+        model.backbone.layers[1].self_attn.k_proj.weight, lm.model.layers[1].self_attn.k_proj.weight
+    )
+    meta = builtin_models.build_hf_classifier(config, meta=True)
+    state = meta.pretrained_state_dict()
+    assert set(state) == set(model.state_dict())  # no lm_head, no `model.` prefix
+    assert torch.equal(state["backbone.norm.weight"], lm.model.norm.weight)
 
 
 def test_hf_classifier_missing_backbone_is_a_user_error(tmp_path):

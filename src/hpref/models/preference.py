@@ -215,6 +215,21 @@ class PreferenceModel(nn.Module):
                 return list(module)
         raise RuntimeError(f"could not find the transformer blocks of {type(self.backbone).__name__}")
 
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each block's activations during backward instead of storing them.
+
+        Uses transformers' per-block checkpointing (non-reentrant `torch.utils.checkpoint`), which
+        wraps each block's `forward`, not `__call__`, so FSDP2's per-block hooks stay outside the
+        recomputation and parameters are not gathered twice. A trainer may instead wrap `blocks()`
+        with torch's `checkpoint_wrapper`; do one or the other, not both.
+        """
+        if enabled:
+            self.backbone.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        else:
+            self.backbone.activation_checkpointing_disable()
+
     def forward(
         self,
         input_ids: torch.Tensor,
