@@ -119,6 +119,17 @@ def test_flops_per_token_counts_matmul_parameters_and_attention():
     assert model.flops_per_token(10) == 6 * n + 12 * 2 * 4 * 8 * 10
 
 
+def test_pooling_reads_the_right_tokens():
+    from hpref.models.preference import pool
+
+    hidden = torch.arange(12.0).reshape(6, 2)  # token t has features (2t, 2t + 1)
+    cu = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
+    assert pool(hidden, cu, "first").tolist() == [[0, 1], [2, 3], [8, 9]]
+    assert pool(hidden, cu, "last").tolist() == [[0, 1], [6, 7], [10, 11]]
+    assert pool(hidden, cu, "mean").tolist() == [[0, 1], [4, 5], [9, 10]]
+    assert pool(hidden.bfloat16(), cu, "mean").dtype == torch.bfloat16  # stays in compute dtype
+
+
 def test_meta_init_then_load_pretrained_weights_equals_direct_build():
     direct = model_from_config(tiny_llama_config(), seed=3)
     meta = model_from_config(tiny_llama_config(), seed=3, meta=True)

@@ -292,9 +292,9 @@ def _torch_varlen(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap
     else:
         window_size = (window - 1, 0) if causal else (window - 1, window - 1)
     out = func(
-        q[0].transpose(0, 1),
-        k[0].transpose(0, 1),
-        v[0].transpose(0, 1),
+        q[0].transpose(0, 1).contiguous(),  # kernel layout requirements are unverified here: be safe
+        k[0].transpose(0, 1).contiguous(),
+        v[0].transpose(0, 1).contiguous(),
         ctx.cu_seqlens,
         ctx.cu_seqlens,
         ctx.max_seqlen,
