@@ -4,12 +4,13 @@ and the hardness bound on the cheap baselines."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from hpref.builtin import datasets as builtin_datasets
 from hpref.data import synthetic as syn
-from hpref.plugins import load_plugins
 
 
 def test_battles_are_deterministic_and_prefix_stable():
@@ -81,7 +82,10 @@ def test_report_floor_and_baseline_bounds():
 
 
 def test_component_streams_folds_and_summary():
-    component = load_plugins().get("dataset", "synthetic-arena")
+    registered = {}
+    builtin_datasets.register_datasets(register=lambda **kw: registered.setdefault(kw["name"], kw))
+    assert set(registered) == {"arena", "pairwise", "synthetic-arena"}
+    component = SimpleNamespace(**registered["synthetic-arena"])
     config = component.config.model_validate({"num_battles": 200, "folds": 4, "fold": 0, "split": "eval"})
     arena = component.build(config, seed=5)
     held_out = list(arena.battles())

@@ -53,6 +53,9 @@ class DatasetConfig(BaseModel):
         "all", description="all rows, every fold but `fold` (train), or only `fold` (eval)"
     )
     limit: int | None = Field(None, ge=1, description="read at most this many rows (before the split)")
+    split_seed: int = Field(
+        0, description="seed of the fold tie-breaks; not the run seed, so every run sees the same eval fold"
+    )
 
     @model_validator(mode="after")
     def _check_fold(self) -> DatasetConfig:
@@ -148,7 +151,8 @@ class BattleSource:
         raise NotImplementedError
 
     def _data_identity(self) -> str:
-        """What identifies the underlying data (a file digest, a generator's settings)."""
+        """What identifies the underlying data (a file digest, a generator's seed), plus the run seed
+        where it changes the battles (the pairwise A/B coin)."""
         raise NotImplementedError
 
     # -- the component interface ------------------------------------------------------------------
@@ -156,7 +160,7 @@ class BattleSource:
         """Stream the selected battles; `summary` is complete (and logged) once this is exhausted."""
         config = self.config
         summary = self.summary = ReadSummary(source=self.source)
-        assigner = FoldAssigner(config.folds, self.seed) if config.folds > 1 else None
+        assigner = FoldAssigner(config.folds, config.split_seed) if config.folds > 1 else None
         for row_number, raw in self._rows():
             if config.limit is not None and summary.rows_read >= config.limit:
                 break
@@ -187,7 +191,7 @@ class BattleSource:
     def fingerprint(self) -> str:
         """Identity of the battle stream: data + every setting that changes what `battles()` yields."""
         settings = json.dumps(
-            {"kind": type(self).__name__, "config": self.config.model_dump(mode="json"), "seed": self.seed},
+            {"kind": type(self).__name__, "config": self.config.model_dump(mode="json")},
             sort_keys=True,
         )
         return hashlib.blake2b((self._data_identity() + "\0" + settings).encode(), digest_size=16).hexdigest()

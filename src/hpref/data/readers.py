@@ -418,7 +418,7 @@ class PairwiseReader(BattleSource):
             yield number, row
 
     def _data_identity(self) -> str:
-        return file_digest(self.file.path)
+        return f"{file_digest(self.file.path)}:coin-seed={self.seed}"
 
     def _side(self, row: dict[str, Any], column: str, prompt: list[tuple[str, str]] | None):
         if column not in row:

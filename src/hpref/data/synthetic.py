@@ -530,7 +530,7 @@ class SyntheticArena(BattleSource):
         c = self.config
         k = folds or (c.folds if c.folds > 1 else 5)
         held_out = fold if fold is not None else (c.fold if c.folds > 1 else 0)
-        assigner = FoldAssigner(k, self.seed)
+        assigner = FoldAssigner(k, c.split_seed)
         train, evaluation = [], []
         for battle in self._all():
             (evaluation if assigner.fold_of(battle) == held_out else train).append(battle)
