@@ -221,6 +221,16 @@ def test_export_round_trip_and_hf_classifier_on_the_folder(tmp_path):
     assert torch.equal(
         fresh.backbone.layers[0].mlp.up_proj.weight, model.backbone.layers[0].mlp.up_proj.weight
     )
+    # keep_head = true: the recipe way to score with (or continue training) an exported model
+    kept = builtin_models.build_hf_classifier(
+        builtin_models.HFClassifierConfig(path=str(folder), keep_head=True)
+    )
+    with torch.no_grad():
+        assert torch.equal(kept(input_ids, cu, positions), expected)
+    with pytest.raises(UserError, match="3 labels"):
+        builtin_models.build_hf_classifier(
+            builtin_models.HFClassifierConfig(path=str(folder), keep_head=True), num_labels=2
+        )
 
 
 def test_hf_classifier_reads_a_causal_lm_checkpoint(tmp_path):

@@ -48,6 +48,9 @@ class HFClassifierConfig(HeadConfig):
     pooling: Literal["auto", "last", "first", "mean"] = Field(
         "auto", description="token read by the head: auto = last for decoders, first (CLS) for encoders"
     )
+    keep_head: bool = Field(
+        False, description="path is an hpref export: reuse its trained head and pooling instead of a new head"
+    )
 
 
 class MiniLMConfig(HeadConfig):
@@ -100,9 +103,21 @@ def build_hf_classifier(
     config: HFClassifierConfig, *, num_labels: int = 3, device: Any = "cpu", meta: bool = False
 ) -> PreferenceModel:
     """Any transformers backbone (local folder or HF cache, decoder or encoder) with a fresh head."""
-    from hpref.models.hf import build_from_folder, resolve_backbone_path
+    from hpref.errors import UserError
+    from hpref.models.hf import build_from_folder, is_export, load_exported, resolve_backbone_path
 
     folder = resolve_backbone_path(config.path, config.revision)
+    if config.keep_head:
+        if not is_export(folder):
+            raise UserError(f"keep_head = true needs an hpref model export, and '{folder}' is not one")
+        return load_exported(
+            folder,
+            device=device,
+            meta=meta,
+            attention=config.attention,
+            trust_remote_code=config.trust_remote_code,
+            num_labels=num_labels,
+        )
     return build_from_folder(
         folder,
         num_labels=num_labels,

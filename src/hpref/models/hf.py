@@ -112,9 +112,12 @@ def build_from_folder(
             backbone = AutoModel.from_config(config, **kwargs)
     else:
         backbone = AutoModel.from_pretrained(folder, config=config, local_files_only=True, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(
-        folder, trust_remote_code=trust_remote_code, local_files_only=True
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, trust_remote_code=trust_remote_code, local_files_only=True
+        )
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load the tokenizer of backbone folder {folder}: {exc}") from exc
     model = PreferenceModel(
         backbone,
         tokenizer,
@@ -140,10 +143,23 @@ def finish(model: PreferenceModel, *, device: str | torch.device, meta: bool) ->
     return model
 
 
+def is_export(folder: Path) -> bool:
+    return (folder / EXPORT_JSON).is_file()
+
+
 def load_exported(
-    folder: Path, *, device: str | torch.device, meta: bool, attention: str, trust_remote_code: bool
+    folder: Path,
+    *,
+    device: str | torch.device,
+    meta: bool,
+    attention: str,
+    trust_remote_code: bool,
+    num_labels: int | None = None,
 ) -> PreferenceModel:
-    """Rebuild a model saved by `PreferenceModel.save_pretrained`, trained head included."""
+    """Rebuild a model saved by `PreferenceModel.save_pretrained`, trained head included.
+
+    `num_labels`, when given, must match the saved head (a 3-way head cannot score a 2-way task).
+    """
     meta_file = folder / EXPORT_JSON
     if not meta_file.is_file():
         raise UserError(f"'{folder}' is not an hpref model export (no {EXPORT_JSON})")
@@ -151,6 +167,11 @@ def load_exported(
     if info.get("format") != EXPORT_FORMAT:
         raise UserError(
             f"'{folder}' has export format {info.get('format')}; this hpref reads {EXPORT_FORMAT}"
+        )
+
+    if num_labels is not None and int(info["num_labels"]) != num_labels:
+        raise UserError(
+            f"the head saved in '{folder}' has {info['num_labels']} labels, the run needs {num_labels}"
         )
 
     def head_state() -> dict[str, torch.Tensor]:

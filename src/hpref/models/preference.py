@@ -316,7 +316,8 @@ class PreferenceModel(nn.Module):
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        reads = not broadcast_from_rank0 or (dist.is_initialized() and dist.get_rank() == 0)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        reads = not broadcast_from_rank0 or rank0
         state = self.pretrained_state_dict() if reads else {}
         set_model_state_dict(
             self,
