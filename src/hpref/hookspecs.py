@@ -55,7 +55,16 @@ def register_models(register) -> None:
 def register_datasets(register) -> None:
     """Register dataset components (`[dataset.train]`, `[dataset.eval]`).
 
-    `build(config, seed)` returns an object with `battles() -> Iterator[hpref.data.Battle]`.
+    `build(config, seed)` returns a source of battles (built-ins: `hpref.data.base.BattleSource`):
+      battles() -> Iterator[hpref.data.Battle]   streams the selected battles, in a fixed order
+      summary                                    rows read / used / skipped (reason -> count) / in
+                                                 other folds; complete once battles() is exhausted
+      fingerprint() -> str (optional)            identity of the stream (data bytes + settings); the
+                                                 token cache keys on it and skips sources without one
+    `seed` is the run seed (built-ins use it for the pairwise A/B coin and as the synthetic arena's
+    generator seed when the recipe sets none; never for the folds, so every run sees one eval fold).
+    Subclass `hpref.data.base.DatasetConfig` for the shared `on_error`, `folds` / `fold` / `split`
+    (grouped by prompt, stratified by label), `limit` and `split_seed` parameters.
     """
 
 
@@ -72,7 +81,12 @@ def register_schedulers(register) -> None:
 def register_formatters(register) -> None:
     """Register prompt formatters (`[formatter]`).
 
-    `build(config, tokenizer)` returns an object turning a `Battle` into token ids.
+    `build(config, tokenizer, max_length)` returns an object with `encode(battle) -> list[int]`: one
+    view of the battle, at most `max_length` ids, ending where a judge would give its verdict (the
+    last token is classified). Callers encode `battle.swapped()` for the swapped view. `tokenizer` is
+    a Hugging Face fast tokenizer. Optional, used when present: `encode_many(battles)` returning
+    objects with `ids`, `truncated`, `full_length` (batched tokenization, truncation statistics) and
+    `fingerprint() -> str` (the token cache key). See `hpref.data.formatting.JudgeFormatter`.
     """
 
 

@@ -1,0 +1,53 @@
+"""`hpref data stats` numbers: label shares, token lengths, truncation share, synthetic floor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpref.data.formatting import FormatterConfig, JudgeFormatter
+from hpref.data.readers import ArenaReader, PairwiseReader, write_arena_file
+from hpref.data.stats import data_stats, format_stats, open_data_file
+from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig, generate_battles
+from hpref.errors import DataError
+
+SHARED_HH = Path(__file__).resolve().parents[3] / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+
+
+def test_stats_on_an_arena_file(tmp_path, chat_tokenizer):
+    path = write_arena_file(tmp_path / "a.csv", generate_battles(40, 0))
+    source = open_data_file(path)
+    assert isinstance(source, ArenaReader)
+    formatter = JudgeFormatter("pab", FormatterConfig(), chat_tokenizer, 90)
+    stats = data_stats(source, formatter)
+    assert stats["battles"] == 40 and sum(stats["turns"].values()) == 40
+    assert sum(stats["label_shares"].values()) == pytest.approx(1.0)
+    assert stats["tokens"]["max"] <= 90  # after truncation
+    # The share truncated is exactly the share whose untruncated length exceeds the budget.
+    over = sum(1 for b in generate_battles(40, 0) if formatter.encode_with_info(b).full_length > 90)
+    assert stats["truncated_share"] == pytest.approx(over / 40) and over > 0
+    text = format_stats(stats)
+    assert "40 used" in text and "truncated" in text and "tie" in text
+
+
+def test_stats_on_synthetic_include_floor_and_baselines():
+    stats = data_stats(SyntheticArena(SyntheticArenaConfig(num_battles=600), 0))
+    r = stats["synthetic"]
+    assert r["bayes_floor"] < r["uniform"] and "Bayes floor" in format_stats(stats)
+
+
+def test_unknown_columns(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"question": "q", "answer": "a"}\n')
+    with pytest.raises(DataError, match="neither an arena file"):
+        open_data_file(path)
+
+
+@pytest.mark.shared
+@pytest.mark.skipif(not SHARED_HH.exists(), reason="../shared/data is absent")
+def test_stats_on_real_hh_rlhf():
+    source = open_data_file(SHARED_HH)
+    assert isinstance(source, PairwiseReader)
+    stats = data_stats(source)
+    assert stats["battles"] == 2312 and stats["label_shares"]["tie"] == 0.0
