@@ -83,3 +83,18 @@ def test_damaged_entry_is_rebuilt(cache, chat_tokenizer):
     (entry,) = cache.glob("*.npz")
     entry.write_bytes(b"not a zip file")
     assert len(tokenize_dataset(arena(), formatter)) == 30 and CountingFormatter.calls == 60
+
+
+def test_several_formats_per_battle_share_the_row(cache, chat_tokenizer):
+    pab = JudgeFormatter("pab", FormatterConfig(), chat_tokenizer, 256)
+    papb = JudgeFormatter("papb", FormatterConfig(), chat_tokenizer, 256)
+    examples = tokenize_dataset(arena(5), [pab, papb], swap="full")
+    battle = next(generate_battles(1, 1))
+    assert [e.row for e in examples[:4]] == [0, 0, 0, 0] and len(examples) == 20
+    assert [list(e.ids) for e in examples[:4]] == [
+        pab.encode(battle),
+        pab.encode(battle.swapped()),
+        papb.encode(battle),
+        papb.encode(battle.swapped()),
+    ]
+    assert len(tokenize_dataset(arena(5), [pab, papb])) == 10  # swap none: one view per format

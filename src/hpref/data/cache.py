@@ -2,7 +2,9 @@
 
 `tokenize_dataset(dataset, formatter, swap=...)` returns `list[TokenizedExample]`, one per view of
 each battle in `dataset.battles()` order (row = the battle's index; with swap "full" or "random" both
-the A/B and the B/A view are stored, the plan picks per epoch). The first call formats and tokenizes;
+the A/B and the B/A view are stored, the plan picks per epoch). `formatter` may be a list: several
+formats per battle (e.g. pab and papb), all views of a battle sharing its row, so "full" puts them
+in one step and "random" draws one of them per epoch. The first call formats and tokenizes;
 later calls — a second run, every later epoch, every rank after the first — load the arrays.
 
 The key is a hash of everything that changes the ids:
@@ -108,18 +110,24 @@ class TokenArrays:
         return out
 
 
+def _formatters(formatter: Any) -> list[Any]:
+    return list(formatter) if isinstance(formatter, list | tuple) else [formatter]
+
+
 def cache_key(dataset: Any, formatter: Any, views: int, key_parts: Mapping[str, Any] | None = None) -> dict:
+    formatters = _formatters(formatter)
     return {
         "version": CACHE_VERSION,
         "data": dataset.fingerprint(),
-        "tokenizer": tokenizer_fingerprint(formatter.tokenizer),
-        "formatter": formatter_fingerprint(formatter),
+        "tokenizer": [tokenizer_fingerprint(f.tokenizer) for f in formatters],
+        "formatter": [formatter_fingerprint(f) for f in formatters],
         "views": views,
         "extra": dict(key_parts or {}),
     }
 
 
 def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
+    formatters = _formatters(formatter)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
     labels: list[tuple[float, float, float]] = []
@@ -129,14 +137,22 @@ def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
     full: list[int] = []
     pending: list[tuple[int, bool, Any]] = []
 
+    def encode(f: Any, battles: list[Any]) -> list[tuple[Any, bool, int]]:
+        if hasattr(f, "encode_many"):
+            return [(e.ids, e.truncated, e.full_length) for e in f.encode_many(battles)]
+        return [(ids, False, len(ids)) for ids in map(f.encode, battles)]  # only the required encode()
+
     def flush() -> None:
         battles = [b for _, _, b in pending]
-        if hasattr(formatter, "encode_many"):
-            encoded = formatter.encode_many(battles)
-            results = [(e.ids, e.truncated, e.full_length) for e in encoded]
-        else:  # a third-party formatter with only the required encode()
-            results = [(ids, False, len(ids)) for ids in map(formatter.encode, battles)]
-        for (row, is_swapped, battle), (ids, cut, full_length) in zip(pending, results, strict=True):
+        per_formatter = [encode(f, battles) for f in formatters]
+        # Views of one battle stay adjacent: for each battle, each formatter's A/B (then B/A) view.
+        ordered = [
+            (pending[k], per_formatter[j][k])
+            for start in range(0, len(pending), views)
+            for j in range(len(formatters))
+            for k in range(start, start + views)
+        ]
+        for (row, is_swapped, battle), (ids, cut, full_length) in ordered:
             chunks.append(np.asarray(ids, dtype=np.int32))
             lengths.append(len(ids))
             labels.append(battle.label if battle.label is not None else (np.nan, np.nan, np.nan))
