@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +41,6 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.datasets",
     "hpref.builtin.formatters",
     "hpref.builtin.models",
-    "hpref.builtin.rewards",
 )
 
 
@@ -56,8 +57,7 @@ class Component:
         """Name, type, default and description of each parameter, from the config schema."""
         rows = []
         for pname, info in self.config.model_fields.items():
-            annotation = info.annotation
-            type_name = getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+            type_name = _type_name(info.annotation)
             if info.is_required():
                 default: Any = "(required)"
             else:
@@ -66,6 +66,21 @@ class Component:
                 {"name": pname, "type": type_name, "default": default, "description": info.description or ""}
             )
         return rows
+
+
+def _type_name(annotation: Any) -> str:
+    """A short, readable type: `int | None`, `'last' | 'first'`, `list[str]`."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None and args:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
 
 
 @dataclass(frozen=True)
@@ -142,7 +157,11 @@ def _allowed_third_party() -> set[str] | None:
 
 
 def _hook_names(module: object) -> tuple[str, ...]:
-    return tuple(sorted(n for n in dir(module) if n.startswith("register_") and hasattr(getattr(module, n), "hpref_impl")))
+    return tuple(
+        sorted(
+            n for n in dir(module) if n.startswith("register_") and hasattr(getattr(module, n), "hpref_impl")
+        )
+    )
 
 
 def plugin_manager() -> pluggy.PluginManager:

@@ -13,10 +13,10 @@ dotted key, and suggests the nearest valid name for a misspelt key or component.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from hpref.errors import RecipeError, UserError, did_you_mean
@@ -72,7 +72,9 @@ class TrainSection(Section):
     epochs: int = Field(1, ge=1, description="passes over the training data")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     batch_size: int = Field(32, ge=1, description="battles per optimizer step, over all ranks")
-    micro_batch_tokens: int = Field(8192, ge=16, description="token budget of one packed micro-batch on one rank")
+    micro_batch_tokens: int = Field(
+        8192, ge=16, description="token budget of one packed micro-batch on one rank"
+    )
     max_length: int = Field(1024, ge=8, description="token budget of one formatted sequence")
     swap: Literal["none", "full", "random"] = Field(
         "full", description="A/B swap augmentation: full = battle and swapped copy in the same step"
@@ -82,7 +84,9 @@ class TrainSection(Section):
         "auto", description="compute dtype; auto = bf16 where the hardware does it well"
     )
     activation_checkpointing: bool = Field(False, description="recompute each block's activations")
-    checkpoint_interval: int = Field(0, ge=0, description="checkpoint every N optimizer steps (0 = epoch ends only)")
+    checkpoint_interval: int = Field(
+        0, ge=0, description="checkpoint every N optimizer steps (0 = epoch ends only)"
+    )
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept in the run folder")
     eval_interval: int = Field(1, ge=0, description="evaluate every N epochs (0 = never)")
     eval_steps: int = Field(0, ge=0, description="also evaluate every N optimizer steps (0 = off)")
@@ -93,8 +97,12 @@ class LaunchSection(Section):
     nproc: int = Field(1, ge=1, description="processes per node when no GPU is present")
     nnodes: int = Field(1, ge=1, description="number of nodes")
     node_rank: int = Field(0, ge=0, description="this node's rank")
-    rdzv_endpoint: str | None = Field(None, description="HOST:PORT of the rendezvous (default: a free local port)")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process group: auto = nccl on GPUs, else gloo")
+    rdzv_endpoint: str | None = Field(
+        None, description="HOST:PORT of the rendezvous (default: a free local port)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="process group: auto = nccl on GPUs, else gloo"
+    )
 
 
 class Recipe(Section):
@@ -230,7 +238,9 @@ def resolve_components(recipe: Recipe, where: str = "recipe") -> None:
         try:
             sec._config = component.config.model_validate(sec.params())
         except ValidationError as exc:
-            raise RecipeError(f"{where}: {_describe(exc, component.config, tuple(dotted.split('.')))}") from None
+            raise RecipeError(
+                f"{where}: {_describe(exc, component.config, tuple(dotted.split('.')))}"
+            ) from None
 
 
 def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:

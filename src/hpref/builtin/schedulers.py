@@ -22,7 +22,9 @@ class _Config(BaseModel):
 
 class WarmupConfig(_Config):
     warmup_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="share of total steps spent warming up")
-    warmup_steps: int | None = Field(None, ge=0, description="warm-up length in steps; overrides warmup_fraction")
+    warmup_steps: int | None = Field(
+        None, ge=0, description="warm-up length in steps; overrides warmup_fraction"
+    )
 
     def warmup_for(self, total_steps: int) -> int:
         if self.warmup_steps is not None:

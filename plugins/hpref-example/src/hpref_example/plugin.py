@@ -1,0 +1,112 @@
+"""Hook implementations of the example plugin.
+
+Third-party components use the same contract as hpref's built-ins: a pydantic config class and a
+build function handed to `register`. The dataset reuses `hpref.data.base.BattleSource`, so it gets
+fold selection, `on_error` handling and the read summary for free.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import random
+from pathlib import Path
+
+import typer
+from pydantic import BaseModel, ConfigDict, Field
+
+from hpref.data.base import BattleSource, DatasetConfig, RowError, file_digest
+from hpref.data.records import Battle
+from hpref.errors import DataError
+from hpref.hookspecs import hookimpl
+
+
+class TsvPairsConfig(DatasetConfig):
+    path: Path = Field(description="tab-separated file with a header row: prompt, chosen, rejected")
+
+
+class TsvPairs(BattleSource):
+    """Chosen/rejected pairs; the chosen answer goes to A or B by a seeded coin per row."""
+
+    COLUMNS = ("prompt", "chosen", "rejected")
+
+    def __init__(self, config: TsvPairsConfig, seed: int) -> None:
+        super().__init__(config, seed, source=str(config.path))
+        if not config.path.is_file():
+            raise DataError(f"{config.path}: file not found")
+
+    def _rows(self):
+        with open(self.config.path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t")
+            missing = [c for c in self.COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise DataError(f"{self.config.path}: missing column(s) {', '.join(missing)} in the header")
+            # Row 1 is the header, so data rows are numbered from 2, as a spreadsheet shows them.
+            yield from enumerate(reader, start=2)
+
+    def _data_identity(self) -> str:
+        return f"{file_digest(self.config.path)}:{self.seed}"
+
+    def _parse(self, row: dict[str, str]) -> Battle:
+        for column in self.COLUMNS:
+            if not (row.get(column) or "").strip():
+                raise RowError(column, "empty")
+        key = hashlib.blake2b(f"{self.seed}:{row['prompt']}".encode(), digest_size=8).digest()
+        chosen_is_a = random.Random(key).random() < 0.5
+        a, b = (row["chosen"], row["rejected"]) if chosen_is_a else (row["rejected"], row["chosen"])
+        return Battle(
+            id=hashlib.blake2b(row["prompt"].encode(), digest_size=8).hexdigest(),
+            prompt=(row["prompt"],),
+            response_a=(a,),
+            response_b=(b,),
+            label=(1.0, 0.0, 0.0) if chosen_is_a else (0.0, 1.0, 0.0),
+        )
+
+
+def build_tsv_pairs(config: TsvPairsConfig, seed: int) -> TsvPairs:
+    """Chosen/rejected pairs from a TSV file (prompt, chosen, rejected)."""
+    return TsvPairs(config, seed)
+
+
+class StepDecayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gamma: float = Field(0.5, gt=0.0, le=1.0, description="factor applied at each decay point")
+    every_fraction: float = Field(0.25, gt=0.0, le=1.0, description="share of the run between decays")
+
+
+def build_step_decay(config: StepDecayConfig, total_steps: int):
+    """Multiply the LR by gamma every every_fraction of the run."""
+    every = max(1, round(config.every_fraction * total_steps))
+
+    def multiplier(step: int) -> float:
+        return config.gamma ** (step // every)
+
+    return multiplier
+
+
+@hookimpl
+def register_datasets(register):
+    register(name="tsv-pairs", config=TsvPairsConfig, build=build_tsv_pairs)
+
+
+@hookimpl
+def register_schedulers(register):
+    register(name="step-decay", config=StepDecayConfig, build=build_step_decay)
+
+
+@hookimpl
+def register_commands(app: typer.Typer):
+    @app.command("lr-curve")
+    def lr_curve(
+        scheduler: str = typer.Argument(..., help="a registered scheduler name"),
+        steps: int = typer.Option(20, min=1, help="total optimizer steps"),
+        every: int = typer.Option(1, min=1, help="print every N-th step"),
+    ) -> None:
+        """Print a scheduler's LR multiplier at each step (from the hpref-example plugin)."""
+        from hpref.plugins import load_plugins
+
+        component = load_plugins().get("scheduler", scheduler)
+        multiplier = component.build(component.config(), steps)
+        for step in range(0, steps, every):
+            typer.echo(f"{step}\t{multiplier(step):.6f}")

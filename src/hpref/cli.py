@@ -1,0 +1,307 @@
+"""The `hpref` command.
+
+Each command parses its arguments, validates the recipe, then calls one function that does the
+work. torch, transformers and ray are imported only inside the commands that need them, so
+`hpref --help` stays fast. Errors a user caused end as one line and exit code 2; anything else
+exits 1 with the traceback kept in the log file (`hpref.logs.cli_log_file()`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from hpref import __version__
+from hpref.errors import UserError
+
+app = typer.Typer(
+    name="hpref",
+    help="Human-preference modelling: train, evaluate and export preference models; multi-policy RL.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+recipes_app = typer.Typer(help="List, show and check recipes.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+
+SetOption = typer.Option([], "--set", "-s", help="Override a recipe value: section.key=value (repeatable).")
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"hpref {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version_callback, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    pass
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+# --------------------------------------------------------------------------------------------------
+# plugins and components
+
+
+@app.command("plugins")
+def plugins_command(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List every loaded plugin: version, distribution, hooks and the components it provides."""
+    from hpref.plugins import components_by_plugin, load_plugins, plugin_infos
+
+    registry = load_plugins()
+    provided = components_by_plugin()
+    rows = [
+        {
+            "name": info.name,
+            "version": info.version,
+            "distribution": info.distribution,
+            "builtin": info.builtin,
+            "hooks": list(info.hooks),
+            "components": [f"{c.kind}:{c.name}" for c in provided.get(info.name, [])],
+        }
+        for info in plugin_infos()
+    ]
+    failed = [{"name": f.name, "distribution": f.distribution, "error": f.reason} for f in registry.failed]
+    if as_json:
+        typer.echo(json.dumps({"plugins": rows, "failed": failed}, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title="hpref plugins")
+    for column in ("plugin", "version", "distribution", "hooks", "components"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(
+            row["name"],
+            row["version"],
+            row["distribution"],
+            "\n".join(row["hooks"]),
+            "\n".join(row["components"]),
+        )
+    console = _console()
+    console.print(table)
+    for f in failed:
+        console.print(f"[red]failed to load[/red] plugin '{f['name']}' ({f['distribution']}): {f['error']}")
+
+
+@app.command("components")
+def components_command(
+    kind: str | None = typer.Argument(None, help="model, dataset, scheduler, formatter or reward."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """List registered components with their parameters (name, type, default) from their config schema."""
+    from hpref.errors import ComponentError, did_you_mean
+    from hpref.plugins import KINDS, load_plugins
+
+    if kind is not None and kind not in KINDS:
+        singular = kind[:-1] if kind.endswith("s") else kind
+        if singular not in KINDS:
+            raise ComponentError(
+                f"unknown component kind '{kind}'{did_you_mean(kind, KINDS)}; kinds: {', '.join(KINDS)}"
+            )
+        kind = singular
+    registry = load_plugins()
+    kinds = [kind] if kind else list(KINDS)
+    listing = [
+        {
+            "kind": k,
+            "name": c.name,
+            "plugin": c.plugin,
+            "description": c.description,
+            "parameters": c.parameters(),
+        }
+        for k in kinds
+        for c in sorted(registry.components[k].values(), key=lambda c: c.name)
+    ]
+    if as_json:
+        typer.echo(json.dumps(listing, indent=2, default=str))
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = _console()
+    for k in kinds:
+        items = [c for c in listing if c["kind"] == k]
+        if not items:
+            console.print(f"[dim]no {k} components registered[/dim]")
+            continue
+        for c in items:
+            table = Table(
+                title=f"{k} [bold]{c['name']}[/bold] — {escape(c['description'])} [dim]({c['plugin']})[/dim]",
+                title_justify="left",
+            )
+            for column in ("parameter", "type", "default", "description"):
+                table.add_column(column)
+            for p in c["parameters"]:
+                table.add_row(
+                    p["name"], escape(p["type"]), escape(repr(p["default"])), escape(p["description"])
+                )
+            if not c["parameters"]:
+                table.add_row("-", "-", "-", "no parameters")
+            console.print(table)
+
+
+# --------------------------------------------------------------------------------------------------
+# recipes
+
+
+def shipped_recipes_dir() -> Path | None:
+    """The `recipes/` folder of this checkout (or HPREF_RECIPES), if there is one."""
+    env = os.environ.get("HPREF_RECIPES")
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parents[2] / "recipes"
+    return checkout if checkout.is_dir() else None
+
+
+def resolve_recipe_path(name_or_path: str) -> Path:
+    """A path as given, or the name of a shipped recipe (`quickstart` -> recipes/quickstart.toml)."""
+    path = Path(name_or_path)
+    if path.exists() or path.suffix == ".toml" or os.sep in name_or_path:
+        return path
+    shipped = shipped_recipes_dir()
+    if shipped is not None and (shipped / f"{name_or_path}.toml").exists():
+        return shipped / f"{name_or_path}.toml"
+    return path
+
+
+def _recipe_summary(path: Path) -> dict[str, Any]:
+    from hpref.recipe import read_toml
+
+    data = read_toml(path)
+    first_line = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            first_line = line.lstrip("# ").strip()
+            break
+    model = data.get("model", {}).get("name", "-") if isinstance(data.get("model"), dict) else "-"
+    train = data.get("dataset", {}).get("train", {}) if isinstance(data.get("dataset"), dict) else {}
+    return {
+        "name": path.stem,
+        "path": str(path),
+        "model": model,
+        "dataset": train.get("name", "-") if isinstance(train, dict) else "-",
+        "description": first_line,
+    }
+
+
+@recipes_app.command("list")
+def recipes_list(
+    folders: list[Path] = typer.Argument(None, help="Extra folders to search for *.toml recipes."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the shipped recipes and those in any folder given."""
+    from hpref.errors import RecipeError
+
+    search = [d for d in [shipped_recipes_dir()] if d is not None] + list(folders or [])
+    rows = []
+    for folder in search:
+        if not folder.is_dir():
+            raise RecipeError(f"{folder}: not a folder")
+        for path in sorted(folder.glob("*.toml")):
+            try:
+                rows.append(_recipe_summary(path))
+            except UserError as exc:
+                rows.append(
+                    {
+                        "name": path.stem,
+                        "path": str(path),
+                        "model": "-",
+                        "dataset": "-",
+                        "description": f"INVALID: {exc}",
+                    }
+                )
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="recipes")
+    for column in ("name", "model", "dataset", "description"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        table.add_row(*(escape(r[k]) for k in ("name", "model", "dataset", "description")))
+    _console().print(table)
+
+
+@recipes_app.command("show")
+def recipes_show(
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name."),
+    overrides: list[str] = SetOption,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of TOML."),
+) -> None:
+    """Print the fully resolved recipe: overrides applied, every default filled in."""
+    from hpref.recipe import load_recipe
+
+    resolved = load_recipe(resolve_recipe_path(recipe), overrides)
+    if as_json:
+        typer.echo(json.dumps(resolved.to_dict(), indent=2))
+    else:
+        typer.echo(resolved.to_toml(), nl=False)
+
+
+@recipes_app.command("check")
+def recipes_check(
+    recipes: list[str] = typer.Argument(..., help="Recipe files or shipped recipe names."),
+    overrides: list[str] = SetOption,
+) -> None:
+    """Validate recipes against the schema and every component's parameters; exit 2 on the first error."""
+    from hpref.recipe import load_recipe
+
+    for item in recipes:
+        path = resolve_recipe_path(item)
+        resolved = load_recipe(path, overrides)
+        parts = ", ".join(f"{dotted}={sec.name}" for dotted, _kind, sec in resolved.component_sections())
+        typer.echo(f"ok  {path}  ({parts})")
+
+
+# --------------------------------------------------------------------------------------------------
+# entry point
+
+
+def _register_plugin_commands() -> None:
+    from hpref.plugins import plugin_manager
+
+    plugin_manager().hook.register_commands(app=app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: runs the app and turns exceptions into exit codes."""
+    from hpref.logs import cli_log_file, file_only, setup_logging
+
+    log_file = cli_log_file()
+    setup_logging(log_file, console=True, level=os.environ.get("HPREF_LOG_LEVEL", "INFO"))
+    try:
+        _register_plugin_commands()
+        app(args=argv, prog_name="hpref")
+    except UserError as exc:
+        file_only().opt(exception=exc).debug("user error")
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as exc:
+        file_only().opt(exception=exc).error("internal error")
+        typer.echo(f"internal error: {type(exc).__name__}: {exc} (traceback in {log_file})", err=True)
+        sys.exit(1)

@@ -1,0 +1,53 @@
+"""Logging set-up (loguru): a console sink on rank 0 only, and a full log file.
+
+The CLI's own log lives at `$HPREF_HOME/logs/hpref.log` (default `~/.cache/hpref`); a run also
+logs to `<run_dir>/logs/rank<N>.log`. Internal errors write their traceback to the log file only, so
+the console stays one line long.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+CONSOLE_FORMAT = "<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}"
+FILE_FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | rank {extra[rank]} | {name}:{line} | {message}"
+
+
+def hpref_home() -> Path:
+    return Path(os.environ.get("HPREF_HOME", Path.home() / ".cache" / "hpref"))
+
+
+def cli_log_file() -> Path:
+    return hpref_home() / "logs" / "hpref.log"
+
+
+def setup_logging(
+    log_file: Path | None = None, *, rank: int = 0, console: bool | None = None, level: str = "INFO"
+):
+    """Route loguru to the console (rank 0 by default) and to `log_file` (every rank, DEBUG)."""
+    logger.remove()
+    logger.configure(extra={"rank": rank})
+    if console is None:
+        console = rank == 0
+    if console:
+        logger.add(
+            sys.stderr,
+            level=level,
+            format=CONSOLE_FORMAT,
+            filter=lambda record: not record["extra"].get("file_only"),
+            backtrace=False,
+            diagnose=False,
+        )
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        logger.add(log_file, level="DEBUG", format=FILE_FORMAT, backtrace=True, diagnose=False, enqueue=False)
+    return logger
+
+
+def file_only():
+    """A logger whose records go to the log file but never to the console (tracebacks)."""
+    return logger.bind(file_only=True)

@@ -1,0 +1,202 @@
+"""The pluggy registry: built-ins, entry points, HPREF_PLUGINS, conflicts and broken plugins."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from hpref import hookspecs
+from hpref.errors import ComponentError
+from hpref.hookspecs import hookimpl
+from hpref.plugins import load_plugins, reset_plugins
+from tests.conftest import REPO, run_hpref
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    reset_plugins()
+    yield
+    reset_plugins()
+
+
+class _Empty(BaseModel):
+    pass
+
+
+class ThrowawayPlugin:
+    """A plugin object registered in-process, then forgotten (see `_fresh_registry`)."""
+
+    __name__ = "throwaway"
+
+    @hookimpl
+    def register_rewards(self, register):
+        register(name="always-a", config=_Empty, build=lambda config: "reward", description="A always wins")
+
+    @hookimpl
+    def register_formatters(self, register):
+        register(name="echo", config=_Empty, build=lambda config, tokenizer, max_length: None)
+
+
+def test_builtins_register_through_the_hooks():
+    # Wrong if a built-in bypassed the hooks (then a third-party plugin could not do the same).
+    registry = load_plugins()
+    assert set(registry.components["scheduler"]) >= {"constant", "linear", "cosine", "composite"}
+    builtin = {"constant", "linear", "cosine", "composite"}
+    assert {c.plugin for n, c in registry.components["scheduler"].items() if n in builtin} == {
+        "hpref.builtin.schedulers"
+    }
+
+
+def test_throwaway_plugin_components_are_registered():
+    registry = load_plugins(extra=[ThrowawayPlugin()])
+    reward = registry.get("reward", "always-a")
+    assert reward.plugin == "throwaway" and reward.description == "A always wins"
+    assert registry.get("formatter", "echo").plugin == "throwaway"
+
+
+def test_duplicate_component_names_both_plugins():
+    class Clash:
+        __name__ = "clash"
+
+        @hookimpl
+        def register_schedulers(self, register):
+            register(name="cosine", config=_Empty, build=lambda config, total_steps: None)
+
+    with pytest.raises(
+        ComponentError, match=r"scheduler 'cosine' is registered twice.*hpref\.builtin\.schedulers.*clash"
+    ):
+        load_plugins(extra=[Clash()])
+
+
+def test_misspelt_hook_is_an_error():
+    # pluggy's check_pending: a typo in a hook name must not be silently ignored.
+    class Typo:
+        __name__ = "typo"
+
+        @hookimpl
+        def register_schedulerz(self, register):
+            pass
+
+    with pytest.raises(Exception, match="register_schedulerz"):
+        load_plugins(extra=[Typo()])
+
+
+def test_unknown_component_suggests_nearest():
+    registry = load_plugins()
+    with pytest.raises(ComponentError, match=r"unknown scheduler 'cosin' \(did you mean 'cosine'\?\)"):
+        registry.get("scheduler", "cosin")
+
+
+def test_every_hook_has_a_test():
+    # Meta-test: a hook spec that no test names is a contract nobody checks.
+    specs = [n for n in dir(hookspecs) if n.startswith("register_")]
+    corpus = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
+    untested = [s for s in specs if not re.search(rf"\b{s}\b", corpus)]
+    assert not untested, f"hooks that no test names: {untested}"
+
+
+# -- the example plugin, installed as its own distribution ------------------------------------------
+
+
+def test_example_plugin_is_discovered_and_listed():
+    result = run_hpref("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
+    example = plugins["example"]
+    assert example["distribution"] == "hpref-example" and example["version"] == "0.1.0"
+    assert set(example["hooks"]) == {"register_datasets", "register_schedulers", "register_commands"}
+    assert set(example["components"]) == {"dataset:tsv-pairs", "scheduler:step-decay"}
+
+
+def test_example_components_listed_with_parameters():
+    result = run_hpref("components", "scheduler", "--json")
+    step = next(c for c in json.loads(result.stdout) if c["name"] == "step-decay")
+    assert [(p["name"], p["type"], p["default"]) for p in step["parameters"]] == [
+        ("gamma", "float", 0.5),
+        ("every_fraction", "float", 0.25),
+    ]
+
+
+def _example_recipe(tmp_path: Path) -> Path:
+    data = tmp_path / "pairs.tsv"
+    data.write_text("prompt\tchosen\trejected\nhi\thello!\tgo away\n2+2?\t4\t5\nsky?\tblue\tgreen\n")
+    recipe = tmp_path / "example.toml"
+    recipe.write_text(
+        textwrap.dedent(
+            f"""
+            [dataset.train]
+            name = "tsv-pairs"
+            path = "{data}"
+            [scheduler]
+            name = "step-decay"
+            gamma = 0.1
+            """
+        )
+    )
+    return recipe
+
+
+def test_example_plugin_usable_by_name_in_a_recipe(tmp_path):
+    recipe = _example_recipe(tmp_path)
+    result = run_hpref("recipes", "check", str(recipe))
+    assert result.returncode == 0, result.stderr
+    assert "dataset.train=tsv-pairs" in result.stdout and "scheduler=step-decay" in result.stdout
+
+    # ... and the components really build and run from the resolved recipe.
+    from hpref.recipe import load_recipe
+
+    resolved = load_recipe(recipe)
+    registry = load_plugins()
+    source = registry.get("dataset", "tsv-pairs").build(resolved.dataset.train.config, seed=0)
+    battles = list(source.battles())
+    assert len(battles) == 3 and source.summary.rows_used == 3
+    assert all(sorted(b.label) == [0.0, 0.0, 1.0] for b in battles)
+    multiplier = registry.get("scheduler", "step-decay").build(resolved.scheduler.config, 8)
+    assert [multiplier(s) for s in (0, 1, 2, 7)] == pytest.approx([1.0, 1.0, 0.1, 0.001])
+
+
+def test_example_plugin_adds_a_command():
+    result = run_hpref("lr-curve", "composite", "--steps", "10", "--every", "9")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "0.001000", "9", "0.001000"]
+
+
+def test_empty_hpref_plugins_hides_third_party(tmp_path):
+    hidden = run_hpref("plugins", "--json", env={"HPREF_PLUGINS": ""})
+    names = {p["name"] for p in json.loads(hidden.stdout)["plugins"]}
+    assert "example" not in names and "hpref.builtin.schedulers" in names
+    result = run_hpref("recipes", "check", str(_example_recipe(tmp_path)), env={"HPREF_PLUGINS": ""})
+    assert result.returncode == 2
+    assert "dataset.train.name: unknown dataset 'tsv-pairs'" in result.stderr
+    only = run_hpref("plugins", "--json", env={"HPREF_PLUGINS": "example"})
+    assert "example" in {p["name"] for p in json.loads(only.stdout)["plugins"]}
+
+
+def test_broken_plugin_is_reported_not_fatal(tmp_path):
+    # A third-party plugin whose import fails: the CLI still works, `plugins` names it with the
+    # reason, and a recipe needing a component nobody provides points at it.
+    site = tmp_path / "site"
+    dist = site / "broken_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[hpref]\nbroken = broken_plugin_module\n")
+    (site / "broken_plugin_module.py").write_text("raise ImportError('needs libfoo')\n")
+    env = {"PYTHONPATH": str(site)}
+    listing = run_hpref("plugins", "--json", env=env)
+    assert listing.returncode == 0, listing.stderr
+    failed = json.loads(listing.stdout)["failed"]
+    assert failed == [
+        {"name": "broken", "distribution": "broken-plugin", "error": "ImportError: needs libfoo"}
+    ]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[model]\nname = "zzz-model"\n')
+    check = run_hpref("recipes", "check", str(recipe), env=env)
+    assert check.returncode == 2
+    assert (
+        "plugins that failed to load and may provide it: 'broken' (ImportError: needs libfoo)" in check.stderr
+    )
