@@ -133,7 +133,8 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"(expected entropy {r['expected_entropy']:.4f})"
         )
         lines.append(
-            f"baselines    length-only {r['length_baseline']:.4f} ({r['length_closed']:.0%} of the gap)  "
-            f"bag-of-words {r['bow_baseline']:.4f} ({r['bow_closed']:.0%} of the gap)"
+            f"baselines    label prior {r['prior_baseline']:.4f} ({r['prior_closed']:.0%} of the gap)  "
+            f"length-only {r['length_baseline']:.4f} ({r['length_closed']:.0%})  "
+            f"bag-of-words {r['bow_baseline']:.4f} ({r['bow_closed']:.0%})"
         )
     return "\n".join(lines)
