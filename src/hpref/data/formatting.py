@@ -229,10 +229,12 @@ class JudgeFormatter:
                 first += 1
                 continue
             limits = self._allocate(shifted, kept, max(budget, 0))
+            oldest_kept = sum(g for (_, t), g in limits.items() if t == first)
+            oldest_needs = sum(len(ids) for (_, t), ids in kept.items() if t == first)
             if (
                 self.config.truncation == "proportional"
                 and first < n - 1
-                and sum(limits[(k, t)] for (k, t) in limits if t == first) < self.config.min_turn_tokens
+                and oldest_kept < min(self.config.min_turn_tokens, oldest_needs)
             ):
                 first += 1
                 continue

@@ -8,7 +8,7 @@ Why the plan has the shape it has
   B/A) are one group and always land in the same step, so every update sees both orders.
 - The step's sequences are spread over ranks longest first, each to the rank with the fewest tokens
   so far (ranks end within about one sequence of each other), then each rank packs its share into
-  micro-batches of at most `micro_batch_tokens` tokens (first-fit decreasing: bins are full and
+  micro-batches of at most `micro_batch_tokens` tokens (best-fit decreasing: bins are full and
   similar lengths share a bin); a sequence longer than the budget is a micro-batch of its own.
 - EVERY RANK RUNS THE SAME NUMBER OF MICRO-BATCHES in a step, or FSDP's collectives hang: a rank with
   fewer micro-batches than the busiest splits its fullest multi-sequence micro-batch in two until the
@@ -27,6 +27,7 @@ equal-count rule; gathered predictions drop rows == -1 (fillers).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections.abc import Sequence
@@ -175,20 +176,24 @@ class StepPlan:
 
 
 def _pack(indices: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """First-fit decreasing into bins of at most `budget` tokens (an oversized sequence alone)."""
+    """Best-fit decreasing into bins of at most `budget` tokens (an oversized sequence alone).
+
+    Longest first, each into the bin whose remaining room fits it most tightly (a sorted list of
+    (room, bin) pairs, so packing a whole eval set of 10^5 sequences stays O(n log n)-ish)."""
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
-    loads: list[int] = []
+    rooms: list[tuple[int, int]] = []  # (remaining tokens, bin id), sorted
     for i in order:
         n = lengths[i]
-        for b, load in enumerate(loads):
-            if load + n <= budget:
-                bins[b].append(i)
-                loads[b] += n
-                break
+        k = bisect.bisect_left(rooms, (n, -1))
+        if k < len(rooms):
+            room, b = rooms.pop(k)
+            bins[b].append(i)
+            bisect.insort(rooms, (room - n, b))
         else:
             bins.append([i])
-            loads.append(n)
+            if budget - n > 0:
+                bisect.insort(rooms, (budget - n, len(bins) - 1))
     return bins
 
 
