@@ -189,3 +189,14 @@ def test_limit_and_missing_file(tmp_path):
     assert len(got) == 4 and reader.summary.rows_read == 4
     with pytest.raises(DataError, match="data file not found"):
         read(tmp_path / "nope.csv")
+
+
+def test_jsonl_columns_come_from_the_first_readable_row(tmp_path):
+    path = tmp_path / "first_broken.jsonl"
+    good = {"prompt": ["p"], "response_a": ["a"], "response_b": ["b"]}
+    path.write_text("{broken\n" + json.dumps(good) + "\n")
+    # A broken first line must be reported as row 1, not as a file with no prompt column.
+    with pytest.raises(DataError, match=r"row 1, column '\(line\)': not valid JSON"):
+        read(path)
+    battles, reader = read(path, on_error="skip")
+    assert len(battles) == 1 and reader.summary.rows_skipped == 1

@@ -89,8 +89,9 @@ class TableFile:
                 import pyarrow.parquet as pq
 
                 return list(pq.ParquetFile(self.path).schema_arrow.names)
-            for _, row in self._jsonl_rows():
-                return list(row) if isinstance(row, dict) else []
+            for _, row in self._jsonl_rows():  # the first readable row (a broken one is a row error later)
+                if isinstance(row, dict):
+                    return list(row)
             return []
         except DataError:
             raise
