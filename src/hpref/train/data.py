@@ -1,0 +1,59 @@
+"""Battles -> tokenized examples for the trainer (both A/B views for training, one for eval).
+
+Every rank tokenizes the same data the same way, so the packing plan, a pure function of the
+lengths, agrees on every rank without communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hpref.data.packing import TokenizedExample
+from hpref.data.records import Battle
+from hpref.errors import DataError
+
+_CHUNK = 256  # battles per tokenizer call
+
+
+@dataclass
+class Tokenized:
+    """Examples plus the battles they came from (`examples[i].row` indexes `battles`)."""
+
+    examples: list[TokenizedExample]
+    battles: list[Battle]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(e) for e in self.examples]
+
+
+def tokenize(battles: Iterable[Battle], formatter: Any, *, both_views: bool, name: str) -> Tokenized:
+    """Encode each battle (and, with `both_views`, its swapped copy) with the formatter."""
+    kept = list(battles)
+    if not kept:
+        raise DataError(f"{name}: the dataset yielded no battles")
+    examples: list[TokenizedExample] = []
+    for start in range(0, len(kept), _CHUNK):
+        chunk = kept[start : start + _CHUNK]
+        views: list[tuple[int, bool, Battle]] = [(start + i, False, b) for i, b in enumerate(chunk)]
+        if both_views:
+            views += [(start + i, True, b.swapped()) for i, b in enumerate(chunk)]
+        encoded = _encode_many(formatter, [b for _, _, b in views])
+        for (row, swapped, battle), ids in zip(views, encoded, strict=True):
+            examples.append(TokenizedExample(ids=ids, label=battle.label, row=row, swapped=swapped))
+    examples.sort(key=lambda e: (e.row, e.swapped))
+    return Tokenized(examples=examples, battles=kept)
+
+
+def _encode_many(formatter: Any, battles: Sequence[Battle]) -> list[list[int]]:
+    if hasattr(formatter, "encode_many"):
+        return [list(e.ids) for e in formatter.encode_many(battles)]
+    return [list(formatter.encode(b)) for b in battles]
+
+
+def require_labels(data: Tokenized, name: str) -> None:
+    missing = sum(e.label is None for e in data.examples)
+    if missing:
+        raise DataError(f"{name}: {missing} battles have no label; training and eval data must be labelled")

@@ -1,0 +1,476 @@
+"""The training loop: one optimizer step over packed micro-batches, evaluation, and `fit`.
+
+The loss of a step is the mean soft-label cross-entropy over the step's real sequences on all ranks,
+whatever the packing. Each micro-batch contributes `sum(weights * ce) / step_sequences`, scaled by
+the world size because FSDP averages gradients over ranks; so the gradient is that of the step mean,
+and a 1-rank and an N-rank run with the same global batch follow the same curve. Gradients are
+reduced once per step (`set_requires_gradient_sync(False)` on all but the last micro-batch) and the
+loss is all-reduced once per step, for logging.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from hpref.data.packing import PackedBatch, StepSampler, plan_eval
+from hpref.data.records import LABELS
+from hpref.recipe import OptimizerSection, Recipe
+from hpref.train import checkpoint
+from hpref.train.data import Tokenized
+from hpref.train.metrics import MetricsFile, Peak, peak_memory_gib, summary_table
+
+#: Test hooks: make one rank raise at its first step / make every rank stop after step k.
+FAIL_RANK_ENV = "HPREF_DEBUG_FAIL_RANK"
+CRASH_AFTER_ENV = "HPREF_DEBUG_CRASH_AFTER_STEP"
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by the HPREF_DEBUG_* hooks (tests of failure handling and resume)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# builders
+
+
+def soft_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-sequence cross-entropy against label distributions `[n, C]` (one-hot for hard labels)."""
+    return -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
+
+
+def build_optimizer(
+    model: torch.nn.Module, config: OptimizerSection, device: torch.device
+) -> torch.optim.AdamW:
+    """AdamW with up to four groups: {backbone, head (`head_lr`)} x {decayed matrices, undecayed
+    biases and norms}. Fused kernels on CUDA, foreach elsewhere."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            groups.setdefault((name.startswith("head."), param.ndim >= 2), []).append(param)
+    param_groups = [
+        {
+            "params": params,
+            "lr": (config.head_lr or config.lr) if is_head else config.lr,
+            "weight_decay": config.weight_decay if decayed else 0.0,
+        }
+        for (is_head, decayed), params in sorted(groups.items())
+    ]
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(param_groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, **fast)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe, total_steps: int):
+    """The recipe's scheduler component (a multiplier of each group's base LR) as a LambdaLR."""
+    from hpref.plugins import load_plugins
+
+    component = load_plugins().get("scheduler", recipe.scheduler.name)
+    multiplier = component.build(recipe.scheduler.config, total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+# --------------------------------------------------------------------------------------------------
+# one step
+
+
+def _forward(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    return model(batch.input_ids, batch.cu_seqlens, batch.position_ids, max_seqlen=batch.max_seqlen)
+
+
+def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[PackedBatch],
+    *,
+    step_sequences: int,
+    world_size: int,
+    grad_clip: float | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward every micro-batch of this rank, clip, step. Returns (this rank's summed
+    per-sequence loss, detached; the global grad norm before clipping)."""
+    loss_sum = torch.zeros((), device=device)
+    scale = world_size / step_sequences
+    for k, batch in enumerate(batches):
+        _set_gradient_sync(model, k == len(batches) - 1)
+        batch = batch.to(device, non_blocking=True)
+        per_sequence = soft_cross_entropy(_forward(model, batch), batch.labels) * batch.weights
+        (per_sequence.sum() * scale).backward()
+        loss_sum += per_sequence.detach().sum()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluation
+
+
+@dataclass
+class EvalResult:
+    probs: np.ndarray  # [n, 3], row i = battle i
+    labels: np.ndarray  # [n, 3]
+    log_loss: float
+    accuracy: float
+
+
+def eval_metrics(probs: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+    """(log loss, accuracy): mean cross-entropy against hard or soft labels; argmax agreement."""
+    log_loss = float(-(labels * np.log(np.clip(probs, 1e-15, 1.0))).sum(axis=1).mean())
+    accuracy = float((probs.argmax(axis=1) == labels.argmax(axis=1)).mean())
+    return log_loss, accuracy
+
+
+def evaluate(
+    model: torch.nn.Module,
+    data: Tokenized,
+    *,
+    rank: int,
+    world_size: int,
+    micro_batch_tokens: int,
+    device: torch.device,
+    filler_token_id: int,
+) -> EvalResult:
+    """Score every eval example once over all ranks, gather probabilities, drop fillers and repeats."""
+    plan = plan_eval(data.lengths, world_size=world_size, micro_batch_tokens=micro_batch_tokens)
+    local: list[tuple[int, list[float]]] = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in plan.batches(rank, data.examples, filler_token_id):
+            batch = batch.to(device)
+            probs = torch.softmax(_forward(model, batch).float(), dim=-1).cpu().tolist()
+            local.extend((row, p) for row, p in zip(batch.rows.tolist(), probs, strict=True) if row >= 0)
+    model.train(was_training)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, local)
+    by_row = {row: p for part in gathered for row, p in part}
+    missing = set(range(len(data.battles))) - set(by_row)
+    if missing:
+        raise RuntimeError(f"evaluation lost {len(missing)} battles (first: {sorted(missing)[:5]})")
+    probs = np.array([by_row[i] for i in range(len(data.battles))], dtype=np.float64)
+    labels = np.array([b.label for b in data.battles], dtype=np.float64)
+    log_loss, accuracy = eval_metrics(probs, labels)
+    return EvalResult(probs=probs, labels=labels, log_loss=log_loss, accuracy=accuracy)
+
+
+def write_predictions(path: Path, battles: Sequence[Any], probs: np.ndarray) -> Path:
+    """Kaggle-style CSV: id, winner_model_a, winner_model_b, winner_tie."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", *LABELS])
+        for battle, p in zip(battles, probs, strict=True):
+            writer.writerow([battle.id, *(f"{x:.6f}" for x in p)])
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclass
+class TrainSetup:
+    """Everything `fit` needs, built by the worker."""
+
+    recipe: Recipe
+    run_dir: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: StepSampler
+    train_data: Tokenized
+    eval_data: Tokenized | None
+    device: torch.device
+    rank: int
+    world_size: int
+    total_steps: int
+    filler_token_id: int
+    peak: Peak
+    eval_source: Any = None
+    backbone_flops: Any = None  # flops_per_token(seq_len)
+
+
+@dataclass
+class RunStats:
+    step: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    flops: float = 0.0
+    last_loss: float = float("nan")
+    eval: EvalResult | None = None
+    eval_step: int = -1
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _step_flops(setup: TrainSetup, lengths: Sequence[int]) -> float:
+    if setup.backbone_flops is None or not lengths:
+        return 0.0
+    tokens = sum(lengths)
+    effective = sum(n * n for n in lengths) / tokens
+    return setup.backbone_flops(effective) * tokens
+
+
+def _progress(enabled: bool, total: int, completed: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=not enabled,
+        transient=False,
+    )
+    task = progress.add_task("train", total=total, completed=completed, info="")
+    return progress, task
+
+
+def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
+    """Train to `total_steps`, evaluating, logging and checkpointing on the way; returns the summary."""
+    recipe, train_cfg = setup.recipe, setup.recipe.train
+    rank, world, device = setup.rank, setup.world_size, setup.device
+    metrics = MetricsFile(setup.run_dir / "metrics.jsonl" if rank == 0 else None)
+    stats = RunStats()
+    if resume_from is not None:
+        restored = checkpoint.load_checkpoint(resume_from, model=setup.model, optimizer=setup.optimizer)
+        setup.sampler.load_state_dict(restored.train_state["sampler"])
+        setup.scheduler.load_state_dict(restored.train_state["scheduler"])
+        stats.step = int(restored.train_state["step"])
+    interval_start = time.perf_counter()
+    fail_rank = os.environ.get(FAIL_RANK_ENV)
+    crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
+    lengths = setup.train_data.lengths
+    epochs = train_cfg.epochs
+
+    def do_eval(epoch: int) -> None:
+        if setup.eval_data is None:
+            return
+        nonlocal interval_start
+        t = time.perf_counter()
+        result = evaluate(
+            setup.model,
+            setup.eval_data,
+            rank=rank,
+            world_size=world,
+            micro_batch_tokens=train_cfg.micro_batch_tokens,
+            device=device,
+            filler_token_id=setup.filler_token_id,
+        )
+        stats.eval, stats.eval_step = result, stats.step
+        if rank == 0:
+            folder = setup.run_dir / "predictions"
+            write_predictions(folder / f"step-{stats.step:06d}.csv", setup.eval_data.battles, result.probs)
+            write_predictions(setup.run_dir / "predictions.csv", setup.eval_data.battles, result.probs)
+        record = {
+            "kind": "eval",
+            "step": stats.step,
+            "epoch": epoch,
+            "eval_log_loss": result.log_loss,
+            "eval_accuracy": result.accuracy,
+            "eval_battles": len(setup.eval_data.battles),
+            "eval_seconds": time.perf_counter() - t,
+        }
+        metrics.write(record)
+        logger.info(
+            f"eval step {stats.step}: log loss {result.log_loss:.4f}, accuracy {result.accuracy:.3f} "
+            f"({len(setup.eval_data.battles)} battles, {record['eval_seconds']:.1f}s)"
+        )
+        interval_start += time.perf_counter() - t  # throughput counts training time only
+
+    def save(epoch: int) -> None:
+        nonlocal interval_start
+        t = time.perf_counter()
+        checkpoint.save_checkpoint(
+            setup.run_dir,
+            stats.step,
+            model=setup.model,
+            optimizer=setup.optimizer,
+            train_state={
+                "epoch": epoch,
+                "sampler": setup.sampler.state_dict(),
+                "scheduler": setup.scheduler.state_dict(),
+                "total_steps": setup.total_steps,
+            },
+            keep=train_cfg.keep_checkpoints,
+        )
+        interval_start += time.perf_counter() - t
+
+    setup.model.train()
+    interval_loss: list[torch.Tensor] = []
+    interval_tokens, interval_flops = 0, 0.0
+    run_start = time.perf_counter()
+    progress, task = _progress(rank == 0 and sys.stderr.isatty(), setup.total_steps, stats.step)
+    with progress:
+        while setup.sampler.epoch < epochs and stats.step < setup.total_steps:
+            epoch = setup.sampler.epoch
+            plans = setup.sampler.plans(epoch)
+            for plan in setup.sampler:
+                if fail_rank is not None and int(fail_rank) == rank:
+                    raise SimulatedCrash(f"{FAIL_RANK_ENV}={fail_rank}: rank {rank} fails on purpose")
+                batches = plan.batches(rank, setup.train_data.examples, setup.filler_token_id)
+                loss_sum, grad_norm = train_step(
+                    setup.model,
+                    setup.optimizer,
+                    batches,
+                    step_sequences=plan.num_sequences,
+                    world_size=world,
+                    grad_clip=train_cfg.grad_clip,
+                    device=device,
+                )
+                lr = setup.scheduler.get_last_lr()[0]
+                setup.scheduler.step()
+                dist.all_reduce(loss_sum)  # the one loss reduction of the step
+                interval_loss.append(loss_sum / plan.num_sequences)
+                stats.step += 1
+                interval_tokens += plan.num_tokens
+                interval_flops += _step_flops(
+                    setup, [lengths[i] for mb in plan.micro_batches for b in mb for i in b if i >= 0]
+                )
+                epoch_end = setup.sampler.step == len(plans)
+                last = stats.step >= setup.total_steps
+                progress.update(task, completed=stats.step)
+
+                if stats.step % train_cfg.log_interval == 0 or last:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    elapsed = time.perf_counter() - interval_start
+                    losses = torch.stack(interval_loss).tolist()
+                    tps = interval_tokens / elapsed
+                    record = {
+                        "kind": "train",
+                        "step": stats.step,
+                        "epoch": epoch,
+                        "loss": sum(losses) / len(losses),
+                        "step_loss": losses[-1],
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "tokens_per_s": tps,
+                        "tokens_per_s_per_device": tps / world,
+                        "mfu": interval_flops / elapsed / world / setup.peak.flops,
+                        "step_time_s": elapsed / len(losses),
+                        "peak_memory_gib": peak_memory_gib(device),
+                    }
+                    metrics.write(record)
+                    stats.records.append(record)
+                    stats.tokens += interval_tokens
+                    stats.flops += interval_flops
+                    stats.seconds += elapsed
+                    stats.last_loss = record["loss"]
+                    logger.info(
+                        f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f} lr {lr:.2e} "
+                        f"grad {record['grad_norm']:.3f} {tps:,.0f} tok/s mfu {record['mfu']:.1%} "
+                        f"{record['step_time_s']:.2f} s/step mem {record['peak_memory_gib']:.2f} GiB"
+                    )
+                    progress.update(task, info=f"loss {record['loss']:.4f}")
+                    interval_loss, interval_tokens, interval_flops = [], 0, 0.0
+                    interval_start = time.perf_counter()
+
+                if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
+                    do_eval(epoch)
+                if epoch_end and train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0:
+                    if stats.eval_step != stats.step:
+                        do_eval(epoch)
+                interval_due = (
+                    train_cfg.checkpoint_interval and stats.step % train_cfg.checkpoint_interval == 0
+                )
+                if interval_due or epoch_end or last:
+                    save(epoch)
+                if crash_after and stats.step == crash_after:
+                    raise SimulatedCrash(f"{CRASH_AFTER_ENV}={crash_after}: stopping after step {stats.step}")
+                if last:
+                    break
+            if stats.step >= setup.total_steps:
+                break
+    if train_cfg.eval_interval and stats.eval_step != stats.step:
+        do_eval(setup.sampler.epoch)
+    summary = _summary(setup, stats, time.perf_counter() - run_start)
+    if rank == 0:
+        rows = _summary_rows(setup, summary)  # adds the baselines to the summary
+        (setup.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        from rich.console import Console
+
+        Console().print(summary_table(rows, title=f"hpref train: {setup.run_dir}"))
+    return summary
+
+
+def _summary(setup: TrainSetup, stats: RunStats, wall: float) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "steps": stats.step,
+        "total_steps": setup.total_steps,
+        "world_size": setup.world_size,
+        "wall_s": wall,
+        "train_loss": stats.last_loss,
+        "tokens_per_s": stats.tokens / stats.seconds if stats.seconds else None,
+        "mfu": stats.flops / stats.seconds / setup.world_size / setup.peak.flops if stats.seconds else None,
+        "peak": str(setup.peak),
+        "peak_memory_gib": peak_memory_gib(setup.device),
+    }
+    if stats.eval is not None:
+        out.update(
+            eval_log_loss=stats.eval.log_loss, eval_accuracy=stats.eval.accuracy, eval_step=stats.eval_step
+        )
+    return out
+
+
+def _summary_rows(setup: TrainSetup, summary: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        ("steps", f"{summary['steps']} of {summary['total_steps']} on {summary['world_size']} rank(s)"),
+        ("wall time", f"{summary['wall_s']:.1f} s"),
+        ("train loss (last log)", f"{summary['train_loss']:.4f}"),
+    ]
+    if summary.get("tokens_per_s"):
+        rows.append(("tokens/s (all ranks)", f"{summary['tokens_per_s']:,.0f}"))
+        rows.append(("MFU", f"{summary['mfu']:.2%} of {summary['peak']}"))
+    rows.append(("peak memory (rank 0)", f"{summary['peak_memory_gib']:.2f} GiB"))
+    if "eval_log_loss" in summary:
+        rows.append(("eval log loss", f"{summary['eval_log_loss']:.4f}"))
+        rows.append(("eval accuracy", f"{summary['eval_accuracy']:.3f}"))
+        report = _baselines(setup)
+        if report is not None:
+            summary["baselines"] = report.as_dict()
+            summary["gap_closed"] = report.closed(summary["eval_log_loss"])
+            rows += [
+                ("uniform", f"{report.uniform:.4f}"),
+                ("length-only baseline", f"{report.length_baseline:.4f}"),
+                ("bag-of-words baseline", f"{report.bow_baseline:.4f}"),
+                ("Bayes floor", f"{report.bayes_floor:.4f}"),
+                ("gap closed (uniform -> floor)", f"{summary['gap_closed']:.0%}"),
+            ]
+    return rows
+
+
+def _baselines(setup: TrainSetup) -> Any:
+    """The eval source's floor and cheap baselines, when it can compute them (the synthetic arena)."""
+    report = getattr(setup.eval_source, "report", None)
+    if report is None:
+        return None
+    try:
+        return report()
+    except Exception as exc:  # a report is a nicety; never fail a finished run over it
+        logger.warning(f"could not compute the eval baselines: {exc}")
+        return None

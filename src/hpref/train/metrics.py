@@ -1,0 +1,107 @@
+"""Training metrics: throughput, MFU, memory; `metrics.jsonl` and the end-of-run summary table.
+
+MFU is `flops_per_token(effective length) x tokens/s per device / peak`. The peak is stated with
+every MFU number: a table value for known GPUs, `HPREF_PEAK_TFLOPS` when set, and on a CPU a dense
+matmul measured at start-up in the compute dtype (what the cores actually reach, per process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Dense bf16 peak (no sparsity) in TFLOP/s, matched against `torch.cuda.get_device_name()`.
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+    "4090": 165.0,
+}
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float  # per device, per second
+    source: str  # how it was obtained, printed beside every MFU
+
+    def __str__(self) -> str:
+        return f"{self.flops / 1e12:.2f} TFLOP/s ({self.source})"
+
+
+def measure_matmul_peak(dtype: torch.dtype, size: int = 1024, seconds: float = 0.3) -> float:
+    """FLOP/s of a square matmul on the CPU in `dtype`, best of a short burst."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size**3 / (time.perf_counter() - t))
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> Peak:
+    env = os.environ.get("HPREF_PEAK_TFLOPS")
+    if env:
+        return Peak(float(env) * 1e12, "HPREF_PEAK_TFLOPS")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                scale = 1.0 if dtype != torch.float32 else 0.5  # TF32 tensor cores: half the bf16 rate
+                return Peak(tflops * 1e12 * scale, f"{name} datasheet, dense")
+        return Peak(measure_matmul_peak(dtype), f"{name}: measured matmul")
+    threads = torch.get_num_threads()
+    dtype_name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    return Peak(measure_matmul_peak(dtype), f"CPU {dtype_name} matmul measured at start, {threads} thread(s)")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated on a GPU, max RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform != "darwin" else rss / 2**30  # KiB on Linux, bytes on macOS
+
+
+class MetricsFile:
+    """Appends one JSON object per line to `metrics.jsonl` (rank 0 only; other ranks pass None)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def summary_table(rows: list[tuple[str, str]], title: str = "hpref train") -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

@@ -1,0 +1,105 @@
+"""Parallelism, applied in one fixed order to a model built on the meta device:
+
+    activation checkpointing (per block)  ->  fully_shard per block  ->  fully_shard(root)
+    ->  materialise and load the initial weights (sharded, rank 0 reads, the others receive)
+
+FSDP2 keeps fp32 master weights; with bf16 precision its `MixedPrecisionPolicy` all-gathers bf16
+copies for compute and reduce-scatters gradients in fp32. FSDP2 works on CPU with gloo (a "cpu"
+DeviceMesh) in torch >= 2.6, so there is no second code path for CPU or for a single process: the
+same sharded model runs everywhere (world size 1 simply holds every shard).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+#: Written by `hpref init`; `hpref train` starts from it when present.
+INIT_FOLDER = "init"
+
+
+def cpu_has_amx() -> bool:
+    """True on x86 CPUs with AMX tiles (Sapphire Rapids and later): bf16 matmuls run on AMX."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except Exception:  # an old build without the probe
+        return False
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """The compute dtype. `auto` is bf16 where measured faster: CUDA GPUs with bf16, and CPUs with
+    AMX (measured on this project's 2-core Xeon: see `benchmarks/` and the README); fp32 elsewhere."""
+    if precision == "fp32":
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_amx() else torch.float32
+
+
+def parallelize(
+    model: torch.nn.Module,
+    *,
+    param_dtype: torch.dtype,
+    activation_checkpointing: bool,
+) -> torch.nn.Module:
+    """Activation checkpointing, then FSDP2 per block and on the root (see the module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize needs a process group (the worker creates one, even for 1 rank)")
+    if activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype == torch.float32 else param_dtype, reduce_dtype=torch.float32
+    )
+    blocks = model.blocks()
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    logger.info(
+        f"FSDP2: {len(blocks)} blocks + root over {dist.get_world_size()} rank(s), compute {_name(param_dtype)}, "
+        f"reduce fp32, activation checkpointing {'on' if activation_checkpointing else 'off'}"
+    )
+    return model
+
+
+def init_weights_folder(run_dir: Path) -> Path | None:
+    """`run_dir/init` when `hpref init` wrote it, else None."""
+    folder = Path(run_dir) / INIT_FOLDER
+    return folder if (folder / "model.safetensors").is_file() else None
+
+
+def read_init_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The full state dict (`backbone.*`, `head.*`) of a folder written by `save_pretrained`."""
+    from safetensors.torch import load_file
+
+    state = {f"backbone.{k}": v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    state.update({f"head.{k}": v for k, v in load_file(str(folder / "head.safetensors")).items()})
+    return state
+
+
+def load_initial_weights(model: torch.nn.Module, *, device: torch.device, init_folder: Path | None) -> None:
+    """Materialise the sharded meta model on `device` and fill it: from `init_folder` (an `hpref
+    init` output) when given, else the component's pretrained / seeded weights. Rank 0 reads; the
+    others receive their shards by broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    broadcast = dist.get_world_size() > 1
+    model.load_pretrained_weights(device=device, broadcast_from_rank0=broadcast)
+    if init_folder is None:
+        return
+    state = read_init_weights(init_folder) if dist.get_rank() == 0 or not broadcast else {}
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    )
+    logger.info(f"initial weights from {init_folder}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

@@ -1,0 +1,254 @@
+"""One training process: `python -m hpref.train.worker --recipe R [--set k=v ...] [--resume auto|PATH]`.
+
+torchrun starts one per rank (RANK / WORLD_SIZE / LOCAL_RANK in the environment); `hpref train`
+with one process calls `run_worker` directly, with a one-rank gloo (or nccl) group on a HashStore,
+so both paths run exactly the same code. The recipe is re-read and re-validated by every rank from
+the same file and overrides, which keeps the launch command the whole truth about a run.
+
+setup -> (resume) -> fit -> cleanup. Exit codes: 0 done, 2 a user error (bad recipe, data, resume
+folder), 1 anything else; a failing rank writes torchelastic's error file so the launcher can name it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from hpref.errors import UserError
+from hpref.recipe import Recipe, load_recipe
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init_distributed(backend: str) -> DistInfo:
+    """nccl on GPUs, gloo on CPU (or as the recipe says). Without torchrun's environment: a
+    one-process group on an in-memory store."""
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UserError("launch.backend = 'nccl' needs CUDA GPUs, and none is visible")
+    backend = "nccl" if use_cuda else "gloo"
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device if use_cuda else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistInfo(rank, world, local_rank, device, backend)
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Global RNGs (dropout) differ by rank; data order and init use their own seeded generators."""
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+
+
+def _console_sink(message) -> None:
+    sys.stderr.write(str(message))  # looked up per call, so rich's progress bar can redirect it
+
+
+def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Path, list[int]]:
+    """A full DEBUG log per rank in the run folder; with `console`, INFO on stderr from rank 0.
+    Returns the log file and the handler ids, which the worker removes when it ends."""
+    from hpref.logs import CONSOLE_FORMAT, FILE_FORMAT
+
+    log_file = run_dir / "logs" / f"rank{rank}.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    logger.configure(extra={"rank": rank})
+    handlers = [logger.add(log_file, level="DEBUG", format=FILE_FORMAT, backtrace=True, diagnose=False)]
+    if console and rank == 0:
+        handlers.append(
+            logger.add(_console_sink, level="INFO", format=CONSOLE_FORMAT, colorize=sys.stderr.isatty())
+        )
+    return log_file, handlers
+
+
+def build_setup(recipe: Recipe, info: DistInfo):
+    """Components -> tokenized data -> sharded model -> optimizer, sampler, scheduler."""
+    from hpref.data.packing import StepSampler
+    from hpref.plugins import load_plugins
+    from hpref.train.data import require_labels, tokenize
+    from hpref.train.loop import TrainSetup, build_lr_scheduler, build_optimizer
+    from hpref.train.metrics import peak_flops
+    from hpref.train.sharding import init_weights_folder, load_initial_weights, parallelize, resolve_precision
+
+    registry = load_plugins()
+    train_cfg = recipe.train
+    if recipe.model is None:
+        raise UserError("the recipe has no [model] section")
+    if recipe.dataset.train is None:
+        raise UserError("the recipe has no [dataset.train] section")
+    model = registry.get("model", recipe.model.name).build(
+        recipe.model.config, num_labels=3, device=info.device, meta=True
+    )
+    if train_cfg.max_length > model.max_position_embeddings:
+        raise UserError(
+            f"train.max_length {train_cfg.max_length} exceeds the model's {model.max_position_embeddings} positions"
+        )
+    if recipe.formatter is not None:
+        formatter_c, formatter_cfg = registry.get("formatter", recipe.formatter.name), recipe.formatter.config
+    else:
+        formatter_c = registry.get("formatter", "pab")
+        formatter_cfg = formatter_c.config()
+    formatter = formatter_c.build(formatter_cfg, model.tokenizer, train_cfg.max_length)
+
+    seed = recipe.run.seed
+    train_source = registry.get("dataset", recipe.dataset.train.name).build(recipe.dataset.train.config, seed)
+    train_data = tokenize(
+        train_source.battles(), formatter, both_views=train_cfg.swap != "none", name="dataset.train"
+    )
+    require_labels(train_data, "dataset.train")
+    eval_source = eval_data = None
+    if recipe.dataset.eval is not None:
+        eval_source = registry.get("dataset", recipe.dataset.eval.name).build(
+            recipe.dataset.eval.config, seed
+        )
+        eval_data = tokenize(eval_source.battles(), formatter, both_views=False, name="dataset.eval")
+        require_labels(eval_data, "dataset.eval")
+    logger.info(
+        f"data: {len(train_data.battles)} train battles ({len(train_data.examples)} sequences, "
+        f"{sum(train_data.lengths):,} tokens)"
+        + (f", {len(eval_data.battles)} eval battles" if eval_data is not None else ", no eval set")
+    )
+
+    dtype = resolve_precision(train_cfg.precision, info.device)
+    parallelize(model, param_dtype=dtype, activation_checkpointing=train_cfg.activation_checkpointing)
+    load_initial_weights(model, device=info.device, init_folder=init_weights_folder(recipe.run.run_dir))
+    optimizer = build_optimizer(model, recipe.optimizer, info.device)
+
+    sampler = StepSampler(
+        lengths=train_data.lengths,
+        rows=[e.row for e in train_data.examples],
+        swapped=[e.swapped for e in train_data.examples],
+        batch_size=train_cfg.batch_size,
+        world_size=info.world_size,
+        micro_batch_tokens=train_cfg.micro_batch_tokens,
+        seed=seed,
+        swap=train_cfg.swap,
+    )
+    total_steps = sampler.steps_per_epoch() * train_cfg.epochs
+    if train_cfg.max_steps is not None:
+        total_steps = min(total_steps, train_cfg.max_steps)
+    scheduler = build_lr_scheduler(optimizer, recipe, total_steps)
+    peak = peak_flops(info.device, dtype)
+    logger.info(
+        f"{total_steps} steps ({sampler.steps_per_epoch()} per epoch x {train_cfg.epochs}), "
+        f"{train_cfg.batch_size} battles per step; MFU against {peak}"
+    )
+    pad = getattr(model.tokenizer, "pad_token_id", None)
+    return TrainSetup(
+        recipe=recipe,
+        run_dir=recipe.run.run_dir,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        train_data=train_data,
+        eval_data=eval_data,
+        device=info.device,
+        rank=info.rank,
+        world_size=info.world_size,
+        total_steps=total_steps,
+        filler_token_id=int(pad) if pad is not None else 0,
+        peak=peak,
+        eval_source=eval_source,
+        backbone_flops=model.flops_per_token,
+    )
+
+
+def _record_failure(exc: BaseException) -> None:
+    """torchelastic's error file (when torchrun set one): the launcher reads the message back."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+
+
+def run_worker(
+    recipe_path: str | Path,
+    overrides: list[str] | None = None,
+    *,
+    resume: str | None = None,
+    console: bool = True,
+) -> int:
+    """Train on this process's rank; returns the exit code (see the module docstring).
+
+    `console=False` leaves console logging to the caller (an in-process run from the CLI, which has
+    its own console handler); the per-rank log file is always written."""
+    from hpref.train.checkpoint import resolve_resume
+    from hpref.train.loop import fit
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        recipe = load_recipe(recipe_path, overrides)
+    except UserError as exc:
+        _record_failure(exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    run_dir = recipe.run.run_dir
+    log_file, handlers = setup_worker_logging(run_dir, rank, console=console)
+    try:
+        info = init_distributed(recipe.launch.backend)
+        seed_everything(recipe.run.seed, info.rank)
+        if info.rank == 0:
+            recipe.write(run_dir)
+        logger.info(
+            f"rank {info.rank}/{info.world_size} on {info.device} ({info.backend}); run folder {run_dir}"
+        )
+        setup = build_setup(recipe, info)
+        resume_from = resolve_resume(run_dir, resume)
+        fit(setup, resume_from)
+        return 0
+    except UserError as exc:
+        _record_failure(exc)
+        logger.error(str(exc))
+        if rank != 0:
+            print(f"rank {rank}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:
+        _record_failure(exc)
+        logger.opt(exception=exc).debug("traceback")
+        message = f"rank {rank}: {type(exc).__name__}: {exc} (traceback in {log_file})"
+        logger.error(message)
+        if rank != 0:
+            print(message, file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for handler in handlers:
+            logger.remove(handler)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hpref.train.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", required=True, help="recipe TOML file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value")
+    parser.add_argument("--resume", default=None, help="auto, a checkpoint folder, or a run folder")
+    args = parser.parse_args(argv)
+    logger.remove()  # loguru's default stderr handler would print on every rank
+    sys.exit(run_worker(args.recipe, args.overrides, resume=args.resume))
+
+
+if __name__ == "__main__":
+    main()
