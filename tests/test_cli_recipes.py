@@ -211,3 +211,20 @@ def test_internal_error_exits_1_with_traceback_in_log(tmp_path):
     assert "Traceback" not in result.stderr
     log = (home / "logs" / "hpref.log").read_text()
     assert "Traceback" in log and "kaboom" in log
+
+
+def test_data_stats_on_a_recipe_reports_the_bayes_floor(tmp_path):
+    # `hpref data stats` must stream the recipe's dataset and report the synthetic arena's floor.
+    path = write(tmp_path, GOOD)
+    result = run_hpref("data", "stats", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert stats["summary"]["rows_used"] == 100
+    text = run_hpref("data", "stats", str(path)).stdout
+    assert "Bayes floor" in text and "uniform 1.0986" in text
+
+
+def test_data_stats_bad_split_exit_2(tmp_path):
+    result = run_hpref("data", "stats", str(write(tmp_path, GOOD)), "--split", "eval")
+    assert result.returncode == 2
+    assert "dataset.eval: the recipe has no such section" in result.stderr

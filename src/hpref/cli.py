@@ -29,6 +29,8 @@ app = typer.Typer(
 )
 recipes_app = typer.Typer(help="List, show and check recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
+data_app = typer.Typer(help="Inspect preference data.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 SetOption = typer.Option([], "--set", "-s", help="Override a recipe value: section.key=value (repeatable).")
 
@@ -271,6 +273,54 @@ def recipes_check(
         resolved = load_recipe(path, overrides)
         parts = ", ".join(f"{dotted}={sec.name}" for dotted, _kind, sec in resolved.component_sections())
         typer.echo(f"ok  {path}  ({parts})")
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+
+
+@data_app.command("stats")
+def data_stats_command(
+    source: str = typer.Argument(..., help="A data file (arena or chosen/rejected schema) or a recipe."),
+    split: str = typer.Option("train", help="With a recipe: which dataset section, train or eval."),
+    tokens: bool = typer.Option(
+        False, "--tokens", help="With a recipe: also format and tokenize, for token lengths and truncation."
+    ),
+    overrides: list[str] = SetOption,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    """Rows read/used/skipped, label shares, turns, token lengths; the Bayes floor for synthetic data."""
+    from hpref.data.stats import data_stats, format_stats, open_data_file
+    from hpref.errors import RecipeError
+
+    path = resolve_recipe_path(source)
+    formatter = None
+    if path.suffix == ".toml":
+        from hpref.plugins import load_plugins
+        from hpref.recipe import load_recipe
+
+        recipe = load_recipe(path, overrides)
+        if split not in ("train", "eval"):
+            raise RecipeError(f"--split {split!r}: expected train or eval")
+        section = getattr(recipe.dataset, split)
+        if section is None:
+            raise RecipeError(f"{path}: dataset.{split}: the recipe has no such section")
+        registry = load_plugins()
+        data = registry.get("dataset", section.name).build(section.config, seed=recipe.run.seed)
+        if tokens:
+            if recipe.model is None or recipe.formatter is None:
+                raise RecipeError(f"{path}: --tokens needs [model] (for its tokenizer) and [formatter]")
+            model = registry.get("model", recipe.model.name).build(recipe.model.config, meta=True)
+            formatter = registry.get("formatter", recipe.formatter.name).build(
+                recipe.formatter.config, model.tokenizer, recipe.train.max_length
+            )
+    else:
+        data = open_data_file(path, seed=0)
+    stats = data_stats(data, formatter)
+    if as_json:
+        typer.echo(json.dumps(stats, indent=2, default=str))
+    else:
+        typer.echo(format_stats(stats))
 
 
 # --------------------------------------------------------------------------------------------------
