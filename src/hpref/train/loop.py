@@ -252,7 +252,7 @@ def _progress(enabled: bool, total: int, completed: int):
 
 def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     """Train to `total_steps`, evaluating, logging and checkpointing on the way; returns the summary."""
-    recipe, train_cfg = setup.recipe, setup.recipe.train
+    train_cfg = setup.recipe.train
     rank, world, device = setup.rank, setup.world_size, setup.device
     metrics = MetricsFile(setup.run_dir / "metrics.jsonl" if rank == 0 else None)
     stats = RunStats()
@@ -392,9 +392,9 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
 
                 if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
                     do_eval(epoch)
-                if epoch_end and train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0:
-                    if stats.eval_step != stats.step:
-                        do_eval(epoch)
+                eval_epoch = train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0
+                if epoch_end and eval_epoch and stats.eval_step != stats.step:
+                    do_eval(epoch)
                 interval_due = (
                     train_cfg.checkpoint_interval and stats.step % train_cfg.checkpoint_interval == 0
                 )

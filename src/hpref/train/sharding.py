@@ -63,8 +63,9 @@ def parallelize(
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     logger.info(
-        f"FSDP2: {len(blocks)} blocks + root over {dist.get_world_size()} rank(s), compute {_name(param_dtype)}, "
-        f"reduce fp32, activation checkpointing {'on' if activation_checkpointing else 'off'}"
+        f"FSDP2: {len(blocks)} blocks + root over {dist.get_world_size()} rank(s), "
+        f"compute {_name(param_dtype)}, reduce fp32, "
+        f"activation checkpointing {'on' if activation_checkpointing else 'off'}"
     )
     return model
 

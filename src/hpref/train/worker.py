@@ -103,7 +103,8 @@ def build_setup(recipe: Recipe, info: DistInfo):
     )
     if train_cfg.max_length > model.max_position_embeddings:
         raise UserError(
-            f"train.max_length {train_cfg.max_length} exceeds the model's {model.max_position_embeddings} positions"
+            f"train.max_length {train_cfg.max_length} exceeds the model's "
+            f"{model.max_position_embeddings} positions"
         )
     if recipe.formatter is not None:
         formatter_c, formatter_cfg = registry.get("formatter", recipe.formatter.name), recipe.formatter.config
@@ -218,6 +219,7 @@ def run_worker(
         setup = build_setup(recipe, info)
         resume_from = resolve_resume(run_dir, resume)
         fit(setup, resume_from)
+        dist.barrier()  # rank 0 prints the summary last; no rank tears the group down under it
         return 0
     except UserError as exc:
         _record_failure(exc)

@@ -1,0 +1,112 @@
+"""Tiny training runs for the engine tests: a 2-block, 32-wide Llama on 72 synthetic battles.
+
+Every run folder lives under pytest's tmp dirs; the tokenizer cache is private to the session.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+pytest.importorskip("torch")
+
+RECIPE = """
+[run]
+name = "{name}"
+output_dir = "{output_dir}"
+seed = 0
+
+[model]
+name = "tiny-llama"
+hidden_size = 32
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+intermediate_size = 64
+vocab_size = 512
+tokenizer_texts = 500
+head_dropout = 0.0  # dropout draws differ by rank: a 1-rank and a 2-rank run would differ
+
+[dataset.train]
+name = "synthetic-arena"
+num_battles = 96
+folds = 4
+split = "train"
+
+[dataset.eval]
+name = "synthetic-arena"
+num_battles = 96
+folds = 4
+split = "eval"
+
+[optimizer]
+lr = 1e-3
+
+[scheduler]
+name = "linear"
+
+[train]
+epochs = 2
+batch_size = 8
+micro_batch_tokens = 1024
+max_length = 512
+precision = "fp32"
+log_interval = 1
+checkpoint_interval = 3
+keep_checkpoints = 2
+"""
+
+#: 72 train battles / 8 per step = 9 steps per epoch, 18 in all.
+TOTAL_STEPS = 18
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
+    monkeypatch.delenv("HPREF_DEBUG_FAIL_RANK", raising=False)
+    monkeypatch.delenv("HPREF_DEBUG_CRASH_AFTER_STEP", raising=False)
+
+
+def write_recipe(folder: Path, name: str = "run") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.toml"
+    path.write_text(RECIPE.format(name=name, output_dir=(folder / "runs").as_posix()))
+    return path
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss; for a resumed run, the last record of each step wins."""
+    from hpref.train.metrics import read_metrics
+
+    return {
+        r["step"]: r["step_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"
+    }
+
+
+@pytest.fixture
+def log_messages():
+    """Every loguru message (any level) emitted during the test."""
+    from loguru import logger
+
+    messages: list[str] = []
+    handler = logger.add(lambda m: messages.append(str(m)), level="DEBUG", format="{level} {message}")
+    yield messages
+    logger.remove(handler)
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """The uninterrupted 2-rank reference run, shared by the equivalence and resume tests."""
+    from hpref.train import run_train
+
+    folder = tmp_path_factory.mktemp("two-rank")
+    recipe = write_recipe(folder, "ref")
+    os.environ.setdefault("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
+    code = run_train(recipe, nproc_per_node=2)
+    assert code == 0, "the 2-rank reference run failed; see its logs under " + str(folder)
+    return folder / "runs" / "ref"

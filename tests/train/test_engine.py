@@ -1,0 +1,152 @@
+"""End-to-end engine tests: real process groups (gloo), torchrun for 2 ranks, tiny sizes."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from tests.train.conftest import TOTAL_STEPS, train_losses, write_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def test_one_rank_and_two_ranks_follow_the_same_loss_curve(tmp_path, two_rank_run):
+    """Same global batch on 1 and 2 ranks -> same losses. If this fails, the loss weighting over
+    micro-batches and ranks is wrong (FSDP's gradient averaging not undone, fillers counted, or the
+    per-step denominator not global), or the ranks do not see the same data."""
+    from hpref.train import run_train
+
+    recipe = write_recipe(tmp_path, "one")
+    assert run_train(recipe, nproc_per_node=1) == 0
+    one, two = train_losses(tmp_path / "runs" / "one"), train_losses(two_rank_run)
+    assert sorted(one) == sorted(two) == list(range(1, TOTAL_STEPS + 1))
+    for step in one:
+        assert one[step] == pytest.approx(two[step], abs=2e-5), f"step {step}"
+    assert one[1] == pytest.approx(1.0986, abs=0.05)  # a fresh head predicts ~uniform
+    from hpref.train.metrics import read_metrics
+
+    evals = [r for r in read_metrics(two_rank_run / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals, "the 2-rank run never evaluated"
+    assert (
+        (two_rank_run / "predictions.csv")
+        .read_text()
+        .startswith("id,winner_model_a,winner_model_b,winner_tie")
+    )
+
+
+def test_run_killed_mid_epoch_resumes_to_the_same_losses(tmp_path, two_rank_run, monkeypatch, log_messages):
+    """Crash after step 7 (latest checkpoint: step 6, mid-epoch), resume with `--resume auto`: every
+    later step must have the uninterrupted run's loss. If this fails, some state is not saved or not
+    restored (optimizer moments, scheduler, sampler position, RNG), or resume picked the partial
+    checkpoint planted beside the complete ones."""
+    from hpref.train import run_train
+
+    recipe = write_recipe(tmp_path, "ref")  # same name as the reference: same seeds, same data
+    run_dir = tmp_path / "runs" / "ref"
+    monkeypatch.setenv("HPREF_DEBUG_CRASH_AFTER_STEP", "7")
+    assert run_train(recipe, nproc_per_node=2) != 0
+    monkeypatch.delenv("HPREF_DEBUG_CRASH_AFTER_STEP")
+    assert (run_dir / "checkpoints" / "step-000006").is_dir()
+    partial = run_dir / "checkpoints" / ".tmp-step-000009"  # a save that died half-way
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"garbage")
+
+    assert run_train(recipe, nproc_per_node=2, resume="auto") == 0
+    resumed, reference = train_losses(run_dir), train_losses(two_rank_run)
+    for step in range(7, TOTAL_STEPS + 1):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), f"step {step}"
+    text = "\n".join(log_messages)
+    assert "ignoring partial checkpoint" in text and ".tmp-step-000009" in text
+    assert "resumed from" in (run_dir / "logs" / "rank0.log").read_text()
+    assert "step-000006" in (run_dir / "logs" / "rank1.log").read_text()
+
+
+def test_a_failing_rank_ends_the_run_fast_and_is_named(tmp_path, monkeypatch, log_messages):
+    """Rank 1 raises at its first step while rank 0 waits in a collective. If this hangs or returns 0,
+    the launcher does not propagate child failures; if the message lacks the rank, users cannot
+    find the log that explains it."""
+    from hpref.train import run_train
+
+    recipe = write_recipe(tmp_path, "fail")
+    monkeypatch.setenv("HPREF_DEBUG_FAIL_RANK", "1")
+    start = time.monotonic()
+    code = run_train(recipe, nproc_per_node=2)
+    assert code == 1
+    assert time.monotonic() - start < 60
+    text = "\n".join(log_messages)
+    assert "rank 1 failed (exit code 1)" in text, text[-2000:]
+    assert "SimulatedCrash" in text and "rank1.log" in text
+
+
+def test_init_then_train_starts_from_the_saved_weights(tmp_path):
+    """`hpref init` writes safetensors; `train` in the same run folder must load them. The test
+    biases the saved head towards 'A wins': if the first loss is still ~ln 3, train ignored them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hpref.train import run_init, run_train
+
+    recipe = write_recipe(tmp_path, "init")
+    folder = run_init(recipe, ["train.max_steps=2", "train.eval_interval=0"])
+    assert folder == tmp_path / "runs" / "init" / "init"
+    head = load_file(str(folder / "head.safetensors"))
+    assert {"out_proj.bias", "dense.weight"} <= set(head)
+    head["out_proj.bias"] = torch.tensor([6.0, 0.0, 0.0])
+    save_file(head, str(folder / "head.safetensors"))
+
+    assert run_train(recipe, ["train.max_steps=2", "train.eval_interval=0"]) == 0
+    losses = train_losses(tmp_path / "runs" / "init")
+    assert losses[1] > 2.5, losses
+
+
+def test_bf16_with_activation_checkpointing_trains(tmp_path):
+    """The mixed-precision path (bf16 compute, fp32 master weights and reductions) with per-block
+    activation checkpointing runs and gives a finite, ~uniform first loss."""
+    import math
+
+    from hpref.train import run_train
+
+    recipe = write_recipe(tmp_path, "bf16")
+    overrides = ['train.precision="bf16"', "train.activation_checkpointing=true", "train.max_steps=3"]
+    assert run_train(recipe, overrides) == 0
+    losses = train_losses(tmp_path / "runs" / "bf16")
+    assert all(math.isfinite(v) for v in losses.values())
+    assert losses[1] == pytest.approx(1.0986, abs=0.05)
+    log = (tmp_path / "runs" / "bf16" / "logs" / "rank0.log").read_text()
+    assert "compute bf16" in log and "activation checkpointing on" in log
+
+
+def test_dry_run_prints_the_command_and_the_recipe(tmp_path, capsys):
+    """`--dry-run` starts nothing and shows the exact torchrun command and the resolved recipe."""
+    from hpref.train import run_train
+
+    recipe = write_recipe(tmp_path, "dry")
+    assert run_train(recipe, ["train.epochs=3"], nproc_per_node=2, resume="auto", dry_run=True) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("torchrun --nproc-per-node 2 --nnodes 1 --max-restarts 0 --rdzv-backend c10d")
+    assert "--rdzv-endpoint 127.0.0.1:" in first
+    assert f"--module hpref.train.worker --recipe {recipe} --set train.epochs=3 --resume auto" in first
+    assert "epochs = 3" in out and "[model]" in out
+    assert not (tmp_path / "runs").exists()
+
+    assert run_train(recipe, nproc_per_node=1, dry_run=True) == 0
+    assert "-m hpref.train.worker --recipe" in capsys.readouterr().out
+
+
+def test_multi_node_command_uses_the_given_rendezvous(tmp_path):
+    """With --node-rank the static rendezvous keeps the node ranks as given; without it c10d."""
+    from hpref.recipe import load_recipe
+    from hpref.train.launch import plan_launch
+
+    recipe_path = write_recipe(tmp_path, "nodes")
+    recipe = load_recipe(recipe_path)
+    static = plan_launch(
+        recipe_path, [], recipe, nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="h0:29500"
+    )
+    assert "--rdzv-backend static --node-rank 1 --master-addr h0 --master-port 29500" in static.command()
+    c10d = plan_launch(recipe_path, [], recipe, nproc_per_node=8, nnodes=2, rdzv_endpoint="h0:29500")
+    assert "--rdzv-backend c10d --rdzv-endpoint h0:29500 --rdzv-id nodes" in c10d.command()
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)

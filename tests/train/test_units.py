@@ -1,0 +1,182 @@
+"""Small pure pieces of the engine, no processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+class ToyModel(torch.nn.Module):
+    """Mean-pooled embeddings per packed sequence -> 3 logits (the PreferenceModel call shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(50, 8, generator=gen))
+        self.out = torch.nn.Linear(8, 3)
+        with torch.no_grad():
+            self.out.weight.copy_(torch.randn(3, 8, generator=gen))
+            self.out.bias.zero_()
+
+    def forward(self, input_ids, cu_seqlens, position_ids, max_seqlen=None):
+        seg = torch.repeat_interleave(
+            torch.arange(len(cu_seqlens) - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        )
+        sums = torch.zeros(len(cu_seqlens) - 1, 8).index_add_(0, seg, self.emb[input_ids])
+        counts = (cu_seqlens[1:] - cu_seqlens[:-1]).float()[:, None]
+        return self.out(sums / counts)
+
+
+def _examples():
+    from hpref.data.packing import TokenizedExample
+
+    gen = torch.Generator().manual_seed(1)
+    labels = [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.2, 0.5, 0.3)]
+    return [
+        TokenizedExample(ids=torch.randint(0, 50, (n,), generator=gen).tolist(), label=lab, row=i)
+        for i, (n, lab) in enumerate(zip((3, 7, 2, 5), labels, strict=True))
+    ]
+
+
+def _step(split):
+    from hpref.data.packing import collate, filler
+    from hpref.train.loop import train_step
+
+    model = ToyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    examples = _examples()
+    batches = [collate([examples[i] if i >= 0 else filler() for i in mb]) for mb in split]
+    loss_sum, _ = train_step(
+        model, opt, batches, step_sequences=4, world_size=1, grad_clip=None, device=torch.device("cpu")
+    )
+    return loss_sum, model
+
+
+def test_loss_weighting_is_the_step_mean_whatever_the_packing():
+    """One micro-batch of 4, or 3 uneven micro-batches plus a filler, sum to the same step loss. If
+    not, fillers are counted or a sequence is lost between micro-batches."""
+    from hpref.data.packing import collate
+    from hpref.train.loop import soft_cross_entropy
+
+    whole, _ = _step([(0, 1, 2, 3)])
+    split, _ = _step([(3,), (0, 2), (1, -1)])
+    assert float(whole) == pytest.approx(float(split), rel=1e-6)
+    batch = collate(_examples())
+    expected = soft_cross_entropy(
+        ToyModel()(batch.input_ids, batch.cu_seqlens, batch.position_ids), batch.labels
+    )
+    assert float(whole) == pytest.approx(float(expected.sum()), rel=1e-6)
+
+
+def test_gradients_match_between_packings():
+    """The gradient of the step equals the mean-loss gradient: if not, micro-batches are weighted
+    by count instead of by sequences (a short micro-batch would weigh as much as a long one)."""
+    from hpref.data.packing import collate, filler
+    from hpref.train.loop import soft_cross_entropy
+
+    def grads(split):
+        model = ToyModel()
+        examples = _examples()
+        for mb in split:
+            batch = collate([examples[i] if i >= 0 else filler() for i in mb])
+            ce = soft_cross_entropy(
+                model(batch.input_ids, batch.cu_seqlens, batch.position_ids), batch.labels
+            )
+            (ce * batch.weights).sum().div(4).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads([(0, 1, 2, 3)]), grads([(3,), (0, 2), (1, -1)]), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_soft_cross_entropy_matches_torch_for_hard_and_soft_labels():
+    from hpref.train.loop import soft_cross_entropy
+
+    logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]])
+    labels = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    expected = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    torch.testing.assert_close(soft_cross_entropy(logits, labels), expected)
+
+
+def test_eval_metrics():
+    import numpy as np
+
+    from hpref.train.loop import eval_metrics
+
+    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
+    labels = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    log_loss, accuracy = eval_metrics(probs, labels)
+    assert log_loss == pytest.approx(-(np.log(0.7) + np.log(0.1)) / 2)
+    assert accuracy == 0.5
+
+
+def _fake_checkpoint(folder, complete=True):
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / ".metadata").write_bytes(b"x")
+        (folder / "train_state.json").write_text(json.dumps({"step": 1}))
+
+
+def test_partial_checkpoints_are_ignored_with_a_warning(tmp_path, caplog):
+    """Resume must pick the newest *complete* checkpoint: a `.tmp-*` folder, a step folder without
+    DCP metadata and a `latest` pointer naming either are all distrusted, and each is reported."""
+    from loguru import logger
+
+    from hpref.train.checkpoint import find_latest, resolve_resume
+
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root / "step-000002")
+    _fake_checkpoint(root / "step-000004")
+    _fake_checkpoint(root / ".tmp-step-000006", complete=False)
+    _fake_checkpoint(root / "step-000008", complete=False)
+    (root / "latest").write_text("step-000008")
+    messages: list[str] = []
+    handler = logger.add(lambda m: messages.append(str(m)), level="WARNING", format="{message}")
+    try:
+        assert find_latest(tmp_path) == root / "step-000004"
+    finally:
+        logger.remove(handler)
+    text = "".join(messages)
+    assert ".tmp-step-000006" in text and "step-000008" in text
+    assert resolve_resume(tmp_path, None) is None
+    assert resolve_resume(tmp_path, "auto") == root / "step-000004"
+    assert resolve_resume(tmp_path, tmp_path) == root / "step-000004"  # a run folder
+    from hpref.errors import UserError
+
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        resolve_resume(tmp_path, root / ".tmp-step-000006")
+
+
+def test_rng_state_round_trips_through_json():
+    import random
+
+    import numpy as np
+
+    from hpref.train.checkpoint import rng_state, set_rng_state
+
+    state = json.loads(json.dumps(rng_state()))
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    set_rng_state(state)
+    again = (torch.rand(3), random.random(), np.random.rand())
+    torch.testing.assert_close(expected[0], again[0])
+    assert expected[1:] == again[1:]
+
+
+def test_optimizer_groups_give_the_head_its_own_lr():
+    from hpref.recipe import OptimizerSection
+    from hpref.train.loop import build_optimizer
+
+    class WithHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 3)
+
+    opt = build_optimizer(
+        WithHead(), OptimizerSection(lr=1e-4, head_lr=1e-3, weight_decay=0.1), torch.device("cpu")
+    )
+    by_lr = {(g["lr"], g["weight_decay"]): sum(p.numel() for p in g["params"]) for g in opt.param_groups}
+    assert by_lr == {(1e-4, 0.1): 16, (1e-4, 0.0): 4, (1e-3, 0.1): 12, (1e-3, 0.0): 3}
