@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-t
 
 quickstart: $(STAMP)
 	$(BIN)/hpref recipes check quickstart
-	$(BIN)/hpref recipes show quickstart
+	$(BIN)/hpref train quickstart
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

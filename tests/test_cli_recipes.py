@@ -228,3 +228,20 @@ def test_data_stats_bad_split_exit_2(tmp_path):
     result = run_hpref("data", "stats", str(write(tmp_path, GOOD)), "--split", "eval")
     assert result.returncode == 2
     assert "dataset.eval: the recipe has no such section" in result.stderr
+
+
+def test_train_dry_run_prints_the_torchrun_command():
+    # The quickstart asks for 2 CPU ranks: the command must be torchrun with 2 processes, and the
+    # resolved recipe must follow it; nothing may start.
+    result = run_hpref("train", "quickstart", "--dry-run", "--set", "train.epochs=1")
+    assert result.returncode == 0, result.stderr
+    first, _, rest = result.stdout.partition("\n")
+    assert first.startswith("torchrun --nproc-per-node 2 --nnodes 1")
+    assert "--module hpref.train.worker" in first and "train.epochs=1" in first
+    assert tomllib.loads(rest)["train"]["epochs"] == 1
+
+
+def test_train_bad_recipe_exits_2_before_any_process(tmp_path):
+    result = run_hpref("train", str(write(tmp_path, "[train]\nbatch_size = -1\n")))
+    assert result.returncode == 2
+    assert "train.batch_size: Input should be greater than or equal to 1" in result.stderr

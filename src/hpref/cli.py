@@ -276,6 +276,57 @@ def recipes_check(
 
 
 # --------------------------------------------------------------------------------------------------
+# training
+
+
+@app.command("init")
+def init_command(
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name."),
+    overrides: list[str] = SetOption,
+) -> None:
+    """Build the recipe's model (backbone + new head), save it as safetensors in the run folder, exit."""
+    from hpref.train.launch import run_init
+
+    folder = run_init(resolve_recipe_path(recipe), overrides)
+    typer.echo(str(folder))
+
+
+@app.command("train")
+def train_command(
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name."),
+    overrides: list[str] = SetOption,
+    nproc_per_node: int | None = typer.Option(
+        None, "--nproc-per-node", min=1, help="Processes per node (default: GPUs, else launch.nproc)."
+    ),
+    nnodes: int | None = typer.Option(
+        None, "--nnodes", min=1, help="Number of nodes (default: launch.nnodes)."
+    ),
+    node_rank: int | None = typer.Option(None, "--node-rank", min=0, help="This node's rank."),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of the torchrun rendezvous (default: a free local port)."
+    ),
+    resume: str | None = typer.Option(
+        None, "--resume", help="'auto' (latest complete checkpoint) or a path."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command and resolved recipe."),
+) -> None:
+    """Train a preference model: FSDP2 processes through torchrun (one process runs in-process)."""
+    from hpref.train.launch import run_train
+
+    code = run_train(
+        resolve_recipe_path(recipe),
+        overrides,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        resume=resume,
+        dry_run=dry_run,
+    )
+    raise typer.Exit(code)
+
+
+# --------------------------------------------------------------------------------------------------
 # data
 
 
