@@ -161,10 +161,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _write_json(path: Path, data: Any) -> None:
+def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(data))
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    _write_atomically(path, json.dumps(data))
 
 
 def save_checkpoint(
@@ -199,7 +203,7 @@ def save_checkpoint(
         if final.exists():  # the same step saved twice (an interval that is also an epoch end)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_json(root / LATEST, final.name)
+        _write_atomically(root / LATEST, final.name + "\n")
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info(f"checkpoint {final}")

@@ -5,9 +5,9 @@ parser and launcher (`torch.distributed.run`, the torchtune way), so every torch
 there and a cluster needs nothing new:
 
 - one node: c10d rendezvous on 127.0.0.1 and a free port;
-- several nodes: `--rdzv-endpoint HOST:PORT` on every node; with `--node-rank` the static
-  rendezvous (HOST:PORT is the master, node ranks as given), without it c10d (ranks assigned on
-  arrival).
+- several nodes: the same `--rdzv-endpoint HOST:PORT` on every node and each node's own
+  `--node-rank`: torchrun's static rendezvous (HOST:PORT is rank 0's node, node ranks as given),
+  which is what schedulers such as SLURM hand out.
 
 A rank that fails stops the others (torchrun's agent watches them every 0.1 s) and the launcher
 reports which rank died, with what, and where its log is; its exit code becomes `hpref`'s.
@@ -78,17 +78,19 @@ def plan_launch(
     if nproc * nodes == 1:
         return LaunchPlan(nproc, nodes, worker_args, None)
     endpoint = rdzv_endpoint or recipe.launch.rdzv_endpoint
-    rank = node_rank if node_rank is not None else (recipe.launch.node_rank if nodes > 1 else None)
     args = ["--nproc-per-node", str(nproc), "--nnodes", str(nodes), "--max-restarts", "0"]
     if nodes == 1 and endpoint is None:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    elif nodes == 1:
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
     elif endpoint is None:
         from hpref.errors import UserError
 
         raise UserError(
             f"{nodes} nodes need --rdzv-endpoint HOST:PORT (or launch.rdzv_endpoint), the same on every node"
         )
-    elif rank is not None:
+    else:
+        rank = node_rank if node_rank is not None else recipe.launch.node_rank
         host, _, port = endpoint.rpartition(":")
         args += [
             "--rdzv-backend",
@@ -100,8 +102,6 @@ def plan_launch(
             "--master-port",
             port,
         ]
-    else:
-        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", recipe.run.name]
     args += ["--module", WORKER_MODULE, *worker_args]
     return LaunchPlan(nproc, nodes, worker_args, args)
 

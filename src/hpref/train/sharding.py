@@ -81,7 +81,8 @@ def read_init_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state = {f"backbone.{k}": v for k, v in load_file(str(folder / "model.safetensors")).items()}
-    state.update({f"head.{k}": v for k, v in load_file(str(folder / "head.safetensors")).items()})
+    head = load_file(str(folder / "head.safetensors"))  # keys carry the `head.` prefix already
+    state.update({k if k.startswith("head.") else f"head.{k}": v for k, v in head.items()})
     return state
 
 
