@@ -1,7 +1,9 @@
 """Battles -> tokenized examples for the trainer (both A/B views for training, one for eval).
 
-Every rank tokenizes the same data the same way, so the packing plan, a pure function of the
-lengths, agrees on every rank without communication.
+Every rank holds the same examples, so the packing plan, a pure function of the lengths, agrees on
+every rank without communication. Training data goes through the token cache (`hpref.data.cache`):
+rank 0 tokenizes and writes it while the others wait at a barrier, then they load it. Eval data
+is tokenized directly, keeping the battles, whose ids the predictions file needs.
 """
 
 from __future__ import annotations
@@ -19,14 +21,38 @@ _CHUNK = 256  # battles per tokenizer call
 
 @dataclass
 class Tokenized:
-    """Examples plus the battles they came from (`examples[i].row` indexes `battles`)."""
+    """Examples plus, for eval data, the battles they came from (`examples[i].row` indexes them)."""
 
     examples: list[TokenizedExample]
-    battles: list[Battle]
+    battles: list[Battle] | None = None
 
     @property
     def lengths(self) -> list[int]:
         return [len(e) for e in self.examples]
+
+    @property
+    def num_battles(self) -> int:
+        return len({e.row for e in self.examples})
+
+
+def tokenize_cached(source: Any, formatter: Any, *, swap: str, name: str) -> Tokenized:
+    """Training examples through the token cache; rank 0 fills it first (collective when a process
+    group is up)."""
+    import torch.distributed as dist
+
+    from hpref.data.cache import tokenize_dataset
+
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    examples: list[TokenizedExample] = []
+    if not distributed or dist.get_rank() == 0:
+        examples = tokenize_dataset(source, formatter, swap=swap)
+    if distributed:
+        dist.barrier()
+        if dist.get_rank() != 0:
+            examples = tokenize_dataset(source, formatter, swap=swap)
+    if not examples:
+        raise DataError(f"{name}: the dataset yielded no battles")
+    return Tokenized(examples=examples)
 
 
 def tokenize(battles: Iterable[Battle], formatter: Any, *, both_views: bool, name: str) -> Tokenized:

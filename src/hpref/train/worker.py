@@ -87,7 +87,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
     """Components -> tokenized data -> sharded model -> optimizer, sampler, scheduler."""
     from hpref.data.packing import StepSampler
     from hpref.plugins import load_plugins
-    from hpref.train.data import require_labels, tokenize
+    from hpref.train.data import require_labels, tokenize, tokenize_cached
     from hpref.train.loop import TrainSetup, build_lr_scheduler, build_optimizer
     from hpref.train.metrics import peak_flops
     from hpref.train.sharding import init_weights_folder, load_initial_weights, parallelize, resolve_precision
@@ -115,9 +115,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
 
     seed = recipe.run.seed
     train_source = registry.get("dataset", recipe.dataset.train.name).build(recipe.dataset.train.config, seed)
-    train_data = tokenize(
-        train_source.battles(), formatter, both_views=train_cfg.swap != "none", name="dataset.train"
-    )
+    train_data = tokenize_cached(train_source, formatter, swap=train_cfg.swap, name="dataset.train")
     require_labels(train_data, "dataset.train")
     eval_source = eval_data = None
     if recipe.dataset.eval is not None:
@@ -127,7 +125,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
         eval_data = tokenize(eval_source.battles(), formatter, both_views=False, name="dataset.eval")
         require_labels(eval_data, "dataset.eval")
     logger.info(
-        f"data: {len(train_data.battles)} train battles ({len(train_data.examples)} sequences, "
+        f"data: {train_data.num_battles} train battles ({len(train_data.examples)} sequences, "
         f"{sum(train_data.lengths):,} tokens)"
         + (f", {len(eval_data.battles)} eval battles" if eval_data is not None else ", no eval set")
     )
