@@ -41,6 +41,7 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.datasets",
     "hpref.builtin.formatters",
     "hpref.builtin.models",
+    "hpref.builtin.rewards",
 )
 
 

@@ -1,0 +1,199 @@
+"""Built-in reward components for `hpref rl`: `rule` and `judge`.
+
+A reward's `build(config)` returns an object with
+
+    score_groups(prompts: list[tuple[str, ...]], groups: list[list[str]]) -> list[list[float]]
+
+`groups[i]` are the answers (one per sample of a GRPO group) to `prompts[i]`; the result has the same
+shape. Scoring whole groups at once lets a pairwise judge compare answers within a group and batch
+every comparison into one forward pass. Rewards also expose `true_utility(prompt, answer)` when they
+know the ground truth, for the metrics that reveal reward hacking.
+
+torch is imported inside `judge`'s build only: `hpref --help` loads this module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hpref.hookspecs import hookimpl
+
+Prompt = tuple[str, ...]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RuleConfig(_Config):
+    mode: Literal["utility", "pairwise"] = Field(
+        "utility",
+        description="utility = the arena judge's latent utility of each answer; pairwise = mean win "
+        "probability (+ half the tie probability) against the other answers of the group",
+    )
+    function: str | None = Field(
+        None,
+        description="'module:function' taking (prompt turns, answer) and returning a float, instead of "
+        "the synthetic arena's judge",
+    )
+
+
+class JudgeConfig(_Config):
+    path: str = Field(description="folder of a preference model exported by `hpref train` + `hpref save`")
+    formatter: str = Field("pab", description="the formatter the judge was trained with")
+    max_length: int = Field(512, ge=16, description="token budget of one judged pair")
+    symmetric: bool = Field(
+        True, description="judge each pair in both orders and average, cancelling the judge's position bias"
+    )
+    micro_batch_tokens: int = Field(16384, ge=64, description="tokens per packed scoring forward pass")
+
+
+def pairwise_rewards(n: int, win_prob: Callable[[int, int], float]) -> list[float]:
+    """Reward of each of `n` answers: its mean `win_prob(i, j)` over the other answers `j`.
+
+    `win_prob(i, j)` is P(i beats j) + half P(tie). With one answer there is nobody to beat: 0.5.
+    """
+    if n == 1:
+        return [0.5]
+    return [sum(win_prob(i, j) for j in range(n) if j != i) / (n - 1) for i in range(n)]
+
+
+def _import_function(spec: str) -> Callable[[Prompt, str], float]:
+    from hpref.errors import UserError
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"rl.reward.function: expected 'module:function', got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"rl.reward.function: cannot load {spec!r}: {exc}") from None
+    if not callable(fn):
+        raise UserError(f"rl.reward.function: {spec!r} is not callable")
+    return fn
+
+
+class RuleReward:
+    """The synthetic arena's ground-truth judge (or a user function) as the reward."""
+
+    def __init__(self, config: RuleConfig) -> None:
+        from hpref.data import synthetic
+
+        self.config = config
+        self._synthetic = synthetic
+        self._utility = _import_function(config.function) if config.function else synthetic.answer_utility
+
+    def true_utility(self, prompt: Prompt, answer: str) -> float:
+        return float(self._synthetic.answer_utility(prompt, answer))
+
+    def score_groups(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> list[list[float]]:
+        out = []
+        for prompt, answers in zip(prompts, groups, strict=True):
+            utilities = [float(self._utility(prompt, a)) for a in answers]
+            if self.config.mode == "utility":
+                out.append(utilities)
+                continue
+
+            def win(i: int, j: int, u: list[float] = utilities) -> float:
+                p_a, _p_b, p_tie = self._synthetic.davidson(u[i], u[j])
+                return p_a + 0.5 * p_tie
+
+            out.append(pairwise_rewards(len(answers), win))
+        return out
+
+
+class JudgeReward:
+    """An hpref preference model judging every pair of answers within a group."""
+
+    def __init__(self, config: JudgeConfig) -> None:
+        from hpref.models import PreferenceModel
+        from hpref.plugins import load_plugins
+
+        self.config = config
+        self.model = PreferenceModel.from_pretrained(config.path).eval()
+        component = load_plugins().get("formatter", config.formatter)
+        self.formatter = component.build(component.config(), self.model.tokenizer, config.max_length)
+        from hpref.data import synthetic
+
+        self._synthetic = synthetic
+
+    def true_utility(self, prompt: Prompt, answer: str) -> float:
+        return float(self._synthetic.answer_utility(prompt, answer))
+
+    def judge_pairs(self, battles: list[Any]) -> list[tuple[float, float, float]]:
+        """(p_a, p_b, p_tie) of each battle, scored in packed micro-batches."""
+        import torch
+
+        ids = [self.formatter.encode(b) for b in battles]
+        probs: list[tuple[float, float, float]] = []
+        start = 0
+        with torch.no_grad():
+            while start < len(ids):
+                end, tokens = start, 0
+                while end < len(ids) and (
+                    end == start or tokens + len(ids[end]) <= self.config.micro_batch_tokens
+                ):
+                    tokens += len(ids[end])
+                    end += 1
+                chunk = ids[start:end]
+                lengths = torch.tensor([len(x) for x in chunk])
+                cu = torch.zeros(len(chunk) + 1, dtype=torch.int32)
+                cu[1:] = lengths.cumsum(0)
+                flat = torch.tensor([t for x in chunk for t in x], dtype=torch.long)
+                positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+                logits = self.model(flat, cu, positions)
+                probs.extend(tuple(row) for row in torch.softmax(logits, dim=-1).tolist())
+                start = end
+        return probs
+
+    def score_groups(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> list[list[float]]:
+        from hpref.data.records import Battle
+
+        battles, index = [], {}
+        for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
+            for i in range(len(answers)):
+                for j in range(len(answers)):
+                    if i == j or (not self.config.symmetric and j < i):
+                        continue
+                    index[(g, i, j)] = len(battles)
+                    battles.append(Battle(f"rl-{g}-{i}-{j}", tuple(prompt), (answers[i],), (answers[j],)))
+        probs = self.judge_pairs(battles)
+        out = []
+        for g, answers in enumerate(groups):
+
+            def win(i: int, j: int, g: int = g) -> float:
+                if (g, i, j) in index:
+                    p_a, _, p_tie = probs[index[(g, i, j)]]
+                    forward = p_a + 0.5 * p_tie
+                else:
+                    forward = None
+                if (g, j, i) in index:
+                    _, p_b, p_tie = probs[index[(g, j, i)]]
+                    backward = p_b + 0.5 * p_tie
+                else:
+                    backward = None
+                both = [x for x in (forward, backward) if x is not None]
+                return sum(both) / len(both)
+
+            out.append(pairwise_rewards(len(answers), win))
+        return out
+
+
+def build_rule(config: RuleConfig) -> RuleReward:
+    """The synthetic arena's ground-truth judge (or a user function) scoring each answer."""
+    return RuleReward(config)
+
+
+def build_judge(config: JudgeConfig) -> JudgeReward:
+    """An exported hpref preference model: reward = win probability (+ half tie) within the group."""
+    return JudgeReward(config)
+
+
+@hookimpl
+def register_rewards(register):
+    register(name="rule", config=RuleConfig, build=build_rule)
+    register(name="judge", config=JudgeConfig, build=build_judge)

@@ -1,0 +1,285 @@
+"""The `[rl]` recipe section of `hpref rl`.
+
+    [rl]
+    num_rollouts = 40            # rollouts the leader runs; followers run until it ends
+    save_interval = 10           # global save every N leader rollouts (0 = only at the end)
+    eval_interval = 10           # park everyone and evaluate every N leader rollouts (0 = never)
+    update_weights_interval = 1  # push trainer weights to the engine every N rollouts per policy
+    staleness_limit = 1          # most weight versions a rollout's engine may lag its trainer
+
+    [rl.rollout]                 # shared by every policy
+    group_size = 4
+    prompts_per_rollout = 8
+    max_new_tokens = 24
+    temperature = 1.0
+
+    [rl.reward]                  # a registered reward component and its parameters
+    name = "rule"
+
+    [rl.defaults]                # settings every policy starts from ...
+    lr = 1e-4
+    [rl.policies.a]              # ... and each policy's own table, over the defaults
+    model = { seed = 1 }
+    [rl.policies.b]
+    kl_coef = 0.05
+    rollout = { temperature = 0.7 }   # only the keys in POLICY_ROLLOUT_OVERRIDES
+
+`--policies a,b` picks which run; the first is the leader. `parse_rl_section` validates all of it
+and raises `RecipeError` with one line naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hpref.errors import RecipeError, UserError, did_you_mean
+
+POLICY_ID = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+#: Rollout settings a policy may set for itself in `[rl.policies.<id>.rollout]`. Group size and
+#: prompts per rollout stay shared: every policy answers the same prompts in groups of the same size,
+#: which is what makes their rewards comparable and cross-policy judging possible.
+POLICY_ROLLOUT_OVERRIDES = ("temperature", "top_k", "max_new_tokens")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class PolicyModelConfig(_Section):
+    """The policy's causal LM: a local folder, or a tiny random-init Llama (tests, smoke runs)."""
+
+    path: str | None = Field(
+        None, description="local transformers causal-LM folder with its tokenizer (e.g. a warm-up checkpoint)"
+    )
+    hidden_size: int = Field(64, ge=8, description="tiny model: width")
+    num_hidden_layers: int = Field(2, ge=1, description="tiny model: decoder blocks")
+    num_attention_heads: int = Field(4, ge=1, description="tiny model: query heads")
+    num_key_value_heads: int = Field(2, ge=1, description="tiny model: key/value heads")
+    intermediate_size: int = Field(128, ge=8, description="tiny model: SwiGLU width")
+    max_position_embeddings: int = Field(512, ge=16, description="tiny model: longest sequence")
+    vocab_size: int = Field(2048, ge=300, description="tiny model: target BPE vocabulary size")
+    tokenizer_texts: int = Field(20000, ge=10, description="tiny model: texts the tokenizer trains on")
+    seed: int = Field(0, description="tiny model: seed of the random initialisation")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> PolicyModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+
+class PolicyRolloutOverrides(_Section):
+    temperature: float | None = Field(None, gt=0, description="sampling temperature of this policy")
+    top_k: int | None = Field(None, ge=0, description="top-k sampling of this policy (0 = off)")
+    max_new_tokens: int | None = Field(None, ge=1, description="longest answer of this policy")
+
+
+class PolicyConfig(_Section):
+    """One policy: its model, optimizer and GRPO settings."""
+
+    model: PolicyModelConfig = Field(default_factory=PolicyModelConfig, description="the causal LM")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the grad norm (none = off)")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="lower clip: ratios below 1 - clip_low are clipped")
+    clip_high: float = Field(0.28, ge=0, description="upper clip: ratios above 1 + clip_high are clipped")
+    kl_coef: float = Field(
+        0.0, ge=0, description="weight of the k3 KL to the frozen starting policy (0 = off)"
+    )
+    scale_by_std: bool = Field(True, description="divide advantages by the group std (false = Dr. GRPO)")
+    aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "token-mean", description="how token losses are averaged"
+    )
+    epochs_per_rollout: int = Field(1, ge=1, description="optimizer passes over each rollout")
+    rollout: PolicyRolloutOverrides = Field(
+        default_factory=PolicyRolloutOverrides,
+        description=f"this policy's own rollout settings (only {', '.join(POLICY_ROLLOUT_OVERRIDES)})",
+    )
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(4, ge=2, description="answers per prompt (GRPO compares within a group)")
+    prompts_per_rollout: int = Field(8, ge=1, description="prompts every policy answers per rollout")
+    max_new_tokens: int = Field(24, ge=1, description="longest answer, in tokens")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    families: list[str] | None = Field(None, description="synthetic arena task families (default: all)")
+    seed: int = Field(0, description="seed of the prompt stream and of sampling")
+    max_buffered: int = Field(2, ge=1, description="rollouts kept ready per policy (bounded buffer)")
+    eval_prompts: int = Field(32, ge=0, description="fixed prompts each eval answers greedily")
+
+
+class RewardSection(BaseModel):
+    """`name` picks a registered reward component; every other key is one of its parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field("rule", description="registered reward component (see `hpref components`)")
+
+
+class RLConfig(_Section):
+    policies: dict[str, PolicyConfig] = Field(description="the policies, by id")
+    num_rollouts: int = Field(20, ge=1, description="rollouts the leader runs")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="shared rollout settings")
+    reward: RewardSection = Field(default_factory=RewardSection, description="the reward component")
+    save_interval: int = Field(
+        0, ge=0, description="global save every N leader rollouts (0 = only at the end)"
+    )
+    eval_interval: int = Field(0, ge=0, description="evaluate every N leader rollouts (0 = never)")
+    update_weights_interval: int = Field(1, ge=1, description="push weights to the engine every N rollouts")
+    staleness_limit: int = Field(1, ge=0, description="most weight versions a rollout's engine may lag")
+    park_timeout: float = Field(600.0, gt=0, description="seconds the leader waits for followers to park")
+    debug_exit_after_rollout: int | None = Field(
+        None, ge=1, description="tests: save and stop after this leader rollout, as if interrupted"
+    )
+
+    # resolved by parse_rl_section; not part of the recipe text
+    reward_config: Any = Field(None, exclude=True, description="(internal) the validated reward config")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> RLConfig:
+        if self.debug_exit_after_rollout is not None and self.debug_exit_after_rollout > self.num_rollouts:
+            raise ValueError(
+                f"debug_exit_after_rollout ({self.debug_exit_after_rollout}) is after the last rollout "
+                f"({self.num_rollouts}), so it would never fire"
+            )
+        if self.eval_interval and self.rollout.eval_prompts == 0:
+            raise ValueError("eval_interval > 0 needs rollout.eval_prompts > 0")
+        return self
+
+    def policy_rollout(self, policy: str) -> RolloutConfig:
+        """The shared rollout settings with this policy's whitelisted overrides applied."""
+        own = self.policies[policy].rollout.model_dump(exclude_none=True)
+        return self.rollout.model_copy(update=own)
+
+    def select(self, policies: list[str]) -> list[str]:
+        """Check `--policies` against the declared ids; returns them in order (leader first)."""
+        if not policies:
+            raise UserError("--policies needs at least one policy id (the first is the leader)")
+        seen: set[str] = set()
+        for p in policies:
+            if p in seen:
+                raise UserError(f"--policies names '{p}' twice")
+            seen.add(p)
+            if p not in self.policies:
+                raise UserError(
+                    f"--policies: no policy '{p}' in [rl.policies]{did_you_mean(p, self.policies)}; "
+                    f"declared: {', '.join(sorted(self.policies))}"
+                )
+        return list(policies)
+
+
+# --------------------------------------------------------------------------------------------------
+# parsing
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`, tables merged key by key (so a policy can change one model key)."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _owner(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    current: type[BaseModel] | None = model
+    for part in loc[:-1]:
+        if current is None or part not in current.model_fields:
+            return None
+        ann = current.model_fields[part].annotation
+        current = next(
+            (
+                c
+                for c in (ann, *getattr(ann, "__args__", ()))
+                if isinstance(c, type) and issubclass(c, BaseModel)
+            ),
+            None,
+        )
+    return current
+
+
+def describe_error(exc: ValidationError, model: type[BaseModel], prefix: str) -> str:
+    """One line for the first error: `rl.policies.a.lr: Input should be greater than 0, got -1`."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    key = ".".join([prefix, *(str(p) for p in loc)])
+    if err["type"] == "extra_forbidden":
+        owner = _owner(model, loc)
+        fields = [f for f in (owner.model_fields if owner else {}) if f != "reward_config"]
+        return f"{key}: unknown key{did_you_mean(str(loc[-1]), fields)}; valid keys: {', '.join(fields)}"
+    if err["type"] == "missing":
+        return f"{key}: required key is missing"
+    got = err.get("input")
+    got_text = "a table" if isinstance(got, dict) else json.dumps(got, default=str)
+    if len(got_text) > 60:
+        got_text = got_text[:57] + "..."
+    msg = err["msg"].rstrip(".").removeprefix("Value error, ")
+    return f"{key}: {msg}, got {got_text}" if loc else f"{key}: {msg}"
+
+
+def parse_rl_section(data: dict[str, Any] | None, where: str = "recipe") -> RLConfig:
+    """Validate the `[rl]` table (policy tables merged over `[rl.defaults]`) and its reward component.
+
+    Every error is a `RecipeError` of one line: `<where>: rl.<dotted key>: <what is wrong>`.
+    """
+    if not data:
+        raise RecipeError(f"{where}: rl: hpref rl needs an [rl] section with at least one [rl.policies.<id>]")
+    data = dict(data)
+    defaults = data.pop("defaults", {}) or {}
+    if not isinstance(defaults, dict):
+        raise RecipeError(f"{where}: rl.defaults: expected a table")
+    try:
+        PolicyConfig.model_validate(defaults)
+    except ValidationError as exc:
+        raise RecipeError(f"{where}: {describe_error(exc, PolicyConfig, 'rl.defaults')}") from None
+    policies_raw = data.get("policies")
+    if not isinstance(policies_raw, dict) or not policies_raw:
+        raise RecipeError(f"{where}: rl.policies: declare at least one policy as [rl.policies.<id>]")
+    policies: dict[str, PolicyConfig] = {}
+    for pid, table in policies_raw.items():
+        if not POLICY_ID.match(pid):
+            raise RecipeError(
+                f"{where}: rl.policies.{pid}: a policy id is 1-32 lowercase letters, digits, '-' or '_', "
+                "starting with a letter"
+            )
+        if not isinstance(table, dict):
+            raise RecipeError(f"{where}: rl.policies.{pid}: expected a table")
+        try:
+            policies[pid] = PolicyConfig.model_validate(_merge(defaults, table))
+        except ValidationError as exc:
+            raise RecipeError(f"{where}: {describe_error(exc, PolicyConfig, f'rl.policies.{pid}')}") from None
+    data["policies"] = policies
+    if "reward_config" in data:
+        raise RecipeError(f"{where}: rl.reward_config: unknown key (did you mean 'reward'?)")
+    try:
+        config = RLConfig.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"{where}: {describe_error(exc, RLConfig, 'rl')}") from None
+    config.reward_config = resolve_reward(config.reward, where)
+    return config
+
+
+def resolve_reward(section: RewardSection, where: str = "recipe") -> BaseModel:
+    """The reward component's validated config (its parameters are the keys beside `name`)."""
+    from hpref.plugins import load_plugins
+
+    registry = load_plugins()
+    try:
+        component = registry.get("reward", section.name)
+    except UserError as exc:
+        raise RecipeError(f"{where}: rl.reward.name: {exc}") from None
+    try:
+        return component.config.model_validate(dict(section.model_extra or {}))
+    except ValidationError as exc:
+        raise RecipeError(f"{where}: {describe_error(exc, component.config, 'rl.reward')}") from None
