@@ -12,7 +12,10 @@ Layout of a run folder's `checkpoints/`:
 Why this shape
 - A checkpoint is written to `.tmp-step-N` and renamed to `step-N` by rank 0 after a barrier, so a
   folder named `step-N` is complete by construction; a crash mid-save leaves only a `.tmp-*`.
-- Nothing is unpickled on load: DCP reads tensors from its own format, the small state is JSON.
+- Nothing arbitrary is unpickled on load: the small state is JSON, DCP's tensor files hold raw
+  bytes (non-tensor items go through `torch.load(weights_only=True)`), and DCP's `.metadata`, a
+  pickle, is read by `SafeFileSystemReader`, whose unpickler admits only DCP's own metadata classes,
+  torch sizes/dtypes/layouts and paths.
 - RNG state is per rank (dropout draws differ by rank), so each rank saves and reloads its own file;
   resuming with a different world size is refused rather than silently changing the run.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -147,6 +151,65 @@ def _tupled(value: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------
+# reading DCP metadata without arbitrary pickle
+
+
+class UnsafeCheckpointError(UserError):
+    """A checkpoint's metadata names something other than checkpoint metadata."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits the classes DCP writes into `.metadata` and nothing else."""
+
+    _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+    _EXACT = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._EXACT or module in self._DCP_MODULES:
+            found = super().find_class(module, name)
+            if module not in self._DCP_MODULES or isinstance(found, type):
+                return found
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+                return value
+        raise UnsafeCheckpointError(
+            f"checkpoint metadata refers to {module}.{name}, which is not checkpoint metadata; "
+            "refusing to load it (was the file replaced?)"
+        )
+
+
+def _safe_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        """`FileSystemReader` whose `read_metadata` uses the allow-list unpickler."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            metadata_path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(metadata_path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(path))
+
+
+# --------------------------------------------------------------------------------------------------
 # save / load
 
 
@@ -232,7 +295,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
         )
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    load(state, checkpoint_id=str(path))
+    load(state, storage_reader=_safe_reader(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank_state = json.loads((path / _rank_file(rank)).read_text())
     set_rng_state(rank_state["rng"])
