@@ -1,0 +1,169 @@
+"""The actors in-process (no Ray): generation, the executor's ordering and staleness rules, GRPO
+steps, weight publishing and save/load round trips."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hpref.rl.actors import (  # noqa: E402
+    EngineActor,
+    LocalActor,
+    RolloutExecutor,
+    StaleWeightsError,
+    TrainerActor,
+    pad_batch,
+    rollout_prompts,
+    staleness_decision,
+    trim_completion,
+)
+from hpref.rl.config import parse_rl_section  # noqa: E402
+
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 64,
+    "vocab_size": 300,
+    "tokenizer_texts": 300,
+}
+
+
+def rl_config(**over):
+    data = {
+        "num_rollouts": 4,
+        "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 6, "max_buffered": 1},
+        "defaults": {"model": TINY, "lr": 1e-3},
+        "policies": {"a": {}, "b": {"model": {"seed": 1}, "kl_coef": 0.1}},
+    }
+    data.update(over)
+    return parse_rl_section(data, "test")
+
+
+def test_trim_completion_keeps_eos_and_drops_padding():
+    assert trim_completion([5, 6, 2, 7], eos_id=2, pad_id=0) == [5, 6, 2]
+    assert trim_completion([5, 0, 0], eos_id=2, pad_id=0) == [5]
+    assert trim_completion([5, 6], eos_id=2, pad_id=0) == [5, 6]
+
+
+def test_pad_batch_masks_exactly_the_completion_targets():
+    batch = pad_batch([[1, 2, 3], [1, 2]], [[7, 8], [9]], pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 7, 8], [1, 2, 9, 0, 0]]
+    # logits at t predict token t+1: completion tokens 7, 8 sit at targets 2, 3; 9 at target 1
+    assert batch["mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+
+
+def test_rollout_prompts_are_shared_and_positional():
+    cfg = rl_config().rollout
+    assert rollout_prompts(cfg, 3) == rollout_prompts(cfg, 3)
+    assert rollout_prompts(cfg, 3) != rollout_prompts(cfg, 4)
+    assert len(rollout_prompts(cfg, 0)) == cfg.prompts_per_rollout
+    assert all(len(p) == 1 for p in rollout_prompts(cfg, 0))
+
+
+def test_staleness_decision():
+    # interval 1, limit 1: rollout 5 needs version >= 4
+    assert staleness_decision("a", 5, 4, 5, 1, 1) == "use"
+    assert staleness_decision("a", 5, 3, 4, 1, 1) == "regenerate"
+    assert staleness_decision("a", 5, None, 4, 1, 1) == "regenerate"
+    with pytest.raises(StaleWeightsError, match="policy 'a': rollout 5 needs weights of version >= 4"):
+        staleness_decision("a", 5, None, 3, 1, 1)
+    # interval 2: rollout 5 is trained by version 2, so with limit 0 version 2 is needed
+    assert staleness_decision("a", 5, 2, 2, 2, 0) == "use"
+
+
+@pytest.fixture(scope="module")
+def actors():
+    mp = pytest.MonkeyPatch()
+    import tempfile
+
+    mp.setenv("HPREF_CACHE", tempfile.mkdtemp(prefix="hpref-rl-cache-"))
+    cfg = rl_config()
+    engines = {p: LocalActor(EngineActor(p, cfg.policies[p].model)) for p in ("a", "b")}
+    trainers = {p: TrainerActor(p, cfg.policies[p], cfg.update_weights_interval) for p in ("a", "b")}
+    yield cfg, engines, trainers
+    mp.undo()
+
+
+def test_engine_and_trainer_start_identical_and_agree_on_logprobs(actors):
+    cfg, engines, trainers = actors
+    engine = engines["a"].wrapped
+    for k, v in trainers["a"].model.state_dict().items():
+        assert torch.equal(v, engine.model.state_dict()[k]), k
+    out = engine.generate(rollout_prompts(cfg.rollout, 0), 2, 6, 1.0, 0, 123)
+    assert len(out["completions"]) == 4 and out["version"] == 0
+    again = engine.generate(rollout_prompts(cfg.rollout, 0), 2, 6, 1.0, 0, 123)
+    assert again["completions"] == out["completions"]  # seeded: regenerating replays the same answers
+    from hpref.rl.actors import completion_logprobs
+
+    batch = pad_batch(out["prompt_ids"], out["completions"], engine.tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp = completion_logprobs(trainers["a"].model, batch, 1.0)
+    for i, ref in enumerate(out["logprobs"]):
+        s = len(out["prompt_ids"][i]) - 1
+        # the trainer's teacher-forced log-probs match the engine's sampling ones (left vs right padding)
+        assert lp[i, s : s + len(ref)].tolist() == pytest.approx(ref, abs=1e-4)
+
+
+def test_executor_serves_in_order_and_the_trainer_steps(actors, tmp_path):
+    cfg, engines, trainers = actors
+
+    async def main():
+        ex = RolloutExecutor(cfg, ["a", "b"], engines)
+        r0 = await ex.get(0, "a")
+        with pytest.raises(RuntimeError, match="asked for rollout 2 but its next rollout is 1"):
+            await ex.get(2, "a")
+        assert ex.positions == {"a": 1, "b": 0}  # b's buffer is untouched by a
+        assert len(r0["rewards"]) == 4 and r0["version"] == 0
+        metrics = trainers["a"].train(r0)
+        assert metrics["engine_trainer_logprob_diff"] < 1e-3  # on-policy: ratio 1
+        assert metrics["clip_fraction"] == 0.0
+        version, state = trainers["a"].update_weights()
+        assert version == 1
+        await engines["a"].begin_update.remote(version)
+        await engines["a"].load_weights.remote(state)
+        assert await engines["a"].commit_update.remote() == 1
+        r1 = await ex.get(1, "a")  # prefetched with version 0: still within staleness 1
+        assert r1["version"] == 0 and not r1["stale_regenerated"]
+        await ex.save(str(tmp_path / "ex"))
+        ex2 = RolloutExecutor(cfg, ["a", "b"], engines)
+        assert await ex2.load(str(tmp_path / "ex")) == {"a": 2, "b": 0}
+        await ex.shutdown()
+
+    asyncio.run(main())
+
+
+def test_trainer_save_load_round_trip(actors, tmp_path):
+    cfg, _engines, trainers = actors
+    t = trainers["a"]
+    t.save(str(tmp_path / "a"))
+    fresh = TrainerActor("a", cfg.policies["a"], cfg.update_weights_interval)
+    assert fresh.load(str(tmp_path / "missing")) == 0
+    assert fresh.load(str(tmp_path / "a")) == t.rollouts_done
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(v, fresh.model.state_dict()[k]), k
+    assert fresh.version == t.version
+
+
+def test_abort_update_keeps_the_live_weights(actors):
+    _cfg, engines, _trainers = actors
+    engine = engines["b"].wrapped
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.begin_update(5)
+    engine.load_weights({k: torch.zeros_like(v) for k, v in before.items()})
+    engine.abort_update()
+    assert engine.version == 0
+    with pytest.raises(RuntimeError, match="without begin_update"):
+        engine.commit_update()
+    assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_kl_policy_has_a_frozen_reference(actors):
+    _cfg, _engines, trainers = actors
+    assert trainers["a"].reference is None
+    ref = trainers["b"].reference
+    assert ref is not None and not any(p.requires_grad for p in ref.parameters())
