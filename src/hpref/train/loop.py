@@ -216,6 +216,8 @@ class TrainSetup:
 
 @dataclass
 class RunStats:
+    """Totals over the run, for the summary."""
+
     step: int = 0
     tokens: int = 0
     seconds: float = 0.0
@@ -223,7 +225,52 @@ class RunStats:
     last_loss: float = float("nan")
     eval: EvalResult | None = None
     eval_step: int = -1
-    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.tokens += record["tokens"]
+        self.seconds += record["seconds"]
+        self.flops += record["flops"]
+        self.last_loss = record["loss"]
+
+
+@dataclass
+class Interval:
+    """What happened since the last log line: step losses, real tokens, FLOPs, training seconds
+    (eval and checkpoint time is excluded by `pause`)."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+    flops: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+
+    def pause(self, seconds: float) -> None:
+        self.start += seconds
+
+    def record(
+        self, setup: TrainSetup, *, step: int, epoch: int, lr: float, grad_norm: float
+    ) -> dict[str, Any]:
+        if setup.device.type == "cuda":
+            torch.cuda.synchronize(setup.device)
+        elapsed = time.perf_counter() - self.start
+        losses = torch.stack(self.losses).tolist()
+        tps = self.tokens / elapsed
+        return {
+            "kind": "train",
+            "step": step,
+            "epoch": epoch,
+            "loss": sum(losses) / len(losses),
+            "step_loss": losses[-1],
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_device": tps / setup.world_size,
+            "mfu": self.flops / elapsed / setup.world_size / setup.peak.flops,
+            "step_time_s": elapsed / len(losses),
+            "peak_memory_gib": peak_memory_gib(setup.device),
+            "seconds": elapsed,
+            "tokens": self.tokens,
+            "flops": self.flops,
+        }
 
 
 def _step_flops(setup: TrainSetup, lengths: Sequence[int]) -> float:
@@ -253,57 +300,24 @@ def _progress(enabled: bool, total: int, completed: int):
 def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     """Train to `total_steps`, evaluating, logging and checkpointing on the way; returns the summary."""
     train_cfg = setup.recipe.train
-    rank, world, device = setup.rank, setup.world_size, setup.device
+    rank, world = setup.rank, setup.world_size
     metrics = MetricsFile(setup.run_dir / "metrics.jsonl" if rank == 0 else None)
     stats = RunStats()
     if resume_from is not None:
-        restored = checkpoint.load_checkpoint(resume_from, model=setup.model, optimizer=setup.optimizer)
-        setup.sampler.load_state_dict(restored.train_state["sampler"])
-        setup.scheduler.load_state_dict(restored.train_state["scheduler"])
-        stats.step = int(restored.train_state["step"])
-    interval_start = time.perf_counter()
+        stats.step = _restore(setup, resume_from)
     fail_rank = os.environ.get(FAIL_RANK_ENV)
     crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
     lengths = setup.train_data.lengths
-    epochs = train_cfg.epochs
+    interval = Interval()
 
     def do_eval(epoch: int) -> None:
         if setup.eval_data is None:
             return
-        nonlocal interval_start
         t = time.perf_counter()
-        result = evaluate(
-            setup.model,
-            setup.eval_data,
-            rank=rank,
-            world_size=world,
-            micro_batch_tokens=train_cfg.micro_batch_tokens,
-            device=device,
-            filler_token_id=setup.filler_token_id,
-        )
-        stats.eval, stats.eval_step = result, stats.step
-        if rank == 0:
-            folder = setup.run_dir / "predictions"
-            write_predictions(folder / f"step-{stats.step:06d}.csv", setup.eval_data.battles, result.probs)
-            write_predictions(setup.run_dir / "predictions.csv", setup.eval_data.battles, result.probs)
-        record = {
-            "kind": "eval",
-            "step": stats.step,
-            "epoch": epoch,
-            "eval_log_loss": result.log_loss,
-            "eval_accuracy": result.accuracy,
-            "eval_battles": len(setup.eval_data.battles),
-            "eval_seconds": time.perf_counter() - t,
-        }
-        metrics.write(record)
-        logger.info(
-            f"eval step {stats.step}: log loss {result.log_loss:.4f}, accuracy {result.accuracy:.3f} "
-            f"({len(setup.eval_data.battles)} battles, {record['eval_seconds']:.1f}s)"
-        )
-        interval_start += time.perf_counter() - t  # throughput counts training time only
+        stats.eval, stats.eval_step = _evaluate_and_write(setup, stats.step, epoch, metrics), stats.step
+        interval.pause(time.perf_counter() - t)
 
     def save(epoch: int) -> None:
-        nonlocal interval_start
         t = time.perf_counter()
         checkpoint.save_checkpoint(
             setup.run_dir,
@@ -318,77 +332,54 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
             },
             keep=train_cfg.keep_checkpoints,
         )
-        interval_start += time.perf_counter() - t
+        interval.pause(time.perf_counter() - t)
 
     setup.model.train()
-    interval_loss: list[torch.Tensor] = []
-    interval_tokens, interval_flops = 0, 0.0
     run_start = time.perf_counter()
     progress, task = _progress(rank == 0 and sys.stderr.isatty(), setup.total_steps, stats.step)
     with progress:
-        while setup.sampler.epoch < epochs and stats.step < setup.total_steps:
+        while setup.sampler.epoch < train_cfg.epochs and stats.step < setup.total_steps:
             epoch = setup.sampler.epoch
-            plans = setup.sampler.plans(epoch)
+            steps_in_epoch = len(setup.sampler.plans(epoch))
             for plan in setup.sampler:
                 if fail_rank is not None and int(fail_rank) == rank:
                     raise SimulatedCrash(f"{FAIL_RANK_ENV}={fail_rank}: rank {rank} fails on purpose")
-                batches = plan.batches(rank, setup.train_data.examples, setup.filler_token_id)
                 loss_sum, grad_norm = train_step(
                     setup.model,
                     setup.optimizer,
-                    batches,
+                    plan.batches(rank, setup.train_data.examples, setup.filler_token_id),
                     step_sequences=plan.num_sequences,
                     world_size=world,
                     grad_clip=train_cfg.grad_clip,
-                    device=device,
+                    device=setup.device,
                 )
                 lr = setup.scheduler.get_last_lr()[0]
                 setup.scheduler.step()
                 dist.all_reduce(loss_sum)  # the one loss reduction of the step
-                interval_loss.append(loss_sum / plan.num_sequences)
                 stats.step += 1
-                interval_tokens += plan.num_tokens
-                interval_flops += _step_flops(
-                    setup, [lengths[i] for mb in plan.micro_batches for b in mb for i in b if i >= 0]
+                interval.losses.append(loss_sum / plan.num_sequences)
+                interval.tokens += plan.num_tokens
+                interval.flops += _step_flops(
+                    setup, [lengths[i] for mbs in plan.micro_batches for mb in mbs for i in mb if i >= 0]
                 )
-                epoch_end = setup.sampler.step == len(plans)
+                epoch_end = setup.sampler.step == steps_in_epoch
                 last = stats.step >= setup.total_steps
                 progress.update(task, completed=stats.step)
 
                 if stats.step % train_cfg.log_interval == 0 or last:
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    elapsed = time.perf_counter() - interval_start
-                    losses = torch.stack(interval_loss).tolist()
-                    tps = interval_tokens / elapsed
-                    record = {
-                        "kind": "train",
-                        "step": stats.step,
-                        "epoch": epoch,
-                        "loss": sum(losses) / len(losses),
-                        "step_loss": losses[-1],
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "tokens_per_s": tps,
-                        "tokens_per_s_per_device": tps / world,
-                        "mfu": interval_flops / elapsed / world / setup.peak.flops,
-                        "step_time_s": elapsed / len(losses),
-                        "peak_memory_gib": peak_memory_gib(device),
-                    }
+                    record = interval.record(
+                        setup, step=stats.step, epoch=epoch, lr=lr, grad_norm=float(grad_norm)
+                    )
                     metrics.write(record)
-                    stats.records.append(record)
-                    stats.tokens += interval_tokens
-                    stats.flops += interval_flops
-                    stats.seconds += elapsed
-                    stats.last_loss = record["loss"]
+                    stats.add(record)
                     logger.info(
                         f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f} lr {lr:.2e} "
-                        f"grad {record['grad_norm']:.3f} {tps:,.0f} tok/s mfu {record['mfu']:.1%} "
-                        f"{record['step_time_s']:.2f} s/step mem {record['peak_memory_gib']:.2f} GiB"
+                        f"grad {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s "
+                        f"mfu {record['mfu']:.1%} {record['step_time_s']:.2f} s/step "
+                        f"mem {record['peak_memory_gib']:.2f} GiB"
                     )
                     progress.update(task, info=f"loss {record['loss']:.4f}")
-                    interval_loss, interval_tokens, interval_flops = [], 0, 0.0
-                    interval_start = time.perf_counter()
+                    interval = Interval()
 
                 if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
                     do_eval(epoch)
@@ -404,8 +395,6 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                     raise SimulatedCrash(f"{CRASH_AFTER_ENV}={crash_after}: stopping after step {stats.step}")
                 if last:
                     break
-            if stats.step >= setup.total_steps:
-                break
     if train_cfg.eval_interval and stats.eval_step != stats.step:
         do_eval(setup.sampler.epoch)
     summary = _summary(setup, stats, time.perf_counter() - run_start)
@@ -416,6 +405,55 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
 
         Console().print(summary_table(rows, title=f"hpref train: {setup.run_dir}"))
     return summary
+
+
+def _restore(setup: TrainSetup, path: Path) -> int:
+    """Load a checkpoint into the setup; returns the number of completed steps."""
+    from hpref.errors import UserError
+
+    restored = checkpoint.load_checkpoint(path, model=setup.model, optimizer=setup.optimizer)
+    try:
+        setup.sampler.load_state_dict(restored.train_state["sampler"])
+    except ValueError as exc:
+        raise UserError(f"cannot resume from {path}: {exc}") from None
+    setup.scheduler.load_state_dict(restored.train_state["scheduler"])
+    return int(restored.train_state["step"])
+
+
+def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: MetricsFile) -> EvalResult:
+    """Evaluate, write the predictions (rank 0), log and record the metrics."""
+    assert setup.eval_data is not None and setup.eval_data.battles is not None
+    t = time.perf_counter()
+    result = evaluate(
+        setup.model,
+        setup.eval_data,
+        rank=setup.rank,
+        world_size=setup.world_size,
+        micro_batch_tokens=setup.recipe.train.micro_batch_tokens,
+        device=setup.device,
+        filler_token_id=setup.filler_token_id,
+    )
+    battles = setup.eval_data.battles
+    if setup.rank == 0:
+        write_predictions(setup.run_dir / "predictions" / f"step-{step:06d}.csv", battles, result.probs)
+        write_predictions(setup.run_dir / "predictions.csv", battles, result.probs)
+    seconds = time.perf_counter() - t
+    metrics.write(
+        {
+            "kind": "eval",
+            "step": step,
+            "epoch": epoch,
+            "eval_log_loss": result.log_loss,
+            "eval_accuracy": result.accuracy,
+            "eval_battles": len(battles),
+            "eval_seconds": seconds,
+        }
+    )
+    logger.info(
+        f"eval step {step}: log loss {result.log_loss:.4f}, accuracy {result.accuracy:.3f} "
+        f"({len(battles)} battles, {seconds:.1f}s)"
+    )
+    return result
 
 
 def _summary(setup: TrainSetup, stats: RunStats, wall: float) -> dict[str, Any]:
