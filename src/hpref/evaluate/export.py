@@ -1,0 +1,500 @@
+"""`hpref save`: a training checkpoint -> a self-contained HF-style folder, and the `--now` protocol.
+
+Consolidation. The trainer writes DCP checkpoints (`hpref.train.checkpoint`): tensors sharded as
+they were trained, under `model.*` and `optim.*`. `save` rebuilds the model from the run's resolved
+`recipe.toml` on one CPU process, loads only the `model.*` tensors into it (DCP reshards any world
+size into one), and writes `PreferenceModel.save_pretrained`'s folder plus a README model card.
+
+Safe loading, never half-loaded. DCP stores its tensors with `torch.save` (read back with
+`weights_only=True`) but its `.metadata` index with plain pickle, which would run arbitrary code
+from a tampered file. `SafeFileSystemReader` unpickles the index with an allow-list of the few DCP,
+torch and pathlib types an index contains. Before any tensor is read, `validate_checkpoint` checks
+that the folder is complete (index, `train_state.json`), that every shard file the index names
+exists and is long enough, and that the index holds every model key with the right shape; only then
+is anything loaded, into a fresh state dict, and copied into the model in one `load_state_dict`.
+
+`save --now`. A running trainer cannot be asked over a socket (it may be 8 ranks on another node),
+so the request is a file: `request_save_now` writes `RUN_DIR/SAVE_NOW`, and waits for a complete
+checkpoint newer than the one that existed when it asked. The trainer, at each step boundary, calls
+`check_save_trigger_all_ranks(run_dir)` (rank 0 looks for the file and removes it, the answer is
+broadcast, every rank then saves collectively). Liveness comes from `RUN_DIR/heartbeat.json`, which
+the trainer refreshes with `write_heartbeat` (pid, host, step, time) and removes at exit: a missing
+or stale heartbeat, or a dead pid on this host, is reported as "not running" instead of waiting.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from loguru import logger
+
+from hpref.errors import UserError
+
+SAVE_NOW = "SAVE_NOW"
+HEARTBEAT = "heartbeat.json"
+HEARTBEAT_STALE_S = 300.0  # a step (plus eval or checkpoint) longer than this reads as a hung run
+MODEL_CARD = "README.md"
+CHECKPOINT_JSON = "hpref_checkpoint.json"
+
+Dtype = Literal["fp32", "bf16"]
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, partial, corrupt or does not fit the recipe's model."""
+
+
+# --------------------------------------------------------------------------------------------------
+# safe DCP reading
+
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` index, refusing any global outside the allow-list."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _ALLOWED_GLOBALS or (module in _ALLOWED_MODULES and not name.startswith("__")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a checkpoint index")
+
+
+def read_index(path: Path) -> Any:
+    """The DCP `Metadata` of a checkpoint folder, unpickled with the allow-list."""
+    index = Path(path) / ".metadata"
+    try:
+        return _IndexUnpickler(io.BytesIO(index.read_bytes())).load()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: no .metadata (not a DCP checkpoint, or a save that did not finish)"
+        ) from None
+    except Exception as exc:
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint index .metadata: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _safe_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeFileSystemReader(FileSystemReader):
+        """FileSystemReader whose index is read with the allow-listed unpickler."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata = read_index(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(path))
+
+
+# --------------------------------------------------------------------------------------------------
+# finding and validating checkpoints
+
+
+def resolve_checkpoint(path: str | Path, step: str | int | None = "latest") -> Path:
+    """A checkpoint folder from a run folder (`step` = "latest" or a step number) or a checkpoint
+    folder itself (`step` ignored)."""
+    from hpref.train.checkpoint import CHECKPOINTS, checkpoint_name, find_latest
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run or checkpoint folder")
+    if (path / ".metadata").exists() or path.name.startswith(("step-", ".tmp-")):
+        return path
+    if not (path / CHECKPOINTS).is_dir():
+        raise CheckpointError(f"{path}: neither a run folder (no {CHECKPOINTS}/) nor a checkpoint folder")
+    if step in (None, "latest"):
+        found = find_latest(path)
+        if found is None:
+            raise CheckpointError(f"{path}: the run has no complete checkpoint yet")
+        return found
+    try:
+        number = int(step)
+    except ValueError:
+        raise UserError(f"--step {step!r}: expected a step number or 'latest'") from None
+    folder = path / CHECKPOINTS / checkpoint_name(number)
+    if not folder.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint for step {number} ({folder} does not exist)")
+    return folder
+
+
+def validate_checkpoint(path: Path, expected: dict[str, Any] | None = None, prefix: str = "model.") -> Any:
+    """Check a checkpoint before reading a tensor (see the module docstring); returns its index.
+
+    `expected` maps model keys (without `prefix`) to tensors of the wanted shapes.
+    """
+    from hpref.train.checkpoint import TMP_PREFIX, TRAIN_STATE
+
+    path = Path(path)
+    if path.name.startswith(TMP_PREFIX):
+        raise CheckpointError(
+            f"{path}: a partial checkpoint (a save that did not finish); use a step-* folder"
+        )
+    if not (path / TRAIN_STATE).is_file():
+        raise CheckpointError(
+            f"{path}: no {TRAIN_STATE}, so the save did not finish; refusing a partial checkpoint"
+        )
+    index = read_index(path)
+    sizes: dict[str, int] = {}
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        name = str(info.relative_path)
+        if name not in sizes:
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{path}: shard file {name} is missing; refusing a partial checkpoint")
+            sizes[name] = file.stat().st_size
+        if info.offset + info.length > sizes[name]:
+            raise CheckpointError(
+                f"{path}: shard file {name} is truncated ({sizes[name]} bytes, the index needs "
+                f"{info.offset + info.length}); refusing a corrupt checkpoint"
+            )
+    if expected is not None:
+        stored = index.state_dict_metadata
+        missing = [k for k in expected if prefix + k not in stored]
+        if missing:
+            raise CheckpointError(
+                f"{path}: {len(missing)} model tensors are not in the checkpoint (first: {missing[0]}); "
+                "was it written for a different model?"
+            )
+        for key, tensor in expected.items():
+            meta = stored[prefix + key]
+            shape = tuple(getattr(meta, "size", ()))
+            if shape != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"{path}: tensor {key} has shape {list(shape)} in the checkpoint and "
+                    f"{list(tensor.shape)} in the recipe's model; was it written for a different model?"
+                )
+    return index
+
+
+def load_model_state(path: Path, model: Any) -> dict[str, Any]:
+    """The model's tensors from a (validated) checkpoint, as a fresh full CPU state dict."""
+    import torch
+    from torch.distributed.checkpoint import load
+
+    template = {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()}
+    validate_checkpoint(path, template)
+    state = {"model": template}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        load(state, storage_reader=_safe_reader(path), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
+        cause: BaseException = exc
+        if isinstance(exc, CheckpointException) and exc.failures:
+            cause = next(iter(exc.failures.values()))[0]
+        text = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
+        raise CheckpointError(
+            f"{path}: cannot read the checkpoint's tensors ({type(cause).__name__}: {text}); it is corrupt"
+        ) from None
+    return state["model"]
+
+
+def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
+    """The run's resolved recipe: given, or `recipe.toml` beside `checkpoints/`."""
+    from hpref.recipe import load_recipe
+
+    if recipe_path is None:
+        candidate = Path(checkpoint_dir).resolve().parent.parent / "recipe.toml"
+        if not candidate.is_file():
+            raise CheckpointError(
+                f"{checkpoint_dir}: no recipe.toml in its run folder ({candidate}); "
+                "pass the recipe explicitly"
+            )
+        recipe_path = candidate
+    return load_recipe(recipe_path)
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: Any
+    recipe: Any
+    path: Path
+    train_state: dict[str, Any]
+
+
+def load_model_from_checkpoint(
+    checkpoint_dir: Path, recipe: Any = None, device: str = "cpu"
+) -> LoadedCheckpoint:
+    """Build the recipe's model on one CPU process and fill it from the checkpoint."""
+    from hpref.plugins import load_plugins
+    from hpref.train.checkpoint import TRAIN_STATE
+
+    checkpoint_dir = Path(checkpoint_dir)
+    recipe = recipe if recipe is not None else recipe_of_run(checkpoint_dir)
+    if recipe.model is None:
+        raise UserError("the recipe has no [model] section")
+    component = load_plugins().get("model", recipe.model.name)
+    model = component.build(recipe.model.config, num_labels=3, device="cpu", meta=False)
+    state = load_model_state(checkpoint_dir, model)
+    model.load_state_dict(state, strict=True)
+    model.to(device)
+    model.eval()
+    train_state = json.loads((checkpoint_dir / TRAIN_STATE).read_text())
+    return LoadedCheckpoint(model, recipe, checkpoint_dir, train_state)
+
+
+# --------------------------------------------------------------------------------------------------
+# the export
+
+
+def _run_metrics(run_dir: Path, step: int | None) -> dict[str, Any]:
+    """The run's eval numbers for the model card: summary.json, else the last eval at or before step."""
+    out: dict[str, Any] = {}
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        data = json.loads(summary.read_text())
+        if step is None or data.get("eval_step") == step:
+            for key in ("eval_log_loss", "eval_accuracy", "gap_closed", "eval_step"):
+                if key in data:
+                    out[key] = data[key]
+    metrics = run_dir / "metrics.jsonl"
+    if not out and metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("kind") == "eval" and (step is None or record.get("step", 0) <= step):
+                out = {k: record[k] for k in ("eval_log_loss", "eval_accuracy", "step") if k in record}
+    return out
+
+
+def model_card(
+    *, recipe_toml: str, checkpoint: Path, step: int | None, dtype: str, metrics: dict[str, Any]
+) -> str:
+    lines = [
+        "---",
+        "library_name: hpref",
+        "tags: [preference-model, reward-model, lmsys-arena]",
+        "---",
+        "",
+        "# hpref preference model",
+        "",
+        "Predicts P(A wins), P(B wins), P(tie) for two assistant answers to one conversation.",
+        "",
+        f"- checkpoint: `{checkpoint}` (step {step if step is not None else '?'})",
+        f"- weights: {dtype}",
+        "- files: `config.json` + `model.safetensors` (the backbone, loadable with "
+        "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the "
+        "classification head), `hpref_model.json` (labels, pooling, head settings)",
+        "- load: `hpref.models.PreferenceModel.from_pretrained(folder)`, or "
+        "`hpref eval RECIPE --checkpoint folder`",
+        "",
+        "## Eval metrics",
+        "",
+    ]
+    if metrics:
+        lines += ["| metric | value |", "|---|---|"]
+        lines += [
+            f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()
+        ]
+    else:
+        lines.append("No evaluation was recorded for this checkpoint.")
+    lines += ["", "## Training recipe", "", "```toml", recipe_toml.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def save_export(
+    source: str | Path,
+    to: str | Path,
+    *,
+    step: str | int | None = "latest",
+    dtype: Dtype = "fp32",
+    recipe_path: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Consolidate a checkpoint into `to` (written beside it under a temporary name, then renamed:
+    a folder named `to` is always complete). Returns `to`."""
+    import torch
+
+    if dtype not in ("fp32", "bf16"):
+        raise UserError(f"--dtype {dtype!r}: expected bf16 or fp32")
+    to = Path(to)
+    if to.exists() and (not to.is_dir() or any(to.iterdir())) and not overwrite:
+        raise UserError(f"--to {to}: exists and is not empty (pass --overwrite to replace it)")
+    checkpoint_dir = resolve_checkpoint(source, step)
+    recipe = recipe_of_run(checkpoint_dir, recipe_path)
+    loaded = load_model_from_checkpoint(checkpoint_dir, recipe)
+    model = loaded.model
+    state = model.state_dict()
+    if dtype == "bf16":
+        state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+        if hasattr(model.backbone_config, "dtype"):
+            model.backbone_config.dtype = torch.bfloat16
+    tmp = to.with_name(f".tmp-{to.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, state_dict=state)
+    run_step = loaded.train_state.get("step")
+    run_dir = checkpoint_dir.resolve().parent.parent
+    (tmp / MODEL_CARD).write_text(
+        model_card(
+            recipe_toml=recipe.to_toml(),
+            checkpoint=checkpoint_dir,
+            step=run_step,
+            dtype=dtype,
+            metrics=_run_metrics(run_dir, run_step),
+        )
+    )
+    (tmp / "recipe.toml").write_text(recipe.to_toml())
+    formatter = recipe.formatter.name if recipe.formatter is not None else "pab"
+    info = {
+        "checkpoint": str(checkpoint_dir),
+        "step": run_step,
+        "dtype": dtype,
+        "formatter": formatter,
+        "max_length": recipe.train.max_length,
+        "labels": ["winner_model_a", "winner_model_b", "winner_tie"],
+    }
+    (tmp / CHECKPOINT_JSON).write_text(json.dumps(info, indent=2) + "\n")
+    if to.exists():
+        shutil.rmtree(to)
+    os.replace(tmp, to)
+    logger.info(f"exported {checkpoint_dir} (step {run_step}, {dtype}) to {to}")
+    return to
+
+
+# --------------------------------------------------------------------------------------------------
+# save --now: trigger file and heartbeat
+
+
+def write_heartbeat(run_dir: str | Path, step: int) -> None:
+    """Trainer side (rank 0, every step or every few seconds): "I am alive at this step"."""
+    path = Path(run_dir) / HEARTBEAT
+    data = {"pid": os.getpid(), "host": socket.gethostname(), "step": int(step), "time": time.time()}
+    tmp = path.with_name(f".{HEARTBEAT}.{os.getpid()}.part")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def clear_heartbeat(run_dir: str | Path) -> None:
+    """Trainer side, at exit (normal or not): the run is no longer alive."""
+    with _suppress_missing():
+        (Path(run_dir) / HEARTBEAT).unlink()
+
+
+class _suppress_missing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
+        return kind is not None and issubclass(kind, FileNotFoundError)
+
+
+def run_status(run_dir: str | Path, stale_after: float = HEARTBEAT_STALE_S) -> tuple[bool, str]:
+    """(alive, reason) from the heartbeat file: fresh, and its pid alive when on this host."""
+    path = Path(run_dir) / HEARTBEAT
+    try:
+        beat = json.loads(path.read_text())
+    except FileNotFoundError:
+        return False, f"no {HEARTBEAT} in {run_dir} (the run is not training, or finished)"
+    except (OSError, json.JSONDecodeError) as exc:
+        return False, f"{path} is unreadable ({exc})"
+    age = time.time() - float(beat.get("time", 0))
+    if beat.get("host") == socket.gethostname() and not _pid_alive(int(beat.get("pid", -1))):
+        return False, f"the trainer (pid {beat.get('pid')}) is not running"
+    if age > stale_after:
+        return (
+            False,
+            f"the last heartbeat is {age:.0f} s old (step {beat.get('step')}); the run looks hung or dead",
+        )
+    return True, f"pid {beat.get('pid')} on {beat.get('host')}, step {beat.get('step')}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_save_trigger(run_dir: str | Path) -> bool:
+    """Trainer side, rank 0, at a step boundary: True (and the trigger removed) when a save was asked."""
+    path = Path(run_dir) / SAVE_NOW
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def check_save_trigger_all_ranks(run_dir: str | Path) -> bool:
+    """Collective: rank 0 checks the trigger, every rank gets its answer (saving is collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return check_save_trigger(run_dir)
+    flag = [check_save_trigger(run_dir) if dist.get_rank() == 0 else False]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def request_save_now(
+    run_dir: str | Path,
+    *,
+    timeout: float = 1800.0,
+    poll: float = 1.0,
+    stale_after: float = HEARTBEAT_STALE_S,
+) -> Path:
+    """Ask a live run for a checkpoint at its next step boundary and wait until it is complete."""
+    from hpref.train.checkpoint import complete_checkpoints
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run folder")
+    alive, reason = run_status(run_dir, stale_after)
+    if not alive:
+        raise UserError(f"{run_dir}: the run is not alive: {reason}")
+    before = {p.name for p in complete_checkpoints(run_dir)}
+    trigger = run_dir / SAVE_NOW
+    trigger.write_text(json.dumps({"requested": time.time(), "pid": os.getpid()}) + "\n")
+    logger.info(f"asked {run_dir} ({reason}) for a checkpoint; waiting")
+    deadline = time.monotonic() + timeout
+    while True:
+        new = [p for p in complete_checkpoints(run_dir) if p.name not in before]
+        if new and not trigger.exists():
+            return new[-1]
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"{run_dir}: no new checkpoint after {timeout:.0f} s (the trigger file is left in place)"
+            )
+        alive, reason = run_status(run_dir, stale_after)
+        if not alive:
+            with _suppress_missing():
+                trigger.unlink()
+            raise UserError(f"{run_dir}: the run stopped before saving: {reason}")
+        time.sleep(poll)

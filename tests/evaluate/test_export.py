@@ -1,0 +1,210 @@
+"""`hpref save`: consolidation round trip, refusal of partial/corrupt/tampered checkpoints, `--now`."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hpref.data.synthetic import generate_battles
+from hpref.errors import UserError
+from hpref.evaluate import export
+from hpref.evaluate.runner import build_formatter, load_model, predict
+
+from .conftest import TINY_MODEL, make_run, write_recipe
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    import os
+
+    os.environ["HPREF_CACHE"] = str(tmp_path_factory.getbasetemp() / "hpref-cache")
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    model, recipe, path = make_run(run_dir)
+    (run_dir / "summary.json").write_text(
+        json.dumps({"eval_log_loss": 0.9876, "eval_accuracy": 0.5, "eval_step": 7})
+    )
+    return run_dir, model, recipe, path
+
+
+def _predict(model, recipe, battles):
+    return predict(model, battles, build_formatter(recipe, model.tokenizer), micro_batch_tokens=1024).probs
+
+
+def test_export_round_trip_gives_identical_predictions(run, tmp_path):
+    run_dir, trained, recipe, checkpoint = run
+    out = export.save_export(run_dir, tmp_path / "export", step="latest")
+    for name in ("config.json", "model.safetensors", "head.safetensors", "hpref_model.json", "README.md"):
+        assert (out / name).is_file(), name
+    battles = list(generate_battles(12, seed=5))
+    want = _predict(trained, recipe, battles)
+    from_export = _predict(load_model(out), recipe, battles)
+    from_checkpoint = _predict(load_model(checkpoint, recipe), recipe, battles)
+    # the trained weights, not the seeded init, must come back: the init predicts differently
+    np.testing.assert_allclose(from_export, want, atol=1e-6)
+    np.testing.assert_allclose(from_checkpoint, want, atol=1e-6)
+    card = (out / "README.md").read_text()
+    assert "step 7" in card and "0.9876" in card and 'name = "tiny-llama"' in card
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(out)  # plain transformers reads the backbone
+    assert torch.equal(backbone.state_dict()["norm.weight"], trained.backbone.state_dict()["norm.weight"])
+
+
+def test_export_refuses_a_non_empty_target_and_writes_bf16(run, tmp_path):
+    run_dir, _, _, _ = run
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "x").write_text("keep me")
+    with pytest.raises(UserError, match="not empty"):
+        export.save_export(run_dir, target)
+    assert (target / "x").read_text() == "keep me"
+    out = export.save_export(run_dir, tmp_path / "bf16", step=7, dtype="bf16")
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict) == {torch.bfloat16}
+    with pytest.raises(export.CheckpointError, match="no checkpoint for step 8"):
+        export.save_export(run_dir, tmp_path / "nope", step=8)
+
+
+def _copy(checkpoint, tmp_path, name="step-000007"):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    dest = run_dir / "checkpoints" / name
+    shutil.copytree(checkpoint, dest)
+    write_recipe(run_dir)
+    return dest
+
+
+def test_truncated_shard_is_refused_before_loading(run, tmp_path):
+    copy = _copy(run[3], tmp_path)
+    shard = next(copy.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(export.CheckpointError, match="truncated"):
+        export.save_export(copy, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_shard_and_missing_train_state_are_partial(run, tmp_path):
+    copy = _copy(run[3], tmp_path)
+    (copy / "train_state.json").unlink()
+    with pytest.raises(export.CheckpointError, match="did not finish"):
+        export.load_model_from_checkpoint(copy)
+    copy = _copy(run[3], tmp_path / "b")
+    next(copy.glob("*.distcp")).unlink()
+    with pytest.raises(export.CheckpointError, match="missing"):
+        export.load_model_from_checkpoint(copy)
+
+
+def test_corrupt_tensor_bytes_are_a_clear_error(run, tmp_path):
+    copy = _copy(run[3], tmp_path)
+    shard = next(copy.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[: len(data) // 2] = b"\0" * (len(data) // 2)  # same size, garbage content
+    shard.write_bytes(bytes(data))
+    with pytest.raises(export.CheckpointError, match="corrupt"):
+        export.load_model_from_checkpoint(copy)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (exec, ("import pathlib; pathlib.Path('PWNED').write_text('x')",))
+
+
+def test_a_tampered_index_is_refused_without_running_its_code(run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    copy = _copy(run[3], tmp_path)
+    (copy / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(export.CheckpointError, match="builtins.exec' is not allowed"):
+        export.load_model_from_checkpoint(copy)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_checkpoint_of_another_model_names_the_mismatch(run, tmp_path):
+    copy = _copy(run[3], tmp_path)
+    write_recipe(copy.parent.parent, model={**TINY_MODEL, "intermediate_size": 48})
+    with pytest.raises(
+        export.CheckpointError, match=r"has shape \[64, 32\] in the checkpoint and \[48, 32\]"
+    ):
+        export.load_model_from_checkpoint(copy)
+
+
+# --------------------------------------------------------------------------------------------------
+# save --now
+
+
+def _fake_complete_checkpoint(run_dir, step):
+    folder = run_dir / "checkpoints" / f"step-{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "train_state.json").write_text("{}")
+    (run_dir / "checkpoints" / "latest").write_text(folder.name)
+
+
+def test_save_now_waits_for_the_checkpoint_the_trainer_writes(tmp_path):
+    run_dir = tmp_path / "live"
+    run_dir.mkdir()
+    stop = threading.Event()
+
+    def trainer():  # what the real loop must do at each step boundary
+        step = 3
+        while not stop.is_set():
+            export.write_heartbeat(run_dir, step)
+            if export.check_save_trigger_all_ranks(run_dir):
+                _fake_complete_checkpoint(run_dir, step)
+            step += 1
+            time.sleep(0.02)
+        export.clear_heartbeat(run_dir)
+
+    _fake_complete_checkpoint(run_dir, 1)  # an older checkpoint must not satisfy the request
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        path = export.request_save_now(run_dir, timeout=10, poll=0.02)
+    finally:
+        stop.set()
+        thread.join()
+    assert path.name != "step-000001" and path.is_dir()
+    assert not (run_dir / export.SAVE_NOW).exists()  # the trainer consumed the trigger
+    assert not (run_dir / export.HEARTBEAT).exists()
+
+
+def test_save_now_reports_a_run_that_is_not_alive(tmp_path):
+    run_dir = tmp_path / "dead"
+    run_dir.mkdir()
+    with pytest.raises(UserError, match="not alive: no heartbeat.json"):
+        export.request_save_now(run_dir, timeout=1)
+    (run_dir / export.HEARTBEAT).write_text(
+        json.dumps(
+            {"pid": 2**22 + 12345, "host": __import__("socket").gethostname(), "step": 1, "time": time.time()}
+        )
+    )
+    with pytest.raises(UserError, match=r"pid \d+\) is not running"):
+        export.request_save_now(run_dir, timeout=1)
+    export.write_heartbeat(run_dir, 5)
+    beat = json.loads((run_dir / export.HEARTBEAT).read_text())
+    beat["time"] -= 3600
+    (run_dir / export.HEARTBEAT).write_text(json.dumps(beat))
+    with pytest.raises(UserError, match="3600 s old"):
+        export.request_save_now(run_dir, timeout=1)
+    assert not (run_dir / export.SAVE_NOW).exists()  # no trigger is left for a dead run
+
+
+def test_save_now_gives_up_when_the_trainer_dies_while_waiting(tmp_path):
+    run_dir = tmp_path / "dies"
+    run_dir.mkdir()
+    export.write_heartbeat(run_dir, 1)
+    threading.Timer(0.1, export.clear_heartbeat, args=(run_dir,)).start()
+    with pytest.raises(UserError, match="stopped before saving"):
+        export.request_save_now(run_dir, timeout=10, poll=0.02)
+    assert not (run_dir / export.SAVE_NOW).exists()
