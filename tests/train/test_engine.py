@@ -151,3 +151,17 @@ def test_multi_node_command_uses_the_given_rendezvous(tmp_path):
     assert "--rdzv-backend static --node-rank 1 --master-addr h0 --master-port 29500" in static.command()
     with pytest.raises(UserError, match="rdzv-endpoint"):
         plan_launch(recipe_path, [], recipe, nproc_per_node=8, nnodes=2)
+
+
+def test_resuming_with_another_world_size_is_refused(tmp_path, two_rank_run):
+    """A 2-rank checkpoint resumed on 1 rank would change the data plan and the RNG streams: it must
+    stop with a user error (exit 2) that says why, not train a different run silently."""
+    import shutil
+
+    from hpref.train import run_train
+
+    shutil.copytree(two_rank_run, tmp_path / "runs" / "ref")
+    recipe = write_recipe(tmp_path, "ref")
+    assert run_train(recipe, nproc_per_node=1, resume="auto") == 2
+    log = (tmp_path / "runs" / "ref" / "logs" / "rank0.log").read_text()
+    assert "written by 2 ranks, this run has 1" in log
