@@ -50,6 +50,11 @@ def test_fresh_run_needs_fresh_followers():
         check_resume(None, "a", {"a": 0, "b": 2})
 
 
+def test_a_leader_that_restored_nothing_does_not_match_its_record():
+    with pytest.raises(ResumeError, match="policy 'a' restored rollout 0 but the checkpoint record says 2"):
+        check_resume(CheckpointRecord("a", {"a": 2, "b": 0}), "a", {"a": 0, "b": 0})
+
+
 def test_resumed_leader_needs_a_record():
     with pytest.raises(ResumeError, match="no record.json"):
         check_resume(None, "a", {"a": 2, "b": 2})

@@ -95,10 +95,11 @@ def check_resume(
     `restored` maps each selected policy to the start rollout id its trainer restored (0 = fresh);
     `executor_positions` is the rollout executor's restored data position per policy, when it had
     one. The rules:
-    - a fresh leader (start 0) starts a fresh run: every follower must be fresh too, else the
-      followers would carry on from a run whose leader is gone;
-    - otherwise the record must exist, name the same leader, and hold every selected policy at the
-      very rollout id its trainer (and the executor) restored.
+    - a fresh leader (start 0) requires fresh followers, else the followers would carry on from a
+      run whose leader is gone;
+    - a resumed leader needs a record; and whenever a record is resumed from, it must name the same
+      leader and hold every selected policy at the very rollout id its trainer (and the executor)
+      restored — including a leader whose part went missing and restored nothing.
     """
     if leader not in restored:
         raise ResumeError(f"the leader '{leader}' is not among the restored policies {sorted(restored)}")
@@ -110,7 +111,8 @@ def check_resume(
                 f"policy '{first}' resumes at rollout {restored[first]} but the leader '{leader}' starts "
                 "fresh: start every policy fresh, or resume the leader too"
             )
-        return
+        if record is None:
+            return  # a fresh run
     if record is None:
         raise ResumeError(
             f"the leader '{leader}' resumes at rollout {restored[leader]} but there is no {RECORD_FILE}: "

@@ -1,0 +1,393 @@
+"""The driver of `hpref rl`: one asyncio task per policy, coordinated by the leader.
+
+    run_rl(recipe, ["a", "b"], ray_address=None, resume=None)
+
+- Components are created in a fixed order (engines, rollout executor, trainers) and torn down in
+  reverse, also when a policy fails or the user presses Ctrl-C.
+- The leader (the first policy named) runs `num_rollouts` rollouts; followers run until it ends.
+  The first task to fail ends the run, and its error is the run's error.
+- Every `save_interval` leader rollouts (and at the end, at `debug_exit_after_rollout`, and when
+  `<run_dir>/SAVE_NOW` appears) the leader parks every follower, saves every trainer and then the
+  executor, writes `record.json`, and releases them. Evals park through a separate parker.
+- Weights go from trainer to engine every `update_weights_interval` rollouts of that policy.
+
+The driver only coordinates: numbers come from `hpref.rl.algorithms` (inside the trainers), the
+resume rules from `hpref.rl.record`, the rendezvous from `hpref.rl.parking`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from hpref.errors import UserError
+from hpref.rl.config import RLConfig, parse_rl_section
+from hpref.rl.parking import Parker
+from hpref.rl.record import CheckpointRecord, ResumeError, check_resume, read_record, write_record
+
+SAVE_NOW_FILE = "SAVE_NOW"
+ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
+FORWARDED_ENV = ("HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME")
+
+
+@dataclass
+class Handles:
+    """Actor handles (Ray or `LocalActor`), each called as `await h.method.remote(...)`."""
+
+    executor: Any
+    engines: dict[str, Any]
+    trainers: dict[str, Any]
+
+
+@dataclass
+class DriveResult:
+    positions: dict[str, int]  # each policy's next rollout id when the run ended
+    saves: int
+    debug_exit: bool
+    evals: list[dict[str, float]] = field(default_factory=list)
+
+
+class MetricsWriter:
+    """`<run_dir>/metrics/<policy>.jsonl`, one JSON object per line, appended (resumes continue it)."""
+
+    def __init__(self, run_dir: Path | None) -> None:
+        self.folder = None if run_dir is None else run_dir / "metrics"
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+
+    def write(self, policy: str, row: dict[str, Any]) -> None:
+        self.rows.setdefault(policy, []).append(row)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / f"{policy}.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def rollout_metrics(rollout: dict[str, Any], stats: dict[str, float], version: int | None) -> dict[str, Any]:
+    """The metrics row of one policy's rollout: reward and true utility, throughput, versions."""
+    rewards = rollout["rewards"]
+    mean = sum(rewards) / len(rewards)
+    row: dict[str, Any] = {
+        "rollout": rollout["rollout_id"],
+        "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        "data_version": rollout["version"],
+        "weight_version": version,
+        "gen_tokens": rollout["tokens"],
+        "gen_tokens_per_s": rollout["tokens"] / max(rollout["seconds"], 1e-9),
+        "stale_regenerated": bool(rollout.get("stale_regenerated", False)),
+    }
+    truth = rollout.get("true_utility")
+    if truth:
+        row["true_utility"] = sum(truth) / len(truth)
+    row.update(stats)
+    return row
+
+
+async def push_weights(trainer: Any, engine: Any) -> int:
+    """Trainer -> engine in begin/load/commit steps; an interrupted transfer is aborted, so the
+    engine keeps serving its previous version rather than a half-loaded one."""
+    version, state = await trainer.update_weights.remote()
+    await engine.begin_update.remote(version)
+    try:
+        await engine.load_weights.remote(state)
+        return await engine.commit_update.remote()
+    except BaseException:
+        await asyncio.shield(engine.abort_update.remote())
+        raise
+
+
+async def save_all(
+    handles: Handles, order: list[str], positions: dict[str, int], run_dir: Path, leader: str
+) -> CheckpointRecord:
+    """Every trainer, then the executor, then — only after all of them saved — the record."""
+    rel = f"checkpoints/rollout-{positions[leader]:06d}"
+    folder = run_dir / rel
+    await asyncio.gather(*(handles.trainers[p].save.remote(str(folder / p)) for p in order))
+    await handles.executor.save.remote(str(folder / "executor"))
+    record = CheckpointRecord(leader, {p: positions[p] for p in order}, save_dir=rel)
+    write_record(run_dir, record)
+    logger.info(f"saved {rel}: " + ", ".join(f"{p} at rollout {positions[p]}" for p in order))
+    return record
+
+
+async def drive(
+    config: RLConfig,
+    order: list[str],
+    handles: Handles,
+    run_dir: Path,
+    starts: dict[str, int],
+    metrics: MetricsWriter | None = None,
+) -> DriveResult:
+    """Run every policy's loop until the leader ends (see the module docstring)."""
+    leader, followers = order[0], order[1:]
+    save_parker, eval_parker = Parker(followers, "save"), Parker(followers, "eval")
+    positions = dict(starts)
+    stop = asyncio.Event()
+    metrics = metrics or MetricsWriter(None)
+    result = DriveResult(positions, saves=0, debug_exit=False)
+
+    async def step(p: str) -> None:
+        r = positions[p]
+        rollout = await handles.executor.get.remote(r, p)
+        stats = await handles.trainers[p].train.remote(rollout)
+        positions[p] = r + 1
+        version = None
+        if positions[p] % config.update_weights_interval == 0:
+            version = await push_weights(handles.trainers[p], handles.engines[p])
+        metrics.write(p, rollout_metrics(rollout, stats, version))
+
+    async def evaluate() -> None:
+        scores = await handles.executor.evaluate.remote(order)
+        result.evals.append(scores)
+        for p, utility in scores.items():
+            metrics.write(p, {"eval": True, "rollout": positions[p], "eval_true_utility": utility})
+        logger.info("eval: " + ", ".join(f"{p} true utility {u:.3f}" for p, u in scores.items()))
+
+    async def run_leader() -> None:
+        while positions[leader] < config.num_rollouts:
+            await step(leader)
+            r = positions[leader]
+            last = r >= config.num_rollouts
+            debug = config.debug_exit_after_rollout == r
+            trigger = run_dir / SAVE_NOW_FILE
+            asked = trigger.exists()  # the leader alone reads the trigger: one save, not one per policy
+            if config.eval_interval and r % config.eval_interval == 0:
+                async with eval_parker.hold(config.park_timeout):
+                    await evaluate()
+            if (config.save_interval and r % config.save_interval == 0) or last or debug or asked:
+                async with save_parker.hold(config.park_timeout):
+                    await save_all(handles, order, positions, run_dir, leader)
+                    result.saves += 1
+                    if asked:
+                        trigger.unlink(missing_ok=True)
+                    if last or debug:
+                        stop.set()  # set before release: followers stop where the save recorded them
+            if debug:
+                result.debug_exit = True
+                logger.info(f"debug_exit_after_rollout = {r}: stopping after the save")
+                break
+        stop.set()
+
+    async def run_follower(p: str) -> None:
+        try:
+            while not stop.is_set():
+                await save_parker.park(p)
+                await eval_parker.park(p)
+                if stop.is_set():
+                    break
+                await step(p)
+        finally:
+            save_parker.leave(p)
+            eval_parker.leave(p)
+
+    tasks = {asyncio.ensure_future(run_leader()): leader}
+    tasks.update({asyncio.ensure_future(run_follower(p)): p for p in followers})
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is not None:
+                    logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
+                    raise exc
+    finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return result
+
+
+async def restore(
+    handles: Handles, order: list[str], source: Path | None
+) -> tuple[dict[str, int], CheckpointRecord | None]:
+    """Load every part from the record in `source` (None: fresh), check them, push restored weights."""
+    leader = order[0]
+    record = read_record(source) if source is not None else None
+    if record is None:
+        starts = {p: 0 for p in order}
+        check_resume(None, leader, starts)
+        return starts, None
+    assert source is not None
+    folder = source / record.save_dir
+    loaded = await asyncio.gather(*(handles.trainers[p].load.remote(str(folder / p)) for p in order))
+    starts = dict(zip(order, loaded, strict=True))
+    executor_positions = await handles.executor.load.remote(str(folder / "executor"))
+    check_resume(record, leader, starts, executor_positions)
+    await asyncio.gather(*(push_weights(handles.trainers[p], handles.engines[p]) for p in order if starts[p]))
+    logger.info(f"resumed from {folder}: " + ", ".join(f"{p} at rollout {starts[p]}" for p in order))
+    return starts, record
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray shell
+
+
+class Teardown:
+    """Callbacks run in reverse order of registration; each failure is logged, none stops the rest."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[str, Callable[[], Any]]] = []
+
+    def add(self, name: str, fn: Callable[[], Any]) -> None:
+        self._steps.append((name, fn))
+
+    def close(self) -> list[str]:
+        done = []
+        while self._steps:
+            name, fn = self._steps.pop()
+            try:
+                fn()
+            except Exception as exc:  # teardown must reach every component
+                logger.warning(f"teardown of {name} failed: {exc}")
+            done.append(name)
+        return done
+
+
+def _actor_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+
+
+def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) -> Handles:
+    """Engines, then the executor, then trainers; each registered for teardown as it is created."""
+    import ray
+
+    from hpref.rl.actors import EngineActor, RolloutExecutor, TrainerActor
+
+    opts = {"num_cpus": ACTOR_CPUS, "runtime_env": {"env_vars": _actor_env()}}
+
+    def kill(handle: Any) -> Callable[[], None]:
+        return lambda: ray.kill(handle, no_restart=True)
+
+    engines = {}
+    for p in order:
+        engines[p] = ray.remote(EngineActor).options(**opts).remote(p, config.policies[p].model)
+        teardown.add(f"engine '{p}'", kill(engines[p]))
+    executor = ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines)
+    teardown.add("rollout executor", kill(executor))
+    trainers = {}
+    for p in order:
+        trainers[p] = (
+            ray.remote(TrainerActor)
+            .options(**opts)
+            .remote(p, config.policies[p], config.update_weights_interval)
+        )
+        teardown.add(f"trainer '{p}'", kill(trainers[p]))
+    return Handles(executor, engines, trainers)
+
+
+def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
+    """The parsed `[rl]` section and the run folder of a Recipe (or of an already parsed RLConfig)."""
+    run_dir = Path(recipe.run.run_dir)
+    rl = recipe.rl
+    if isinstance(rl, RLConfig):
+        return rl, run_dir
+    where = str(getattr(recipe, "_source", None) or "recipe")
+    return parse_rl_section(rl, where), run_dir
+
+
+def resume_source(run_dir: Path, resume: str | None) -> Path | None:
+    """Where to restore from: None (fresh), the run folder (`auto`), or a given run folder.
+
+    A fresh start refuses a run folder that already holds a record: it would silently mix two runs'
+    checkpoints and metrics.
+    """
+    if resume is None:
+        if read_record(run_dir) is not None:
+            raise ResumeError(
+                f"{run_dir} already holds a checkpoint record: pass --resume auto to continue it, "
+                "or set run.name to start another run"
+            )
+        return None
+    if resume == "auto":
+        return run_dir if read_record(run_dir) is not None else None
+    source = Path(resume)
+    if read_record(source) is None:
+        raise ResumeError(f"--resume {resume}: no record.json there")
+    return source
+
+
+def run_rl(
+    recipe: Any, policies: list[str], ray_address: str | None = None, resume: str | None = None
+) -> int:
+    """`hpref rl`: train `policies` (the first is the leader) as the recipe's `[rl]` section says.
+
+    `ray_address`: an existing cluster (`ray start --head`); None starts a local one (or reuses the
+    Ray session already initialised in this process). `resume`: None, `auto` or a run folder.
+    Returns the exit code (0; 130 after Ctrl-C). User mistakes raise `UserError`.
+    """
+    config, run_dir = _rl_config(recipe)
+    order = config.select(list(policies))
+    source = resume_source(run_dir, resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "rl.json").write_text(
+        json.dumps({"policies": order, "config": config.model_dump(mode="json")}, indent=2) + "\n"
+    )
+    from hpref.rl.actors import policy_tokenizer
+
+    for p in order:  # train/cache tokenizers once here, not once per actor in parallel
+        policy_tokenizer(config.policies[p].model)
+
+    import ray
+
+    teardown = Teardown()
+    if not ray.is_initialized():
+        if ray_address:
+            ray.init(address=ray_address)
+        else:
+            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False)
+        teardown.add("ray", ray.shutdown)
+    try:
+        handles = create_ray_actors(config, order, teardown)
+        teardown_executor = handles.executor
+        metrics = MetricsWriter(run_dir)
+
+        async def main() -> DriveResult:
+            try:
+                starts, _record = await restore(handles, order, source)
+                return await drive(config, order, handles, run_dir, starts, metrics)
+            finally:
+                await asyncio.shield(teardown_executor.shutdown.remote())
+
+        result = asyncio.run(main())
+    except KeyboardInterrupt:
+        logger.warning("interrupted: tearing every component down")
+        return 130
+    except UserError:
+        raise
+    except Exception as exc:
+        cause = _ray_cause(exc)
+        if isinstance(cause, UserError):
+            raise cause from None
+        raise
+    finally:
+        teardown.close()
+    (run_dir / "rl_summary.json").write_text(
+        json.dumps(
+            {
+                "positions": result.positions,
+                "saves": result.saves,
+                "debug_exit": result.debug_exit,
+                "evals": result.evals,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
+    return 0
+
+
+def _ray_cause(exc: BaseException) -> BaseException:
+    """The user's error inside a Ray task error (Ray wraps the actor's exception)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
