@@ -1,0 +1,81 @@
+"""The eval/save command bodies end to end on a tiny run: files written, numbers consistent."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
+from hpref.data.synthetic import generate_battles
+from hpref.errors import UserError
+from hpref.evaluate.cli import eval_command, save_command
+from hpref.evaluate.metrics import log_loss
+from hpref.evaluate.predictions import read_predictions
+
+from .conftest import make_run
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "tiny"
+    make_run(run_dir)
+    recipe = run_dir / "recipe.toml"
+    battles = list(generate_battles(24, seed=11))
+    labelled = write_arena_file(tmp_path / "eval.csv", battles)
+
+    # a checkpoint, with swap TTA
+    assert (
+        eval_command(recipe, checkpoint=run_dir, data=labelled, out=tmp_path / "a" / "p.csv", tta="swap") == 0
+    )
+    metrics = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    preds = read_predictions(tmp_path / "a" / "p.csv")
+    labels = np.array([b.label for b in battles])
+    assert metrics["n"] == 24 and metrics["log_loss"] == pytest.approx(log_loss(preds.probs, labels))
+    assert metrics["sequences"] == 48 and metrics["rows_per_s"] > 0 and metrics["bayes_floor"] is not None
+    assert (tmp_path / "a" / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    assert "rows/s" in capsys.readouterr().out
+
+    # export, then the same eval on the export (no TTA) and an ensemble of the two files
+    assert save_command(run_dir, to=tmp_path / "export") == 0
+    assert (
+        eval_command(recipe, checkpoint=tmp_path / "export", data=labelled, out=tmp_path / "b" / "p.csv") == 0
+    )
+    b = read_predictions(tmp_path / "b" / "p.csv")
+    out = tmp_path / "c" / "blend.csv"
+    files = [tmp_path / "a" / "p.csv", tmp_path / "b" / "p.csv"]
+    assert eval_command(None, ensemble=files, weights="1,1", data=labelled, out=out) == 0
+    np.testing.assert_allclose(read_predictions(out).probs, (preds.probs + b.probs) / 2, atol=1e-12)
+    assert json.loads((tmp_path / "c" / "metrics.json").read_text())["weights"] == [0.5, 0.5]
+    assert (
+        eval_command(None, ensemble=files, fit_weights=True, data=labelled, out=tmp_path / "d" / "f.csv") == 0
+    )
+    fitted = json.loads((tmp_path / "d" / "metrics.json").read_text())
+    assert fitted["log_loss"] <= min(metrics["log_loss"], log_loss(b.probs, labels)) + 1e-9
+
+    # teacher predictions on unlabelled battles -> soft labels the arena reader accepts
+    unlabelled = write_arena_file(
+        tmp_path / "test.csv", [dataclasses.replace(x, label=None) for x in battles]
+    )
+    soft = tmp_path / "soft.csv"
+    assert (
+        eval_command(None, ensemble=files, data=unlabelled, out=tmp_path / "e" / "t.csv", soft_labels=soft)
+        == 0
+    )
+    assert not (tmp_path / "e" / "metrics.json").exists()  # nothing to score without labels
+    students = list(ArenaReader(ArenaConfig(path=str(soft)), seed=0).battles())
+    np.testing.assert_allclose(
+        [s.label for s in students], read_predictions(tmp_path / "e" / "t.csv").probs, atol=1e-12
+    )
+
+
+def test_usage_errors():
+    with pytest.raises(UserError, match="--tta 'flip'"):
+        eval_command(None, tta="flip")
+    with pytest.raises(UserError, match="RECIPE and --checkpoint"):
+        eval_command(None)
+    with pytest.raises(UserError, match="--to DIR"):
+        save_command("/nonexistent")
