@@ -1,0 +1,96 @@
+"""End to end on a real local Ray cluster: two tiny policies, the `rule` reward, a save at
+`debug_exit_after_rollout`, a resume from the record, and a resume refused for the wrong leader."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("torch")
+ray = pytest.importorskip("ray")
+
+from hpref.recipe import recipe_from_dict  # noqa: E402
+from hpref.rl.driver import run_rl  # noqa: E402
+from hpref.rl.record import ResumeError, read_record  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 64,
+    "vocab_size": 300,
+    "tokenizer_texts": 300,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def recipe(run_dir, **rl_over):
+    rl = {
+        "num_rollouts": 3,
+        "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 6},
+        "reward": {"name": "rule"},
+        "defaults": {"model": TINY, "lr": 1e-3},
+        "policies": {"a": {}, "b": {"model": {"seed": 1}, "kl_coef": 0.05}},
+        "eval_interval": 3,
+        "rollout_eval": None,
+    }
+    rl.pop("rollout_eval")
+    rl["rollout"]["eval_prompts"] = 4
+    rl.update(rl_over)
+    return recipe_from_dict(
+        {"run": {"name": run_dir.name, "output_dir": str(run_dir.parent)}, "rl": rl}, resolve=False
+    )
+
+
+def read_metrics(run_dir, policy):
+    lines = (run_dir / "metrics" / f"{policy}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
+    run_dir = tmp_path / "arena"
+
+    # 1. stop after rollout 2 as if interrupted: the save there is the one to resume from
+    assert run_rl(recipe(run_dir, debug_exit_after_rollout=2), ["a", "b"], None, None) == 0
+    first = read_record(run_dir)
+    assert first.leader == "a" and first.rollout_ids["a"] == 2
+    stopped_b = first.rollout_ids["b"]
+    assert stopped_b >= 1  # the follower really ran beside the leader
+    assert json.loads((run_dir / "rl_summary.json").read_text())["debug_exit"] is True
+
+    # 2. a fresh start into the same folder is refused: it would mix two runs
+    with pytest.raises(ResumeError, match="already holds a checkpoint record"):
+        run_rl(recipe(run_dir), ["a", "b"], None, None)
+
+    # 3. the wrong leader is refused before any rollout runs
+    with pytest.raises(ResumeError, match="written with leader 'a', not 'b'"):
+        run_rl(recipe(run_dir), ["b", "a"], None, "auto")
+    assert read_record(run_dir) == first
+
+    # 4. resume: each policy continues exactly where the record put it, and the leader finishes
+    assert run_rl(recipe(run_dir), ["a", "b"], None, "auto") == 0
+    final = read_record(run_dir)
+    assert final.rollout_ids["a"] == 3
+    rows_a = [r for r in read_metrics(run_dir, "a") if not r.get("eval")]
+    assert [r["rollout"] for r in rows_a] == [0, 1, 2]  # nothing replayed, nothing skipped
+    rows_b = [r for r in read_metrics(run_dir, "b") if not r.get("eval")]
+    resumed_b = [r["rollout"] for r in rows_b]
+    assert resumed_b == list(range(len(resumed_b))), resumed_b  # b's second run began at stopped_b
+    for row in rows_a + rows_b:
+        for key in ("reward_mean", "loss", "kl", "clip_fraction", "true_utility", "gen_tokens_per_s"):
+            assert math.isfinite(row[key]), (key, row)
+    assert any(r["kl"] > 0 for r in rows_b[1:])  # b trains against its frozen start, a does not
+    assert all(r["kl"] == 0 for r in rows_a)
+    evals = [r for r in read_metrics(run_dir, "a") if r.get("eval")]
+    assert len(evals) == 1 and math.isfinite(evals[0]["eval_true_utility"])
