@@ -327,6 +327,75 @@ def train_command(
 
 
 # --------------------------------------------------------------------------------------------------
+# evaluation and export
+
+
+@app.command("eval")
+def eval_cmd(
+    recipe: str | None = typer.Argument(
+        None, help="Recipe file or shipped recipe name (model, data, formatter)."
+    ),
+    checkpoint: Path | None = typer.Option(
+        None, "--checkpoint", help="An export folder (hpref save), a checkpoint folder or a run folder."
+    ),
+    data: Path | None = typer.Option(
+        None, "--data", help="Battles to score (default: the recipe's eval set)."
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Predictions file: .csv, .parquet or .jsonl."),
+    tta: str = typer.Option("none", "--tta", help="none | swap (score both A/B orders and average)."),
+    ensemble: list[Path] = typer.Option([], "--ensemble", help="Prediction files to blend (repeatable)."),
+    weights: str | None = typer.Option(None, "--weights", help="Ensemble weights, e.g. 2,1."),
+    fit_weights: bool = typer.Option(False, "--fit-weights", help="Fit ensemble weights on labelled --data."),
+    soft_labels: Path | None = typer.Option(
+        None, "--soft-labels", help="Write the blend joined with --data as a soft-label arena file."
+    ),
+    micro_batch_tokens: int | None = typer.Option(None, "--micro-batch-tokens", min=16, help="Token budget."),
+    plot: bool = typer.Option(True, "--plot/--no-plot", help="Save a reliability diagram PNG."),
+    overrides: list[str] = SetOption,
+) -> None:
+    """Predict (Kaggle format), score with log loss / accuracy / ECE, swap TTA, blend ensembles."""
+    from hpref.evaluate.cli import eval_command
+
+    code = eval_command(
+        resolve_recipe_path(recipe) if recipe else None,
+        checkpoint=checkpoint,
+        data=data,
+        out=out,
+        tta=tta,
+        ensemble=ensemble or None,
+        weights=weights,
+        fit_weights=fit_weights,
+        soft_labels=soft_labels,
+        overrides=overrides,
+        micro_batch_tokens=micro_batch_tokens,
+        plot=plot,
+    )
+    raise typer.Exit(code)
+
+
+@app.command("save")
+def save_cmd(
+    run_dir: Path = typer.Argument(..., help="A training run folder (or one checkpoint folder)."),
+    to: Path | None = typer.Option(None, "--to", help="Export folder to write (HF-style, self-contained)."),
+    step: str = typer.Option("latest", "--step", help="Checkpoint step number, or latest."),
+    dtype: str = typer.Option("fp32", "--dtype", help="bf16 | fp32 weights in the export."),
+    now: bool = typer.Option(False, "--now", help="Ask the live run to checkpoint now; print its path."),
+    timeout: float = typer.Option(1800, "--timeout", help="With --now: seconds to wait for the checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --to folder."),
+    recipe: Path | None = typer.Option(
+        None, "--recipe", help="Recipe (default: the run folder's recipe.toml)."
+    ),
+) -> None:
+    """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""
+    from hpref.evaluate.cli import save_command
+
+    code = save_command(
+        run_dir, to=to, step=step, dtype=dtype, now=now, timeout=timeout, overwrite=overwrite, recipe=recipe
+    )
+    raise typer.Exit(code)
+
+
+# --------------------------------------------------------------------------------------------------
 # data
 
 
