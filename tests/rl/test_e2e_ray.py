@@ -43,9 +43,7 @@ def recipe(run_dir, **rl_over):
         "defaults": {"model": TINY, "lr": 1e-3},
         "policies": {"a": {}, "b": {"model": {"seed": 1}, "kl_coef": 0.05}},
         "eval_interval": 3,
-        "rollout_eval": None,
     }
-    rl.pop("rollout_eval")
     rl["rollout"]["eval_prompts"] = 4
     rl.update(rl_over)
     return recipe_from_dict(
@@ -73,7 +71,7 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
     with pytest.raises(ResumeError, match="already holds a checkpoint record"):
         run_rl(recipe(run_dir), ["a", "b"], None, None)
 
-    # 3. the wrong leader is refused before any rollout runs
+    # 3. the wrong leader is refused before any actor starts
     with pytest.raises(ResumeError, match="written with leader 'a', not 'b'"):
         run_rl(recipe(run_dir), ["b", "a"], None, "auto")
     assert read_record(run_dir) == first

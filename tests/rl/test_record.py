@@ -80,3 +80,14 @@ def test_every_policy_must_match_its_recorded_position():
 def test_a_subset_of_the_recorded_policies_may_resume():
     # dropping a follower is allowed: every policy that does run is checked
     check_resume(CheckpointRecord("a", {"a": 2, "b": 3}), "a", {"a": 2})
+
+
+def test_the_early_check_needs_only_the_record():
+    from hpref.rl.record import check_record_leader
+
+    record = CheckpointRecord("a", {"a": 2, "b": 3})
+    check_record_leader(record, "a", ["a", "b"])
+    with pytest.raises(ResumeError, match="leader 'a', not 'b'"):
+        check_record_leader(record, "b", ["b", "a"])
+    with pytest.raises(ResumeError, match="policy 'c' is not in the checkpoint record"):
+        check_record_leader(record, "a", ["a", "c"])

@@ -31,7 +31,14 @@ from loguru import logger
 from hpref.errors import UserError
 from hpref.rl.config import RLConfig, parse_rl_section
 from hpref.rl.parking import Parker
-from hpref.rl.record import CheckpointRecord, ResumeError, check_resume, read_record, write_record
+from hpref.rl.record import (
+    CheckpointRecord,
+    ResumeError,
+    check_record_leader,
+    check_resume,
+    read_record,
+    write_record,
+)
 
 SAVE_NOW_FILE = "SAVE_NOW"
 ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
@@ -263,23 +270,24 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) ->
 
     from hpref.rl.actors import EngineActor, RolloutExecutor, TrainerActor
 
-    opts = {"num_cpus": ACTOR_CPUS, "runtime_env": {"env_vars": _actor_env()}}
+    opts = {"num_cpus": ACTOR_CPUS}
+    env = _actor_env()
 
     def kill(handle: Any) -> Callable[[], None]:
         return lambda: ray.kill(handle, no_restart=True)
 
     engines = {}
     for p in order:
-        engines[p] = ray.remote(EngineActor).options(**opts).remote(p, config.policies[p].model)
+        engines[p] = ray.remote(EngineActor).options(**opts).remote(p, config.policies[p].model, env=env)
         teardown.add(f"engine '{p}'", kill(engines[p]))
-    executor = ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines)
+    executor = ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines, env=env)
     teardown.add("rollout executor", kill(executor))
     trainers = {}
     for p in order:
         trainers[p] = (
             ray.remote(TrainerActor)
             .options(**opts)
-            .remote(p, config.policies[p], config.update_weights_interval)
+            .remote(p, config.policies[p], config.update_weights_interval, env=env)
         )
         teardown.add(f"trainer '{p}'", kill(trainers[p]))
     return Handles(executor, engines, trainers)
@@ -328,6 +336,10 @@ def run_rl(
     config, run_dir = _rl_config(recipe)
     order = config.select(list(policies))
     source = resume_source(run_dir, resume)
+    if source is not None:
+        record = read_record(source)
+        assert record is not None
+        check_record_leader(record, order[0], order)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "rl.json").write_text(
         json.dumps({"policies": order, "config": config.model_dump(mode="json")}, indent=2) + "\n"

@@ -84,6 +84,24 @@ def read_record(folder: Path) -> CheckpointRecord | None:
     return CheckpointRecord.from_json(path.read_text(encoding="utf-8"), str(path))
 
 
+def check_record_leader(record: CheckpointRecord, leader: str, policies: list[str]) -> None:
+    """The checks a record allows before anything is built: the same leader, every policy in it.
+
+    Run first so a wrong `--policies` fails in a second, not after every actor has started;
+    `check_resume` repeats them with the positions the parts actually restored.
+    """
+    if record.leader != leader:
+        raise ResumeError(
+            f"the checkpoint record was written with leader '{record.leader}', not '{leader}': "
+            f"pass --policies with '{record.leader}' first"
+        )
+    for policy in policies:
+        if policy not in record.rollout_ids:
+            raise ResumeError(
+                f"policy '{policy}' is not in the checkpoint record (it has {sorted(record.rollout_ids)})"
+            )
+
+
 def check_resume(
     record: CheckpointRecord | None,
     leader: str,
@@ -118,17 +136,9 @@ def check_resume(
             f"the leader '{leader}' resumes at rollout {restored[leader]} but there is no {RECORD_FILE}: "
             "no global save completed, so the parts cannot be trusted to match"
         )
-    if record.leader != leader:
-        raise ResumeError(
-            f"the checkpoint record was written with leader '{record.leader}', not '{leader}': "
-            f"pass --policies with '{record.leader}' first"
-        )
+    check_record_leader(record, leader, sorted(restored))
     for policy in sorted(restored):
         start = restored[policy]
-        if policy not in record.rollout_ids:
-            raise ResumeError(
-                f"policy '{policy}' is not in the checkpoint record (it has {sorted(record.rollout_ids)})"
-            )
         expected = record.rollout_ids[policy]
         if start != expected:
             raise ResumeError(
