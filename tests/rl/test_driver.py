@@ -205,3 +205,25 @@ def test_rollout_metrics():
     assert (row["reward_mean"], row["reward_std"], row["true_utility"]) == (2.0, 1.0, 2.0)
     assert (row["gen_tokens_per_s"], row["weight_version"], row["kl"]) == (5.0, 3, 0.1)
     json.dumps(row)
+
+
+def test_resume_truncates_metrics_written_after_the_save(tmp_path):
+    from hpref.rl.driver import MetricsWriter, keep_row
+
+    writer = MetricsWriter(tmp_path)
+    for r in range(5):
+        writer.write("a", {"rollout": r, "reward_mean": 0.0})
+    writer.write("a", {"rollout": 3, "eval": True})
+    writer.write("a", {"rollout": 4, "eval": True})
+    # resuming at rollout 3: rows of rollouts 3 and 4 were trained after the save, and the eval at 4
+    # came after it too; they would otherwise be counted twice
+    assert writer.truncate("a", 3) == 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics" / "a.jsonl").read_text().splitlines()]
+    assert [(r["rollout"], bool(r.get("eval"))) for r in rows] == [
+        (0, False),
+        (1, False),
+        (2, False),
+        (3, True),
+    ]
+    assert keep_row({"rollout": 2}, 3) and not keep_row({"rollout": 3}, 3)
+    assert writer.truncate("missing", 0) == 0

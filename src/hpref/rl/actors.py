@@ -405,7 +405,8 @@ class RolloutExecutor:
         )
         g = rollout.group_size
         groups = [out["texts"][i * g : (i + 1) * g] for i in range(len(prompts))]
-        scores = self.reward.score_groups(prompts, groups)
+        # a judge model's forward pass would block the event loop that serves every policy's get()
+        scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups)
         truth = getattr(self.reward, "true_utility", None)
         out.update(
             rollout_id=rollout_id,

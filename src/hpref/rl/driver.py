@@ -69,12 +69,31 @@ class MetricsWriter:
         self.folder = None if run_dir is None else run_dir / "metrics"
         self.rows: dict[str, list[dict[str, Any]]] = {}
 
+    def truncate(self, policy: str, start: int) -> int:
+        """Drop rows of rollouts at or after `start` (written after the save a resume starts from,
+        so they would be counted twice); returns how many were dropped."""
+        if self.folder is None or not (self.folder / f"{policy}.jsonl").is_file():
+            return 0
+        path = self.folder / f"{policy}.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if keep_row(json.loads(line), start)]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        return len(lines) - len(kept)
+
     def write(self, policy: str, row: dict[str, Any]) -> None:
         self.rows.setdefault(policy, []).append(row)
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(self.folder / f"{policy}.jsonl", "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def keep_row(row: dict[str, Any], start: int) -> bool:
+    """Whether a metrics row survives a resume at `start`: training rows of earlier rollouts, and
+    eval rows taken at or before the resumed position."""
+    return row["rollout"] <= start if row.get("eval") else row["rollout"] < start
 
 
 def rollout_metrics(rollout: dict[str, Any], stats: dict[str, float], version: int | None) -> dict[str, Any]:
@@ -366,9 +385,14 @@ def run_rl(
         async def main() -> DriveResult:
             try:
                 starts, _record = await restore(handles, order, source)
+                for p in order:
+                    metrics.truncate(p, starts[p])
                 return await drive(config, order, handles, run_dir, starts, metrics)
             finally:
-                await asyncio.shield(teardown_executor.shutdown.remote())
+                try:  # stop prefetching; a dead executor must not mask the run's own error
+                    await asyncio.shield(teardown_executor.shutdown.remote())
+                except Exception as exc:
+                    logger.debug(f"rollout executor shutdown: {exc}")
 
         result = asyncio.run(main())
     except KeyboardInterrupt:
