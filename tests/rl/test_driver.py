@@ -227,3 +227,35 @@ def test_resume_truncates_metrics_written_after_the_save(tmp_path):
     ]
     assert keep_row({"rollout": 2}, 3) and not keep_row({"rollout": 3}, 3)
     assert writer.truncate("missing", 0) == 0
+
+
+def test_resume_source(tmp_path):
+    from hpref.rl.driver import resume_source
+    from hpref.rl.record import CheckpointRecord, write_record
+
+    assert resume_source(tmp_path, None) is None  # fresh folder, fresh run
+    assert resume_source(tmp_path, "auto") is None  # auto with nothing saved starts fresh
+    with pytest.raises(ResumeError, match="no record.json there"):
+        resume_source(tmp_path, str(tmp_path / "elsewhere"))
+    write_record(tmp_path, CheckpointRecord("a", {"a": 1}))
+    assert resume_source(tmp_path, "auto") == tmp_path
+    assert resume_source(tmp_path / "new", str(tmp_path)) == tmp_path  # continue another run's save
+    with pytest.raises(ResumeError, match="already holds a checkpoint record"):
+        resume_source(tmp_path, None)
+
+
+def test_a_failing_save_ends_the_run_and_writes_no_record(tmp_path):
+    """The leader's save fails while every follower is parked: the error is the run's, the
+    followers are released and cancelled (the run would hang otherwise), and no record claims the
+    half-done save."""
+    world = World()
+    order = ["a", "b", "c"]
+    handles, _ = make(world, order)
+
+    async def broken_save(folder):
+        raise OSError("disk full")
+
+    handles.executor.wrapped.save = broken_save
+    with pytest.raises(OSError, match="disk full"):
+        run(drive(config(num_rollouts=10, save_interval=2), order, handles, tmp_path, {p: 0 for p in order}))
+    assert read_record(tmp_path) is None
