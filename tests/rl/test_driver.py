@@ -48,7 +48,8 @@ class FakeExecutor:
     async def evaluate(self, policies):
         with self.world.lock:
             assert not self.world.busy
-        return {p: 1.0 for p in policies}
+        battles = [(policies[0], policies[1], 0.75)] * 3
+        return {"true_utility": {p: 1.0 for p in policies}, "battles": battles}
 
 
 class FakeTrainer:
@@ -131,7 +132,9 @@ def test_leader_parks_everyone_before_each_save_and_records_where_each_stood(tmp
     # each policy drained only its own buffer, strictly in order
     for p in order:
         assert world.gets[p] == list(range(result.positions[p])), p
-    assert len(result.evals) == 2  # rollouts 3 and 6
+    assert [e["rollout"] for e in result.evals] == [3, 6]
+    ratings = result.leaderboard(order)
+    assert ratings["a"] > ratings["c"] > ratings["b"]  # a beat b; c played nobody and stays central
 
 
 def test_a_failing_follower_ends_the_run_with_its_error(tmp_path):

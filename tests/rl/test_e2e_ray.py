@@ -92,3 +92,7 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
     assert all(r["kl"] == 0 for r in rows_a)
     evals = [r for r in read_metrics(run_dir, "a") if r.get("eval")]
     assert len(evals) == 1 and math.isfinite(evals[0]["eval_true_utility"])
+    summary = json.loads((run_dir / "rl_summary.json").read_text())
+    assert set(summary["leaderboard"]) == {"a", "b"}
+    assert sum(summary["leaderboard"].values()) / 2 == pytest.approx(1000.0)
+    assert (run_dir / "metrics" / "rewards.png").stat().st_size > 1000

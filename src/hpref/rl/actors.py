@@ -104,7 +104,7 @@ def build_policy_model(model: PolicyModelConfig) -> tuple[Any, Any]:
 
     tokenizer = policy_tokenizer(model)
     if model.path is not None:
-        lm = AutoModelForCausalLM.from_pretrained(model.path, torch_dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
         return lm, tokenizer
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -459,22 +459,33 @@ class RolloutExecutor:
                 task.cancel()
             buffer.clear()
 
-    async def evaluate(self, policies: list[str]) -> dict[str, float]:
-        """Mean true utility of each policy's greedy answers on fixed eval prompts."""
+    async def evaluate(self, policies: list[str]) -> dict[str, Any]:
+        """Greedy answers of every policy on fixed eval prompts, judged by the ground truth.
+
+        Returns `true_utility` (mean per policy) and `battles`: one `(p, q, expected score of p)`
+        per prompt and pair of policies, from the arena judge's outcome probabilities — the input
+        of the Bradley-Terry leaderboard. Empty when the reward knows no ground truth.
+        """
+        from hpref.data.synthetic import davidson
+
         rollout = self.config.rollout
-        prompts = rollout_prompts(
-            rollout.model_copy(update={"prompts_per_rollout": rollout.eval_prompts}), 0, salt="eval"
-        )
+        eval_cfg = rollout.model_copy(update={"prompts_per_rollout": rollout.eval_prompts})
+        prompts = rollout_prompts(eval_cfg, 0, salt="eval")
         truth = getattr(self.reward, "true_utility", None)
-        if truth is None:
-            return {}
-        out = {}
+        if truth is None or not prompts:
+            return {"true_utility": {}, "battles": []}
+        utilities: dict[str, list[float]] = {}
         for p in policies:
-            gen = await self.engines[p].generate.remote(
-                prompts, 1, self.config.policy_rollout(p).max_new_tokens, 1.0, 0, 0, True
-            )
-            out[p] = sum(truth(q, a) for q, a in zip(prompts, gen["texts"], strict=True)) / len(prompts)
-        return out
+            max_new = self.config.policy_rollout(p).max_new_tokens
+            gen = await self.engines[p].generate.remote(prompts, 1, max_new, 1.0, 0, 0, True)
+            utilities[p] = [truth(q, a) for q, a in zip(prompts, gen["texts"], strict=True)]
+        battles = []
+        for i, p in enumerate(policies):
+            for q in policies[i + 1 :]:
+                for u_p, u_q in zip(utilities[p], utilities[q], strict=True):
+                    win, _lose, tie = davidson(u_p, u_q)
+                    battles.append((p, q, win + 0.5 * tie))
+        return {"true_utility": {p: sum(u) / len(u) for p, u in utilities.items()}, "battles": battles}
 
     async def save(self, folder: str) -> None:
         """Write the data position. Prefetched data is not saved: it is regenerated identically

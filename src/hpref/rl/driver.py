@@ -59,7 +59,15 @@ class DriveResult:
     positions: dict[str, int]  # each policy's next rollout id when the run ended
     saves: int
     debug_exit: bool
-    evals: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout, true_utility, battles
+
+    def leaderboard(self, policies: list[str]) -> dict[str, float]:
+        """Bradley-Terry (Elo-scale) ratings from the last eval's battles; {} without evals."""
+        from hpref.rl.leaderboard import bradley_terry
+
+        if not self.evals or not self.evals[-1]["battles"]:
+            return {}
+        return bradley_terry(policies, self.evals[-1]["battles"])
 
 
 class MetricsWriter:
@@ -171,8 +179,10 @@ async def drive(
         metrics.write(p, rollout_metrics(rollout, stats, version))
 
     async def evaluate() -> None:
-        scores = await handles.executor.evaluate.remote(order)
-        result.evals.append(scores)
+        evaluation = await handles.executor.evaluate.remote(order)
+        evaluation["rollout"] = positions[leader]
+        result.evals.append(evaluation)
+        scores = evaluation["true_utility"]
         for p, utility in scores.items():
             metrics.write(p, {"eval": True, "rollout": positions[p], "eval_true_utility": utility})
         logger.info("eval: " + ", ".join(f"{p} true utility {u:.3f}" for p, u in scores.items()))
@@ -413,13 +423,17 @@ def run_rl(
                 "positions": result.positions,
                 "saves": result.saves,
                 "debug_exit": result.debug_exit,
-                "evals": result.evals,
+                "evals": [{k: v for k, v in e.items() if k != "battles"} for e in result.evals],
+                "leaderboard": result.leaderboard(order),
             },
             indent=2,
             sort_keys=True,
         )
         + "\n"
     )
+    from hpref.rl.leaderboard import plot_metrics
+
+    plot_metrics(run_dir, order)
     return 0
 
 

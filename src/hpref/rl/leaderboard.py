@@ -1,0 +1,90 @@
+"""Ratings of policies from judged battles, and the run's plot.
+
+`bradley_terry` fits Bradley-Terry strengths to (soft) pairwise outcomes with Hunter's MM updates
+and reports them on the Elo scale (400 · log10 of the strength, centred on 1000), the scale arena
+leaderboards use. A weak prior (a virtual half-won battle against an average opponent) keeps the
+ratings finite when one policy wins every battle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+ELO_SCALE = 400.0
+ELO_CENTRE = 1000.0
+
+
+def bradley_terry(
+    names: Sequence[str],
+    battles: Sequence[tuple[str, str, float]],
+    *,
+    prior: float = 0.5,
+    iterations: int = 500,
+    tol: float = 1e-10,
+) -> dict[str, float]:
+    """Elo-scale ratings from battles `(a, b, score_a)`, `score_a` in [0, 1] (1 = a won, 0.5 = tie,
+    or a judge's expected score). `prior` is the weight of each player's virtual battle."""
+    index = {n: i for i, n in enumerate(names)}
+    k = len(names)
+    wins = [prior * 0.5] * k  # the virtual battle against a strength-1 opponent, half won
+    games: dict[tuple[int, int], float] = {}
+    for a, b, score in battles:
+        if not 0.0 <= score <= 1.0:
+            raise ValueError(f"score of {a} against {b} must be in [0, 1], got {score}")
+        i, j = index[a], index[b]
+        wins[i] += score
+        wins[j] += 1.0 - score
+        key = (min(i, j), max(i, j))
+        games[key] = games.get(key, 0.0) + 1.0
+    strength = [1.0] * k
+    for _ in range(iterations):
+        new = []
+        for i in range(k):
+            denom = prior / (strength[i] + 1.0)
+            for (x, y), n in games.items():
+                if i in (x, y):
+                    other = y if i == x else x
+                    denom += n / (strength[i] + strength[other])
+            new.append(wins[i] / denom if denom > 0 else strength[i])
+        delta = max(abs(math.log(n) - math.log(o)) for n, o in zip(new, strength, strict=True))
+        strength = new
+        if delta < tol:
+            break
+    logs = [math.log10(s) for s in strength]
+    mean = sum(logs) / k
+    return {n: ELO_CENTRE + ELO_SCALE * (logs[index[n]] - mean) for n in names}
+
+
+def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
+    """`metrics/rewards.png`: reward and true utility against rollout, one line per policy."""
+    folder = run_dir / "metrics"
+    series = {}
+    for p in policies:
+        path = folder / f"{p}.jsonl"
+        if path.is_file():
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            series[p] = [r for r in rows if not r.get("eval")]
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_truth) = plt.subplots(1, 2, figsize=(10, 4))
+    for p, rows in series.items():
+        x = [r["rollout"] for r in rows]
+        ax_reward.plot(x, [r["reward_mean"] for r in rows], label=p)
+        if all("true_utility" in r for r in rows):
+            ax_truth.plot(x, [r["true_utility"] for r in rows], label=p)
+    ax_reward.set(title="reward", xlabel="rollout")
+    ax_truth.set(title="true utility (ground-truth judge)", xlabel="rollout")
+    ax_reward.legend()
+    fig.tight_layout()
+    out = folder / "rewards.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
