@@ -245,3 +245,18 @@ def test_train_bad_recipe_exits_2_before_any_process(tmp_path):
     result = run_hpref("train", str(write(tmp_path, "[train]\nbatch_size = -1\n")))
     assert result.returncode == 2
     assert "train.batch_size: Input should be greater than or equal to 1" in result.stderr
+
+
+def test_rl_section_is_validated_with_the_recipe():
+    # The [rl] section is part of the recipe: a misspelt policy key is a recipe error, exit 2.
+    assert run_hpref("recipes", "check", "rl-arena").returncode == 0
+    result = run_hpref("recipes", "check", "rl-arena", "--set", "rl.policies.a.lrr=3")
+    assert result.returncode == 2
+    assert "rl.policies.a.lrr: unknown key (did you mean 'lr'?)" in result.stderr
+
+
+def test_rl_unknown_policy_and_missing_section_exit_2():
+    result = run_hpref("rl", "rl-arena", "--policies", "a,c")
+    assert result.returncode == 2 and "no policy 'c' in [rl.policies]" in result.stderr
+    result = run_hpref("rl", "quickstart", "--policies", "a")
+    assert result.returncode == 2 and "rl: the recipe has no [rl] section" in result.stderr

@@ -326,6 +326,31 @@ def train_command(
     raise typer.Exit(code)
 
 
+@app.command("rl")
+def rl_command(
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with an [rl] section."),
+    policies: str = typer.Option(
+        ..., "--policies", help="Policy ids to run, comma-separated; the first leads."
+    ),
+    overrides: list[str] = SetOption,
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
+    ),
+    resume: str | None = typer.Option(None, "--resume", help="'auto' or a run folder to resume from."),
+) -> None:
+    """Multi-policy RL on Ray: several policies trained at once on shared rollouts, led by the first."""
+    from hpref.errors import RecipeError
+    from hpref.recipe import load_recipe
+    from hpref.rl import run_rl
+
+    path = resolve_recipe_path(recipe)
+    loaded = load_recipe(path, overrides)
+    if loaded.rl_config is None:
+        raise RecipeError(f"{path}: rl: the recipe has no [rl] section")
+    ids = [p.strip() for p in policies.split(",") if p.strip()]
+    raise typer.Exit(run_rl(loaded, ids, ray_address, resume))
+
+
 # --------------------------------------------------------------------------------------------------
 # evaluation and export
 

@@ -117,6 +117,12 @@ class Recipe(Section):
     rl: dict[str, Any] | None = Field(None, description="multi-policy RL settings (hpref rl)")
 
     _source: Path | None = PrivateAttr(default=None)
+    _rl: Any = PrivateAttr(default=None)
+
+    @property
+    def rl_config(self):
+        """The validated `[rl]` section (`hpref.rl.config.RLConfig`), or None without one."""
+        return self._rl
 
     def component_sections(self) -> list[tuple[str, str, ComponentSection]]:
         """(dotted key, component kind, section) for every component section present."""
@@ -222,6 +228,10 @@ def recipe_from_dict(data: dict[str, Any], *, source: Path | None = None, resolv
     recipe._source = source
     if resolve:
         resolve_components(recipe, where)
+        if recipe.rl is not None:
+            from hpref.rl.config import parse_rl_section
+
+            recipe._rl = parse_rl_section(recipe.rl, where)
     return recipe
 
 
