@@ -215,3 +215,18 @@ def test_checkpoint_metadata_of_a_real_save_is_admitted(tmp_path):
     dcp.load(target, storage_reader=_safe_reader(tmp_path), no_dist=True)
     torch.testing.assert_close(target["w"], state["w"])
     assert target["step"] == 3
+
+
+def test_auto_precision_follows_the_measurements(monkeypatch):
+    """auto = bf16 on CUDA-less AMX CPUs only for models >= 256 wide (measured faster there), fp32
+    otherwise; explicit settings are obeyed."""
+    from hpref.train import sharding
+
+    cpu = torch.device("cpu")
+    assert sharding.resolve_precision("fp32", cpu, 4096) == torch.float32
+    assert sharding.resolve_precision("bf16", cpu, 64) == torch.bfloat16
+    monkeypatch.setattr(sharding, "cpu_has_amx", lambda: True)
+    assert sharding.resolve_precision("auto", cpu, 128) == torch.float32
+    assert sharding.resolve_precision("auto", cpu, 384) == torch.bfloat16
+    monkeypatch.setattr(sharding, "cpu_has_amx", lambda: False)
+    assert sharding.resolve_precision("auto", cpu, 4096) == torch.float32

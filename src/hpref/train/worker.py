@@ -130,7 +130,8 @@ def build_setup(recipe: Recipe, info: DistInfo):
         + (f", {len(eval_data.battles)} eval battles" if eval_data is not None else ", no eval set")
     )
 
-    dtype = resolve_precision(train_cfg.precision, info.device)
+    hidden = getattr(getattr(model, "backbone_config", None), "hidden_size", None)
+    dtype = resolve_precision(train_cfg.precision, info.device, hidden)
     parallelize(model, param_dtype=dtype, activation_checkpointing=train_cfg.activation_checkpointing)
     load_initial_weights(model, device=info.device, init_folder=init_weights_folder(recipe.run.run_dir))
     optimizer = build_optimizer(model, recipe.optimizer, info.device)
