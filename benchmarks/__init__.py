@@ -1,0 +1,1 @@
+"""hpref benchmarks: `python -m benchmarks.run [--quick]` (see benchmarks/README.md)."""
