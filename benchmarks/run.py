@@ -119,7 +119,7 @@ def _recipe(name: str, model_toml: str, data: str, optim: str, epochs: int, npro
         f"[optimizer]\n{optim}weight_decay = 0.01\nbetas = [0.9, 0.99]\n\n"
         '[scheduler]\nname = "linear"\nwarmup_fraction = 0.1\n\n'
         f'[train]\nepochs = {epochs}\nbatch_size = 32\nmax_length = 512\nmicro_batch_tokens = 8192\nswap = "full"\n'
-        f"eval_interval = 1\nlog_interval = 5\n\n[launch]\nnproc = {nproc}\n"
+        f'eval_interval = 1\nlog_interval = 5\nprecision = "fp32"\n\n[launch]\nnproc = {nproc}\n'
     )
 
 
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     ceil = ceilings(args.quick)
     print(f"ceilings: {ceil}", flush=True)
     peak = ceil["bf16_flops"]
-    battles, epochs, pairs = (1000, 1, 400) if args.quick else (4000, 2, 2000)
+    battles, epochs, pairs = (400, 1, 200) if args.quick else (4000, 2, 2000)
     cases = [("tiny-llama", "synthetic")]
     if not args.quick:
         cases.append(("minilm", "synthetic"))
