@@ -239,16 +239,19 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
     outputs = []
     bounds = ctx.boundaries
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        length = end - start
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    # One split per tensor, not a slice per segment: a slice's backward writes into a zeroed copy of
+    # the whole row, which made the backward O(segments x tokens) per layer.
+    segments = zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2), strict=True)
+    for length, (q_seg, k_seg, v_seg) in zip(lengths, segments, strict=True):
         mask = None
         if window is not None and length > window:
             mask = _window_mask(length, causal=causal, window=window, device=q.device)
         outputs.append(
             _attend(
-                q[:, :, start:end],
-                k[:, :, start:end],
-                v[:, :, start:end],
+                q_seg,
+                k_seg,
+                v_seg,
                 mask,
                 causal=causal,
                 scale=scale,
