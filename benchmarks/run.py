@@ -94,7 +94,8 @@ def synthetic_recipe(model: str, battles: int, epochs: int, nproc: int) -> str:
         model_toml = '[model]\nname = "minilm"\npooling = "first"\n'
         optim = "lr = 5e-5\nhead_lr = 1e-3\n"
     data = "".join(
-        f'[dataset.{s}]\nname = "synthetic-arena"\nnum_battles = {battles}\nfolds = 5\nfold = 0\nsplit = "{s}"\n\n'
+        f'[dataset.{s}]\nname = "synthetic-arena"\nnum_battles = {battles}\n'
+        f'folds = 5\nfold = 0\nsplit = "{s}"\n\n'
         for s in ("train", "eval")
     )
     return _recipe(f"bench-{model}", model_toml, data, optim, epochs, nproc)
@@ -107,7 +108,8 @@ def pairwise_recipe(rows: int, epochs: int, nproc: int) -> str:
         "num_attention_heads = 4\nnum_key_value_heads = 2\nintermediate_size = 352\n"
     )
     data = "".join(
-        f'[dataset.{s}]\nname = "pairwise"\npath = "{path}"\nlimit = {rows}\nfolds = 5\nfold = 0\nsplit = "{s}"\n\n'
+        f'[dataset.{s}]\nname = "pairwise"\npath = "{path}"\nlimit = {rows}\n'
+        f'folds = 5\nfold = 0\nsplit = "{s}"\n\n'
         for s in ("train", "eval")
     )
     return _recipe("bench-pairwise", model_toml, data, "lr = 1e-3\n", epochs, nproc)
@@ -118,7 +120,8 @@ def _recipe(name: str, model_toml: str, data: str, optim: str, epochs: int, npro
         f'[run]\nname = "{name}"\nseed = 0\n\n{model_toml}\n{data}[formatter]\nname = "pab"\n\n'
         f"[optimizer]\n{optim}weight_decay = 0.01\nbetas = [0.9, 0.99]\n\n"
         '[scheduler]\nname = "linear"\nwarmup_fraction = 0.1\n\n'
-        f'[train]\nepochs = {epochs}\nbatch_size = 32\nmax_length = 512\nmicro_batch_tokens = 8192\nswap = "full"\n'
+        f"[train]\nepochs = {epochs}\nbatch_size = 32\nmax_length = 512\n"
+        f'micro_batch_tokens = 8192\nswap = "full"\n'
         f'eval_interval = 1\nlog_interval = 5\nprecision = "fp32"\n\n[launch]\nnproc = {nproc}\n'
     )
 
@@ -430,7 +433,8 @@ def main(argv: list[str] | None = None) -> None:
         h, b = list(results.values())
         if "error" not in h and "error" not in b:
             ratios.append(
-                f"{case}: hpref / {list(results)[1]} real tokens/s = {h['tokens_per_s'] / b['tokens_per_s']:.2f}x; "
+                f"{case}: hpref / {list(results)[1]} real tokens/s = "
+                f"{h['tokens_per_s'] / b['tokens_per_s']:.2f}x; "
                 f"peak RSS {h['peak_rss_gib'] / b['peak_rss_gib']:.2f}x; eval log loss "
                 f"{_f(h.get('eval_log_loss'), '{:.4f}')} vs {_f(b.get('eval_log_loss'), '{:.4f}')}; "
                 f"MFU {h['mfu']:.2%} vs {b['mfu']:.2%}"
@@ -438,7 +442,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{case}] done: {json.dumps(results, default=str)[:600]}", flush=True)
     if kind == "pairwise":
         notes.append(
-            "pairwise: hpref judges chosen/rejected in one sequence (3-way head, 2 views per pair); TRL scores "
+            "pairwise: hpref judges chosen/rejected in one sequence (3-way head, 2 views per pair); "
+            "TRL scores "
             "each side alone (1-logit Bradley-Terry), so their eval log losses are different quantities - "
             "compare accuracy. TRL's MFU uses a 256-token attention term (its sequences are scored alone)."
         )
