@@ -230,3 +230,13 @@ def test_auto_precision_follows_the_measurements(monkeypatch):
     assert sharding.resolve_precision("auto", cpu, 384) == torch.bfloat16
     monkeypatch.setattr(sharding, "cpu_has_amx", lambda: False)
     assert sharding.resolve_precision("auto", cpu, 4096) == torch.float32
+
+
+def test_cpu_peak_is_stated_and_deterministic():
+    """MFU needs a peak that does not depend on the neighbours' load: the CPU one is computed from
+    the core's FLOP/cycle, the clock and this rank's threads, and says so."""
+    from hpref.train.metrics import cpu_peak
+
+    a, b = cpu_peak(torch.float32), cpu_peak(torch.float32)
+    assert a == b and a.flops > 0
+    assert "thread(s)" in str(a)
