@@ -34,8 +34,10 @@ def setup_logging(
     if console is None:
         console = rank == 0
     if console:
+        # A function sink looks sys.stderr up at each write, so rich's progress bar (which swaps
+        # stderr while it draws) is not cut by log lines.
         logger.add(
-            sys.stderr,
+            lambda message: sys.stderr.write(message),
             level=level,
             format=CONSOLE_FORMAT,
             filter=lambda record: not record["extra"].get("file_only"),
