@@ -340,67 +340,86 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
         )
         interval.pause(time.perf_counter() - t)
 
+    from hpref.evaluate.export import check_save_trigger_all_ranks, clear_heartbeat, write_heartbeat
+
+    def _train_epochs() -> None:
+        nonlocal interval
+        with progress:
+            while setup.sampler.epoch < train_cfg.epochs and stats.step < setup.total_steps:
+                epoch = setup.sampler.epoch
+                steps_in_epoch = len(setup.sampler.plans(epoch))
+                for plan in setup.sampler:
+                    if fail_rank is not None and int(fail_rank) == rank:
+                        raise SimulatedCrash(f"{FAIL_RANK_ENV}={fail_rank}: rank {rank} fails on purpose")
+                    loss_sum, grad_norm = train_step(
+                        setup.model,
+                        setup.optimizer,
+                        plan.batches(rank, setup.train_data.examples, setup.filler_token_id),
+                        step_sequences=plan.num_sequences,
+                        world_size=world,
+                        grad_clip=train_cfg.grad_clip,
+                        device=setup.device,
+                    )
+                    lr = setup.scheduler.get_last_lr()[0]
+                    setup.scheduler.step()
+                    dist.all_reduce(loss_sum)  # the one loss reduction of the step
+                    stats.step += 1
+                    interval.losses.append(loss_sum / plan.num_sequences)
+                    interval.tokens += plan.num_tokens
+                    interval.flops += _step_flops(
+                        setup, [lengths[i] for mbs in plan.micro_batches for mb in mbs for i in mb if i >= 0]
+                    )
+                    epoch_end = setup.sampler.step == steps_in_epoch
+                    last = stats.step >= setup.total_steps
+                    progress.update(task, completed=stats.step)
+                    if rank == 0:
+                        write_heartbeat(setup.run_dir, stats.step)
+                    # Collective (rank 0 reads the trigger file, every rank learns the answer): a
+                    # checkpoint must be taken by all ranks at the same step boundary.
+                    save_requested = check_save_trigger_all_ranks(setup.run_dir)
+
+                    if stats.step % train_cfg.log_interval == 0 or last:
+                        record = interval.record(
+                            setup, step=stats.step, epoch=epoch, lr=lr, grad_norm=float(grad_norm)
+                        )
+                        metrics.write(record)
+                        stats.add(record)
+                        logger.info(
+                            f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f} lr {lr:.2e} "
+                            f"grad {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s "
+                            f"mfu {record['mfu']:.1%} {record['step_time_s']:.2f} s/step "
+                            f"mem {record['peak_memory_gib']:.2f} GiB"
+                        )
+                        progress.update(task, info=f"loss {record['loss']:.4f}")
+                        interval = Interval()
+
+                    if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
+                        do_eval(epoch)
+                    eval_epoch = train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0
+                    if epoch_end and eval_epoch and stats.eval_step != stats.step:
+                        do_eval(epoch)
+                    interval_due = (
+                        train_cfg.checkpoint_interval and stats.step % train_cfg.checkpoint_interval == 0
+                    )
+                    if interval_due or epoch_end or last or save_requested:
+                        save(epoch)
+                    if crash_after and stats.step == crash_after:
+                        raise SimulatedCrash(
+                            f"{CRASH_AFTER_ENV}={crash_after}: stopping after step {stats.step}"
+                        )
+                    if last:
+                        break
+
     setup.model.train()
     run_start = time.perf_counter()
     progress, task = _progress(rank == 0 and sys.stderr.isatty(), setup.total_steps, stats.step)
-    with progress:
-        while setup.sampler.epoch < train_cfg.epochs and stats.step < setup.total_steps:
-            epoch = setup.sampler.epoch
-            steps_in_epoch = len(setup.sampler.plans(epoch))
-            for plan in setup.sampler:
-                if fail_rank is not None and int(fail_rank) == rank:
-                    raise SimulatedCrash(f"{FAIL_RANK_ENV}={fail_rank}: rank {rank} fails on purpose")
-                loss_sum, grad_norm = train_step(
-                    setup.model,
-                    setup.optimizer,
-                    plan.batches(rank, setup.train_data.examples, setup.filler_token_id),
-                    step_sequences=plan.num_sequences,
-                    world_size=world,
-                    grad_clip=train_cfg.grad_clip,
-                    device=setup.device,
-                )
-                lr = setup.scheduler.get_last_lr()[0]
-                setup.scheduler.step()
-                dist.all_reduce(loss_sum)  # the one loss reduction of the step
-                stats.step += 1
-                interval.losses.append(loss_sum / plan.num_sequences)
-                interval.tokens += plan.num_tokens
-                interval.flops += _step_flops(
-                    setup, [lengths[i] for mbs in plan.micro_batches for mb in mbs for i in mb if i >= 0]
-                )
-                epoch_end = setup.sampler.step == steps_in_epoch
-                last = stats.step >= setup.total_steps
-                progress.update(task, completed=stats.step)
-
-                if stats.step % train_cfg.log_interval == 0 or last:
-                    record = interval.record(
-                        setup, step=stats.step, epoch=epoch, lr=lr, grad_norm=float(grad_norm)
-                    )
-                    metrics.write(record)
-                    stats.add(record)
-                    logger.info(
-                        f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f} lr {lr:.2e} "
-                        f"grad {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s "
-                        f"mfu {record['mfu']:.1%} {record['step_time_s']:.2f} s/step "
-                        f"mem {record['peak_memory_gib']:.2f} GiB"
-                    )
-                    progress.update(task, info=f"loss {record['loss']:.4f}")
-                    interval = Interval()
-
-                if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
-                    do_eval(epoch)
-                eval_epoch = train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0
-                if epoch_end and eval_epoch and stats.eval_step != stats.step:
-                    do_eval(epoch)
-                interval_due = (
-                    train_cfg.checkpoint_interval and stats.step % train_cfg.checkpoint_interval == 0
-                )
-                if interval_due or epoch_end or last:
-                    save(epoch)
-                if crash_after and stats.step == crash_after:
-                    raise SimulatedCrash(f"{CRASH_AFTER_ENV}={crash_after}: stopping after step {stats.step}")
-                if last:
-                    break
+    if rank == 0:  # `hpref save --now` refuses a run without a fresh heartbeat
+        write_heartbeat(setup.run_dir, stats.step)
+    try:
+        _train_epochs()
+    finally:
+        if rank == 0:
+            clear_heartbeat(setup.run_dir)
     if train_cfg.eval_interval and stats.eval_step != stats.step:
         do_eval(setup.sampler.epoch)
     summary = _summary(setup, stats, time.perf_counter() - run_start)
