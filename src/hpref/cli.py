@@ -376,6 +376,9 @@ def eval_cmd(
     ),
     micro_batch_tokens: int | None = typer.Option(None, "--micro-batch-tokens", min=16, help="Token budget."),
     plot: bool = typer.Option(True, "--plot/--no-plot", help="Save a reliability diagram PNG."),
+    nproc_per_node: int | None = typer.Option(
+        None, "--nproc-per-node", min=1, help="Score with N processes through torchrun (gathered on rank 0)."
+    ),
     overrides: list[str] = SetOption,
 ) -> None:
     """Predict (Kaggle format), score with log loss / accuracy / ECE, swap TTA, blend ensembles."""
@@ -394,6 +397,7 @@ def eval_cmd(
         overrides=overrides,
         micro_batch_tokens=micro_batch_tokens,
         plot=plot,
+        nproc_per_node=nproc_per_node,
     )
     raise typer.Exit(code)
 

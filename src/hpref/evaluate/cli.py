@@ -61,14 +61,40 @@ def eval_command(
     micro_batch_tokens: int | None = None,
     plot: bool = True,
     device: str = "cpu",
+    nproc_per_node: int | None = None,
 ) -> int:
-    """`hpref eval`: predictions for every battle (model or ensemble), metrics when labelled."""
+    """`hpref eval`: predictions for every battle (model or ensemble), metrics when labelled.
+
+    With `nproc_per_node > 1` the model's predictions are computed by that many processes started
+    through torchrun (see `hpref.evaluate.worker`); rank 0 writes every output.
+    """
     from hpref.evaluate.ensemble import blend, labels_for, parse_weights, read_battles, write_soft_labels
     from hpref.evaluate.ensemble import fit_weights as fit
     from hpref.evaluate.predictions import read_predictions, write_predictions
 
     if tta not in ("none", "swap"):
         raise UserError(f"--tta {tta!r}: expected none or swap")
+    if nproc_per_node is not None and nproc_per_node > 1:
+        if ensemble:
+            raise UserError(
+                "--nproc-per-node applies to model predictions; an --ensemble blend runs in one process"
+            )
+        if checkpoint is None or recipe is None:
+            raise UserError("--nproc-per-node needs a recipe and --checkpoint")
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            from hpref.evaluate.worker import launch_eval
+            from hpref.recipe import load_recipe
+
+            spec = {
+                "recipe": str(recipe), "checkpoint": str(checkpoint), "data": data and str(data),
+                "out": out and str(out), "tta": tta, "weights": weights, "fit_weights": fit_weights,
+                "soft_labels": soft_labels and str(soft_labels), "overrides": list(overrides or []),
+                "micro_batch_tokens": micro_batch_tokens, "plot": plot,
+            }  # fmt: skip
+            run_dir = load_recipe(recipe, overrides).run.run_dir
+            return launch_eval(spec, nproc_per_node, run_dir)
     battles = read_battles(data) if data is not None else None
     source = str(data) if data is not None else "dataset.eval"
     extra: dict[str, Any] = {}
@@ -102,6 +128,8 @@ def eval_command(
         )
         if data is None:
             source = "dataset.eval"
+        if _rank() != 0:  # every rank holds the gathered predictions; one writes them
+            return 0
     write_predictions(out_path, preds.ids, preds.probs)
     logger.info(f"predictions for {len(preds):,} battles written to {out_path}")
     if soft_labels is not None:
@@ -113,6 +141,12 @@ def eval_command(
     if "rows_per_s" in extra:
         print(f"eval throughput: {extra['rows_per_s']:,.1f} rows/s ({extra['sequences']:,} sequences)")
     return 0
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides, mbt, device):
