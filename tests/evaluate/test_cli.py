@@ -112,3 +112,39 @@ def test_two_process_eval_gives_the_one_process_predictions(tmp_path):
     assert np.abs(two_probs - one.probs).max() < 1e-5
     metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["n"] == 30
+
+
+def test_teacher_predicts_then_student_trains_on_soft_labels(tmp_path):
+    """Distillation in two commands: `hpref eval --soft-labels` on unlabelled battles, then
+    `hpref train` on that file. If the student's training data are not the teacher's
+    probabilities (hard labels, dropped rows), the file or the reader loses the soft labels."""
+    from hpref.train import run_train
+    from hpref.train.metrics import read_metrics
+
+    run_dir = tmp_path / "runs" / "tiny"
+    make_run(run_dir)
+    teacher = tmp_path / "teacher.csv"
+    unlabelled = write_arena_file(
+        tmp_path / "test.csv", [dataclasses.replace(b, label=None) for b in generate_battles(40, seed=3)]
+    )
+    soft = tmp_path / "soft.parquet"
+    assert eval_command(run_dir / "recipe.toml", checkpoint=run_dir, data=unlabelled, out=teacher) == 0
+    assert (
+        eval_command(None, ensemble=[teacher], data=unlabelled, out=tmp_path / "e.csv", soft_labels=soft) == 0
+    )
+
+    import tomllib
+
+    from hpref.recipe import dump_toml
+
+    data = tomllib.loads((run_dir / "recipe.toml").read_text())  # the teacher's model and formatter
+    data["run"] = {"name": "student", "output_dir": (tmp_path / "runs").as_posix()}
+    data["dataset"] = {"train": {"name": "arena", "path": soft.as_posix()}}
+    data["train"].update(epochs=1, batch_size=8, precision="fp32", log_interval=1, eval_interval=0)
+    student = tmp_path / "student.toml"
+    student.write_text(dump_toml(data))
+    assert run_train(student) == 0
+    rows = [r for r in read_metrics(tmp_path / "runs" / "student" / "metrics.jsonl") if r["kind"] == "train"]
+    assert len(rows) == 5  # 40 battles (no swap in this recipe), 8 per step: every row trained on
+    students = list(ArenaReader(ArenaConfig(path=str(soft)), seed=0).battles())
+    assert all(max(s.label) < 1.0 for s in students)  # soft, not one-hot
