@@ -109,7 +109,7 @@ class Recipe(Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ComponentSection | None = None
     dataset: DatasetSection = Field(default_factory=DatasetSection)
-    formatter: ComponentSection | None = None
+    formatter: ComponentSection = Field(default_factory=lambda: ComponentSection(name="pab"))
     optimizer: OptimizerSection = Field(default_factory=OptimizerSection)
     scheduler: ComponentSection = Field(default_factory=lambda: ComponentSection(name="constant"))
     train: TrainSection = Field(default_factory=TrainSection)
@@ -133,8 +133,7 @@ class Recipe(Section):
             sec = getattr(self.dataset, split)
             if sec is not None:
                 found.append((f"dataset.{split}", "dataset", sec))
-        if self.formatter is not None:
-            found.append(("formatter", "formatter", self.formatter))
+        found.append(("formatter", "formatter", self.formatter))
         found.append(("scheduler", "scheduler", self.scheduler))
         return found
 

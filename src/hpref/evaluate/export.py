@@ -366,7 +366,7 @@ def save_export(
         )
     )
     (tmp / "recipe.toml").write_text(recipe.to_toml())
-    formatter = recipe.formatter.name if recipe.formatter is not None else "pab"
+    formatter = recipe.formatter.name
     info = {
         "checkpoint": str(checkpoint_dir),
         "step": run_step,

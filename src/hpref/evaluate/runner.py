@@ -63,11 +63,11 @@ def load_model(source: str | Path, recipe: Any = None, *, device: str | torch.de
 
 
 def build_formatter(recipe: Any, tokenizer: Any, max_length: int | None = None) -> Any:
-    """The recipe's formatter (default `pab`) at the recipe's (or the given) max_length."""
+    """The recipe's formatter at the recipe's (or the given) max_length; `pab` without a recipe."""
     from hpref.plugins import load_plugins
 
     registry = load_plugins()
-    if recipe is not None and recipe.formatter is not None:
+    if recipe is not None:
         component, config = registry.get("formatter", recipe.formatter.name), recipe.formatter.config
     else:
         component = registry.get("formatter", "pab")

@@ -106,12 +106,9 @@ def build_setup(recipe: Recipe, info: DistInfo):
             f"train.max_length {train_cfg.max_length} exceeds the model's "
             f"{model.max_position_embeddings} positions"
         )
-    if recipe.formatter is not None:
-        formatter_c, formatter_cfg = registry.get("formatter", recipe.formatter.name), recipe.formatter.config
-    else:
-        formatter_c = registry.get("formatter", "pab")
-        formatter_cfg = formatter_c.config()
-    formatter = formatter_c.build(formatter_cfg, model.tokenizer, train_cfg.max_length)
+    formatter = registry.get("formatter", recipe.formatter.name).build(
+        recipe.formatter.config, model.tokenizer, train_cfg.max_length
+    )
 
     seed = recipe.run.seed
     train_source = registry.get("dataset", recipe.dataset.train.name).build(recipe.dataset.train.config, seed)
