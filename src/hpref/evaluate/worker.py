@@ -53,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(None, rank=info.rank)
     spec["device"] = str(info.device)
     try:
-        return eval_command(**spec)
+        code = eval_command(**spec)
+        # Rank 0 writes predictions and metrics after the gather; a rank that tore the gloo group
+        # down under it first aborted the process at exit (seen in CI as SIGABRT on rank 1).
+        dist.barrier()
+        return code
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
