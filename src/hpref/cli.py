@@ -351,6 +351,41 @@ def rl_command(
     raise typer.Exit(run_rl(loaded, ids, ray_address, resume))
 
 
+@app.command("rl-warmup")
+def rl_warmup_command(
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with [rl.warmup]."),
+    policies: str | None = typer.Option(
+        None, "--policies", help="Policy ids to warm up, comma-separated (default: every policy)."
+    ),
+    overrides: list[str] = SetOption,
+) -> None:
+    """Build (or find in the cache) the supervised warm-up checkpoint `hpref rl` starts tiny policies from.
+
+    `hpref rl` does the same on its own before the first rollout; this command does it ahead of
+    time and prints one `policy<TAB>folder` line per policy (a transformers causal-LM folder).
+    """
+    from hpref.errors import RecipeError
+    from hpref.recipe import load_recipe
+    from hpref.rl.actors import policy_tokenizer
+    from hpref.rl.warmup import warmup_checkpoint
+
+    path = resolve_recipe_path(recipe)
+    loaded = load_recipe(path, overrides)
+    config = loaded.rl_config
+    if config is None:
+        raise RecipeError(f"{path}: rl: the recipe has no [rl] section")
+    if config.warmup is None:
+        raise RecipeError(f"{path}: rl.warmup: the recipe has no [rl.warmup] section to build")
+    ids = [p.strip() for p in policies.split(",") if p.strip()] if policies else sorted(config.policies)
+    for p in config.select(ids):
+        model = config.policies[p].model
+        if model.path is not None:
+            typer.echo(f"{p}\t{model.path}\t(model.path: no warm-up)")
+            continue
+        policy_tokenizer(model)
+        typer.echo(f"{p}\t{warmup_checkpoint(model, config.warmup)}")
+
+
 # --------------------------------------------------------------------------------------------------
 # evaluation and export
 

@@ -94,7 +94,28 @@ def register_formatters(register) -> None:
 def register_rewards(register) -> None:
     """Register reward components for `hpref rl` (`[rl.reward]`).
 
-    `build(config)` returns an object scoring policies' answers to a prompt.
+    `build(config)` returns an object with
+    `score_groups(prompts, groups, opponents=None) -> list[list[float]]`: `groups[i]` are one
+    policy's answers to `prompts[i]` (a GRPO group), the result has the same shape. A reward that
+    sets `wants_opponents = True` also gets `opponents[i]`, other policies' answers to the same
+    prompt, to judge against (cross-policy judging). Optional: `true_utility(prompt, answer)` when
+    the reward knows the ground truth (synthetic arena), for the metrics that reveal reward hacking.
+    """
+
+
+@hookspec
+def register_engines(register) -> None:
+    """Register inference engines for `hpref rl` (`[rl.engine]`).
+
+    `build(config, *, policy, model, env)` runs inside the engine's Ray actor and returns an object
+    with: `generate(prompts, group_size, max_new_tokens, temperature, top_k=0, seed=0, greedy=False)
+    -> dict` (`prompt_ids`, `completions` (token ids, eos included), `logprobs` (per completion
+    token, at `temperature`), `texts`, `version`, `tokens`, `seconds`); the weight-update steps
+    `begin_update(version)`, `load_weights(state_dict)`, `commit_update() -> version`,
+    `abort_update()`; and `get_version() -> int`. `model` is the policy's
+    `hpref.rl.config.PolicyModelConfig` (its `path` is a transformers folder, e.g. the warm-up
+    checkpoint); `env` holds cache/offline variables to apply. The config's `num_cpus` and
+    `num_gpus` fields, when it has them, are the actor's Ray resources.
     """
 
 

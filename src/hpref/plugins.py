@@ -34,6 +34,7 @@ KINDS: dict[str, str] = {
     "scheduler": "register_schedulers",
     "formatter": "register_formatters",
     "reward": "register_rewards",
+    "engine": "register_engines",
 }
 
 BUILTIN_PLUGINS = (
@@ -42,6 +43,7 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.formatters",
     "hpref.builtin.models",
     "hpref.builtin.rewards",
+    "hpref.rl.engines",
 )
 
 

@@ -1,5 +1,6 @@
-"""End to end on a real local Ray cluster: two tiny policies, the `rule` reward, a save at
-`debug_exit_after_rollout`, a resume from the record, and a resume refused for the wrong leader."""
+"""End to end on a real local Ray cluster: two tiny policies warm-started from a supervised warm-up,
+the `rule` reward, a save at `debug_exit_after_rollout`, a resume from the record, a resume refused
+for the wrong leader, old saves pruned by `keep_last`, and the win rate against the warm-up start."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def recipe(run_dir, **rl_over):
         "defaults": {"model": TINY, "lr": 1e-3},
         "policies": {"a": {}, "b": {"model": {"seed": 1}, "kl_coef": 0.05}},
         "eval_interval": 3,
+        "save_interval": 1,
+        "keep_last": 1,
+        "warmup": {"steps": 15, "batch_size": 8, "battles": 200, "warmup_steps": 2},
     }
     rl["rollout"]["eval_prompts"] = 4
     rl.update(rl_over)
@@ -92,7 +96,18 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
     assert all(r["kl"] == 0 for r in rows_a)
     evals = [r for r in read_metrics(run_dir, "a") if r.get("eval")]
     assert len(evals) == 1 and math.isfinite(evals[0]["eval_true_utility"])
+    assert 0.0 < evals[0]["eval_win_rate_vs_start"] < 1.0
     summary = json.loads((run_dir / "rl_summary.json").read_text())
-    assert set(summary["leaderboard"]) == {"a", "b"}
-    assert sum(summary["leaderboard"].values()) / 2 == pytest.approx(1000.0)
+    # the policies and their starting checkpoints are rated together, centred on 1000
+    assert set(summary["leaderboard"]) == {"a", "b", "a@start", "b@start"}
+    assert sum(summary["leaderboard"].values()) / 4 == pytest.approx(1000.0)
     assert (run_dir / "metrics" / "rewards.png").stat().st_size > 1000
+
+    # both policies started from their own cached warm-up checkpoint, and the resume reused it
+    warm = summary["warmup_checkpoints"]
+    assert set(warm) == {"a", "b"} and warm["a"] != warm["b"]  # different seeds, different starts
+    config = json.loads((run_dir / "rl.json").read_text())["config"]
+    assert config["policies"]["a"]["model"]["path"] == warm["a"]
+    # keep_last = 1: one save survives, and it is the one the record points to
+    saves = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saves == [final.save_dir.split("/")[-1]] == ["rollout-000003"]

@@ -2,12 +2,16 @@
 
 A reward's `build(config)` returns an object with
 
-    score_groups(prompts: list[tuple[str, ...]], groups: list[list[str]]) -> list[list[float]]
+    score_groups(prompts: list[tuple[str, ...]], groups: list[list[str]], opponents=None)
+        -> list[list[float]]
 
 `groups[i]` are the answers (one per sample of a GRPO group) to `prompts[i]`; the result has the same
 shape. Scoring whole groups at once lets a pairwise judge compare answers within a group and batch
-every comparison into one forward pass. Rewards also expose `true_utility(prompt, answer)` when they
-know the ground truth, for the metrics that reveal reward hacking.
+every comparison into one forward pass. A pairwise reward with `wants_opponents = True` also gets
+`opponents[i]`: other policies' answers to the same prompt (the rollout executor collects them), and
+each answer's reward is its mean win probability (+ half the tie probability) over the other answers
+of its group and those opponents: cross-policy judging. Rewards also expose `true_utility(prompt,
+answer)` when they know the ground truth, for the metrics that reveal reward hacking.
 
 torch is imported inside `judge`'s build only: `hpref --help` loads this module.
 """
@@ -29,7 +33,18 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class RuleConfig(_Config):
+class _CrossPolicy(_Config):
+    cross_policy: bool = Field(
+        True,
+        description="with several policies, also judge each answer against the other policies' answers "
+        "to the same prompt (pairwise rewards only)",
+    )
+    opponent_answers: int = Field(
+        2, ge=1, description="answers of each other policy per prompt that an answer is judged against"
+    )
+
+
+class RuleConfig(_CrossPolicy):
     mode: Literal["utility", "pairwise"] = Field(
         "utility",
         description="utility = the arena judge's latent utility of each answer; pairwise = mean win "
@@ -42,7 +57,7 @@ class RuleConfig(_Config):
     )
 
 
-class JudgeConfig(_Config):
+class JudgeConfig(_CrossPolicy):
     path: str = Field(description="folder of a preference model exported by `hpref train` + `hpref save`")
     formatter: str = Field("pab", description="the formatter the judge was trained with")
     max_length: int = Field(512, ge=16, description="token budget of one judged pair")
@@ -52,14 +67,17 @@ class JudgeConfig(_Config):
     micro_batch_tokens: int = Field(16384, ge=64, description="tokens per packed scoring forward pass")
 
 
-def pairwise_rewards(n: int, win_prob: Callable[[int, int], float]) -> list[float]:
-    """Reward of each of `n` answers: its mean `win_prob(i, j)` over the other answers `j`.
+def pairwise_rewards(n: int, win_prob: Callable[[int, int], float], total: int | None = None) -> list[float]:
+    """Reward of each of the first `n` answers: its mean `win_prob(i, j)` over every other answer `j`.
 
-    `win_prob(i, j)` is P(i beats j) + half P(tie). With one answer there is nobody to beat: 0.5.
+    Answers `n .. total - 1` are opponents (other policies' answers to the same prompt): they are
+    judged against but get no reward. `win_prob(i, j)` is P(i beats j) + half P(tie). With nobody
+    to beat the reward is 0.5.
     """
-    if n == 1:
-        return [0.5]
-    return [sum(win_prob(i, j) for j in range(n) if j != i) / (n - 1) for i in range(n)]
+    total = n if total is None else total
+    if total == 1:
+        return [0.5] * n
+    return [sum(win_prob(i, j) for j in range(total) if j != i) / (total - 1) for i in range(n)]
 
 
 def _import_function(spec: str) -> Callable[[Prompt, str], float]:
@@ -86,23 +104,32 @@ class RuleReward:
         self.config = config
         self._synthetic = synthetic
         self._utility = _import_function(config.function) if config.function else synthetic.answer_utility
+        # a utility is absolute: other policies' answers would not change it
+        self.wants_opponents = config.mode == "pairwise" and config.cross_policy
+        self.opponent_answers = config.opponent_answers
 
     def true_utility(self, prompt: Prompt, answer: str) -> float:
         return float(self._synthetic.answer_utility(prompt, answer))
 
-    def score_groups(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> list[list[float]]:
+    def score_groups(
+        self,
+        prompts: Sequence[Prompt],
+        groups: Sequence[Sequence[str]],
+        opponents: Sequence[Sequence[str]] | None = None,
+    ) -> list[list[float]]:
         out = []
-        for prompt, answers in zip(prompts, groups, strict=True):
-            utilities = [float(self._utility(prompt, a)) for a in answers]
+        for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
             if self.config.mode == "utility":
-                out.append(utilities)
+                out.append([float(self._utility(prompt, a)) for a in answers])
                 continue
+            everyone = [*answers, *(opponents[g] if opponents else ())]
+            utilities = [float(self._utility(prompt, a)) for a in everyone]
 
             def win(i: int, j: int, u: list[float] = utilities) -> float:
                 p_a, _p_b, p_tie = self._synthetic.davidson(u[i], u[j])
                 return p_a + 0.5 * p_tie
 
-            out.append(pairwise_rewards(len(answers), win))
+            out.append(pairwise_rewards(len(answers), win, len(everyone)))
         return out
 
 
@@ -120,6 +147,8 @@ class JudgeReward:
         from hpref.data import synthetic
 
         self._synthetic = synthetic
+        self.wants_opponents = config.cross_policy
+        self.opponent_answers = config.opponent_answers
 
     def true_utility(self, prompt: Prompt, answer: str) -> float:
         return float(self._synthetic.answer_utility(prompt, answer))
@@ -150,20 +179,36 @@ class JudgeReward:
                 start = end
         return probs
 
-    def score_groups(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> list[list[float]]:
+    def score_groups(
+        self,
+        prompts: Sequence[Prompt],
+        groups: Sequence[Sequence[str]],
+        opponents: Sequence[Sequence[str]] | None = None,
+    ) -> list[list[float]]:
+        """Within-group pairs, and each answer against each opponent, in one batched judging pass.
+
+        Opponents are only ever judged against the group's answers, never among themselves: their
+        own rewards are not needed.
+        """
         from hpref.data.records import Battle
 
         battles, index = [], {}
         for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
-            for i in range(len(answers)):
-                for j in range(len(answers)):
-                    if i == j or (not self.config.symmetric and j < i):
+            everyone = [*answers, *(opponents[g] if opponents else ())]
+            n = len(answers)
+            for i in range(len(everyone)):
+                for j in range(len(everyone)):
+                    if i == j or (i >= n and j >= n):
+                        continue
+                    # one order of a pair is enough when asymmetric; a group answer goes first
+                    if not self.config.symmetric and (j < i if (i < n and j < n) else i >= n):
                         continue
                     index[(g, i, j)] = len(battles)
-                    battles.append(Battle(f"rl-{g}-{i}-{j}", tuple(prompt), (answers[i],), (answers[j],)))
+                    battles.append(Battle(f"rl-{g}-{i}-{j}", tuple(prompt), (everyone[i],), (everyone[j],)))
         probs = self.judge_pairs(battles)
         out = []
         for g, answers in enumerate(groups):
+            total = len(answers) + (len(opponents[g]) if opponents else 0)
 
             def win(i: int, j: int, g: int = g) -> float:
                 if (g, i, j) in index:
@@ -179,7 +224,7 @@ class JudgeReward:
                 both = [x for x in (forward, backward) if x is not None]
                 return sum(both) / len(both)
 
-            out.append(pairwise_rewards(len(answers), win))
+            out.append(pairwise_rewards(len(answers), win, total))
         return out
 
 
@@ -189,7 +234,8 @@ def build_rule(config: RuleConfig) -> RuleReward:
 
 
 def build_judge(config: JudgeConfig) -> JudgeReward:
-    """An exported hpref preference model: reward = win probability (+ half tie) within the group."""
+    """An exported hpref preference model: reward = win probability (+ half tie) within the group
+    and against the other policies' answers."""
     return JudgeReward(config)
 
 

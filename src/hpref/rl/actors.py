@@ -319,6 +319,48 @@ class EngineActor:
         return self.version
 
 
+class EngineHost:
+    """The Ray actor around a registered engine component (`[rl.engine] name = ...`).
+
+    Ray needs the actor's methods on its class, so this class names every engine method and
+    forwards it; the component itself is built inside the actor's process by its plugin's `build`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: Any,
+        policy: str,
+        model: PolicyModelConfig,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        apply_env(env)
+        from hpref.plugins import load_plugins
+
+        component = load_plugins().get("engine", name)
+        if not isinstance(config, component.config):
+            config = component.config.model_validate(config or {})
+        self.engine = component.build(config, policy=policy, model=model, env=env)
+
+    def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.engine.generate(*args, **kwargs)
+
+    def begin_update(self, version: int) -> None:
+        self.engine.begin_update(version)
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        self.engine.load_weights(state)
+
+    def commit_update(self) -> int:
+        return self.engine.commit_update()
+
+    def abort_update(self) -> None:
+        self.engine.abort_update()
+
+    def get_version(self) -> int:
+        return self.engine.get_version()
+
+
 # --------------------------------------------------------------------------------------------------
 # rollout executor
 
@@ -391,6 +433,52 @@ class RolloutExecutor:
         self.engines = engines
         self.positions = {p: 0 for p in self.policies}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
+        # each policy's answers per rollout id, for judging the other policies against them
+        self._answers: dict[tuple[str, int], list[list[str]]] = {}
+        self._start_answers: dict[str, list[str]] = {}
+
+    def _wants_opponents(self) -> bool:
+        return len(self.policies) > 1 and bool(getattr(self.reward, "wants_opponents", False))
+
+    async def _opponents(
+        self, policy: str, rollout_id: int, prompts: list[tuple[str, ...]]
+    ) -> tuple[list[list[str]], int]:
+        """Other policies' answers to this rollout's prompts: (answers per prompt, tokens generated).
+
+        Every policy answers the same prompts at the same rollout id, so an opponent that already
+        produced this rollout lends its own answers (free); otherwise its engine samples
+        `opponent_answers` per prompt now, seeded by (opponent, policy, rollout), at its current
+        weights. Which of the two happens depends on how far each policy has got, so cross-policy
+        rewards, unlike within-group ones, are not replayed bit for bit after a resume.
+        """
+        k = int(getattr(self.reward, "opponent_answers", 1))
+        per_prompt: list[list[str]] = [[] for _ in prompts]
+        generated = 0
+        for q in self.policies:
+            if q == policy:
+                continue
+            cached = self._answers.get((q, rollout_id))
+            if cached is None:
+                rollout = self.config.policy_rollout(q)
+                out = await self.engines[q].generate.remote(
+                    prompts,
+                    k,
+                    rollout.max_new_tokens,
+                    rollout.temperature,
+                    rollout.top_k,
+                    sample_seed(rollout.seed, f"{q}>{policy}", rollout_id),
+                )
+                generated += out["tokens"]
+                cached = [out["texts"][i * k : (i + 1) * k] for i in range(len(prompts))]
+            for i, answers in enumerate(cached):
+                per_prompt[i].extend(answers[:k])
+        return per_prompt, generated
+
+    def _forget_answers(self) -> None:
+        """Keep only answers of rollouts some policy may still produce (bounded memory)."""
+        oldest = min(self.positions.values()) - 1
+        for key in [key for key in self._answers if key[1] < oldest]:
+            del self._answers[key]
 
     async def _produce(self, policy: str, rollout_id: int) -> dict[str, Any]:
         rollout = self.config.policy_rollout(policy)
@@ -405,14 +493,21 @@ class RolloutExecutor:
         )
         g = rollout.group_size
         groups = [out["texts"][i * g : (i + 1) * g] for i in range(len(prompts))]
-        # a judge model's forward pass would block the event loop that serves every policy's get()
-        scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups)
+        if self._wants_opponents():
+            self._answers[(policy, rollout_id)] = groups
+            opponents, opponent_tokens = await self._opponents(policy, rollout_id, prompts)
+            # a judge model's forward pass would block the event loop that serves every policy's get()
+            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups, opponents)
+        else:
+            opponent_tokens = 0
+            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups)
         truth = getattr(self.reward, "true_utility", None)
         out.update(
             rollout_id=rollout_id,
             policy=policy,
             group_size=g,
             temperature=rollout.temperature,
+            opponent_tokens=opponent_tokens,
             rewards=[float(s) for group in scores for s in group],
             true_utility=[truth(p, a) for p, group in zip(prompts, groups, strict=True) for a in group]
             if truth
@@ -450,6 +545,7 @@ class RolloutExecutor:
         assert data is not None
         data["stale_regenerated"] = task is not None and decision == "regenerate"
         self.positions[policy] = rollout_id + 1
+        self._forget_answers()
         self._prefetch(policy, rollout_id)
         return data
 
@@ -459,33 +555,84 @@ class RolloutExecutor:
                 task.cancel()
             buffer.clear()
 
+    def _eval_prompts(self) -> list[tuple[str, ...]]:
+        rollout = self.config.rollout
+        eval_cfg = rollout.model_copy(update={"prompts_per_rollout": rollout.eval_prompts})
+        return rollout_prompts(eval_cfg, 0, salt="eval")
+
+    async def _greedy_answers(self, policy: str, prompts: list[tuple[str, ...]]) -> list[str]:
+        max_new = self.config.policy_rollout(policy).max_new_tokens
+        gen = await self.engines[policy].generate.remote(prompts, 1, max_new, 1.0, 0, 0, True)
+        return list(gen["texts"])
+
+    async def record_start(self, policies: list[str]) -> dict[str, float]:
+        """Greedy eval answers of each policy's starting checkpoint; returns their true utility.
+
+        Called while every engine still serves the weights it was built with (version 0: the
+        warm-up checkpoint, the policy's model folder, or its seeded init), before a resume pushes
+        restored weights, so `win_rate_vs_start` always compares against the true start.
+        """
+        truth = getattr(self.reward, "true_utility", None)
+        prompts = self._eval_prompts()
+        if truth is None or not prompts:
+            return {}
+        out = {}
+        for p in policies:
+            version = await self.engines[p].get_version.remote()
+            if version != 0:
+                raise RuntimeError(f"record_start: engine '{p}' already serves version {version}, not 0")
+            self._start_answers[p] = await self._greedy_answers(p, prompts)
+            utilities = [truth(q, a) for q, a in zip(prompts, self._start_answers[p], strict=True)]
+            out[p] = sum(utilities) / len(utilities)
+        return out
+
     async def evaluate(self, policies: list[str]) -> dict[str, Any]:
         """Greedy answers of every policy on fixed eval prompts, judged by the ground truth.
 
-        Returns `true_utility` (mean per policy) and `battles`: one `(p, q, expected score of p)`
-        per prompt and pair of policies, from the arena judge's outcome probabilities — the input
-        of the Bradley-Terry leaderboard. Empty when the reward knows no ground truth.
+        Returns `true_utility` (mean per policy), `win_rate_vs_start` (per policy: the mean over
+        prompts of P(win) + P(tie) / 2 of its answer against its starting checkpoint's, from the
+        arena judge's outcome probabilities; 0.5 = no better than where it began) and `battles`: one
+        `(p, q, expected score of p)` per prompt and pair of players, the players being the policies
+        and their starting checkpoints (`<id>@start`) — the input of the Bradley-Terry leaderboard.
+        Empty when the reward knows no ground truth.
         """
         from hpref.data.synthetic import davidson
 
-        rollout = self.config.rollout
-        eval_cfg = rollout.model_copy(update={"prompts_per_rollout": rollout.eval_prompts})
-        prompts = rollout_prompts(eval_cfg, 0, salt="eval")
+        prompts = self._eval_prompts()
         truth = getattr(self.reward, "true_utility", None)
         if truth is None or not prompts:
-            return {"true_utility": {}, "battles": []}
+            return {"true_utility": {}, "win_rate_vs_start": {}, "battles": []}
         utilities: dict[str, list[float]] = {}
         for p in policies:
-            max_new = self.config.policy_rollout(p).max_new_tokens
-            gen = await self.engines[p].generate.remote(prompts, 1, max_new, 1.0, 0, 0, True)
-            utilities[p] = [truth(q, a) for q, a in zip(prompts, gen["texts"], strict=True)]
+            answers = await self._greedy_answers(p, prompts)
+            utilities[p] = [truth(q, a) for q, a in zip(prompts, answers, strict=True)]
+        for p in policies:
+            if p in self._start_answers:
+                start = self._start_answers[p]
+                utilities[f"{p}@start"] = [truth(q, a) for q, a in zip(prompts, start, strict=True)]
+
+        def expected(u_p: list[float], u_q: list[float]) -> list[float]:
+            out = []
+            for a, b in zip(u_p, u_q, strict=True):
+                win, _lose, tie = davidson(a, b)
+                out.append(win + 0.5 * tie)
+            return out
+
+        players = list(utilities)
         battles = []
-        for i, p in enumerate(policies):
-            for q in policies[i + 1 :]:
-                for u_p, u_q in zip(utilities[p], utilities[q], strict=True):
-                    win, _lose, tie = davidson(u_p, u_q)
-                    battles.append((p, q, win + 0.5 * tie))
-        return {"true_utility": {p: sum(u) / len(u) for p, u in utilities.items()}, "battles": battles}
+        for i, p in enumerate(players):
+            for q in players[i + 1 :]:
+                battles.extend((p, q, score) for score in expected(utilities[p], utilities[q]))
+        win_rates = {}
+        for p in policies:
+            if f"{p}@start" in utilities:
+                scores = expected(utilities[p], utilities[f"{p}@start"])
+                win_rates[p] = sum(scores) / len(scores)
+        return {
+            "true_utility": {p: sum(u) / len(u) for p, u in utilities.items()},
+            "win_rate_vs_start": win_rates,
+            "battles": battles,
+        }
 
     async def save(self, folder: str) -> None:
         """Write the data position. Prefetched data is not saved: it is regenerated identically
@@ -500,6 +647,7 @@ class RolloutExecutor:
         """Restore the data position of the policies saved in `folder`; returns it."""
         path = Path(folder) / "executor.json"
         self._drop_buffers()
+        self._answers.clear()
         saved = json.loads(path.read_text())["positions"] if path.is_file() else {}
         for p in self.policies:
             self.positions[p] = int(saved.get(p, 0))

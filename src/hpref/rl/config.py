@@ -105,6 +105,27 @@ class PolicyConfig(_Section):
     )
 
 
+class WarmupConfig(_Section):
+    """`[rl.warmup]`: the supervised warm-up that makes tiny policies' starting checkpoint."""
+
+    steps: int = Field(400, ge=1, description="optimizer steps of the supervised fine-tune")
+    batch_size: int = Field(32, ge=1, description="answers per step")
+    lr: float = Field(3e-3, gt=0, description="AdamW peak learning rate (cosine decay to 10%)")
+    warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up steps")
+    battles: int = Field(4000, ge=1, description="synthetic arena battles the answers come from")
+    answers: Literal["all", "preferred"] = Field(
+        "all",
+        description="all = both answers of every battle (the arena's mix of right and wrong); "
+        "preferred = only the answer the ground-truth judge prefers",
+    )
+    families: list[str] | None = Field(None, description="synthetic arena task families (default: all)")
+    max_answer_tokens: int = Field(48, ge=4, description="answers are cut to this many tokens (plus eos)")
+    seed: int = Field(0, description="seed of the arena data and of batch sampling")
+    threads: int = Field(
+        1, ge=0, description="torch threads (0 = torch's default; more than the free cores thrashes)"
+    )
+
+
 class RolloutConfig(_Section):
     group_size: int = Field(4, ge=2, description="answers per prompt (GRPO compares within a group)")
     prompts_per_rollout: int = Field(8, ge=1, description="prompts every policy answers per rollout")
@@ -125,11 +146,26 @@ class RewardSection(BaseModel):
     name: str = Field("rule", description="registered reward component (see `hpref components`)")
 
 
+class EngineSection(BaseModel):
+    """`name` picks a registered engine component; every other key is one of its parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field("transformers", description="registered engine component (see `hpref components`)")
+
+
 class RLConfig(_Section):
     policies: dict[str, PolicyConfig] = Field(description="the policies, by id")
     num_rollouts: int = Field(20, ge=1, description="rollouts the leader runs")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="shared rollout settings")
     reward: RewardSection = Field(default_factory=RewardSection, description="the reward component")
+    engine: EngineSection = Field(default_factory=lambda: EngineSection(), description="the inference engine")
+    warmup: WarmupConfig | None = Field(
+        None, description="supervised warm-up: the starting checkpoint of policies without model.path"
+    )
+    keep_last: int = Field(
+        0, ge=0, description="keep the newest N global saves (0 = all); the recorded one is never deleted"
+    )
     save_interval: int = Field(
         0, ge=0, description="global save every N leader rollouts (0 = only at the end)"
     )
@@ -143,6 +179,7 @@ class RLConfig(_Section):
 
     # resolved by parse_rl_section; not part of the recipe text
     reward_config: Any = Field(None, exclude=True, description="(internal) the validated reward config")
+    engine_config: Any = Field(None, exclude=True, description="(internal) the validated engine config")
 
     @model_validator(mode="after")
     def _combinations(self) -> RLConfig:
@@ -216,7 +253,8 @@ def describe_error(exc: ValidationError, model: type[BaseModel], prefix: str) ->
     key = ".".join([prefix, *(str(p) for p in loc)])
     if err["type"] == "extra_forbidden":
         owner = _owner(model, loc)
-        fields = [f for f in (owner.model_fields if owner else {}) if f != "reward_config"]
+        internal = ("reward_config", "engine_config")
+        fields = [f for f in (owner.model_fields if owner else {}) if f not in internal]
         return f"{key}: unknown key{did_you_mean(str(loc[-1]), fields)}; valid keys: {', '.join(fields)}"
     if err["type"] == "missing":
         return f"{key}: required key is missing"
@@ -260,26 +298,38 @@ def parse_rl_section(data: dict[str, Any] | None, where: str = "recipe") -> RLCo
         except ValidationError as exc:
             raise RecipeError(f"{where}: {describe_error(exc, PolicyConfig, f'rl.policies.{pid}')}") from None
     data["policies"] = policies
-    if "reward_config" in data:
-        raise RecipeError(f"{where}: rl.reward_config: unknown key (did you mean 'reward'?)")
+    for internal, public in (("reward_config", "reward"), ("engine_config", "engine")):
+        if internal in data:
+            raise RecipeError(f"{where}: rl.{internal}: unknown key (did you mean '{public}'?)")
     try:
         config = RLConfig.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(f"{where}: {describe_error(exc, RLConfig, 'rl')}") from None
     config.reward_config = resolve_reward(config.reward, where)
+    config.engine_config = resolve_engine(config.engine, where)
     return config
 
 
-def resolve_reward(section: RewardSection, where: str = "recipe") -> BaseModel:
-    """The reward component's validated config (its parameters are the keys beside `name`)."""
+def _resolve_component(kind: str, section: BaseModel, key: str, where: str) -> BaseModel:
+    """A component's validated config (its parameters are the keys beside `name`)."""
     from hpref.plugins import load_plugins
 
     registry = load_plugins()
     try:
-        component = registry.get("reward", section.name)
+        component = registry.get(kind, section.name)  # type: ignore[attr-defined]
     except UserError as exc:
-        raise RecipeError(f"{where}: rl.reward.name: {exc}") from None
+        raise RecipeError(f"{where}: {key}.name: {exc}") from None
     try:
         return component.config.model_validate(dict(section.model_extra or {}))
     except ValidationError as exc:
-        raise RecipeError(f"{where}: {describe_error(exc, component.config, 'rl.reward')}") from None
+        raise RecipeError(f"{where}: {describe_error(exc, component.config, key)}") from None
+
+
+def resolve_reward(section: RewardSection, where: str = "recipe") -> BaseModel:
+    """The reward component's validated config."""
+    return _resolve_component("reward", section, "rl.reward", where)
+
+
+def resolve_engine(section: EngineSection, where: str = "recipe") -> BaseModel:
+    """The engine component's validated config."""
+    return _resolve_component("engine", section, "rl.engine", where)

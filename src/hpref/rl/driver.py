@@ -21,6 +21,7 @@ import asyncio
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,12 +63,17 @@ class DriveResult:
     evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout, true_utility, battles
 
     def leaderboard(self, policies: list[str]) -> dict[str, float]:
-        """Bradley-Terry (Elo-scale) ratings from the last eval's battles; {} without evals."""
+        """Bradley-Terry (Elo-scale) ratings of the policies and their starting checkpoints
+        (`<id>@start`) from the last eval's battles; {} without evals."""
         from hpref.rl.leaderboard import bradley_terry
 
         if not self.evals or not self.evals[-1]["battles"]:
             return {}
-        return bradley_terry(policies, self.evals[-1]["battles"])
+        battles = self.evals[-1]["battles"]
+        players = list(policies)
+        for a, b, _score in battles:
+            players.extend(x for x in (a, b) if x not in players)
+        return bradley_terry(players, battles)
 
 
 class MetricsWriter:
@@ -116,6 +122,7 @@ def rollout_metrics(rollout: dict[str, Any], stats: dict[str, float], version: i
         "weight_version": version,
         "gen_tokens": rollout["tokens"],
         "gen_tokens_per_s": rollout["tokens"] / max(rollout["seconds"], 1e-9),
+        "opponent_tokens": rollout.get("opponent_tokens", 0),
         "stale_regenerated": bool(rollout.get("stale_regenerated", False)),
     }
     truth = rollout.get("true_utility")
@@ -139,7 +146,12 @@ async def push_weights(trainer: Any, engine: Any) -> int:
 
 
 async def save_all(
-    handles: Handles, order: list[str], positions: dict[str, int], run_dir: Path, leader: str
+    handles: Handles,
+    order: list[str],
+    positions: dict[str, int],
+    run_dir: Path,
+    leader: str,
+    keep_last: int = 0,
 ) -> CheckpointRecord:
     """Every trainer, then the executor, then — only after all of them saved — the record."""
     rel = f"checkpoints/rollout-{positions[leader]:06d}"
@@ -149,7 +161,33 @@ async def save_all(
     record = CheckpointRecord(leader, {p: positions[p] for p in order}, save_dir=rel)
     write_record(run_dir, record)
     logger.info(f"saved {rel}: " + ", ".join(f"{p} at rollout {positions[p]}" for p in order))
+    if keep_last:
+        prune_checkpoints(run_dir, keep_last, record)
     return record
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, record: CheckpointRecord) -> list[str]:
+    """Delete all but the newest `keep_last` saves under `checkpoints/`; returns what was deleted.
+
+    Runs only after the record is written, and never deletes the folder the record points to (even
+    if it is not among the newest, e.g. after a resume from an older save into the same folder):
+    that is the one save a resume can use. Half-written saves of an interrupted run (no record names
+    them) are older than the record's and go with the rest.
+    """
+    import shutil
+
+    root = run_dir / "checkpoints"
+    keep = {Path(record.save_dir).name}
+    saves = sorted(p for p in root.glob("rollout-*") if p.is_dir())
+    keep.update(p.name for p in saves[-keep_last:])
+    deleted = []
+    for folder in saves:
+        if folder.name not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            deleted.append(folder.name)
+    if deleted:
+        logger.info(f"keep_last = {keep_last}: deleted {', '.join(deleted)}")
+    return deleted
 
 
 async def drive(
@@ -183,9 +221,25 @@ async def drive(
         evaluation["rollout"] = positions[leader]
         result.evals.append(evaluation)
         scores = evaluation["true_utility"]
-        for p, utility in scores.items():
-            metrics.write(p, {"eval": True, "rollout": positions[p], "eval_true_utility": utility})
-        logger.info("eval: " + ", ".join(f"{p} true utility {u:.3f}" for p, u in scores.items()))
+        win_rates = evaluation.get("win_rate_vs_start", {})
+        for p in order:
+            if p not in scores:
+                continue
+            row = {"eval": True, "rollout": positions[p], "eval_true_utility": scores[p]}
+            if p in win_rates:
+                row["eval_win_rate_vs_start"] = win_rates[p]
+            if f"{p}@start" in scores:
+                row["eval_start_true_utility"] = scores[f"{p}@start"]
+            metrics.write(p, row)
+        logger.info(
+            "eval: "
+            + ", ".join(
+                f"{p} true utility {scores[p]:.3f}"
+                + (f", win rate vs start {win_rates[p]:.3f}" if p in win_rates else "")
+                for p in order
+                if p in scores
+            )
+        )
 
     async def run_leader() -> None:
         while positions[leader] < config.num_rollouts:
@@ -195,12 +249,12 @@ async def drive(
             debug = config.debug_exit_after_rollout == r
             trigger = run_dir / SAVE_NOW_FILE
             asked = trigger.exists()  # the leader alone reads the trigger: one save, not one per policy
-            if config.eval_interval and r % config.eval_interval == 0:
+            if config.eval_interval and (r % config.eval_interval == 0 or last):
                 async with eval_parker.hold(config.park_timeout):
                     await evaluate()
             if (config.save_interval and r % config.save_interval == 0) or last or debug or asked:
                 async with save_parker.hold(config.park_timeout):
-                    await save_all(handles, order, positions, run_dir, leader)
+                    await save_all(handles, order, positions, run_dir, leader, config.keep_last)
                     result.saves += 1
                     if asked:
                         trigger.unlink(missing_ok=True)
@@ -297,7 +351,7 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) ->
     """Engines, then the executor, then trainers; each registered for teardown as it is created."""
     import ray
 
-    from hpref.rl.actors import EngineActor, RolloutExecutor, TrainerActor
+    from hpref.rl.actors import EngineHost, RolloutExecutor, TrainerActor
 
     opts = {"num_cpus": ACTOR_CPUS}
     env = _actor_env()
@@ -305,9 +359,22 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) ->
     def kill(handle: Any) -> Callable[[], None]:
         return lambda: ray.kill(handle, no_restart=True)
 
+    engine_config = config.engine_config
+    if engine_config is None:
+        from hpref.rl.config import resolve_engine
+
+        engine_config = resolve_engine(config.engine)
+    engine_opts = {
+        "num_cpus": float(getattr(engine_config, "num_cpus", ACTOR_CPUS)),
+        "num_gpus": float(getattr(engine_config, "num_gpus", 0)),
+    }
     engines = {}
     for p in order:
-        engines[p] = ray.remote(EngineActor).options(**opts).remote(p, config.policies[p].model, env=env)
+        engines[p] = (
+            ray.remote(EngineHost)
+            .options(**engine_opts)
+            .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env)
+        )
         teardown.add(f"engine '{p}'", kill(engines[p]))
     executor = ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines, env=env)
     teardown.add("rollout executor", kill(executor))
@@ -353,6 +420,28 @@ def resume_source(run_dir: Path, resume: str | None) -> Path | None:
     return source
 
 
+def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
+    """Point every policy without `model.path` at its warm-up checkpoint (trained now or cached).
+
+    Returns {policy: checkpoint folder}. Without `[rl.warmup]` policies keep their model settings.
+    The folders are content-addressed by the model and warm-up settings, so a resumed run starts
+    from exactly the checkpoint its first run started from.
+    """
+    if config.warmup is None:
+        return {}
+    from hpref.rl.warmup import warmup_checkpoint
+
+    out = {}
+    for p in order:
+        model = config.policies[p].model
+        if model.path is not None:
+            continue
+        folder = warmup_checkpoint(model, config.warmup)
+        config.policies[p].model = model.model_copy(update={"path": str(folder)})
+        out[p] = str(folder)
+    return out
+
+
 def run_rl(
     recipe: Any, policies: list[str], ray_address: str | None = None, resume: str | None = None
 ) -> int:
@@ -362,6 +451,7 @@ def run_rl(
     Ray session already initialised in this process). `resume`: None, `auto` or a run folder.
     Returns the exit code (0; 130 after Ctrl-C). User mistakes raise `UserError`.
     """
+    started = time.perf_counter()
     config, run_dir = _rl_config(recipe)
     order = config.select(list(policies))
     source = resume_source(run_dir, resume)
@@ -370,13 +460,23 @@ def run_rl(
         assert record is not None
         check_record_leader(record, order[0], order)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "rl.json").write_text(
-        json.dumps({"policies": order, "config": config.model_dump(mode="json")}, indent=2) + "\n"
-    )
     from hpref.rl.actors import policy_tokenizer
 
     for p in order:  # train/cache tokenizers once here, not once per actor in parallel
         policy_tokenizer(config.policies[p].model)
+    warm_started = apply_warmup(config, order)
+    (run_dir / "rl.json").write_text(
+        json.dumps(
+            {
+                "policies": order,
+                "warmup_checkpoints": warm_started,
+                "config": config.model_dump(mode="json"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    setup_s = time.perf_counter() - started
 
     import ray
 
@@ -394,6 +494,13 @@ def run_rl(
 
         async def main() -> DriveResult:
             try:
+                if config.eval_interval:  # before restore: the engines still serve the start
+                    start_utility = await handles.executor.record_start.remote(order)
+                    if start_utility:
+                        logger.info(
+                            "start: "
+                            + ", ".join(f"{p} true utility {u:.3f}" for p, u in start_utility.items())
+                        )
                 starts, _record = await restore(handles, order, source)
                 for p in order:
                     metrics.truncate(p, starts[p])
@@ -425,6 +532,9 @@ def run_rl(
                 "debug_exit": result.debug_exit,
                 "evals": [{k: v for k, v in e.items() if k != "battles"} for e in result.evals],
                 "leaderboard": result.leaderboard(order),
+                "warmup_checkpoints": warm_started,
+                "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
+                "wall_s": time.perf_counter() - started,
             },
             indent=2,
             sort_keys=True,
