@@ -167,3 +167,93 @@ def test_kl_policy_has_a_frozen_reference(actors):
     assert trainers["a"].reference is None
     ref = trainers["b"].reference
     assert ref is not None and not any(p.requires_grad for p in ref.parameters())
+
+
+def _pairwise_expected(prompt, answers, opponents):
+    """Each group answer's mean P(win) + P(tie)/2 over the rest of its group and the opponents."""
+    from hpref.data.synthetic import answer_utility, davidson
+
+    everyone = [*answers, *opponents]
+    u = [answer_utility(prompt, a) for a in everyone]
+    out = []
+    for i in range(len(answers)):
+        scores = [davidson(u[i], u[j]) for j in range(len(everyone)) if j != i]
+        out.append(sum(p_a + 0.5 * p_tie for p_a, _p_b, p_tie in scores) / len(scores))
+    return out
+
+
+def test_cross_policy_rewards_judge_each_policy_against_the_other(actors):
+    # Wrong if a policy's answers were judged only within their own group (cross-policy judging
+    # off), against answers to other prompts, or if an opponent's already produced answers to the
+    # same rollout were not reused (paying for a second generation).
+    from hpref.rl.actors import sample_seed
+
+    _cfg, engines, _trainers = actors
+    cfg = rl_config(reward={"name": "rule", "mode": "pairwise", "opponent_answers": 1})
+    prompts = rollout_prompts(cfg.rollout, 0)
+
+    async def main():
+        ex = RolloutExecutor(cfg, ["a", "b"], engines)
+        ra = await ex.get(0, "a")
+        # a's prefetch of rollout 1 also samples b's engine; let it finish before b generates, since
+        # in-process engines share torch's global RNG (Ray actors each have their own)
+        await asyncio.gather(*ex._buffer["a"].values())
+        rb = await ex.get(0, "b")
+        await ex.shutdown()
+        return ra, rb
+
+    ra, rb = asyncio.run(main())
+    # a came first: b's engine answered a's prompts for it, seeded by (b, a, rollout id)
+    b_for_a = engines["b"].wrapped.generate(prompts, 1, 6, 1.0, 0, sample_seed(0, "b>a", 0))
+    assert ra["opponent_tokens"] == b_for_a["tokens"] > 0
+    g = cfg.rollout.group_size
+    for i, prompt in enumerate(prompts):
+        group = ra["texts"][i * g : (i + 1) * g]
+        want = _pairwise_expected(prompt, group, [b_for_a["texts"][i]])
+        assert ra["rewards"][i * g : (i + 1) * g] == pytest.approx(want, abs=1e-12)
+    # then b was judged against a's own rollout-0 answers (the first of each group): no generation
+    assert rb["opponent_tokens"] == 0
+    for i, prompt in enumerate(prompts):
+        group = rb["texts"][i * g : (i + 1) * g]
+        want = _pairwise_expected(prompt, group, [ra["texts"][i * g]])
+        assert rb["rewards"][i * g : (i + 1) * g] == pytest.approx(want, abs=1e-12)
+
+
+def test_utility_rewards_ask_for_no_opponents(actors):
+    # Wrong if an absolute reward made the executor generate opponents' answers it cannot use.
+    _cfg, engines, _trainers = actors
+    cfg = rl_config(reward={"name": "rule", "mode": "utility"})
+
+    async def main():
+        ex = RolloutExecutor(cfg, ["a", "b"], engines)
+        r = await ex.get(0, "a")
+        await ex.shutdown()
+        return r, ex._answers
+
+    r, answers = asyncio.run(main())
+    assert r["opponent_tokens"] == 0 and answers == {}
+
+
+def test_eval_win_rate_is_against_the_recorded_start(actors):
+    # Wrong if the win rate were measured against anything but the weights the engine started
+    # with: unchanged weights must score exactly the tie value against themselves.
+    _cfg, engines, _trainers = actors
+    cfg = rl_config(
+        rollout={"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 6, "eval_prompts": 5}
+    )
+    engines = {"b": engines["b"]}  # b's engine still serves version 0
+
+    async def main():
+        ex = RolloutExecutor(cfg, ["b"], engines)
+        start = await ex.record_start(["b"])
+        return start, await ex.evaluate(["b"])
+
+    start, ev = asyncio.run(main())
+    from hpref.data.synthetic import davidson
+
+    p_a, _p_b, p_tie = davidson(0.0, 0.0)
+    assert ev["win_rate_vs_start"]["b"] == pytest.approx(p_a + 0.5 * p_tie) == pytest.approx(0.5)
+    assert (
+        ev["true_utility"]["b"] == pytest.approx(ev["true_utility"]["b@start"]) == pytest.approx(start["b"])
+    )
+    assert {(x, y) for x, y, _ in ev["battles"]} == {("b", "b@start")} and len(ev["battles"]) == 5

@@ -262,3 +262,42 @@ def test_a_failing_save_ends_the_run_and_writes_no_record(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         run(drive(config(num_rollouts=10, save_interval=2), order, handles, tmp_path, {p: 0 for p in order}))
     assert read_record(tmp_path) is None
+
+
+def test_keep_last_prunes_old_saves_but_never_the_recorded_one(tmp_path):
+    # Wrong if pruning deleted the save a resume needs (the record's), kept more than asked, or
+    # touched anything outside checkpoints/rollout-*.
+    from hpref.rl.driver import prune_checkpoints
+    from hpref.rl.record import CheckpointRecord
+
+    root = tmp_path / "checkpoints"
+    for r in (2, 4, 6, 8):
+        (root / f"rollout-{r:06d}" / "a").mkdir(parents=True)
+    (root / "notes.txt").write_text("mine")
+    # resumed from rollout 4 into this folder: the record points at an older save than the newest
+    record = CheckpointRecord("a", {"a": 4}, save_dir="checkpoints/rollout-000004")
+    assert prune_checkpoints(tmp_path, 1, record) == ["rollout-000002", "rollout-000006"]
+    assert sorted(p.name for p in root.iterdir()) == ["notes.txt", "rollout-000004", "rollout-000008"]
+
+
+def test_eval_rows_carry_the_win_rate_against_the_start(tmp_path):
+    # Wrong if the leader skipped the eval at the last rollout (the number a run is judged by) or
+    # the win rate against the start did not reach metrics.jsonl.
+    from hpref.rl.driver import MetricsWriter
+
+    class WinRateExecutor(FakeExecutor):
+        async def evaluate(self, policies):
+            out = await super().evaluate(policies)
+            out["win_rate_vs_start"] = {p: 0.625 for p in policies}
+            out["true_utility"].update({f"{p}@start": 0.5 for p in policies})
+            return out
+
+    world = World()
+    handles, _ = make(world, ["a", "b"])
+    handles.executor = LocalActor(WinRateExecutor(world))
+    metrics = MetricsWriter(tmp_path)
+    cfg = config(num_rollouts=5, eval_interval=3)
+    result = run(drive(cfg, ["a", "b"], handles, tmp_path, {"a": 0, "b": 0}, metrics))
+    assert [e["rollout"] for e in result.evals] == [3, 5]  # every 3 rollouts, and at the end
+    evals = [r for r in metrics.rows["a"] if r.get("eval")]
+    assert [(r["eval_win_rate_vs_start"], r["eval_start_true_utility"]) for r in evals] == [(0.625, 0.5)] * 2

@@ -100,3 +100,67 @@ def test_judge_reward_is_symmetric_and_a_probability(judge_folder):
     # every pair's two win probabilities sum to 1, so a group's rewards average to exactly 0.5
     assert sum(mixed) / 3 == pytest.approx(0.5, abs=1e-5)
     assert all(0.0 <= r <= 1.0 for r in mixed)
+
+
+@pytest.fixture(scope="module")
+def exported_judge(tmp_path_factory):
+    """A judge as `hpref rl` users get one: a trainer checkpoint consolidated by `hpref save`."""
+    pytest.importorskip("torch")
+    from hpref.evaluate import export
+    from tests.evaluate.conftest import make_run
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
+    try:
+        run_dir = tmp_path_factory.mktemp("judge-run") / "tiny"
+        make_run(run_dir)
+        return export.save_export(run_dir, tmp_path_factory.mktemp("export") / "judge")
+    finally:
+        mp.undo()
+
+
+def test_judge_scores_answers_against_other_policies(exported_judge):
+    # Wrong if opponents (another policy's answers to the same prompt) were ignored, judged in one
+    # order only, or counted with a weight other than one comparison each.
+    from hpref.builtin.rewards import build_judge
+    from hpref.data.records import Battle
+
+    reward = build_judge(JudgeConfig(path=str(exported_judge), max_length=320))
+    assert reward.wants_opponents and reward.opponent_answers == 2
+    group = ["The answer is 42.", "41"]
+    opponents = ["I cannot assist with this request.", "Sure! The answer is 42."]
+    [scores] = reward.score_groups([PROMPT], [group], [opponents])
+    everyone = group + opponents
+
+    def win(i, j):  # both orders, as the symmetric judge does: P(i first wins) and P(i second wins)
+        [(fa, _, ft), (_, bb, bt)] = reward.judge_pairs(
+            [
+                Battle("f", PROMPT, (everyone[i],), (everyone[j],)),
+                Battle("b", PROMPT, (everyone[j],), (everyone[i],)),
+            ]
+        )
+        return ((fa + ft / 2) + (bb + bt / 2)) / 2
+
+    want = [sum(win(i, j) for j in range(4) if j != i) / 3 for i in range(2)]
+    assert scores == pytest.approx(want, abs=1e-6)
+    # without opponents the same judge only compares the group: the cross-policy terms matter
+    # (this tiny untrained judge is near 0.5 everywhere, so the difference is small but real)
+    [alone] = reward.score_groups([PROMPT], [group])
+    assert alone == pytest.approx([win(0, 1), win(1, 0)], abs=1e-6)
+    assert abs(alone[0] - scores[0]) > 1e-5
+    # an opponent that wrote the very same answer ties exactly: it adds 0.5, whatever the judge
+    [(same,)] = [reward.score_groups([PROMPT], [[group[0]]], [[group[0]]])[0]]
+    assert same == pytest.approx(0.5, abs=1e-6)
+
+
+def test_cross_policy_is_pairwise_only_and_can_be_turned_off():
+    # Wrong if a utility reward asked for opponents it cannot use, or cross_policy = false did not
+    # stop the executor from generating them.
+    assert build_rule(RuleConfig(mode="pairwise")).wants_opponents
+    assert not build_rule(RuleConfig(mode="utility")).wants_opponents
+    assert not build_rule(RuleConfig(mode="pairwise", cross_policy=False)).wants_opponents
+    # rule pairwise against an opponent: a correct answer beats a wrong opponent more than a tie
+    reward = build_rule(RuleConfig(mode="pairwise"))
+    [[vs_wrong]] = reward.score_groups([PROMPT], [["42"]], [["41"]])
+    [[vs_right]] = reward.score_groups([PROMPT], [["42"]], [["42"]])
+    assert vs_wrong > 0.9 and vs_right == pytest.approx(0.5)
