@@ -164,3 +164,14 @@ def test_cross_policy_is_pairwise_only_and_can_be_turned_off():
     [[vs_wrong]] = reward.score_groups([PROMPT], [["42"]], [["41"]])
     [[vs_right]] = reward.score_groups([PROMPT], [["42"]], [["42"]])
     assert vs_wrong > 0.9 and vs_right == pytest.approx(0.5)
+
+
+def test_a_judge_path_without_an_export_is_one_line_naming_the_key(tmp_path):
+    # Wrong if a missing judge surfaced only inside the executor actor, after Ray had started.
+    from hpref.errors import RecipeError
+    from hpref.rl.config import parse_rl_section
+
+    section = {"policies": {"a": {}}, "reward": {"name": "judge", "path": str(tmp_path / "nope")}}
+    with pytest.raises(RecipeError) as err:
+        parse_rl_section(section, "r.toml")
+    assert str(err.value).startswith(f"r.toml: rl.reward.path: no exported preference model at {tmp_path}")

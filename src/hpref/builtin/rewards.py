@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hpref.hookspecs import hookimpl
 
@@ -65,6 +66,19 @@ class JudgeConfig(_CrossPolicy):
         True, description="judge each pair in both orders and average, cancelling the judge's position bias"
     )
     micro_batch_tokens: int = Field(16384, ge=64, description="tokens per packed scoring forward pass")
+
+    @field_validator("path")
+    @classmethod
+    def _is_an_export(cls, value: str) -> str:
+        # checked when the recipe is read, not in the executor actor, where the error would arrive
+        # wrapped in a Ray traceback after every actor had started
+        folder = Path(value).expanduser()
+        if not (folder / "hpref_model.json").is_file():
+            raise ValueError(
+                f"no exported preference model at {value} (make one with `hpref train` then "
+                "`hpref save RUN_DIR --to DIR`)"
+            )
+        return str(folder)
 
 
 def pairwise_rewards(n: int, win_prob: Callable[[int, int], float], total: int | None = None) -> list[float]:

@@ -6,6 +6,13 @@
     eval_interval = 10           # park everyone and evaluate every N leader rollouts (0 = never)
     update_weights_interval = 1  # push trainer weights to the engine every N rollouts per policy
     staleness_limit = 1          # most weight versions a rollout's engine may lag its trainer
+    keep_last = 2                # keep the newest N global saves (0 = all; the recorded one stays)
+
+    [rl.warmup]                  # optional: tiny policies start from a supervised warm-up on the
+    steps = 300                  # synthetic arena's answers (hpref.rl.warmup; cached)
+
+    [rl.engine]                  # a registered inference engine (`register_engines`) and its
+    name = "transformers"        # parameters; plugins can add vLLM/SGLang engines
 
     [rl.rollout]                 # shared by every policy
     group_size = 4
@@ -14,7 +21,7 @@
     temperature = 1.0
 
     [rl.reward]                  # a registered reward component and its parameters
-    name = "rule"
+    name = "rule"                # or "judge" with path = an `hpref save` export
 
     [rl.defaults]                # settings every policy starts from ...
     lr = 1e-4
@@ -108,7 +115,7 @@ class PolicyConfig(_Section):
 class WarmupConfig(_Section):
     """`[rl.warmup]`: the supervised warm-up that makes tiny policies' starting checkpoint."""
 
-    steps: int = Field(400, ge=1, description="optimizer steps of the supervised fine-tune")
+    steps: int = Field(300, ge=1, description="optimizer steps of the supervised fine-tune")
     batch_size: int = Field(32, ge=1, description="answers per step")
     lr: float = Field(3e-3, gt=0, description="AdamW peak learning rate (cosine decay to 10%)")
     warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up steps")

@@ -61,6 +61,7 @@ class DriveResult:
     saves: int
     debug_exit: bool
     evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout, true_utility, battles
+    seconds: float = 0.0  # the policies' loops alone: no actor start-up, no restore
 
     def leaderboard(self, policies: list[str]) -> dict[str, float]:
         """Bradley-Terry (Elo-scale) ratings of the policies and their starting checkpoints
@@ -205,6 +206,7 @@ async def drive(
     stop = asyncio.Event()
     metrics = metrics or MetricsWriter(None)
     result = DriveResult(positions, saves=0, debug_exit=False)
+    began = time.perf_counter()
 
     async def step(p: str) -> None:
         r = positions[p]
@@ -214,7 +216,9 @@ async def drive(
         version = None
         if positions[p] % config.update_weights_interval == 0:
             version = await push_weights(handles.trainers[p], handles.engines[p])
-        metrics.write(p, rollout_metrics(rollout, stats, version))
+        row = rollout_metrics(rollout, stats, version)
+        row["elapsed_s"] = time.perf_counter() - began  # for "reached X within N minutes"
+        metrics.write(p, row)
 
     async def evaluate() -> None:
         evaluation = await handles.executor.evaluate.remote(order)
@@ -225,7 +229,12 @@ async def drive(
         for p in order:
             if p not in scores:
                 continue
-            row = {"eval": True, "rollout": positions[p], "eval_true_utility": scores[p]}
+            row = {
+                "eval": True,
+                "rollout": positions[p],
+                "eval_true_utility": scores[p],
+                "elapsed_s": time.perf_counter() - began,
+            }
             if p in win_rates:
                 row["eval_win_rate_vs_start"] = win_rates[p]
             if f"{p}@start" in scores:
@@ -294,6 +303,7 @@ async def drive(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    result.seconds = time.perf_counter() - began
     return result
 
 
@@ -534,6 +544,7 @@ def run_rl(
                 "leaderboard": result.leaderboard(order),
                 "warmup_checkpoints": warm_started,
                 "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
+                "drive_s": result.seconds,  # the policies' loops: what concurrency speeds up
                 "wall_s": time.perf_counter() - started,
             },
             indent=2,

@@ -6,7 +6,7 @@ to single-turn prompts, right and wrong ones alike) so that its first rollouts a
 some right, some near misses: room for RL to improve and a fair starting policy to measure against.
 
     [rl.warmup]              # policies without model.path start from the warm-up of their model
-    steps = 400
+    steps = 300
     batch_size = 32
     lr = 3e-3
 
