@@ -301,3 +301,15 @@ def test_eval_rows_carry_the_win_rate_against_the_start(tmp_path):
     assert [e["rollout"] for e in result.evals] == [3, 5]  # every 3 rollouts, and at the end
     evals = [r for r in metrics.rows["a"] if r.get("eval")]
     assert [(r["eval_win_rate_vs_start"], r["eval_start_true_utility"]) for r in evals] == [(0.625, 0.5)] * 2
+
+
+def test_time_limit_ends_the_leader_with_a_final_eval_and_save(tmp_path):
+    # Wrong if the limit were ignored, or the run ended without the save and eval a finished run
+    # gets (then "what did it reach within N minutes" could not be read off the run).
+    world = World()
+    handles, _ = make(world, ["a", "b"], delays={"a": 0.02})
+    cfg = config(num_rollouts=1000, eval_interval=500, time_limit_s=0.3)
+    result = run(drive(cfg, ["a", "b"], handles, tmp_path, {"a": 0, "b": 0}))
+    assert result.timed_out and 3 <= result.positions["a"] < 1000
+    assert result.saves == 1 and read_record(tmp_path).rollout_ids["a"] == result.positions["a"]
+    assert [e["rollout"] for e in result.evals] == [result.positions["a"]]

@@ -179,6 +179,12 @@ class RLConfig(_Section):
     eval_interval: int = Field(0, ge=0, description="evaluate every N leader rollouts (0 = never)")
     update_weights_interval: int = Field(1, ge=1, description="push weights to the engine every N rollouts")
     staleness_limit: int = Field(1, ge=0, description="most weight versions a rollout's engine may lag")
+    time_limit_s: float | None = Field(
+        None,
+        gt=0,
+        description="the leader ends (final eval and save) after the rollout at which the policies' "
+        "loops have run this many seconds, if num_rollouts has not ended it first",
+    )
     park_timeout: float = Field(600.0, gt=0, description="seconds the leader waits for followers to park")
     debug_exit_after_rollout: int | None = Field(
         None, ge=1, description="tests: save and stop after this leader rollout, as if interrupted"

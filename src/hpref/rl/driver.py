@@ -62,6 +62,7 @@ class DriveResult:
     debug_exit: bool
     evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout, true_utility, battles
     seconds: float = 0.0  # the policies' loops alone: no actor start-up, no restore
+    timed_out: bool = False  # the leader ended at `time_limit_s`, before `num_rollouts`
 
     def leaderboard(self, policies: list[str]) -> dict[str, float]:
         """Bradley-Terry (Elo-scale) ratings of the policies and their starting checkpoints
@@ -250,11 +251,16 @@ async def drive(
             )
         )
 
+    def out_of_time() -> bool:
+        limit = config.time_limit_s
+        return limit is not None and time.perf_counter() - began >= limit
+
     async def run_leader() -> None:
         while positions[leader] < config.num_rollouts:
             await step(leader)
             r = positions[leader]
-            last = r >= config.num_rollouts
+            timed_out = out_of_time()
+            last = r >= config.num_rollouts or timed_out
             debug = config.debug_exit_after_rollout == r
             trigger = run_dir / SAVE_NOW_FILE
             asked = trigger.exists()  # the leader alone reads the trigger: one save, not one per policy
@@ -272,6 +278,10 @@ async def drive(
             if debug:
                 result.debug_exit = True
                 logger.info(f"debug_exit_after_rollout = {r}: stopping after the save")
+                break
+            if timed_out:
+                result.timed_out = True
+                logger.info(f"time_limit_s = {config.time_limit_s:g} reached after leader rollout {r}")
                 break
         stop.set()
 
@@ -540,6 +550,7 @@ def run_rl(
                 "positions": result.positions,
                 "saves": result.saves,
                 "debug_exit": result.debug_exit,
+                "timed_out": result.timed_out,
                 "evals": [{k: v for k, v in e.items() if k != "battles"} for e in result.evals],
                 "leaderboard": result.leaderboard(order),
                 "warmup_checkpoints": warm_started,
