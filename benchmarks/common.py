@@ -47,12 +47,14 @@ def run_measured(
             cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env or os.environ.copy()
         )
         peak = 0
+        loads = [os.getloadavg()[0]]
         stop = threading.Event()
 
         def sample() -> None:
             nonlocal peak
             while not stop.is_set():
                 peak = max(peak, tree_rss(proc.pid))
+                loads.append(os.getloadavg()[0])
                 stop.wait(0.05)
 
         thread = threading.Thread(target=sample, daemon=True)
@@ -71,7 +73,15 @@ def run_measured(
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return {"rc": rc, "wall_s": wall, "peak_rss_gib": peak / 2**30, "log": str(log)}
+    # The 1-minute load average while it ran: on a shared machine it says how many other runnable
+    # processes competed for the cores (a 2-core box at load 6 gives each of them a third of one).
+    return {
+        "rc": rc,
+        "wall_s": wall,
+        "peak_rss_gib": peak / 2**30,
+        "load_mean": sum(loads) / len(loads),
+        "log": str(log),
+    }
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -83,46 +83,52 @@ def machine() -> dict:
 
 
 # ------------------------------------------------------------------------------------------ recipes
-def synthetic_recipe(model: str, battles: int, epochs: int, nproc: int) -> str:
-    if model == "tiny-llama":
-        model_toml = (
-            '[model]\nname = "tiny-llama"\nhidden_size = 128\nnum_hidden_layers = 4\n'
-            "num_attention_heads = 4\nnum_key_value_heads = 2\nintermediate_size = 352\n"
-        )
-        optim = "lr = 1e-3\n"
-    else:
-        model_toml = '[model]\nname = "minilm"\npooling = "first"\n'
-        optim = "lr = 5e-5\nhead_lr = 1e-3\n"
+TINY_LLAMA = (
+    '[model]\nname = "tiny-llama"\nhidden_size = 128\nnum_hidden_layers = 4\n'
+    "num_attention_heads = 4\nnum_key_value_heads = 2\nintermediate_size = 352\n"
+)
+MINILM = '[model]\nname = "minilm"\npooling = "first"\n'
+#: Per backbone: model section, optimizer LRs. The pretrained MiniLM gets a fine-tuning LR for the
+#: backbone and a larger one for the fresh head; the random-init tiny-llama one LR for all.
+MODELS = {
+    "tiny-llama": (TINY_LLAMA, "lr = 1e-3\n"),
+    "minilm": (MINILM, "lr = 5e-5\nhead_lr = 1e-3\n"),
+}
+
+
+def synthetic_recipe(model: str, battles: int, epochs: int, nproc: int, precision: str = "fp32") -> str:
+    model_toml, optim = MODELS[model]
     data = "".join(
         f'[dataset.{s}]\nname = "synthetic-arena"\nnum_battles = {battles}\n'
         f'folds = 5\nfold = 0\nsplit = "{s}"\n\n'
         for s in ("train", "eval")
     )
-    return _recipe(f"bench-{model}", model_toml, data, optim, epochs, nproc)
+    return _recipe(f"bench-{model}", model_toml, data, optim, epochs, nproc, precision)
 
 
-def pairwise_recipe(rows: int, epochs: int, nproc: int) -> str:
+def pairwise_recipe(
+    rows: int, epochs: int, nproc: int, model: str = "tiny-llama", precision: str = "fp32"
+) -> str:
     path = (REPO.parent / "shared/data/hh-rlhf-harmless-base-test.jsonl.gz").resolve()
-    model_toml = (
-        '[model]\nname = "tiny-llama"\nhidden_size = 128\nnum_hidden_layers = 4\n'
-        "num_attention_heads = 4\nnum_key_value_heads = 2\nintermediate_size = 352\n"
-    )
+    model_toml, optim = MODELS[model]
     data = "".join(
         f'[dataset.{s}]\nname = "pairwise"\npath = "{path}"\nlimit = {rows}\n'
         f'folds = 5\nfold = 0\nsplit = "{s}"\n\n'
         for s in ("train", "eval")
     )
-    return _recipe("bench-pairwise", model_toml, data, "lr = 1e-3\n", epochs, nproc)
+    return _recipe(f"bench-pairwise-{model}", model_toml, data, optim, epochs, nproc, precision)
 
 
-def _recipe(name: str, model_toml: str, data: str, optim: str, epochs: int, nproc: int) -> str:
+def _recipe(
+    name: str, model_toml: str, data: str, optim: str, epochs: int, nproc: int, precision: str
+) -> str:
     return (
         f'[run]\nname = "{name}"\nseed = 0\n\n{model_toml}\n{data}[formatter]\nname = "pab"\n\n'
         f"[optimizer]\n{optim}weight_decay = 0.01\nbetas = [0.9, 0.99]\n\n"
         '[scheduler]\nname = "linear"\nwarmup_fraction = 0.1\n\n'
         f"[train]\nepochs = {epochs}\nbatch_size = 32\nmax_length = 512\n"
         f'micro_batch_tokens = 8192\nswap = "full"\n'
-        f'eval_interval = 1\nlog_interval = 5\nprecision = "fp32"\n\n[launch]\nnproc = {nproc}\n'
+        f'eval_interval = 1\nlog_interval = 5\nprecision = "{precision}"\n\n[launch]\nnproc = {nproc}\n'
     )
 
 
@@ -153,7 +159,11 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
         "train_sequences": len(train),
         "eval_rows": len(evald.battles),
         "params": sum(p.numel() for p in model.parameters()),
-        "bf16": resolve_precision(recipe.train.precision, torch.device("cpu")) == torch.bfloat16,
+        "bf16": resolve_precision(
+            recipe.train.precision, torch.device("cpu"), model.backbone_config.hidden_size
+        )
+        == torch.bfloat16,
+        "eval_winners": {b.id: _argmax(b.label) for b in evald.battles},
     }
     tok_dir = work / "tokenizer"
     tok.save_pretrained(tok_dir)
@@ -219,7 +229,9 @@ def _pairwise_ids(tok, train_src, eval_src, max_length: int) -> dict:
 
     def conv(prompt, answers) -> list[int]:
         text = "".join(f"User: {p}\nAssistant: {a}\n" for p, a in zip(prompt, answers, strict=False))
-        return tok(text, add_special_tokens=True)["input_ids"][-max_length:]
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+        # keep the end (the answers) but also the first token: BOS, or the CLS an encoder pools
+        return ids if len(ids) <= max_length else ids[:1] + ids[-(max_length - 1) :]
 
     def split(src) -> dict:
         chosen, rejected = [], []
@@ -235,6 +247,7 @@ def _pairwise_ids(tok, train_src, eval_src, max_length: int) -> dict:
 
 # -------------------------------------------------------------------------------------------- runs
 def run_hpref(recipe_path: Path, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     out_dir = work / "hpref_runs"
     cmd = [HPREF, "train", str(recipe_path), "--set", f"run.output_dir={out_dir}"]
     res = run_measured(cmd, work / "hpref_train.log")
@@ -257,6 +270,26 @@ def run_hpref(recipe_path: Path, work: Path) -> dict:
         run_dir=str(run_dir),
     )
     return res
+
+
+def pairwise_scores(run_dir: Path, winners: dict) -> dict:
+    """hpref's eval predictions read as a two-way judgement, comparable to a reward model's.
+
+    A reward model's accuracy is `score(chosen) > score(rejected)` and its loss
+    `-log sigmoid(score(chosen) - score(rejected))`; hpref's three-way head gives the same two
+    numbers from `P(A wins)` against `P(B wins)`, renormalised without the tie class (pairwise data
+    has no ties, so the tie mass only says how unsure the judge is)."""
+    import csv
+
+    hits, losses = [], []
+    with open(Path(run_dir) / "predictions.csv", newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            pa, pb = float(row["winner_model_a"]), float(row["winner_model_b"])
+            win = winners[row["id"]]
+            p_right = (pa if win == 0 else pb) / max(pa + pb, 1e-12)
+            hits.append(p_right > 0.5)
+            losses.append(-math.log(max(p_right, 1e-12)))
+    return {"eval_accuracy_ab": sum(hits) / len(hits), "eval_log_loss_ab": sum(losses) / len(losses)}
 
 
 def run_baseline(mode: str, prep: dict, work: Path) -> dict:
@@ -300,18 +333,20 @@ def train_rows(case: str, prep: dict, results: dict, peak: float) -> list[str]:
     rows = []
     for name, r in results.items():
         if "error" in r:
-            rows.append(f"| {case} | {name} | failed: {r['error']} | | | | | | |")
+            rows.append(f"| {case} | {name} | failed: {r['error']} | | | | | | | |")
             continue
         pairwise_trl = name.startswith("TRL")
         tokens = prep["trl_train_tokens"] if pairwise_trl else prep["train_tokens"]
         flops = prep["trl_train_flops"] if pairwise_trl else prep["train_flops"]
         tps = tokens / r["train_s"]
         mfu = flops / r["train_s"] / peak
+        loss = r.get("eval_log_loss_ab", r.get("eval_log_loss"))  # pairwise: hpref's two-way numbers
+        acc = r.get("eval_accuracy_ab", r.get("eval_accuracy"))
         rows.append(
             f"| {case} | {name} | {_f(tps)} | {_f(r['train_s'], '{:.1f}')} | {_f(r['wall_s'], '{:.1f}')} | "
-            f"{_f(r['peak_rss_gib'], '{:.2f}')} | {_f(r.get('eval_log_loss'), '{:.4f}')} | "
-            f"{_f(r.get('eval_accuracy'), '{:.3f}')} | {_f(mfu * 100, '{:.2f}%')} | "
-            f"{_f(r.get('eval_rows_per_s'), '{:,.0f}')} |"
+            f"{_f(r['peak_rss_gib'], '{:.2f}')} | {_f(loss, '{:.4f}')} | {_f(acc, '{:.3f}')} | "
+            f"{_f(mfu * 100, '{:.2f}%')} | "
+            f"{_f(r.get('eval_rows_per_s'), '{:,.0f}')} | {_f(r.get('load_mean'), '{:.1f}')} |"
         )
         r["tokens_per_s"], r["mfu"] = tps, mfu
     return rows
@@ -349,11 +384,12 @@ def write_report(
         "Real tokens/s = non-pad tokens trained / training time (eval and start-up excluded); wall = the "
         "whole process from launch to exit; peak RSS = the whole process tree (all ranks), sampled every "
         "50 ms; MFU = 6·N·tokens (+ attention term, `flops_per_token`) / training time / measured bf16 "
-        "peak above; eval rows/s = eval battles (or pairs) scored per second.",
+        "peak above; eval rows/s = eval battles (or pairs) scored per second; load = the machine's "
+        "mean 1-minute load average during that run (2 cores: above 2, other work was competing).",
         "",
         "| case | trainer | real tok/s | train s | wall s | peak RSS GiB | eval log loss | eval acc | "
-        "MFU (bf16 peak) | eval rows/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "MFU (bf16 peak) | eval rows/s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *tables,
         "",
         "## Ratios",
@@ -385,6 +421,30 @@ def write_report(
     path.write_text("\n".join(lines))
 
 
+def bench_cases(quick: bool) -> list[dict]:
+    """What runs: rows = battles (synthetic, 80 % train / 20 % eval) or pairs (pairwise, same split).
+
+    Sized so --quick takes a few minutes and the full run about 20 on the 2-core box: MiniLM
+    (22.7M parameters, ~104 tokens a sequence with its WordPiece tokenizer) costs ~70 MFLOP a
+    token, 60x tiny-llama, so it gets fewer battles. `precision` and `nproc` are what measured
+    fastest for hpref on this machine (benchmarks/NOTES.md); the baselines use the same dtype.
+    """
+    tiny = dict(model="tiny-llama", precision="fp32", nproc=2)
+    minilm = dict(model="minilm", precision="bf16", nproc=2, also=[(1, "bf16"), (2, "fp32")])
+    if quick:
+        return [
+            dict(tiny, kind="synthetic", rows=400, epochs=1),
+            dict(minilm, kind="synthetic", rows=250, epochs=1),
+            dict(tiny, kind="pairwise", rows=200, epochs=1),
+        ]
+    return [
+        dict(tiny, kind="synthetic", rows=4000, epochs=2),
+        dict(minilm, kind="synthetic", rows=1500, epochs=1),
+        dict(tiny, kind="pairwise", rows=2000, epochs=2),
+        dict(minilm, kind="pairwise", rows=1000, epochs=1),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -402,26 +462,32 @@ def main(argv: list[str] | None = None) -> None:
     ceil = ceilings(args.quick)
     print(f"ceilings: {ceil}", flush=True)
     peak = ceil["bf16_flops"]
-    battles, epochs, pairs = (400, 1, 200) if args.quick else (4000, 2, 2000)
-    cases = [("tiny-llama", "synthetic")]
-    if not args.quick:
-        cases.append(("minilm", "synthetic"))
-    cases.append(("tiny-llama", "pairwise"))
+    cases = bench_cases(args.quick)
     tables, ratios, notes, raw = [], [], [], {"machine": info, "ceilings": ceil}
-    for model, kind in cases:
+    for c in cases:
+        model, kind = c["model"], c["kind"]
         case = f"{model} {kind}"
         work = work_root / case.replace(" ", "-")
         work.mkdir(exist_ok=True)
-        recipe = work / "recipe.toml"
-        if kind == "pairwise":
-            recipe.write_text(pairwise_recipe(pairs, epochs, 2))
-        else:
-            recipe.write_text(synthetic_recipe(model, battles, epochs, 2))
-        print(f"[{case}] preparing shared inputs", flush=True)
-        prep = prepare_baseline_inputs(recipe, work, pairwise=kind == "pairwise")
         results = {}
-        print(f"[{case}] hpref train", flush=True)
-        results["hpref train (2 ranks)"] = run_hpref(recipe, work)
+        prep = None
+        # the first hpref variant is the headline (ratios); the others show what the choice is worth
+        for nproc, precision in [(c["nproc"], c["precision"]), *c.get("also", [])]:
+            tag = f"{nproc}r-{precision}"
+            recipe = work / f"recipe-{tag}.toml"
+            if kind == "pairwise":
+                recipe.write_text(pairwise_recipe(c["rows"], c["epochs"], nproc, model, precision))
+            else:
+                recipe.write_text(synthetic_recipe(model, c["rows"], c["epochs"], nproc, precision))
+            if prep is None:
+                print(f"[{case}] preparing shared inputs", flush=True)
+                prep = prepare_baseline_inputs(recipe, work, pairwise=kind == "pairwise")
+            threads = "1 thread each" if nproc > 1 else f"{os.cpu_count()} threads"
+            label = f"hpref train ({nproc} rank{'s' if nproc > 1 else ''}, {threads}, {precision})"
+            print(f"[{case}] {label}", flush=True)
+            results[label] = run_hpref(recipe, work / tag)
+            if kind == "pairwise" and "error" not in results[label]:
+                results[label].update(pairwise_scores(results[label]["run_dir"], prep["eval_winners"]))
         if kind == "pairwise":
             print(f"[{case}] TRL RewardTrainer", flush=True)
             results["TRL RewardTrainer"] = run_baseline("trl", prep, work)
@@ -429,23 +495,30 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{case}] HF Trainer", flush=True)
             results["HF Trainer + dyn. padding"] = run_baseline("trainer", prep, work)
         tables += train_rows(f"{case} ({prep['params'] / 1e6:.2f}M params)", prep, results, peak)
-        raw[case] = {"prep": {k: v for k, v in prep.items() if k != "spec"}, "results": results}
-        h, b = list(results.values())
+        raw[case] = {
+            "prep": {k: v for k, v in prep.items() if k not in ("spec", "eval_winners")},
+            "results": results,
+        }
+        h, b = list(results.values())[0], list(results.values())[-1]
         if "error" not in h and "error" not in b:
             ratios.append(
-                f"{case}: hpref / {list(results)[1]} real tokens/s = "
+                f"{case}: {list(results)[0]} / {list(results)[-1]} real tokens/s = "
                 f"{h['tokens_per_s'] / b['tokens_per_s']:.2f}x; "
                 f"peak RSS {h['peak_rss_gib'] / b['peak_rss_gib']:.2f}x; eval log loss "
-                f"{_f(h.get('eval_log_loss'), '{:.4f}')} vs {_f(b.get('eval_log_loss'), '{:.4f}')}; "
+                f"{_f(h.get('eval_log_loss_ab', h.get('eval_log_loss')), '{:.4f}')} vs "
+                f"{_f(b.get('eval_log_loss'), '{:.4f}')}; eval accuracy "
+                f"{_f(h.get('eval_accuracy_ab', h.get('eval_accuracy')), '{:.3f}')} vs "
+                f"{_f(b.get('eval_accuracy'), '{:.3f}')}; "
                 f"MFU {h['mfu']:.2%} vs {b['mfu']:.2%}"
             )
         print(f"[{case}] done: {json.dumps(results, default=str)[:600]}", flush=True)
-    if kind == "pairwise":
+    if any(c["kind"] == "pairwise" for c in cases):
         notes.append(
             "pairwise: hpref judges chosen/rejected in one sequence (3-way head, 2 views per pair); "
-            "TRL scores "
-            "each side alone (1-logit Bradley-Terry), so their eval log losses are different quantities - "
-            "compare accuracy. TRL's MFU uses a 256-token attention term (its sequences are scored alone)."
+            "TRL scores each side alone (1-logit Bradley-Terry). The pairwise rows give hpref's two-way "
+            "numbers, the same quantities as TRL's: accuracy = P(chosen wins) > P(rejected wins), log "
+            "loss = -log of P(chosen) / (P(A) + P(B)) (the tie class dropped; the data has no ties). "
+            "TRL's MFU uses a 256-token attention term (its sequences are scored alone)."
         )
     notes.append(
         "hpref runs 2 ranks x 1 thread (its CPU default, FSDP2 over gloo); the baselines run 1 process "

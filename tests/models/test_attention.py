@@ -160,6 +160,32 @@ def test_bf16_forward_runs_in_bf16_and_returns_float32():
     torch.testing.assert_close(bf16, fp32, atol=2e-2, rtol=5e-2)
 
 
+def test_bf16_training_attention_upcasts_inside_and_stays_bf16_outside():
+    """A bf16 training step computes CPU attention in fp32 (its backward is faster there) but hands
+    bf16 back to the layer. If this fails, either the upcast leaked fp32 activations into the bf16
+    model (memory and speed) or the fp32 detour changed the maths beyond bf16 rounding."""
+    from hpref.models.attention import upcast_for_backward
+
+    model = model_from_config(tiny_llama_config())
+    input_ids, cu, positions, _ = packed_batch()
+    model(input_ids, cu, positions).sum().backward()
+    fp32_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.to(torch.bfloat16)
+    hidden, logits = packed_hidden(model, input_ids, cu, positions)
+    assert hidden.dtype == torch.bfloat16
+    logits.sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad.dtype == torch.bfloat16, name
+        torch.testing.assert_close(param.grad.float(), fp32_grads[name], atol=3e-2, rtol=1e-1, msg=name)
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert upcast_for_backward(q, None)
+    assert not upcast_for_backward(q, 50.0)  # soft-capping takes the explicit maths path as it is
+    assert not upcast_for_backward(q.detach(), None)  # inference: the bf16 forward is the faster one
+    with torch.no_grad():
+        assert not upcast_for_backward(q, None)
+
+
 def test_attention_mask_is_rejected():
     """The packed function builds its own masks; a padded-batch mask would mean the caller is wrong."""
     from hpref.models.attention import varlen_attention_forward
