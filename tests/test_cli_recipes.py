@@ -111,6 +111,40 @@ def test_resolved_recipe_round_trips(tmp_path):
     assert again.train.batch_size == 8
 
 
+def test_wheel_ships_the_recipes(tmp_path):
+    """A user who installs the wheel (not a checkout) must still get `hpref train quickstart` and a
+    non-empty `hpref recipes list`: setup.py copies recipes/ into the wheel as hpref/recipes. If this
+    fails the copy hook broke, or the installed lookup no longer finds the packaged folder."""
+    import zipfile
+
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("hpref-*.whl")
+    shipped = {p.name for p in (REPO / "recipes").glob("*.toml")}
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        packaged = {name.rsplit("/", 1)[-1] for name in names if name.startswith("hpref/recipes/")}
+        archive.extractall(tmp_path / "site")
+    assert packaged == shipped
+    # The installed package (outside any checkout) resolves `quickstart` to its packaged copy.
+    probe = (
+        "from hpref.cli import resolve_recipe_path, shipped_recipes_dir; "
+        "print(shipped_recipes_dir()); print(resolve_recipe_path('quickstart'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    folder, quickstart = out.stdout.split()
+    assert folder == str(tmp_path / "site" / "hpref" / "recipes")
+    assert quickstart == str(tmp_path / "site" / "hpref" / "recipes" / "quickstart.toml")
+
+
 def test_shipped_recipe_by_name():
     result = run_hpref("recipes", "show", "quickstart", "--json")
     assert json.loads(result.stdout)["run"]["name"] == "quickstart"

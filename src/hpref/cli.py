@@ -165,12 +165,16 @@ def components_command(
 
 
 def shipped_recipes_dir() -> Path | None:
-    """The `recipes/` folder of this checkout (or HPREF_RECIPES), if there is one."""
+    """Where the shipped recipes are: `HPREF_RECIPES`, else the `recipes/` folder of this source
+    checkout (an editable install), else the copy a wheel carries as `hpref/recipes` (setup.py)."""
     env = os.environ.get("HPREF_RECIPES")
     if env:
         return Path(env)
-    checkout = Path(__file__).resolve().parents[2] / "recipes"
-    return checkout if checkout.is_dir() else None
+    here = Path(__file__).resolve().parent
+    for folder in (here.parents[1] / "recipes", here / "recipes"):
+        if folder.is_dir():
+            return folder
+    return None
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
