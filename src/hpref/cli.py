@@ -474,6 +474,9 @@ def data_stats_command(
     tokens: bool = typer.Option(
         False, "--tokens", help="With a recipe: also format and tokenize, for token lengths and truncation."
     ),
+    ceilings: bool = typer.Option(
+        False, "--ceilings", help="Synthetic arena: log loss of judges that have only some task skills."
+    ),
     overrides: list[str] = SetOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
@@ -504,7 +507,7 @@ def data_stats_command(
             )
     else:
         data = open_data_file(path, seed=0)
-    stats = data_stats(data, formatter)
+    stats = data_stats(data, formatter, ceilings=ceilings)
     if as_json:
         typer.echo(json.dumps(stats, indent=2, default=str))
     else:

@@ -37,6 +37,15 @@ def test_stats_on_synthetic_include_floor_and_baselines():
     assert r["bayes_floor"] < r["uniform"] and "Bayes floor" in format_stats(stats)
 
 
+def test_stats_ceilings_are_printed_as_shares_of_the_gap():
+    """`hpref data stats --ceilings` must print one line per skill set, the full set at 100% of the
+    gap (it is the Bayes floor); a wrong share formula or a missing key would show here."""
+    stats = data_stats(SyntheticArena(SyntheticArenaConfig(num_battles=600), 0), ceilings=True)
+    text = format_stats(stats)
+    assert text.count("of the gap)") == 1 + len(stats["skill_ceilings"])  # + the prior baseline
+    assert "style only" in text and text.rstrip().endswith("(100% of the gap)")
+
+
 def test_unknown_columns(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text('{"question": "q", "answer": "a"}\n')

@@ -106,3 +106,21 @@ def test_corpus_texts_cover_prompts_and_answers():
     battles = list(syn.generate_battles(10, seed=0))
     assert len(texts) == sum(3 * len(b.prompt) for b in battles)
     assert battles[0].prompt[0] in texts and battles[0].response_b[0] in texts
+
+
+def test_skill_ceilings_run_from_style_only_to_the_bayes_floor():
+    """A judge that knows every family's correctness is the true judge, so the last ceiling must be
+    the Bayes floor; knowing no correctness must be clearly worse, and knowing one family must help.
+    If the first fails, the utility decomposition in `_decompose` no longer adds up to
+    `answer_utility`; if the others fail, the marginalisation over hidden correctness is wrong."""
+    battles = list(syn.generate_battles(300, seed=11))
+    ceilings = syn.skill_ceilings(battles)
+    labels = np.array([b.label for b in battles])
+    floor = syn.log_loss(np.array([b.truth for b in battles]), labels)
+    steps = [k for k in ceilings if "alone" not in k and k != "style only"]
+    assert len(steps) == len(syn.FAMILIES) and set(steps[-1].split("+")) == set(syn.FAMILIES)
+    assert ceilings[steps[-1]] == pytest.approx(floor, abs=1e-9)
+    assert ceilings["style only"] > floor + 0.15
+    for family in syn.FAMILIES:
+        assert floor < ceilings[f"{family} alone"] < ceilings["style only"]
+    assert ceilings["style only"] < math.log(3)

@@ -55,8 +55,11 @@ def _distribution(values: list[int]) -> dict[str, float]:
     }
 
 
-def data_stats(source: Any, formatter: Any = None, *, chunk: int = 256) -> dict[str, Any]:
-    """Stream `source` once; see the module docstring for what is returned."""
+def data_stats(
+    source: Any, formatter: Any = None, *, chunk: int = 256, ceilings: bool = False
+) -> dict[str, Any]:
+    """Stream `source` once; see the module docstring for what is returned. `ceilings` adds, for
+    the synthetic arena, the log loss a judge reaches per task skill it has (`skill_ceilings`)."""
     labels = np.zeros(3)
     labeled = 0
     turns: Counter[int] = Counter()
@@ -101,6 +104,8 @@ def data_stats(source: Any, formatter: Any = None, *, chunk: int = 256) -> dict[
         out["truncated_share"] = truncated / len(lengths) if lengths else 0.0
     if hasattr(source, "report"):
         out["synthetic"] = source.report().as_dict()
+    if ceilings and hasattr(source, "skill_ceilings"):
+        out["skill_ceilings"] = source.skill_ceilings()
     return out
 
 
@@ -137,4 +142,8 @@ def format_stats(stats: dict[str, Any]) -> str:
             f"length-only {r['length_baseline']:.4f} ({r['length_closed']:.0%})  "
             f"bag-of-words {r['bow_baseline']:.4f} ({r['bow_closed']:.0%})"
         )
+        gap = r["uniform"] - r["bayes_floor"]
+        for i, (skills, value) in enumerate(stats.get("skill_ceilings", {}).items()):
+            head = "ceilings     " if i == 0 else "             "
+            lines.append(f"{head}{skills:<45} {value:.4f} ({(r['uniform'] - value) / gap:.0%} of the gap)")
     return "\n".join(lines)

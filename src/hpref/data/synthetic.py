@@ -33,6 +33,8 @@ Public helpers (stable; other parts of hpref build on them):
     corpus_texts(n, seed) -> Iterator[str]       plain text of n battles (prompts and answers), for
                                                  training a tiny model's tokenizer
     arena_report(train, eval) -> SyntheticReport uniform, floor, entropy, baselines (see the class)
+    skill_ceilings(eval) -> dict[str, float]   log loss of judges that know correctness only for
+                                                 some task families: what each skill is worth
 """
 
 from __future__ import annotations
@@ -537,6 +539,16 @@ class SyntheticArena(BattleSource):
             (evaluation if assigner.fold_of(battle) == held_out else train).append(battle)
         return arena_report(train, evaluation)
 
+    def skill_ceilings(self, folds: int | None = None, fold: int | None = None) -> dict[str, float]:
+        """`skill_ceilings` on the eval fold `report` scores (see there for the fold choice)."""
+        from hpref.data.splits import FoldAssigner
+
+        c = self.config
+        k = folds or (c.folds if c.folds > 1 else 5)
+        held_out = fold if fold is not None else (c.fold if c.folds > 1 else 0)
+        assigner = FoldAssigner(k, c.split_seed)
+        return skill_ceilings([b for b in self._all() if assigner.fold_of(b) == held_out])
+
 
 # --------------------------------------------------------------------------------------------------
 # the report: floor and cheap baselines
@@ -675,6 +687,75 @@ def _bow_features(battles: Sequence[Battle], vocab: dict[str, int]) -> np.ndarra
                 x[i, j] = count
                 x[i, len(vocab) + j] = abs(count)
     return x
+
+
+_Turn = tuple[float, bool, str | None]  # (utility without the correctness term, correct, family)
+
+
+def _decompose(battle: Battle) -> tuple[list[_Turn], list[_Turn]]:
+    """Each side's turns split into the utility the judge gives regardless of correctness, whether
+    the answer is correct, and the task family (None when correctness cannot matter: no task, or a
+    refusal)."""
+    sides = []
+    for answers in (battle.response_a, battle.response_b):
+        padded = tuple(answers) + ("",) * (len(battle.prompt) - len(answers))
+        turns: list[_Turn] = []
+        for prompt_turn, answer in zip(battle.prompt, padded, strict=False):
+            task = parse_task(prompt_turn)
+            refusal = _is_refusal(answer)
+            correct = task is not None and not refusal and is_correct(task, answer)
+            rest = turn_utility(prompt_turn, answer) - (W_CORRECT if correct else 0.0)
+            turns.append((rest, correct, task.family if task is not None and not refusal else None))
+        sides.append(turns)
+    return sides[0], sides[1]
+
+
+def _partial_oracle(sides: tuple[list[_Turn], list[_Turn]], known: frozenset[str], skill: dict[str, float]):
+    """(p_a, p_b, p_tie) of a judge that sees everything the true judge sees except whether answers
+    to tasks outside `known` families are correct: those bits are marginalised over the cast's mean
+    skill for the family (exactly, by enumerating them; a battle has at most 6)."""
+    hidden = [(s, t) for s in range(2) for t, (_, _, fam) in enumerate(sides[s]) if fam and fam not in known]
+    out = np.zeros(3)
+    for bits in range(2 ** len(hidden)):
+        weight, chosen = 1.0, {}
+        for j, (s, t) in enumerate(hidden):
+            bit = bool(bits >> j & 1)
+            p = skill[sides[s][t][2]]  # type: ignore[index]
+            weight *= p if bit else 1.0 - p
+            chosen[(s, t)] = bit
+        utilities = [
+            sum(rest + W_CORRECT * chosen.get((s, t), correct) for t, (rest, correct, _) in enumerate(turns))
+            / len(turns)
+            for s, turns in enumerate(sides)
+        ]
+        out += weight * np.array(davidson(*utilities))
+    return out
+
+
+def skill_ceilings(evaluation: Sequence[Battle]) -> dict[str, float]:
+    """What each task family's correctness is worth: log losses on `evaluation` of judges that know
+    correctness for no family ("style only": refusals, politeness, markdown, length), for each family
+    alone, and for a growing set (most valuable family first, ending at all families = the Bayes
+    floor for hard labels). A model's log loss read against these says which skills it has learned;
+    the style-only judge is roughly what a model that relates no answer to its prompt can reach."""
+    if not evaluation:
+        raise ValueError("skill_ceilings needs battles")
+    labels = _labels(evaluation)
+    decomposed = [_decompose(b) for b in evaluation]
+    skill = {f: sum(a.skill[f] for a in ASSISTANTS) / len(ASSISTANTS) for f in FAMILIES}
+
+    def score(known: Iterable[str]) -> float:
+        frozen = frozenset(known)
+        return log_loss(np.array([_partial_oracle(d, frozen, skill) for d in decomposed]), labels)
+
+    out = {"style only": score(())}
+    alone = {f: score((f,)) for f in FAMILIES}
+    out.update({f"{f} alone": v for f, v in alone.items()})
+    known: list[str] = []
+    for family in sorted(FAMILIES, key=alone.__getitem__):
+        known.append(family)
+        out["+".join(known)] = score(known)
+    return out
 
 
 def arena_report(
