@@ -332,7 +332,7 @@ def train_command(
 
 @app.command("rl")
 def rl_command(
-    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with an [rl] section."),
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with an rl section."),
     policies: str = typer.Option(
         ..., "--policies", help="Policy ids to run, comma-separated; the first leads."
     ),
@@ -357,7 +357,7 @@ def rl_command(
 
 @app.command("rl-warmup")
 def rl_warmup_command(
-    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with [rl.warmup]."),
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with an rl.warmup table."),
     policies: str | None = typer.Option(
         None, "--policies", help="Policy ids to warm up, comma-separated (default: every policy)."
     ),
@@ -365,8 +365,8 @@ def rl_warmup_command(
 ) -> None:
     """Build (or find in the cache) the supervised warm-up checkpoint `hpref rl` starts tiny policies from.
 
-    `hpref rl` does the same on its own before the first rollout; this command does it ahead of
-    time and prints one `policy<TAB>folder` line per policy (a transformers causal-LM folder).
+    `hpref rl` does the same on its own before the first rollout; this command does it ahead of time
+    and prints one line per policy: its id, a tab, the checkpoint folder (a transformers causal LM).
     """
     from hpref.errors import RecipeError
     from hpref.recipe import load_recipe
