@@ -42,3 +42,23 @@ def test_plot_is_written_from_the_metrics_files(tmp_path):
     out = plot_metrics(tmp_path, ["a", "missing"])
     assert out is not None and out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
     assert plot_metrics(tmp_path / "empty", ["a"]) is None
+
+
+def test_moving_average_is_trailing_and_starts_from_what_there_is():
+    # Wrong if the smoothed curve looked ahead (a trend would show before it happened) or the first
+    # points were averaged with zeros.
+    from hpref.rl.leaderboard import moving_average
+
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([2.0, 4.0], 5) == [2.0, 3.0]
+    assert moving_average([1.0, 2.0], 1) == [1.0, 2.0]
+
+
+def test_plot_includes_eval_win_rates(tmp_path):
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    rows = [{"rollout": i, "reward_mean": 0.1 * i, "true_utility": 0.2 * i} for i in range(40)]
+    rows += [{"eval": True, "rollout": 20, "eval_true_utility": 1.0, "eval_win_rate_vs_start": 0.6}]
+    (folder / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = plot_metrics(tmp_path, ["a"])
+    assert out is not None and out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 1000

@@ -58,15 +58,29 @@ def bradley_terry(
     return {n: ELO_CENTRE + ELO_SCALE * (logs[index[n]] - mean) for n in names}
 
 
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values: rollouts differ by their prompts' task mix far
+    more than by learning, so the raw curve hides the trend."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
-    """`metrics/rewards.png`: reward and true utility against rollout, one line per policy."""
+    """`metrics/rewards.png`: reward and true utility against rollout (raw, thin, and a trailing
+    mean), and each eval's win rate against the starting checkpoint; one colour per policy."""
     folder = run_dir / "metrics"
-    series = {}
+    series, evals = {}, {}
     for p in policies:
         path = folder / f"{p}.jsonl"
         if path.is_file():
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
             series[p] = [r for r in rows if not r.get("eval")]
+            evals[p] = [r for r in rows if r.get("eval") and "eval_win_rate_vs_start" in r]
     if not series:
         return None
     import matplotlib
@@ -74,15 +88,33 @@ def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reward, ax_truth) = plt.subplots(1, 2, figsize=(10, 4))
-    for p, rows in series.items():
+    fig, (ax_reward, ax_truth, ax_win) = plt.subplots(1, 3, figsize=(15, 4))
+    for i, (p, rows) in enumerate(series.items()):
+        colour = f"C{i}"
         x = [r["rollout"] for r in rows]
-        ax_reward.plot(x, [r["reward_mean"] for r in rows], label=p)
-        if all("true_utility" in r for r in rows):
-            ax_truth.plot(x, [r["true_utility"] for r in rows], label=p)
+        window = max(1, len(rows) // 20)
+        panels = [(ax_reward, "reward_mean")]
+        if rows and all("true_utility" in r for r in rows):
+            panels.append((ax_truth, "true_utility"))
+        for ax, key in panels:
+            y = [r[key] for r in rows]
+            ax.plot(x, y, color=colour, alpha=0.25, linewidth=0.8)
+            ax.plot(x, moving_average(y, window), color=colour, label=f"{p} (mean of {window})")
+        if evals.get(p):
+            ax_win.plot(
+                [r["rollout"] for r in evals[p]],
+                [r["eval_win_rate_vs_start"] for r in evals[p]],
+                color=colour,
+                marker="o",
+                label=p,
+            )
     ax_reward.set(title="reward", xlabel="rollout")
     ax_truth.set(title="true utility (ground-truth judge)", xlabel="rollout")
+    ax_win.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
+    ax_win.set(title="win rate vs starting checkpoint (eval, greedy)", xlabel="rollout")
     ax_reward.legend()
+    if any(evals.values()):
+        ax_win.legend()
     fig.tight_layout()
     out = folder / "rewards.png"
     fig.savefig(out, dpi=100)
