@@ -257,3 +257,30 @@ def test_eval_win_rate_is_against_the_recorded_start(actors):
         ev["true_utility"]["b"] == pytest.approx(ev["true_utility"]["b@start"]) == pytest.approx(start["b"])
     )
     assert {(x, y) for x, y, _ in ev["battles"]} == {("b", "b@start")} and len(ev["battles"]) == 5
+
+
+def test_measure_kl_reports_the_drift_from_the_start_without_optimising_it(actors):
+    # Wrong if `kl` stayed 0 for a policy that moved away from its start (the metric would hide
+    # drift), or if measuring it changed the loss (kl_coef = 0 must mean no KL term).
+    cfg, engines, _trainers = actors
+    measured = cfg.policies["a"].model_copy(update={"measure_kl": True, "lr": 3e-2})
+    trainer = TrainerActor("a", measured, cfg.update_weights_interval)
+    assert trainer.reference is not None and measured.kl_coef == 0
+
+    async def main():
+        ex = RolloutExecutor(cfg, ["a"], {"a": engines["b"]})  # any engine: off-policy is fine here
+        out = [await ex.get(r, "a") for r in range(2)]
+        await ex.shutdown()
+        return out
+
+    first, second = asyncio.run(main())
+    s0 = trainer.train(first)
+    assert s0["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step starts at the reference
+    s1 = trainer.train(second)
+    assert s1["kl"] > 1e-5, s1
+    # the same policy without the measurement takes exactly the same steps: no KL in the loss
+    plain = TrainerActor("a", measured.model_copy(update={"measure_kl": False}), cfg.update_weights_interval)
+    assert plain.reference is None
+    p0, p1 = plain.train(first), plain.train(second)
+    assert (p0["loss"], p1["loss"]) == pytest.approx((s0["loss"], s1["loss"]), abs=1e-6)
+    assert p1["kl"] == 0.0

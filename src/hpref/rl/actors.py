@@ -685,7 +685,7 @@ class TrainerActor:
         self.model, self.tokenizer = build_policy_model(self.config.model)
         self.model.train()
         self.reference = None
-        if self.config.kl_coef > 0:  # the frozen starting policy
+        if self.config.kl_coef > 0 or self.config.measure_kl:  # the frozen starting policy
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),

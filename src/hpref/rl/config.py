@@ -101,6 +101,11 @@ class PolicyConfig(_Section):
     kl_coef: float = Field(
         0.0, ge=0, description="weight of the k3 KL to the frozen starting policy (0 = off)"
     )
+    measure_kl: bool = Field(
+        False,
+        description="keep a frozen copy of the start to report the KL to it even when kl_coef = 0 "
+        "(costs one reference forward pass per rollout); without either, `kl` is reported as 0",
+    )
     scale_by_std: bool = Field(True, description="divide advantages by the group std (false = Dr. GRPO)")
     aggregation: Literal["token-mean", "sequence-mean"] = Field(
         "token-mean", description="how token losses are averaged"
