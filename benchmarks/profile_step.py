@@ -85,24 +85,31 @@ def main(argv: list[str] | None = None) -> None:
     variants = {}
     for spec in args.variant or ["default:"]:
         name, _, rest = spec.partition(":")
-        overrides, threads = list(args.overrides), default_threads
+        overrides, threads, attn_dropout = list(args.overrides), default_threads, None
         for kv in filter(None, rest.split(",")):
             if kv.startswith("threads="):
                 threads = int(kv.partition("=")[2])
+            elif kv.startswith("attention_dropout="):
+                attn_dropout = float(kv.partition("=")[2])
             else:
                 overrides.append(kv)
         torch.set_num_threads(threads)
         setup, plans = _build(args.recipe, overrides)
+        if attn_dropout is not None:  # a what-if: no recipe field sets it (BERT-style attention modules)
+            for module in setup.model.modules():
+                if type(module).__name__.endswith("SelfAttention"):
+                    module.dropout.p = attn_dropout
         _step(setup, plans[0])  # warm-up: first-call allocations, lazy inits
         variants[name] = (setup, plans, threads, overrides)
     rates: dict[str, list[float]] = {n: [] for n in variants}
+    cpu_rates: dict[str, list[float]] = {n: [] for n in variants}
     tflops: dict[str, list[float]] = {n: [] for n in variants}
     prof = None
     for r in range(args.rounds):
         for name, (setup, plans, threads, _) in variants.items():
             torch.set_num_threads(threads)
             timed = [plans[1 + (r * args.steps + i) % (len(plans) - 1)] for i in range(args.steps)]
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             if args.profile and prof is None:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                     _step(setup, plan)
             seconds = time.perf_counter() - start
             rates[name].append(sum(p.num_tokens for p in timed) / seconds)
+            cpu_rates[name].append(sum(p.num_tokens for p in timed) / (time.process_time() - cpu_start))
             tflops[name].append(_flops(setup, timed) / seconds / 1e12)
     result = {
         "recipe": args.recipe,
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                 "best_tokens_per_s": max(rates[name]),
                 "median_tokens_per_s": statistics.median(rates[name]),
                 "best_model_tflops_per_s": max(tflops[name]),
+                # per CPU second of this process: with threads=1 the steadier number on a shared box
+                "best_cpu_tokens_per_s": max(cpu_rates[name]),
                 "all_tokens_per_s": [round(x) for x in rates[name]],
             }
             for name, (setup, plans, threads, overrides) in variants.items()
