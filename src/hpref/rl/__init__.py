@@ -5,6 +5,8 @@
 - `record`: the checkpoint record written after a global save, and the resume checks.
 - `config`: the `[rl]` recipe section.
 - `actors`: engine, rollout executor and trainer (plain classes, made Ray actors by the driver).
+- `engines`: the built-in `transformers` engine, registered through the `register_engines` hook.
+- `warmup`: the cached supervised warm-up that makes tiny policies' starting checkpoint.
 - `driver`: one asyncio task per policy; `run_rl` is the entry point of `hpref rl`.
 
 Importing this package imports nothing heavy; `run_rl` loads torch and Ray when called.
