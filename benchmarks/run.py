@@ -55,6 +55,8 @@ def copy_bandwidth(nbytes: int, seconds: float) -> float:
 def ceilings(quick: bool) -> dict:
     secs = 1.0 if quick else 3.0
     return {
+        # a ceiling measured while other work ran is too low, and every MFU against it too high
+        "load": os.getloadavg()[0],
         "threads": torch.get_num_threads(),
         "fp32_flops": matmul_flops(torch.float32, 2048, secs),
         "bf16_flops": matmul_flops(torch.bfloat16, 2048, secs),
@@ -378,6 +380,7 @@ def write_report(
         f"| fp32 matmul 2048² ({ceil['threads']} threads) | {ceil['fp32_flops'] / 1e9:,.1f} GFLOP/s |",
         f"| bf16 matmul 2048² ({ceil['threads']} threads) | {ceil['bf16_flops'] / 1e9:,.1f} GFLOP/s |",
         f"| copy bandwidth (512 MiB fp32, read+write) | {ceil['copy_bytes_per_s'] / 1e9:,.1f} GB/s |",
+        f"| 1-minute load average when measured | {ceil.get('load', float('nan')):.1f} |",
         "",
         "## Training (same model, data, examples, hyper-parameters)",
         "",
