@@ -21,16 +21,7 @@ from hpref.rl.actors import (  # noqa: E402
     trim_completion,
 )
 from hpref.rl.config import parse_rl_section  # noqa: E402
-
-TINY = {
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 64,
-    "vocab_size": 300,
-    "tokenizer_texts": 300,
-}
+from tests.rl.tiny import TINY  # noqa: E402
 
 
 def rl_config(**over):

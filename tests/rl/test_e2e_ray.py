@@ -15,18 +15,9 @@ ray = pytest.importorskip("ray")
 from hpref.recipe import recipe_from_dict  # noqa: E402
 from hpref.rl.driver import run_rl  # noqa: E402
 from hpref.rl.record import ResumeError, read_record  # noqa: E402
+from tests.rl.tiny import TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-TINY = {
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 64,
-    "vocab_size": 300,
-    "tokenizer_texts": 300,
-}
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,7 @@ from hpref.hookspecs import hookimpl
 from hpref.plugins import load_plugins, reset_plugins
 from hpref.rl.config import parse_rl_section
 from hpref.rl.engines import TransformersEngineConfig
-
-TINY = {
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 64,
-    "vocab_size": 300,
-    "tokenizer_texts": 300,
-}
+from tests.rl.tiny import TINY
 
 
 @pytest.fixture(autouse=True)

@@ -17,16 +17,7 @@ pytest.importorskip("torch")
 from hpref.rl.actors import EngineActor, LocalActor, RolloutExecutor, TrainerActor  # noqa: E402
 from hpref.rl.config import parse_rl_section  # noqa: E402
 from hpref.rl.driver import Handles, MetricsWriter, drive  # noqa: E402
-
-TINY = {
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 64,
-    "vocab_size": 300,
-    "tokenizer_texts": 300,
-}
+from tests.rl.tiny import TINY  # noqa: E402
 
 
 def test_grpo_learns_to_answer_briefly(tmp_path, monkeypatch):
