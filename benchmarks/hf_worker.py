@@ -138,7 +138,10 @@ def main(spec_path: str, out_path: str) -> None:
     eval_s = time.perf_counter() - t
     if reward:
         chosen, rejected = scores
-        out["eval_accuracy"] = float((chosen > rejected).float().mean())
+        # equal scores (bf16 rounds coarsely) count half, as in benchmarks.run.pairwise_scores
+        out["eval_accuracy"] = float(
+            ((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean()
+        )
         out["eval_log_loss"] = float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
         out["eval_rows"] = len(chosen)
     else:

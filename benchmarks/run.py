@@ -280,7 +280,8 @@ def pairwise_scores(run_dir: Path, winners: dict) -> dict:
     A reward model's accuracy is `score(chosen) > score(rejected)` and its loss
     `-log sigmoid(score(chosen) - score(rejected))`; hpref's three-way head gives the same two
     numbers from `P(A wins)` against `P(B wins)`, renormalised without the tie class (pairwise data
-    has no ties, so the tie mass only says how unsure the judge is)."""
+    has no ties, so the tie mass only says how unsure the judge is). P(A) == P(B) counts half, as
+    equal rewards do in `hf_worker`."""
     import csv
 
     hits, losses = [], []
@@ -289,7 +290,9 @@ def pairwise_scores(run_dir: Path, winners: dict) -> dict:
             pa, pb = float(row["winner_model_a"]), float(row["winner_model_b"])
             win = winners[row["id"]]
             p_right = (pa if win == 0 else pb) / max(pa + pb, 1e-12)
-            hits.append(p_right > 0.5)
+            # an exact tie counts half: bf16 logits are coarse (~0.4 % steps in probability), so
+            # a barely trained model gives many pairs exactly equal P(A) and P(B)
+            hits.append(1.0 if p_right > 0.5 else 0.5 if p_right == 0.5 else 0.0)
             losses.append(-math.log(max(p_right, 1e-12)))
     return {"eval_accuracy_ab": sum(hits) / len(hits), "eval_log_loss_ab": sum(losses) / len(losses)}
 
