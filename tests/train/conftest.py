@@ -80,12 +80,14 @@ def write_recipe(folder: Path, name: str = "run") -> Path:
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
-    """Step -> loss; for a resumed run, the last record of each step wins."""
+    """Step -> loss, checking that metrics.jsonl holds one train record per step (a resumed run
+    replaces what the interrupted one wrote after its last checkpoint)."""
     from hpref.train.metrics import read_metrics
 
-    return {
-        r["step"]: r["step_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"
-    }
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"metrics.jsonl repeats or reorders steps: {steps}"
+    return {r["step"]: r["step_loss"] for r in records}
 
 
 @pytest.fixture

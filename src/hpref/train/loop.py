@@ -311,6 +311,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     stats = RunStats()
     if resume_from is not None:
         stats.step = _restore(setup, resume_from)
+    metrics.start(stats.step if resume_from is not None else None)
     fail_rank = os.environ.get(FAIL_RANK_ENV)
     crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
     lengths = setup.train_data.lengths

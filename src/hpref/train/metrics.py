@@ -130,6 +130,19 @@ class MetricsFile:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
+    def start(self, resumed_step: int | None) -> None:
+        """Make the file describe one history. A fresh run (`None`) starts an empty file; a resumed
+        run keeps the records up to the checkpoint's step and drops the later ones, which the
+        interrupted run wrote after its last save and this run is about to write again."""
+        if self.path is None or not self.path.exists():
+            return
+        kept = []
+        if resumed_step is not None:
+            kept = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= resumed_step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
