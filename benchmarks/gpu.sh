@@ -47,7 +47,7 @@ with torch.inference_mode():
 PYEOF
 
 for backend in flash_varlen torch_varlen; do
-  hpref train recipes/quickstart.toml \
+  "$PY" -m hpref train recipes/quickstart.toml \
     --set run.output_dir="$OUT" --set run.name="1b-$backend" \
     --set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
     --set model.num_key_value_heads=4 --set model.intermediate_size=8192 --set model.attention=$backend \
