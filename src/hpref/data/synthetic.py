@@ -528,6 +528,14 @@ class SyntheticArena(BattleSource):
     def report(self, folds: int | None = None, fold: int | None = None) -> SyntheticReport:
         """Floor and baselines: baselines fitted on the train folds, everything scored on the eval
         fold (the configured `folds`/`fold`, or 5 folds / fold 0 when the config does not split)."""
+        return arena_report(*self._report_split(folds, fold))
+
+    def skill_ceilings(self, folds: int | None = None, fold: int | None = None) -> dict[str, float]:
+        """`skill_ceilings` on the eval fold `report` scores."""
+        return skill_ceilings(self._report_split(folds, fold)[1])
+
+    def _report_split(self, folds: int | None, fold: int | None) -> tuple[list[Battle], list[Battle]]:
+        """(train, eval) battles of the fold `report` and `skill_ceilings` score on."""
         from hpref.data.splits import FoldAssigner
 
         c = self.config
@@ -537,17 +545,7 @@ class SyntheticArena(BattleSource):
         train, evaluation = [], []
         for battle in self._all():
             (evaluation if assigner.fold_of(battle) == held_out else train).append(battle)
-        return arena_report(train, evaluation)
-
-    def skill_ceilings(self, folds: int | None = None, fold: int | None = None) -> dict[str, float]:
-        """`skill_ceilings` on the eval fold `report` scores (see there for the fold choice)."""
-        from hpref.data.splits import FoldAssigner
-
-        c = self.config
-        k = folds or (c.folds if c.folds > 1 else 5)
-        held_out = fold if fold is not None else (c.fold if c.folds > 1 else 0)
-        assigner = FoldAssigner(k, c.split_seed)
-        return skill_ceilings([b for b in self._all() if assigner.fold_of(b) == held_out])
+        return train, evaluation
 
 
 # --------------------------------------------------------------------------------------------------
@@ -754,7 +752,7 @@ def skill_ceilings(evaluation: Sequence[Battle]) -> dict[str, float]:
     known: list[str] = []
     for family in sorted(FAMILIES, key=alone.__getitem__):
         known.append(family)
-        out["+".join(known)] = score(known)
+        out["+".join(known)] = alone[family] if len(known) == 1 else score(known)
     return out
 
 
