@@ -185,6 +185,11 @@ def test_shipped_recipe_by_name():
         ("", ["train.batchsize=3"], "train.batchsize: unknown key (did you mean 'batch_size'?)"),
         ("", ["dataset.train.name=nope"], "dataset.train.name: unknown dataset 'nope'"),
         ("[run]\nseed = [1]\n", [], "run.seed: Input should be a valid integer, got [1]"),
+        (
+            '[dataset.eval]\nname = "synthetic-arena"\nsplit = "eval"\n',
+            [],
+            "dataset.eval: Value error, split = 'eval' needs folds >= 2",
+        ),
     ],
 )
 def test_bad_recipes_give_one_line_and_exit_2(tmp_path, text, overrides, expected):
@@ -199,6 +204,7 @@ def test_bad_recipes_give_one_line_and_exit_2(tmp_path, text, overrides, expecte
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"error: {path}: ") or lines[0].startswith("error: --set"), lines[0]
     assert expected in lines[0]
+    assert not lines[0].endswith("got a table")  # a section-wide check has no single bad value to echo
     assert "Traceback" not in result.stderr
 
 

@@ -279,7 +279,9 @@ def _describe(exc: ValidationError, model: type[BaseModel], prefix: tuple[str, .
     if kind == "missing":
         return f"{key}: required key is missing"
     got = err.get("input")
-    got_text = json.dumps(got, default=str) if not isinstance(got, dict) else "a table"
+    if isinstance(got, dict):  # a whole-section check (a model validator): the message says it all
+        return f"{key}: {err['msg'].rstrip('.')}"
+    got_text = json.dumps(got, default=str)
     if len(got_text) > 60:
         got_text = got_text[:57] + "..."
     return f"{key}: {err['msg'].rstrip('.')}, got {got_text}"
