@@ -177,6 +177,44 @@ def test_meta_init_under_fsdp2_loads_sharded_weights():
         dist.destroy_process_group()
 
 
+def test_bf16_training_policy_keeps_the_head_in_fp32():
+    """Under the trainer's bf16 policy the blocks compute in bf16 but the head in fp32, so logits are
+    not rounded to bf16's ~3 significant digits. If this fails, predictions collapse onto a few bf16
+    values (ties in rankings, a calibration floor in log loss) or the head silently runs in bf16."""
+    import torch.distributed as dist
+
+    from hpref.train.sharding import parallelize
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        direct = model_from_config(tiny_llama_config(), seed=3)
+        model = model_from_config(tiny_llama_config(), seed=3, meta=True)
+        parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=False)
+        model.load_pretrained_weights(device="cpu", broadcast_from_rank0=True)
+        seen: dict[str, torch.dtype] = {}
+        hooks = [
+            model.head.out_proj.register_forward_hook(lambda m, i, o: seen.update(head=m.weight.dtype)),
+            model.blocks()[0].mlp.down_proj.register_forward_hook(
+                lambda m, i, o: seen.update(block=m.weight.dtype)
+            ),
+        ]
+        input_ids, cu, positions, _ = packed_batch()
+        with torch.no_grad():
+            logits = model(input_ids, cu, positions)
+            reference = direct(input_ids, cu, positions)
+        for hook in hooks:
+            hook.remove()
+        assert seen == {"head": torch.float32, "block": torch.bfloat16}
+        assert logits.dtype == torch.float32
+        # fp32 head: the logits are not all bf16-representable (a bf16 head's would be, exactly)
+        assert not torch.equal(logits, logits.to(torch.bfloat16).float())
+        torch.testing.assert_close(logits, reference, rtol=0.05, atol=0.02)  # bf16 blocks: close, not equal
+    finally:
+        dist.destroy_process_group()
+
+
 def test_state_dict_layout_is_hf_keys_under_backbone_and_head():
     model = model_from_config(tiny_bert_config())
     keys = set(model.state_dict())

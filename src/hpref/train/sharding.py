@@ -4,9 +4,14 @@
     ->  materialise and load the initial weights (sharded, rank 0 reads, the others receive)
 
 FSDP2 keeps fp32 master weights; with bf16 precision its `MixedPrecisionPolicy` all-gathers bf16
-copies for compute and reduce-scatters gradients in fp32. FSDP2 works on CPU with gloo (a "cpu"
-DeviceMesh) in torch >= 2.6, so there is no second code path for CPU or for a single process: the
-same sharded model runs everywhere (world size 1 simply holds every shard).
+copies for compute and reduce-scatters gradients in fp32. The classification head is the exception:
+it is its own FSDP unit computing in fp32 (on the bf16 pooled state cast up), because bf16 keeps
+only ~3 significant digits and logits rounded that coarsely put many predictions on the same few
+values (ties in a ranking, a calibration floor in log loss) for a cost of two tiny matmuls.
+
+FSDP2 works on CPU with gloo (a "cpu" DeviceMesh) in torch >= 2.6, so there is no second code path
+for CPU or for a single process: the same sharded model runs everywhere (world size 1 simply holds
+every shard).
 """
 
 from __future__ import annotations
@@ -71,10 +76,15 @@ def parallelize(
     blocks = model.blocks()
     for block in blocks:
         fully_shard(block, mp_policy=policy)
+    head = getattr(model, "head", None)
+    fp32_head = isinstance(head, torch.nn.Module) and param_dtype != torch.float32
+    if fp32_head:  # see the module docstring; the policy casts the pooled bf16 input up
+        fp32 = torch.float32
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32))
     fully_shard(model, mp_policy=policy)
     logger.info(
         f"FSDP2: {len(blocks)} blocks + root over {dist.get_world_size()} rank(s), "
-        f"compute {_name(param_dtype)}, reduce fp32, "
+        f"compute {_name(param_dtype)}{' (head fp32)' if fp32_head else ''}, reduce fp32, "
         f"activation checkpointing {'on' if activation_checkpointing else 'off'}"
     )
     return model
