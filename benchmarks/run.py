@@ -290,8 +290,8 @@ def pairwise_scores(run_dir: Path, winners: dict) -> dict:
             pa, pb = float(row["winner_model_a"]), float(row["winner_model_b"])
             win = winners[row["id"]]
             p_right = (pa if win == 0 else pb) / max(pa + pb, 1e-12)
-            # an exact tie counts half: bf16 logits are coarse (~0.4 % steps in probability), so
-            # a barely trained model gives many pairs exactly equal P(A) and P(B)
+            # an exact tie counts half, on both sides: a barely trained model, or bf16 logits (the
+            # HF baselines' are; hpref's head is fp32), can give pairs exactly equal P(A) and P(B)
             hits.append(1.0 if p_right > 0.5 else 0.5 if p_right == 0.5 else 0.0)
             losses.append(-math.log(max(p_right, 1e-12)))
     return {"eval_accuracy_ab": sum(hits) / len(hits), "eval_log_loss_ab": sum(losses) / len(losses)}
