@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pandas as pd
@@ -136,12 +137,93 @@ def test_skip_counts_bad_rows_with_reasons(tmp_path):
     assert "3 skipped" in str(s) and "rows 2, 5" in str(s)
 
 
-def test_short_csv_row_is_an_empty_cell(tmp_path):
+def test_short_csv_row_names_the_first_absent_cell(tmp_path):
     path = tmp_path / "short.csv"
     path.write_text("prompt,response_a,response_b\n" + q(["p"]) + "," + q(["a"]) + "\n")
-    # pandas fills the absent cell with "": it must be reported, not read as an empty answer.
-    with pytest.raises(DataError, match=r"row 1, column 'response_b': empty cell"):
+    # The absent cell must be reported, not read as an empty answer.
+    expected = r"row 1 \(line 2\), column 'response_b': no cell \(2 cells, the header has 3\)"
+    with pytest.raises(DataError, match=expected):
         read(path)
+
+
+def test_ragged_csv_rows_are_row_errors_that_skip_counts(tmp_path):
+    """A CSV row with an extra cell (a stray comma in hand-edited data) used to abort the whole file
+    in pandas' parser, even with on_error = "skip". It must be one counted row error, with the rows
+    after it read and numbered as before; a failure here means ragged rows kill or shift the file."""
+    good = ",".join(["g", "m", "n", q(["p"]), q(["a"]), q(["b"]), "0", "1", "0"])
+    pretty = '"' + json.dumps(["two\nlines"], indent=1).replace('"', '""') + '"'  # a cell over 3 lines
+    multiline = ",".join(["ml", "m", "n", pretty, q(["a"]), q(["b"]), "1", "0", "0"])
+    path = tmp_path / "ragged.csv"
+    path.write_text(HEADER + "\n".join([good, multiline, good + ",stray", good, "g2,m,n", good]) + "\n")
+    expected = r"ragged\.csv: row 3 \(line 6\), column '\(line\)': extra cells \(10 cells"
+    with pytest.raises(DataError, match=expected):
+        read(path)
+    battles, reader = read(path, on_error="skip")
+    s = reader.summary
+    assert [b.id for b in battles] == ["g", "ml", "g", "g"]
+    assert battles[1].prompt == ("two\nlines",)  # a quoted cell spanning lines is one cell
+    assert (s.rows_read, s.rows_used, s.rows_skipped) == (6, 4, 2)
+    assert dict(s.skipped) == {
+        "(line): extra cells (10 cells, the header has 9)": 1,
+        "prompt: no cell (3 cells, the header has 9)": 1,
+    }
+    assert s.skipped_rows["prompt: no cell (3 cells, the header has 9)"] == [5]
+
+
+def test_broken_csv_quoting_is_a_file_error_naming_the_line(tmp_path):
+    """A quote left open would swallow every later row into one cell: silently, with a lenient
+    parser. It must stop the read, under on_error = "skip" too, and say after which row."""
+    good = ",".join(["g", "m", "n", q(["p"]), q(["a"]), q(["b"]), "0", "1", "0"])
+    path = tmp_path / "open_quote.csv"
+    path.write_text(HEADER + good + "\n" + 'x,m,n,"[""p""],' + "\n" + good + "\n")
+    for on_error in ("raise", "skip"):
+        with pytest.raises(DataError, match=r"open_quote\.csv: broken CSV quoting after row 1 \(line 4\)"):
+            read(path, on_error=on_error)
+
+
+def test_csv_header_problems_are_file_errors(tmp_path):
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(DataError, match=r"empty\.csv: empty file, expected a CSV header row"):
+        read(tmp_path / "empty.csv")
+    cells = f"{q(['p'])},{q(['a'])},{q(['b'])},x"
+    (tmp_path / "dup.csv").write_text(f"prompt,response_a,response_b,prompt\n{cells}\n")
+    # With a repeated column one of the two would silently win.
+    with pytest.raises(DataError, match="the header repeats column prompt"):
+        read(tmp_path / "dup.csv")
+
+
+def test_files_are_streamed_not_loaded(tmp_path, monkeypatch):
+    """Reading must stream: the first battle arrives after reading a small prefix of the file, and a
+    full pass opens the file once (plus one header read at construction). A reader that loaded the
+    whole file (or read it twice per pass) would fail the prefix or the open count."""
+    import hpref.data.readers as readers
+
+    def noise(i: int, side: str) -> str:  # incompressible text, so the .gz file is not tiny
+        return hashlib.sha256(f"{side}{i}".encode()).hexdigest() * 3
+
+    battles = [
+        Battle(str(i), (f"p{i}",), (noise(i, "a"),), (noise(i, "b"),), (1.0, 0.0, 0.0)) for i in range(4000)
+    ]
+    for name in ("big.csv", "big.jsonl", "big.csv.gz"):
+        path = write_arena_file(tmp_path / name, battles)
+        opened = []
+        real_open = readers._open_text
+
+        def counting_open(p, newline=None, _real=real_open, _opened=opened):
+            f = _real(p, newline=newline)
+            _opened.append(f)
+            return f
+
+        monkeypatch.setattr(readers, "_open_text", counting_open)
+        reader = ArenaReader(ArenaConfig(path=str(path)), seed=0)
+        stream = reader.battles()
+        assert next(stream).id == "0"
+        raw = opened[-1].buffer
+        position = raw.fileobj.tell() if hasattr(raw, "fileobj") else raw.tell()  # gzip: compressed bytes
+        assert position < path.stat().st_size / 10, (name, position, path.stat().st_size)
+        assert sum(1 for _ in stream) == 3999
+        assert len(opened) == 2, name  # header at construction + one streaming pass
+        monkeypatch.setattr(readers, "_open_text", real_open)
 
 
 def test_jsonl_row_missing_a_key_and_broken_line(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pandas as pd
 import pytest
@@ -76,9 +77,40 @@ def test_arena_garbage_cell_is_a_battle_or_a_data_error(tmp_path, cell):
     try:
         battles = list(ArenaReader(ArenaConfig(path=str(path)), 0).battles())
     except DataError as exc:
-        assert "row 1, column 'prompt'" in str(exc)
+        # Usually the prompt; a bare "\r" (pandas writes it unquoted) ends the record early, and then
+        # the first absent cell is named.
+        assert re.search(r"g\.csv: row 1( \(line 2\))?, column '(prompt|response_a)'", str(exc)), str(exc)
     else:
         assert len(battles) == 1 and all(isinstance(t, str) for t in battles[0].prompt)
+
+
+cell = st.one_of(st.sampled_from(['["a"]', '["x", null]', "[]", '[""]', "[oops"]), text)
+
+
+@FUZZ
+@given(records=st.lists(st.lists(cell, min_size=1, max_size=5), min_size=1, max_size=6))
+def test_ragged_csv_every_row_is_used_or_counted(tmp_path, records):
+    """CSV rows with too few or too many cells, quotes, commas and newlines in cells: every record
+    must end as a battle or a counted skip (never dropped, never a crash), and on_error = "raise"
+    must name a row and a column."""
+    import csv
+
+    path = tmp_path / "ragged.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", "response_a", "response_b"])
+        writer.writerows(records)
+    nonblank = len(records)  # csv.writer writes a lone empty cell as '""', not as a blank line
+    reader = ArenaReader(ArenaConfig(path=str(path), on_error="skip"), 0)
+    battles = list(reader.battles())
+    s = reader.summary
+    assert s.rows_read == nonblank and s.rows_used == len(battles)
+    assert s.rows_used + s.rows_skipped == s.rows_read and sum(s.skipped.values()) == s.rows_skipped
+    assert len(battles) <= sum(1 for r in records if len(r) == 3)  # a ragged row is never a battle
+    try:
+        list(ArenaReader(ArenaConfig(path=str(path)), 0).battles())
+    except DataError as exc:
+        assert "ragged.csv: row " in str(exc) and ", column '" in str(exc), str(exc)
 
 
 safe = text.filter(lambda s: "Human:" not in s and "Assistant:" not in s).map(str.strip)
@@ -131,3 +163,30 @@ def test_whitespace_only_transcript_turns(tmp_path):
     path.write_text(json.dumps(row) + "\n")
     (battle,) = PairwiseReader(PairwiseConfig(path=str(path)), 0).battles()
     assert battle.prompt == ("",) and {battle.response_a, battle.response_b} == {("",), ("no",)}
+
+
+def test_csv_cell_with_a_carriage_return_and_quotes(tmp_path):
+    """Found while fuzzing the stdlib CSV reader: a cell holding "\r" and quote characters, written
+    by csv.writer, must come back as the same text (with newline="" the "\r" is not a line end)."""
+    import csv
+
+    path = tmp_path / "cr.csv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", "response_a", "response_b"])
+        writer.writerow([json.dumps(['say "hi"\r']), '["a"]', '["b"]'])
+    (battle,) = ArenaReader(ArenaConfig(path=str(path)), 0).battles()
+    assert battle.prompt == ('say "hi"\r',)
+
+
+def test_bare_carriage_return_cell_written_by_pandas(tmp_path):
+    """Found by the garbage-cell fuzz after the CSV reader moved to the stdlib: pandas writes a cell
+    "0\r" unquoted, so the "\r" ends the record. That must be a row error naming the first absent
+    cell (and a counted skip; the rest of the line is a second row, with an empty prompt), not a crash."""
+    path = tmp_path / "g.csv"
+    pd.DataFrame([{"prompt": "0\r", "response_a": '["a"]', "response_b": '["b"]'}]).to_csv(path, index=False)
+    with pytest.raises(DataError, match=r"row 1 \(line 2\), column 'response_a': no cell \(1 cells"):
+        list(ArenaReader(ArenaConfig(path=str(path)), 0).battles())
+    reader = ArenaReader(ArenaConfig(path=str(path), on_error="skip"), 0)
+    assert list(reader.battles()) == []
+    assert (reader.summary.rows_read, reader.summary.rows_skipped) == (2, 2)

@@ -31,12 +31,14 @@ from hpref.errors import DataError
 
 
 class RowError(Exception):
-    """One bad row: which column and why. The reader adds the file and row number."""
+    """One bad row: which column and why. The reader adds the file and row number; `line` is the
+    file line where that differs from the row (CSV cells may span lines), for the error message."""
 
-    def __init__(self, column: str, reason: str) -> None:
+    def __init__(self, column: str, reason: str, line: int | None = None) -> None:
         super().__init__(f"column '{column}': {reason}")
         self.column = column
         self.reason = reason
+        self.line = line
 
 
 class DatasetConfig(BaseModel):
@@ -150,6 +152,12 @@ class BattleSource:
     def _parse(self, row: Any) -> Battle:
         raise NotImplementedError
 
+    def _stratum(self, battle: Battle) -> Probs | None:
+        """The label the fold split stratifies by: the battle's own, unless it depends on the run
+        seed (then the split would too, and runs with different seeds would evaluate on folds the
+        others trained on)."""
+        return battle.label
+
     def _data_identity(self) -> str:
         """What identifies the underlying data (a file digest, a generator's seed), plus the run seed
         where it changes the battles (the pairwise A/B coin)."""
@@ -171,14 +179,15 @@ class BattleSource:
                 battle = self._parse(raw)
             except RowError as exc:
                 if config.on_error == "raise":
+                    line = f" (line {exc.line})" if exc.line is not None else ""
                     raise DataError(
-                        f"{self.source}: row {row_number}, column '{exc.column}': {exc.reason}"
+                        f"{self.source}: row {row_number}{line}, column '{exc.column}': {exc.reason}"
                         ' (set on_error = "skip" to skip and count bad rows)'
                     ) from None
                 summary.skip(row_number, exc)
                 continue
             if assigner is not None:
-                in_fold = assigner.fold_of(battle) == config.fold
+                in_fold = assigner.fold_of(battle, self._stratum(battle)) == config.fold
                 if in_fold != (config.split == "eval") and config.split != "all":
                     summary.rows_other_split += 1
                     continue
