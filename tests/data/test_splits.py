@@ -66,3 +66,30 @@ def test_fold_config_is_validated():
         ArenaConfig(path="x", split="eval")
     with pytest.raises(ValidationError, match="extra"):
         ArenaConfig(path="x", fodls=3)
+
+
+def test_pairwise_folds_do_not_move_with_the_run_seed(tmp_path):
+    """The pairwise reader's A/B labels come from a coin seeded by the run seed. Stratifying by them
+    made the folds depend on the run seed (seeds 0 and 1 shared 40% of the HH-RLHF eval fold), so a
+    model trained with one seed was evaluated on rows another seed's model had trained on. The eval
+    fold must be the same set of prompts for every run seed, and still complementary to train."""
+    import json
+
+    from hpref.data.readers import PairwiseConfig, PairwiseReader
+
+    path = tmp_path / "hh.jsonl"
+    rows = [
+        {"chosen": f"\n\nHuman: q{i}\n\nAssistant: good", "rejected": f"\n\nHuman: q{i}\n\nAssistant: bad"}
+        for i in range(300)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def prompts(split, seed):
+        config = PairwiseConfig(path=str(path), folds=4, fold=2, split=split)
+        return {b.prompt for b in PairwiseReader(config, seed).battles()}
+
+    evals = [prompts("eval", seed) for seed in range(4)]
+    assert all(e == evals[0] for e in evals[1:])
+    assert 60 <= len(evals[0]) <= 90
+    train = prompts("train", 3)
+    assert not train & evals[0] and len(train) + len(evals[0]) == 300

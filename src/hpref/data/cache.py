@@ -39,7 +39,7 @@ from loguru import logger
 from hpref.data.packing import TokenizedExample
 
 CACHE_ENV = "HPREF_CACHE"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: pairwise folds no longer depend on the run seed (same key, other rows)
 _ENCODE_CHUNK = 256
 
 

@@ -9,11 +9,14 @@ prompt group decides the group's fold — the fold holding the fewest rows of th
 (then the fewest rows overall), ties broken by a seeded hash of the prompt, so the result depends only
 on the file, the seed and `folds`. Every later row of the group follows it. Train and eval built from
 the same file and seed therefore see complementary folds, with no shared state between them.
+The folds depend on the split seed, never on the run seed: the pairwise reader stratifies by its
+coin-free label ("chosen wins"), since its A/B labels move with the run seed.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 from hpref.data.records import Battle, Probs
 
@@ -47,9 +50,12 @@ class FoldAssigner:
         self._class_counts = [[0] * folds for _ in range(UNLABELED + 1)]
         self._totals = [0] * folds
 
-    def fold_of(self, battle: Battle) -> int:
+    def fold_of(self, battle: Battle, stratum: Probs | None | Literal["label"] = "label") -> int:
+        """The battle's fold. `stratum` is the label to stratify by, by default the battle's own; a
+        reader whose labels depend on the run seed (the pairwise A/B coin) passes a seed-free one, so
+        the folds do not move when the run seed does."""
         key = prompt_key(battle.prompt)
-        cls = label_class(battle.label)
+        cls = label_class(battle.label if stratum == "label" else stratum)
         fold = self._group_fold.get(key)
         if fold is None:
             counts = self._class_counts[cls]
