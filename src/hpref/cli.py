@@ -152,9 +152,8 @@ def components_command(
             for column in ("parameter", "type", "default", "description"):
                 table.add_column(column)
             for p in c["parameters"]:
-                table.add_row(
-                    p["name"], escape(p["type"]), escape(repr(p["default"])), escape(p["description"])
-                )
+                default = "(required)" if p["required"] else escape(repr(p["default"]))
+                table.add_row(p["name"], escape(p["type"]), default, escape(p["description"]))
             if not c["parameters"]:
                 table.add_row("-", "-", "-", "no parameters")
             console.print(table)
@@ -178,14 +177,20 @@ def shipped_recipes_dir() -> Path | None:
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:
-    """A path as given, or the name of a shipped recipe (`quickstart` -> recipes/quickstart.toml)."""
+    """A path as given, or the name of a shipped recipe (`quickstart` -> recipes/quickstart.toml).
+
+    A bare name that is neither is a `RecipeError` suggesting the nearest shipped recipe."""
     path = Path(name_or_path)
     if path.exists() or path.suffix == ".toml" or os.sep in name_or_path:
         return path
     shipped = shipped_recipes_dir()
     if shipped is not None and (shipped / f"{name_or_path}.toml").exists():
         return shipped / f"{name_or_path}.toml"
-    return path
+    from hpref.errors import RecipeError, did_you_mean
+
+    names = sorted(p.stem for p in shipped.glob("*.toml")) if shipped is not None else []
+    hint = did_you_mean(name_or_path, names) or (f"; shipped: {', '.join(names)}" if names else "")
+    raise RecipeError(f"{name_or_path}: no such file, nor a shipped recipe of that name{hint}")
 
 
 def _recipe_summary(path: Path) -> dict[str, Any]:
@@ -346,13 +351,34 @@ def rl_command(
     from hpref.errors import RecipeError
     from hpref.recipe import load_recipe
     from hpref.rl import run_rl
+    from hpref.rl.driver import resume_source
 
     path = resolve_recipe_path(recipe)
     loaded = load_recipe(path, overrides)
     if loaded.rl_config is None:
         raise RecipeError(f"{path}: rl: the recipe has no [rl] section")
     ids = [p.strip() for p in policies.split(",") if p.strip()]
+    loaded.rl_config.select(ids)  # an unknown policy id is a user error before the run folder is touched
+    # A fresh start on a folder that holds another run's record is refused before anything is written.
+    resume_source(loaded.run.run_dir, resume)
+    start_run_folder(loaded, "rl")
     raise typer.Exit(run_rl(loaded, ids, ray_address, resume))
+
+
+def start_run_folder(recipe: Any, name: str) -> Path:
+    """At run start: the resolved recipe as `<run_dir>/recipe.toml`, and a full (DEBUG) log file
+    `<run_dir>/logs/<name>.log` beside the console. Returns the log file."""
+    from loguru import logger
+
+    from hpref.logs import FILE_FORMAT
+
+    run_dir = recipe.run.run_dir
+    recipe.write(run_dir)
+    log_file = run_dir / "logs" / f"{name}.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    logger.add(log_file, level="DEBUG", format=FILE_FORMAT, backtrace=True, diagnose=False)
+    logger.info(f"run folder {run_dir}: resolved recipe in recipe.toml, full log in {log_file}")
+    return log_file
 
 
 @app.command("rl-warmup")
@@ -524,20 +550,44 @@ def _register_plugin_commands() -> None:
     plugin_manager().hook.register_commands(app=app)
 
 
+def _click_errors() -> tuple[type[Exception], type[Exception]]:
+    """Click's `ClickException` and `Abort`, found through Typer's public `BadParameter`: recent Typer
+    vendors click (`typer._click`), older Typer uses click itself, and both classes differ by version."""
+    mro = typer.BadParameter.__mro__
+    click_exception = next(c for c in mro if c.__name__ == "ClickException")
+    return click_exception, typer.Abort
+
+
+def _usage_line(exc: Exception) -> str:
+    """A click usage error (unknown command or option, missing argument, bad flag value) as one line."""
+    message = " ".join(exc.format_message().split())  # type: ignore[attr-defined]
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return f"error: {message}{hint}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and turns exceptions into exit codes."""
     from hpref.logs import cli_log_file, file_only, setup_logging
 
     log_file = cli_log_file()
     setup_logging(log_file, console=True, level=os.environ.get("HPREF_LOG_LEVEL", "INFO"))
+    click_exception, abort = _click_errors()
     try:
         _register_plugin_commands()
-        app(args=argv, prog_name="hpref")
+        # standalone_mode=False: click hands usage errors to us (one line below) instead of printing
+        # its multi-line box, and returns the exit code of `typer.Exit` instead of exiting.
+        code = app(args=argv, prog_name="hpref", standalone_mode=False)
     except UserError as exc:
         file_only().opt(exception=exc).debug("user error")
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except click_exception as exc:
+        # `hpref` or `hpref recipes` alone: the help is already printed; exit 2 as click does.
+        if type(exc).__name__ != "NoArgsIsHelpError":
+            typer.echo(_usage_line(exc), err=True)
+        sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+    except (KeyboardInterrupt, abort):
         typer.echo("interrupted", err=True)
         sys.exit(130)
     except SystemExit:
@@ -546,3 +596,4 @@ def main(argv: list[str] | None = None) -> None:
         file_only().opt(exception=exc).error("internal error")
         typer.echo(f"internal error: {type(exc).__name__}: {exc} (traceback in {log_file})", err=True)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
