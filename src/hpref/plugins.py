@@ -57,16 +57,20 @@ class Component:
     plugin: str
 
     def parameters(self) -> list[dict[str, Any]]:
-        """Name, type, default and description of each parameter, from the config schema."""
+        """Name, type, default, whether required, and description of each parameter, from the config
+        schema. A required parameter has no default (`default` None, `required` True), so a string
+        default can never be mistaken for the marker."""
         rows = []
         for pname, info in self.config.model_fields.items():
-            type_name = _type_name(info.annotation)
-            if info.is_required():
-                default: Any = "(required)"
-            else:
-                default = info.get_default(call_default_factory=True)
+            required = info.is_required()
             rows.append(
-                {"name": pname, "type": type_name, "default": default, "description": info.description or ""}
+                {
+                    "name": pname,
+                    "type": _type_name(info.annotation),
+                    "default": None if required else info.get_default(call_default_factory=True),
+                    "required": required,
+                    "description": info.description or "",
+                }
             )
         return rows
 
@@ -193,7 +197,12 @@ def load_plugins(extra: list[object] | None = None) -> Registry:
         _state.infos[module_name] = PluginInfo(module_name, "hpref", version, _hook_names(module), True)
 
     allowed = _allowed_third_party()
-    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    entry_points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+    installed = {ep.name for ep in entry_points}
+    for name in sorted((allowed or set()) - installed):  # a typo in HPREF_PLUGINS must not pass silently
+        hint = did_you_mean(name, installed) or f"; installed: {', '.join(sorted(installed)) or 'none'}"
+        registry.failed.append(FailedPlugin(name, "-", f"named in {PLUGINS_ENV} but not installed{hint}"))
+    for ep in entry_points:
         if allowed is not None and ep.name not in allowed:
             continue
         dist = ep.dist.name if ep.dist else "?"
