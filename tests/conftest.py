@@ -15,9 +15,11 @@ SHARED = REPO.parent / "shared"
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
-    """Logs and caches of tests go to a temporary HPREF_HOME, never to ~/.cache."""
-    home = tmp_path_factory.getbasetemp() / "hpref-home"
-    monkeypatch.setenv("HPREF_HOME", str(home))
+    """Logs (HPREF_HOME) and token/tokenizer caches (HPREF_CACHE) of tests go to the session's temporary
+    folder, never to ~/.cache. Sub-folder conftests may point HPREF_CACHE elsewhere; theirs wins."""
+    base = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("HPREF_HOME", str(base / "hpref-home"))
+    monkeypatch.setenv("HPREF_CACHE", str(base / "hpref-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 

@@ -177,6 +177,27 @@ def test_empty_hpref_plugins_hides_third_party(tmp_path):
     assert "example" in {p["name"] for p in json.loads(only.stdout)["plugins"]}
 
 
+def test_misspelt_hpref_plugins_name_is_reported(tmp_path):
+    """HPREF_PLUGINS naming a plugin that is not installed is reported (with the nearest installed
+    name), and a recipe needing the hidden component points at it. Wrong if the typo silently
+    loaded nothing and the user saw only 'unknown scheduler'."""
+    env = {"HPREF_PLUGINS": "exampel"}
+    listing = json.loads(run_hpref("plugins", "--json", env=env).stdout)
+    assert "example" not in {p["name"] for p in listing["plugins"]}
+    assert listing["failed"] == [
+        {
+            "name": "exampel",
+            "distribution": "-",
+            "error": "named in HPREF_PLUGINS but not installed (did you mean 'example'?)",
+        }
+    ]
+    check = run_hpref("recipes", "check", str(_example_recipe(tmp_path)), env=env)
+    assert check.returncode == 2 and "'exampel' (named in HPREF_PLUGINS but not installed" in check.stderr
+    # A comma list with spaces and an empty item is read as the set of names it spells.
+    both = json.loads(run_hpref("plugins", "--json", env={"HPREF_PLUGINS": " example , ,"}).stdout)
+    assert "example" in {p["name"] for p in both["plugins"]} and both["failed"] == []
+
+
 def test_broken_plugin_is_reported_not_fatal(tmp_path):
     # A third-party plugin whose import fails: the CLI still works, `plugins` names it with the
     # reason, and a recipe needing a component nobody provides points at it.

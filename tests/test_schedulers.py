@@ -55,3 +55,26 @@ def test_schedule_rejects_zero_steps():
     component = load_plugins().get("scheduler", "linear")
     with pytest.raises(ValueError, match="at least one step"):
         component.build(component.config(), 0)
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine"])
+def test_decay_schedules_warm_up_linearly_first(name):
+    # Wrong if the decaying schedules ignored warmup_steps or started the decay before the peak.
+    values = curve(name, 14, warmup_steps=4, min_ratio=0.1)
+    assert values[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])  # decay starts at step 4, from 1
+    assert values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[3:], values[4:], strict=False))
+
+
+def test_warmup_fraction_is_a_share_of_total_steps():
+    # warmup_fraction 0.25 of 20 steps = 5 warm-up steps; wrong if the fraction were read as steps.
+    values = curve("cosine", 20, warmup_fraction=0.25, min_ratio=0.0)
+    assert values[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert values[5] == pytest.approx(1.0) and values[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_composite_ramp_fraction_is_a_share_of_total_steps():
+    # ramp_fraction 0.25 of 8 steps = 2 ramp steps: 0.001, halfway, then the peak, then linear to 0.001.
+    values = curve("composite", 8, ramp_fraction=0.25)
+    assert values[:3] == pytest.approx([0.001, 0.5005, 1.0])
+    assert values[2:] == pytest.approx([1.0 + (0.001 - 1.0) * k / 5 for k in range(6)])
