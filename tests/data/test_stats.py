@@ -46,6 +46,22 @@ def test_stats_ceilings_are_printed_as_shares_of_the_gap():
     assert "style only" in text and text.rstrip().endswith("(100% of the gap)")
 
 
+def test_stats_on_an_exported_synthetic_file_report_the_floor(tmp_path):
+    """A synthetic arena exported to a file keeps p_a, p_b, p_tie; `hpref data stats FILE` must then
+    give the same floor and baselines as the component (same 5-fold split, fold 0 held out), and a
+    file without truth columns must not get a made-up floor."""
+    config = SyntheticArenaConfig(num_battles=600)
+    path = write_arena_file(tmp_path / "synth.jsonl", SyntheticArena(config, 0).battles())
+    from_file = data_stats(open_data_file(path))["synthetic"]
+    from_component = data_stats(SyntheticArena(config, 0))["synthetic"]
+    for key in ("n_train", "n_eval", "bayes_floor", "expected_entropy", "length_baseline", "bow_baseline"):
+        assert from_file[key] == pytest.approx(from_component[key], rel=1e-6), key
+    plain = [
+        b.__class__(b.id, b.prompt, b.response_a, b.response_b, b.label) for b in generate_battles(60, 0)
+    ]
+    assert "synthetic" not in data_stats(open_data_file(write_arena_file(tmp_path / "plain.csv", plain)))
+
+
 def test_unknown_columns(tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_text('{"question": "q", "answer": "a"}\n')

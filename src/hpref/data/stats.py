@@ -4,7 +4,9 @@
 `data_stats(source, formatter=None)` streams the source once and returns a JSON-able dict: the read
 summary, label shares, turns per battle and, with a formatter, the token-length distribution after
 formatting and the share of battles truncated. For the synthetic arena it adds the uniform log loss,
-the Bayes floor and the two baselines. `format_stats` renders that dict as short lines of text.
+the Bayes floor and the two baselines — also for a file that carries the true `p_a, p_b, p_tie` of
+every labeled row (an exported synthetic arena), split 5-fold by prompt, fold 0 held out, as the
+component does. `format_stats` renders that dict as short lines of text.
 """
 
 from __future__ import annotations
@@ -76,8 +78,14 @@ def data_stats(
             truncated += bool(encoded.truncated)
         pending.clear()
 
+    with_truth: list[Any] | None = [] if not hasattr(source, "report") else None
     for battle in source.battles():
         turns[len(battle.prompt)] += 1
+        if with_truth is not None:
+            if battle.truth is not None and battle.label is not None:
+                with_truth.append(battle)
+            else:
+                with_truth = None  # one row without truth: no floor for this file
         if battle.label is not None:
             labels += battle.label
             labeled += 1
@@ -104,6 +112,16 @@ def data_stats(
         out["truncated_share"] = truncated / len(lengths) if lengths else 0.0
     if hasattr(source, "report"):
         out["synthetic"] = source.report().as_dict()
+    elif with_truth:
+        from hpref.data.splits import FoldAssigner
+        from hpref.data.synthetic import arena_report
+
+        assigner = FoldAssigner(5, 0)
+        folds = [assigner.fold_of(b) for b in with_truth]
+        train = [b for b, f in zip(with_truth, folds, strict=True) if f != 0]
+        held_out = [b for b, f in zip(with_truth, folds, strict=True) if f == 0]
+        if train and held_out:
+            out["synthetic"] = arena_report(train, held_out).as_dict()
     if ceilings and hasattr(source, "skill_ceilings"):
         out["skill_ceilings"] = source.skill_ceilings()
     return out
