@@ -85,20 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     variants = {}
     for spec in args.variant or ["default:"]:
         name, _, rest = spec.partition(":")
-        overrides, threads, attn_dropout = list(args.overrides), default_threads, None
+        overrides, threads = list(args.overrides), default_threads
         for kv in filter(None, rest.split(",")):
             if kv.startswith("threads="):
                 threads = int(kv.partition("=")[2])
-            elif kv.startswith("attention_dropout="):
-                attn_dropout = float(kv.partition("=")[2])
             else:
                 overrides.append(kv)
         torch.set_num_threads(threads)
         setup, plans = _build(args.recipe, overrides)
-        if attn_dropout is not None:  # a what-if: no recipe field sets it (BERT-style attention modules)
-            for module in setup.model.modules():
-                if type(module).__name__.endswith("SelfAttention"):
-                    module.dropout.p = attn_dropout
         _step(setup, plans[0])  # warm-up: first-call allocations, lazy inits
         variants[name] = (setup, plans, threads, overrides)
     rates: dict[str, list[float]] = {n: [] for n in variants}

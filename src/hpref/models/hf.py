@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hpref.errors import UserError
+from hpref.errors import UserError, did_you_mean
 from hpref.models.attention import register_varlen_attention
 from hpref.models.preference import EXPORT_FORMAT, EXPORT_JSON, HEAD_FILE, PreferenceModel, is_causal_backbone
 
@@ -87,8 +87,13 @@ def build_from_folder(
     trust_remote_code: bool,
     provenance: dict[str, Any],
     head_state: Any = None,
+    backbone_config: dict[str, Any] | None = None,
 ) -> PreferenceModel:
-    """A `PreferenceModel` on an HF backbone folder; `meta=True` allocates nothing (see preference.py)."""
+    """A `PreferenceModel` on an HF backbone folder; `meta=True` allocates nothing (see preference.py).
+
+    `backbone_config` sets values on the folder's transformers config first (the recipe's
+    `model.backbone_config`): each key must already be a setting of that config.
+    """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
     name = register_varlen_attention()
@@ -98,20 +103,31 @@ def build_from_folder(
         )
     except ValueError as exc:  # e.g. a model type that needs remote code
         raise UserError(f"cannot read the backbone config in {folder}: {exc}") from exc
+    apply_backbone_config(config, backbone_config or {})
     kwargs: dict[str, Any] = dict(
         attn_implementation=name, dtype=torch.float32, trust_remote_code=trust_remote_code
     )
     kwargs.update(_init_kwargs(config))
 
+    def pretrained() -> torch.nn.Module:
+        try:
+            return AutoModel.from_pretrained(folder, config=config, local_files_only=True, **kwargs)
+        except RuntimeError as exc:
+            if backbone_config and "mismatched" in str(exc):  # transformers' size-mismatch refusal
+                raise UserError(
+                    f"model.backbone_config {backbone_config} changes weight shapes, so the weights in "
+                    f"{folder} no longer fit; set only values that keep shapes (dropouts, ...)"
+                ) from exc
+            raise
+
     def load_cpu() -> dict[str, torch.Tensor]:
-        model = AutoModel.from_pretrained(folder, config=config, local_files_only=True, **kwargs)
-        return model.state_dict()
+        return pretrained().state_dict()
 
     if meta:
         with torch.device("meta"):
             backbone = AutoModel.from_config(config, **kwargs)
     else:
-        backbone = AutoModel.from_pretrained(folder, config=config, local_files_only=True, **kwargs)
+        backbone = pretrained()
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             folder, trust_remote_code=trust_remote_code, local_files_only=True
@@ -132,6 +148,19 @@ def build_from_folder(
         provenance=provenance,
     )
     return finish(model, device=device, meta=meta)
+
+
+def apply_backbone_config(config: Any, values: dict[str, Any]) -> None:
+    """Set `model.backbone_config` values on a transformers config; an unknown key is a user error
+    (a misspelt dropout name would otherwise be stored and silently ignored by the model)."""
+    known = set(config.to_dict())
+    for key, value in values.items():
+        if key not in known:
+            raise UserError(
+                f"model.backbone_config.{key}: {type(config).__name__} has no such setting"
+                f"{did_you_mean(key, known)}"
+            )
+        setattr(config, key, value)
 
 
 def finish(model: PreferenceModel, *, device: str | torch.device, meta: bool) -> PreferenceModel:
@@ -155,6 +184,7 @@ def load_exported(
     attention: str,
     trust_remote_code: bool,
     num_labels: int | None = None,
+    backbone_config: dict[str, Any] | None = None,
 ) -> PreferenceModel:
     """Rebuild a model saved by `PreferenceModel.save_pretrained`, trained head included.
 
@@ -192,6 +222,7 @@ def load_exported(
         trust_remote_code=trust_remote_code,
         provenance={"exported": info.get("provenance", {}), "folder": str(folder)},
         head_state=head_state,
+        backbone_config=backbone_config,
     )
 
 
