@@ -353,6 +353,35 @@ def test_data_stats_bad_split_exit_2(tmp_path):
     assert "dataset.eval: the recipe has no such section" in result.stderr
 
 
+def test_data_stats_on_a_file_with_on_error_and_a_recipe_for_tokens(tmp_path):
+    """`hpref data stats FILE`: a bad row stops it with the row named (exit 2) unless `--on-error
+    skip`, which counts it; `--tokens` takes the tokenizer, formatter and max_length from `--recipe`
+    (with its `--set`s), and without one it is a usage error rather than silently ignored. If this
+    fails, a file with one bad row cannot be summarised, or token lengths are made up or dropped."""
+    from hpref.data.readers import write_arena_file
+    from hpref.data.synthetic import generate_battles
+
+    data = write_arena_file(tmp_path / "a.csv", generate_battles(30, 0))
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join([*lines[:3], "broken,row\n", *lines[3:]]))
+    bad = run_hpref("data", "stats", str(data))
+    assert bad.returncode == 2 and "row 3" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    skipped = run_hpref("data", "stats", str(data), "--on-error", "skip", "--json")
+    assert skipped.returncode == 0, skipped.stderr
+    summary = json.loads(skipped.stdout)["summary"]
+    assert (summary["rows_read"], summary["rows_used"], summary["rows_skipped"]) == (31, 30, 1)
+    no_recipe = run_hpref("data", "stats", str(data), "--on-error", "skip", "--tokens")
+    assert no_recipe.returncode == 2 and "--tokens on a data file needs --recipe" in no_recipe.stderr
+    recipe = write(tmp_path, GOOD)
+    with_tokens = run_hpref(
+        "data", "stats", str(data), "--on-error", "skip", "--tokens", "--recipe", str(recipe),
+        "--set", "train.max_length=150", "--json",
+    )  # fmt: skip
+    assert with_tokens.returncode == 0, with_tokens.stderr
+    stats = json.loads(with_tokens.stdout)
+    assert stats["tokens"]["max"] <= 150 and 0 < stats["truncated_share"] <= 1
+
+
 def test_train_dry_run_prints_the_torchrun_command():
     # The quickstart asks for 2 CPU ranks: the command must be torchrun with 2 processes, and the
     # resolved recipe must follow it; nothing may start.

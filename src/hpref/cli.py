@@ -498,7 +498,15 @@ def data_stats_command(
     source: str = typer.Argument(..., help="A data file (arena or chosen/rejected schema) or a recipe."),
     split: str = typer.Option("train", help="With a recipe: which dataset section, train or eval."),
     tokens: bool = typer.Option(
-        False, "--tokens", help="With a recipe: also format and tokenize, for token lengths and truncation."
+        False, "--tokens", help="Also format and tokenize, for token lengths and truncation."
+    ),
+    recipe_for_tokens: str | None = typer.Option(
+        None,
+        "--recipe",
+        help="With a data file and --tokens: the recipe whose model, formatter and max_length to use.",
+    ),
+    on_error: str = typer.Option(
+        "raise", "--on-error", help="With a data file: raise on a bad row, or skip and count it."
     ),
     ceilings: bool = typer.Option(
         False, "--ceilings", help="Synthetic arena: log loss of judges that have only some task skills."
@@ -511,28 +519,42 @@ def data_stats_command(
     from hpref.errors import RecipeError
 
     path = resolve_recipe_path(source)
-    formatter = None
-    if path.suffix == ".toml":
+    is_recipe = path.suffix == ".toml"
+    if is_recipe and (recipe_for_tokens is not None or on_error != "raise"):
+        raise RecipeError("--recipe and --on-error are for a data file; a recipe brings its own")
+    if on_error not in ("raise", "skip"):
+        raise RecipeError(f"--on-error {on_error!r}: expected raise or skip")
+    if tokens and not is_recipe and recipe_for_tokens is None:
+        raise RecipeError(
+            "--tokens on a data file needs --recipe RECIPE (the model whose tokenizer, and the formatter)"
+        )
+    recipe = None
+    if is_recipe or recipe_for_tokens is not None:
         from hpref.plugins import load_plugins
         from hpref.recipe import load_recipe
 
-        recipe = load_recipe(path, overrides)
+        recipe_path = path if is_recipe else resolve_recipe_path(recipe_for_tokens)
+        recipe = load_recipe(recipe_path, overrides)
+        registry = load_plugins()
+    elif overrides:
+        raise RecipeError("--set needs a recipe (the source or --recipe)")
+    if is_recipe:
         if split not in ("train", "eval"):
             raise RecipeError(f"--split {split!r}: expected train or eval")
         section = getattr(recipe.dataset, split)
         if section is None:
             raise RecipeError(f"{path}: dataset.{split}: the recipe has no such section")
-        registry = load_plugins()
         data = registry.get("dataset", section.name).build(section.config, seed=recipe.run.seed)
-        if tokens:
-            if recipe.model is None:
-                raise RecipeError(f"{path}: --tokens needs a [model] section (for its tokenizer)")
-            model = registry.get("model", recipe.model.name).build(recipe.model.config, meta=True)
-            formatter = registry.get("formatter", recipe.formatter.name).build(
-                recipe.formatter.config, model.tokenizer, recipe.train.max_length
-            )
     else:
-        data = open_data_file(path, seed=0)
+        data = open_data_file(path, seed=0, on_error=on_error)
+    formatter = None
+    if tokens:
+        if recipe.model is None:
+            raise RecipeError(f"{recipe_path}: --tokens needs a [model] section (for its tokenizer)")
+        model = registry.get("model", recipe.model.name).build(recipe.model.config, meta=True)
+        formatter = registry.get("formatter", recipe.formatter.name).build(
+            recipe.formatter.config, model.tokenizer, recipe.train.max_length
+        )
     stats = data_stats(data, formatter, ceilings=ceilings)
     if as_json:
         typer.echo(json.dumps(stats, indent=2, default=str))
