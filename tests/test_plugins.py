@@ -198,6 +198,57 @@ def test_misspelt_hpref_plugins_name_is_reported(tmp_path):
     assert "example" in {p["name"] for p in both["plugins"]} and both["failed"] == []
 
 
+def test_plugin_whose_hooks_raise_is_dropped_not_fatal(tmp_path):
+    """A third-party plugin that imports but raises inside a hook (here `register_commands`, after it
+    registered a scheduler and a first command): `--help` and every other command still work, the
+    plugin is listed as failed with the hook and reason, and none of its components or commands
+    remain. If this fails, one broken plugin takes the whole CLI down (exit 1, even for --help) or
+    leaves half of itself registered."""
+    site = tmp_path / "site"
+    dist = site / "raising_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: raising-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[hpref]\nraising = raising_plugin_module\n")
+    (site / "raising_plugin_module.py").write_text(
+        textwrap.dedent(
+            """
+            from pydantic import BaseModel
+            from hpref.hookspecs import hookimpl
+
+            class Config(BaseModel):
+                pass
+
+            @hookimpl
+            def register_schedulers(register):
+                register(name="half-registered", config=Config, build=lambda c, total_steps: None)
+
+            @hookimpl
+            def register_commands(app):
+                app.command("half-command")(lambda: None)
+                raise RuntimeError("needs a licence server")
+            """
+        )
+    )
+    env = {"PYTHONPATH": str(site)}
+    helped = run_hpref("--help", env=env)
+    assert helped.returncode == 0, helped.stderr
+    assert "half-command" not in helped.stdout and "recipes" in helped.stdout
+    listing = run_hpref("plugins", "--json", env=env)
+    assert listing.returncode == 0, listing.stderr
+    failed = json.loads(listing.stdout)["failed"]
+    assert failed == [
+        {
+            "name": "raising",
+            "distribution": "raising-plugin",
+            "error": "register_commands raised RuntimeError: needs a licence server",
+        }
+    ]
+    assert "raising" not in {p["name"] for p in json.loads(listing.stdout)["plugins"]}
+    schedulers = run_hpref("components", "scheduler", "--json", env=env)
+    assert schedulers.returncode == 0 and "half-registered" not in schedulers.stdout
+    assert "cosine" in schedulers.stdout
+
+
 def test_broken_plugin_is_reported_not_fatal(tmp_path):
     # A third-party plugin whose import fails: the CLI still works, `plugins` names it with the
     # reason, and a recipe needing a component nobody provides points at it.

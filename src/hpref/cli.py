@@ -567,9 +567,9 @@ def data_stats_command(
 
 
 def _register_plugin_commands() -> None:
-    from hpref.plugins import plugin_manager
+    from hpref.plugins import register_plugin_commands
 
-    plugin_manager().hook.register_commands(app=app)
+    register_plugin_commands(app)
 
 
 def _click_errors() -> tuple[type[Exception], type[Exception]]:

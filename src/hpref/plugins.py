@@ -2,9 +2,10 @@
 
 One module-level plugin manager. `load_plugins()` is idempotent: it registers the built-in plugins,
 then every third-party plugin from the `hpref` entry-point group (restricted by `HPREF_PLUGINS`),
-then asks every plugin to register its components. A third-party plugin that fails to import is
-recorded with its reason instead of taking the CLI down; its name is surfaced when a recipe asks for
-a component nobody provides.
+then asks every plugin to register its components. A third-party plugin that fails to import, or
+whose hook raises, is recorded with its reason (and its components, commands and hooks dropped)
+instead of taking the CLI down; its name is surfaced when a recipe asks for a component nobody
+provides. A built-in that raises is a bug in hpref and does propagate.
 """
 
 from __future__ import annotations
@@ -228,6 +229,8 @@ def load_plugins(extra: list[object] | None = None) -> Registry:
         hook = getattr(pm.hook, hook_name)
         for impl in hook.get_hookimpls():
             plugin_name = pm.get_name(impl.plugin) or "?"
+            if not pm.is_registered(impl.plugin):  # dropped by an earlier hook's failure
+                continue
 
             def register(
                 name: str,
@@ -242,11 +245,51 @@ def load_plugins(extra: list[object] | None = None) -> Registry:
                     description = (build.__doc__ or "").strip().splitlines()[0] if build.__doc__ else ""
                 registry.add(Component(_kind, name, config, build, description, _plugin))
 
-            impl.function(register=register)
+            _call_plugin_hook(pm, registry, impl, hook_name, register=register)
 
     _state.pm = pm
     _state.registry = registry
     return registry
+
+
+def _call_plugin_hook(
+    pm: pluggy.PluginManager, registry: Registry, impl: Any, hook_name: str, **kwargs: Any
+) -> bool:
+    """Run one plugin's implementation of a hook. If a third-party one raises, the plugin is dropped
+    whole (unregistered, its components removed) and listed as failed, so `--help` and every recipe
+    that does not use it still work. Duplicate names stay errors: they are the user's to resolve."""
+    name = pm.get_name(impl.plugin) or "?"
+    try:
+        impl.function(**kwargs)
+        return True
+    except ComponentError:
+        raise
+    except Exception as exc:
+        info = _state.infos.get(name)
+        if info is None or info.builtin:
+            raise
+        pm.unregister(impl.plugin)
+        del _state.infos[name]
+        for by_name in registry.components.values():
+            for comp_name in [n for n, c in by_name.items() if c.plugin == name]:
+                del by_name[comp_name]
+        registry.failed.append(
+            FailedPlugin(name, info.distribution, f"{hook_name} raised {type(exc).__name__}: {exc}")
+        )
+        return False
+
+
+def register_plugin_commands(app: Any) -> None:
+    """Let every plugin add its subcommands to the Typer `app` (a plugin that raises is dropped)."""
+    registry = load_plugins()
+    pm = plugin_manager()
+    for impl in pm.hook.register_commands.get_hookimpls():
+        if not pm.is_registered(impl.plugin):
+            continue
+        before = (len(app.registered_commands), len(app.registered_groups))
+        if not _call_plugin_hook(pm, registry, impl, "register_commands", app=app):
+            del app.registered_commands[before[0] :]  # what it added before raising
+            del app.registered_groups[before[1] :]
 
 
 def plugin_infos() -> list[PluginInfo]:
