@@ -191,8 +191,12 @@ class JudgeFormatter:
                 for t, text in enumerate(turns):
                     keys.append((i, kind, t))
                     texts.append(text)
+        # verbose=False: a field longer than the model's limit is expected here (truncation to the
+        # budget comes next), so transformers' "longer than the maximum sequence length" is noise
         ids = (
-            self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)[
+                "input_ids"
+            ]
             if texts
             else []
         )
