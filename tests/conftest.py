@@ -23,6 +23,19 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+def fake_plugin_site(tmp_path: Path, entry_point: str, source: str) -> dict[str, str]:
+    """An installed-looking third-party plugin: distribution `<entry_point>-plugin` 1.0 with module
+    `<entry_point>_plugin_module` (`source`) under the `hpref` entry point `entry_point`, in a fresh
+    site folder. Returns the env (`PYTHONPATH`) that makes `run_hpref` see it."""
+    site = tmp_path / "site"
+    dist = site / f"{entry_point}_plugin-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {entry_point}-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[hpref]\n{entry_point} = {entry_point}_plugin_module\n")
+    (site / f"{entry_point}_plugin_module.py").write_text(source)
+    return {"PYTHONPATH": str(site)}
+
+
 def run_hpref(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120):
     """Run `python -m hpref ARGS` in a fresh process: real exit codes, real stdout/stderr."""
     full_env = dict(os.environ)

@@ -15,7 +15,7 @@ import tomllib
 from hpref import __version__
 from hpref.errors import RecipeError
 from hpref.recipe import load_recipe, parse_override
-from tests.conftest import REPO, run_hpref
+from tests.conftest import REPO, fake_plugin_site, run_hpref
 
 SHIPPED = sorted((REPO / "recipes").glob("*.toml"))
 GOOD = textwrap.dedent(
@@ -314,21 +314,18 @@ def test_override_values_are_toml_literals():
 
 def test_internal_error_exits_1_with_traceback_in_log(tmp_path):
     # A bug (not the user's fault) exits 1, prints one line, and keeps the traceback in the log file.
-    site = tmp_path / "site"
-    dist = site / "buggy_plugin-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: buggy-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[hpref]\nbuggy = buggy_plugin_module\n")
-    (site / "buggy_plugin_module.py").write_text(
+    env = fake_plugin_site(
+        tmp_path,
+        "buggy",
         "from hpref.hookspecs import hookimpl\n"
         "@hookimpl\n"
         "def register_commands(app):\n"
         "    @app.command('explode')\n"
         "    def explode():\n"
-        "        raise RuntimeError('kaboom')\n"
+        "        raise RuntimeError('kaboom')\n",
     )
     home = tmp_path / "home"
-    result = run_hpref("explode", env={"PYTHONPATH": str(site), "HPREF_HOME": str(home)})
+    result = run_hpref("explode", env={**env, "HPREF_HOME": str(home)})
     assert result.returncode == 1
     assert result.stderr.strip().startswith("internal error: RuntimeError: kaboom (traceback in ")
     assert "Traceback" not in result.stderr

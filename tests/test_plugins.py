@@ -14,7 +14,7 @@ from hpref import hookspecs
 from hpref.errors import ComponentError
 from hpref.hookspecs import hookimpl
 from hpref.plugins import load_plugins, reset_plugins
-from tests.conftest import REPO, run_hpref
+from tests.conftest import REPO, fake_plugin_site, run_hpref
 
 
 @pytest.fixture(autouse=True)
@@ -204,12 +204,9 @@ def test_plugin_whose_hooks_raise_is_dropped_not_fatal(tmp_path):
     plugin is listed as failed with the hook and reason, and none of its components or commands
     remain. If this fails, one broken plugin takes the whole CLI down (exit 1, even for --help) or
     leaves half of itself registered."""
-    site = tmp_path / "site"
-    dist = site / "raising_plugin-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: raising-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[hpref]\nraising = raising_plugin_module\n")
-    (site / "raising_plugin_module.py").write_text(
+    env = fake_plugin_site(
+        tmp_path,
+        "raising",
         textwrap.dedent(
             """
             from pydantic import BaseModel
@@ -227,9 +224,8 @@ def test_plugin_whose_hooks_raise_is_dropped_not_fatal(tmp_path):
                 app.command("half-command")(lambda: None)
                 raise RuntimeError("needs a licence server")
             """
-        )
+        ),
     )
-    env = {"PYTHONPATH": str(site)}
     helped = run_hpref("--help", env=env)
     assert helped.returncode == 0, helped.stderr
     assert "half-command" not in helped.stdout and "recipes" in helped.stdout
@@ -252,13 +248,7 @@ def test_plugin_whose_hooks_raise_is_dropped_not_fatal(tmp_path):
 def test_broken_plugin_is_reported_not_fatal(tmp_path):
     # A third-party plugin whose import fails: the CLI still works, `plugins` names it with the
     # reason, and a recipe needing a component nobody provides points at it.
-    site = tmp_path / "site"
-    dist = site / "broken_plugin-1.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[hpref]\nbroken = broken_plugin_module\n")
-    (site / "broken_plugin_module.py").write_text("raise ImportError('needs libfoo')\n")
-    env = {"PYTHONPATH": str(site)}
+    env = fake_plugin_site(tmp_path, "broken", "raise ImportError('needs libfoo')\n")
     listing = run_hpref("plugins", "--json", env=env)
     assert listing.returncode == 0, listing.stderr
     failed = json.loads(listing.stdout)["failed"]
