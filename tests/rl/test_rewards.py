@@ -7,6 +7,7 @@ import pytest
 from hpref.builtin.rewards import JudgeConfig, RuleConfig, build_rule, pairwise_rewards
 from hpref.data import synthetic
 from hpref.plugins import load_plugins
+from tests.rl.tiny import TINY
 
 PROMPT = ("What is 12 + 30?",)
 
@@ -72,18 +73,7 @@ def judge_folder(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("HPREF_CACHE", str(cache))
     try:
-        model = build_tiny_llama(
-            TinyLlamaConfig(
-                hidden_size=32,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                intermediate_size=64,
-                vocab_size=300,
-                tokenizer_texts=300,
-                head_dropout=0.0,
-            )
-        )
+        model = build_tiny_llama(TinyLlamaConfig(**TINY, head_dropout=0.0))
         return model.save_pretrained(tmp_path_factory.mktemp("judge"))
     finally:
         mp.undo()

@@ -14,16 +14,9 @@ from hpref.rl import warmup as warmup_mod  # noqa: E402
 from hpref.rl.actors import EngineActor, encode_prompt, policy_tokenizer, rollout_prompts  # noqa: E402
 from hpref.rl.config import PolicyModelConfig, RolloutConfig, WarmupConfig  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
+from tests.rl.tiny import TINY as TINY_SETTINGS  # noqa: E402
 
-TINY = PolicyModelConfig(
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    intermediate_size=64,
-    vocab_size=300,
-    tokenizer_texts=300,
-)
+TINY = PolicyModelConfig(**TINY_SETTINGS)
 QUICK = WarmupConfig(steps=60, batch_size=16, battles=300, warmup_steps=5, lr=1e-2)
 
 
