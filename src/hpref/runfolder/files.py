@@ -1,0 +1,73 @@
+"""Atomic, durable writes for every file hpref owns.
+
+Why: a crash (or a full disk, or `kill -9`) in the middle of `Path.write_text` leaves a truncated
+file under the real name, and a `rename` that was never fsynced can be undone by a power cut. So a
+file is written to a temporary name beside its target, flushed and fsynced, renamed over the target
+(atomic on POSIX), and the folder entry itself is fsynced. A reader sees the old file or the new one,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".part"
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable. A no-op where the platform cannot."""
+    try:
+        fd = os.open(str(folder), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` atomically and durably (see the module doc)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | Path, data: Any, **dumps: Any) -> Path:
+    return write_text_atomic(path, json.dumps(data, **dumps) + "\n")
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every file under `folder` and every folder in it (the folder itself last), so that a
+    pointer written after this names data that is on disk."""
+    folder = Path(folder)
+    for root, _dirs, names in os.walk(folder, topdown=False):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
