@@ -121,10 +121,15 @@ class _Evil:
 
 
 def test_a_tampered_index_is_refused_without_running_its_code(run, tmp_path, monkeypatch):
+    """An attacker who replaces `.metadata` also rewrites the checksums: the allow-list must still
+    refuse the pickle before anything in it runs."""
+    from hpref.runfolder.integrity import write_manifest
+
     monkeypatch.chdir(tmp_path)
     copy = _copy(run[3], tmp_path)
     (copy / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(export.CheckpointError, match="builtins.exec' is not allowed"):
+    write_manifest(copy)
+    with pytest.raises(export.CheckpointError, match="names builtins.exec, which is not checkpoint metadata"):
         export.load_model_from_checkpoint(copy)
     assert not (tmp_path / "PWNED").exists()
 

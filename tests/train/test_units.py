@@ -194,25 +194,26 @@ def test_checkpoint_metadata_refuses_arbitrary_pickle(tmp_path):
     from a tampered run folder could run arbitrary code."""
     import pickle
 
-    from hpref.train.checkpoint import UnsafeCheckpointError, _safe_reader
+    from hpref.runfolder.safe_load import dcp_reader
+    from hpref.train.checkpoint import UnsafeCheckpointError
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(UnsafeCheckpointError, match="posix.system|os.system"):
-        _safe_reader(tmp_path).read_metadata()
+        dcp_reader(tmp_path).read_metadata()
 
 
 def test_checkpoint_metadata_of_a_real_save_is_admitted(tmp_path):
     """The allow-list must cover everything DCP itself writes (tensors, bytes, sizes, dtypes)."""
     import torch.distributed.checkpoint as dcp
 
-    from hpref.train.checkpoint import _safe_reader
+    from hpref.runfolder.safe_load import dcp_load, dcp_reader
 
     state = {"w": torch.randn(3, 2), "step": 3, "nested": {"b": torch.zeros(2, dtype=torch.bfloat16)}}
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
-    metadata = _safe_reader(tmp_path).read_metadata()
+    metadata = dcp_reader(tmp_path).read_metadata()
     assert {"w", "step", "nested.b"} <= set(metadata.state_dict_metadata)
     target = {"w": torch.empty(3, 2), "step": 0, "nested": {"b": torch.empty(2, dtype=torch.bfloat16)}}
-    dcp.load(target, storage_reader=_safe_reader(tmp_path), no_dist=True)
+    dcp_load(target, tmp_path, no_dist=True)
     torch.testing.assert_close(target["w"], state["w"])
     assert target["step"] == 3
 

@@ -5,13 +5,12 @@ they were trained, under `model.*` and `optim.*`. `save` rebuilds the model from
 `recipe.toml` on one CPU process, loads only the `model.*` tensors into it (DCP reshards any world
 size into one), and writes `PreferenceModel.save_pretrained`'s folder plus a README model card.
 
-Safe loading, never half-loaded. DCP stores its tensors with `torch.save` (read back with
-`weights_only=True`) but its `.metadata` index with plain pickle, which would run arbitrary code
-from a tampered file. `SafeFileSystemReader` unpickles the index with an allow-list of the few DCP,
-torch and pathlib types an index contains. Before any tensor is read, `validate_checkpoint` checks
-that the folder is complete (index, `train_state.json`), that every shard file the index names
-exists and is long enough, and that the index holds every model key with the right shape; only then
-is anything loaded, into a fresh state dict, and copied into the model in one `load_state_dict`.
+Safe loading, never half-loaded. Every read goes through `hpref.runfolder`: the checkpoint's
+files are checked against the checksums recorded at save time (`integrity.require_verified`), the
+DCP index is unpickled with the exact allow-list of `safe_load`, and non-tensor items never reach
+`torch.load(weights_only=False)`. `validate_checkpoint` also checks that the index holds every model
+key with the right shape; only then is anything loaded, into a fresh state dict, and copied into the
+model in one `load_state_dict`.
 
 `save --now`. A running trainer cannot be asked over a socket (it may be 8 ranks on another node),
 so the request is a file: `request_save_now` writes `RUN_DIR/SAVE_NOW`, and waits for a complete
@@ -24,10 +23,8 @@ or stale heartbeat, or a dead pid on this host, is reported as "not running" ins
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import shutil
 import socket
 import time
@@ -38,6 +35,8 @@ from typing import Any, Literal
 from loguru import logger
 
 from hpref.errors import UserError
+from hpref.runfolder.integrity import require_verified
+from hpref.runfolder.safe_load import CheckpointError, dcp_load, read_dcp_index
 
 SAVE_NOW = "SAVE_NOW"
 HEARTBEAT = "heartbeat.json"
@@ -46,73 +45,6 @@ MODEL_CARD = "README.md"
 CHECKPOINT_JSON = "hpref_checkpoint.json"
 
 Dtype = Literal["fp32", "bf16"]
-
-
-class CheckpointError(UserError):
-    """A checkpoint that is missing, partial, corrupt or does not fit the recipe's model."""
-
-
-# --------------------------------------------------------------------------------------------------
-# safe DCP reading
-
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-}
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata` index, refusing any global outside the allow-list."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED_GLOBALS or (module in _ALLOWED_MODULES and not name.startswith("__")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a checkpoint index")
-
-
-def read_index(path: Path) -> Any:
-    """The DCP `Metadata` of a checkpoint folder, unpickled with the allow-list."""
-    index = Path(path) / ".metadata"
-    try:
-        return _IndexUnpickler(io.BytesIO(index.read_bytes())).load()
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{path}: no .metadata (not a DCP checkpoint, or a save that did not finish)"
-        ) from None
-    except Exception as exc:
-        raise CheckpointError(
-            f"{path}: unreadable checkpoint index .metadata: {type(exc).__name__}: {exc}"
-        ) from None
-
-
-def _safe_reader(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class SafeFileSystemReader(FileSystemReader):
-        """FileSystemReader whose index is read with the allow-listed unpickler."""
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata = read_index(Path(self.path))
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeFileSystemReader(str(path))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,9 +94,12 @@ def validate_checkpoint(path: Path, expected: dict[str, Any] | None = None, pref
         raise CheckpointError(
             f"{path}: no {TRAIN_STATE}, so the save did not finish; refusing a partial checkpoint"
         )
-    index = read_index(path)
+    require_verified(path)
+    index = read_dcp_index(path)
     sizes: dict[str, int] = {}
     for info in (getattr(index, "storage_data", None) or {}).values():
+        # checkpoints of older hpref versions have no checksums: at least refuse missing or
+        # truncated shard files before DCP reads past their end
         name = str(info.relative_path)
         if name not in sizes:
             file = path / name
@@ -198,23 +133,11 @@ def validate_checkpoint(path: Path, expected: dict[str, Any] | None = None, pref
 def load_model_state(path: Path, model: Any) -> dict[str, Any]:
     """The model's tensors from a (validated) checkpoint, as a fresh full CPU state dict."""
     import torch
-    from torch.distributed.checkpoint import load
 
     template = {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()}
     validate_checkpoint(path, template)
     state = {"model": template}
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        load(state, storage_reader=_safe_reader(path), no_dist=True)
-    except (Exception, CheckpointException) as exc:  # DCP's own exception is a BaseException
-        cause: BaseException = exc
-        if isinstance(exc, CheckpointException) and exc.failures:
-            cause = next(iter(exc.failures.values()))[0]
-        text = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
-        raise CheckpointError(
-            f"{path}: cannot read the checkpoint's tensors ({type(cause).__name__}: {text}); it is corrupt"
-        ) from None
+    dcp_load(state, path, no_dist=True)
     return state["model"]
 
 

@@ -6,16 +6,20 @@ Layout of a run folder's `checkpoints/`:
       .metadata, *.distcp   DCP: model and optimizer, sharded as they were trained
       train_state.json      step, sampler position, scheduler, world size (identical on every rank)
       rank-00000.json       that rank's RNG states (CPU, CUDA, Python, NumPy)
+      checksums.json        size and SHA-256 of every file above
     .tmp-step-000050/     being written, or left behind by a crash: never loaded
     latest                the name of the newest complete checkpoint (replaced atomically)
 
 Why this shape
 - A checkpoint is written to `.tmp-step-N` and renamed to `step-N` by rank 0 after a barrier, so a
   folder named `step-N` is complete by construction; a crash mid-save leaves only a `.tmp-*`.
-- Nothing arbitrary is unpickled on load: the small state is JSON, DCP's tensor files hold raw
-  bytes (non-tensor items go through `torch.load(weights_only=True)`), and DCP's `.metadata`, a
-  pickle, is read by `SafeFileSystemReader`, whose unpickler admits only DCP's own metadata classes,
-  torch sizes/dtypes/layouts and paths.
+- Nothing arbitrary is unpickled on load: the small state is JSON, and the DCP files are read by
+  `hpref.runfolder.safe_load` (the one reader every path uses: an exact allow-list for `.metadata`,
+  `torch.load(weights_only=True)` for every item).
+- Nothing corrupt is trusted: `checksums.json` holds the size and SHA-256 of every file (each rank
+  hashes and fsyncs a share), the folder is renamed into place only after that, and `latest` moves
+  only after the rename is durable. Resume verifies the checksums first; `--resume auto` falls back
+  to the newest checkpoint that verifies, and says so.
 - RNG state is per rank (dropout draws differ by rank), so each rank saves and reloads its own file;
   resuming with a different world size is refused rather than silently changing the run.
 """
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -37,6 +40,11 @@ import torch.distributed as dist
 from loguru import logger
 
 from hpref.errors import UserError
+from hpref.runfolder import integrity
+from hpref.runfolder.files import fsync_dir, write_json_atomic, write_text_atomic
+from hpref.runfolder.safe_load import CheckpointError, UnsafeCheckpointError, dcp_load
+
+__all__ = ["CheckpointError", "UnsafeCheckpointError"]  # re-exported: callers catch them from here
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -92,23 +100,61 @@ def find_latest(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def _problems(folder: Path) -> list[str]:
+    """Collective when a process group exists: what is wrong with a checkpoint's files ([] = it
+    verifies; an older checkpoint without checksums counts as verified, with a warning)."""
+    problems = integrity.verify(folder, collective=True)
+    if integrity.is_unverified_only(problems):
+        logger.warning(problems[0])
+        return []
+    return problems
+
+
+def _newest_verified(run_dir: Path, flag: str) -> Path | None:
+    """The newest complete checkpoint whose files verify; each one skipped is said, with why."""
+    for candidate in reversed(complete_checkpoints(run_dir)):
+        problems = _problems(candidate)
+        if not problems:
+            _VERIFIED.add(candidate)
+            return candidate
+        logger.warning(f"{flag}: skipping {candidate}: {problems[0]}; trying an older checkpoint")
+    return None
+
+
+# checkpoints verified by this process already, so that `load_checkpoint` does not hash them twice
+_VERIFIED: set[Path] = set()
+
+
 def resolve_resume(run_dir: Path, resume: str | Path | None) -> Path | None:
-    """`--resume auto` -> the latest complete checkpoint (None for a fresh run); a path -> that
-    checkpoint, which must be complete."""
+    """`--resume auto` -> the newest complete checkpoint that verifies (None for a fresh run; an
+    error when checkpoints exist but none verifies); a path -> that checkpoint, which must be
+    complete. Collective when a process group exists (ranks share the hashing)."""
     if resume is None:
         return None
     if str(resume) == "auto":
-        found = find_latest(run_dir)
-        if found is None:
+        if not complete_checkpoints(run_dir):
+            find_latest(run_dir)  # warns about partial checkpoints
             logger.info(
                 f"--resume auto: no complete checkpoint under {Path(run_dir) / CHECKPOINTS}; starting fresh"
             )
+            return None
+        latest = find_latest(run_dir)
+        found = _newest_verified(run_dir, "--resume auto")
+        if found is None:
+            raise CheckpointError(
+                f"--resume auto: no checkpoint under {Path(run_dir) / CHECKPOINTS} verifies (see the "
+                "warnings above); refusing to start over a damaged run"
+            )
+        if found != latest:
+            logger.warning(f"--resume auto: resuming from {found.name}, the newest checkpoint that verifies")
         return found
     path = Path(resume)
     if path.is_dir() and not _is_complete(path) and (path / CHECKPOINTS).is_dir():
-        found = find_latest(path)  # a run folder
-        if found is None:
+        if not complete_checkpoints(path):
             raise UserError(f"--resume {path}: the run folder has no complete checkpoint")
+        found = _newest_verified(path, f"--resume {path}")
+        if found is None:
+            raise CheckpointError(f"--resume {path}: no checkpoint of the run folder verifies")
         return found
     if not path.is_dir() or not _is_complete(path):
         raise UserError(
@@ -151,65 +197,6 @@ def _tupled(value: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------
-# reading DCP metadata without arbitrary pickle
-
-
-class UnsafeCheckpointError(UserError):
-    """A checkpoint's metadata names something other than checkpoint metadata."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits the classes DCP writes into `.metadata` and nothing else."""
-
-    _DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-    _EXACT = {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch.serialization", "_get_layout"),
-        ("torch", "Size"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._EXACT or module in self._DCP_MODULES:
-            found = super().find_class(module, name)
-            if module not in self._DCP_MODULES or isinstance(found, type):
-                return found
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
-                return value
-        raise UnsafeCheckpointError(
-            f"checkpoint metadata refers to {module}.{name}, which is not checkpoint metadata; "
-            "refusing to load it (was the file replaced?)"
-        )
-
-
-def _safe_reader(path: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeFileSystemReader(FileSystemReader):
-        """`FileSystemReader` whose `read_metadata` uses the allow-list unpickler."""
-
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            metadata_path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(metadata_path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeFileSystemReader(str(path))
-
-
-# --------------------------------------------------------------------------------------------------
 # save / load
 
 
@@ -222,16 +209,6 @@ def _rank_and_world() -> tuple[int, int]:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    _write_atomically(path, json.dumps(data))
 
 
 def save_checkpoint(
@@ -258,16 +235,23 @@ def save_checkpoint(
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    _write_json(tmp / _rank_file(rank), {"rank": rank, "rng": rng_state()})
+    write_json_atomic(tmp / _rank_file(rank), {"rank": rank, "rng": rng_state()})
     if rank == 0:
-        _write_json(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": world})
+        write_json_atomic(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": world})
+    _barrier()
+    # every file is complete: hash (and fsync) them, each rank a share, before the folder may count
+    integrity.write_manifest(tmp, collective=True)
     _barrier()
     if rank == 0:
         if final.exists():  # the same step saved twice (an interval that is also an epoch end)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_atomically(root / LATEST, final.name + "\n")
-        for old in complete_checkpoints(run_dir)[:-keep]:
+        fsync_dir(root)  # the rename is on disk before `latest` names it
+        write_text_atomic(root / LATEST, final.name + "\n")
+        # keep the newest `keep` by step number, counting the one just written: a checkpoint with a
+        # higher step than this one is never the thing to delete
+        older = [p for p in complete_checkpoints(run_dir) if _step_of(p) < step]
+        for old in older[: max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info(f"checkpoint {final}")
     _barrier()
@@ -280,14 +264,33 @@ class Restored:
     train_state: dict[str, Any]
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc}); the checkpoint is damaged") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object; the checkpoint is damaged")
+    return data
+
+
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
-    """Collective: load model, optimizer and this rank's RNG from a complete checkpoint in place."""
-    from torch.distributed.checkpoint import load
+    """Collective: load model, optimizer and this rank's RNG from a complete checkpoint in place,
+    after its files verify against their checksums."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     rank, world = _rank_and_world()
     path = Path(path)
-    train_state = json.loads((path / TRAIN_STATE).read_text())
+    if path not in _VERIFIED:
+        problems = _problems(path)
+        if problems:
+            raise CheckpointError(f"checkpoint does not verify: {problems[0]}")
+    train_state = _read_json(path / TRAIN_STATE)
+    for key in ("step", "world_size", "sampler", "scheduler"):
+        if key not in train_state:
+            raise CheckpointError(f"{path / TRAIN_STATE}: no '{key}'; the checkpoint is damaged")
     if train_state.get("world_size") != world:
         raise UserError(
             f"checkpoint {path} was written by {train_state.get('world_size')} ranks, this run has {world}; "
@@ -295,9 +298,13 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
         )
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    load(state, storage_reader=_safe_reader(path))
+    dcp_load(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rank_state = json.loads((path / _rank_file(rank)).read_text())
-    set_rng_state(rank_state["rng"])
+    rank_file = path / _rank_file(rank)
+    rank_state = _read_json(rank_file)
+    try:
+        set_rng_state(rank_state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{rank_file}: unusable RNG state ({type(exc).__name__}: {exc})") from None
     logger.info(f"resumed from {path} (step {train_state['step']})")
     return Restored(path=path, train_state=train_state)
