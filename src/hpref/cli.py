@@ -328,9 +328,23 @@ def train_command(
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,
         node_rank=node_rank,
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Delete the run already in the run folder (only the files hpref wrote) and start afresh.",
+    ),
         rdzv_endpoint=rdzv_endpoint,
         resume=resume,
         dry_run=dry_run,
+    )
+    _check_train_start(
+        resolve_recipe_path(recipe),
+        overrides,
+        resume=resume,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        nnodes=nnodes,
+        node_rank=node_rank,
     )
     raise typer.Exit(code)
 
@@ -345,6 +359,46 @@ def rl_command(
     ray_address: str | None = typer.Option(
         None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
     ),
+def _check_train_start(
+    recipe_path: Path,
+    overrides: list[str],
+    *,
+    resume: str | None,
+    overwrite: bool,
+    dry_run: bool,
+    nnodes: int | None,
+    node_rank: int | None,
+) -> None:
+    """Before any process starts: the run folder must be a folder, and a fresh run must not land on
+    another run (see `hpref.runfolder.layout`); `--overwrite` deletes that run's own files first."""
+    from loguru import logger
+
+    from hpref.recipe import load_recipe
+    from hpref.runfolder.layout import check_folder_path, prepare_fresh_run
+
+    loaded = load_recipe(recipe_path, overrides)
+    run_dir = loaded.run.run_dir
+    check_folder_path(run_dir, "run folder (run.output_dir / run.name)")
+    if overwrite and resume is not None:
+        raise UserError("--overwrite deletes the run that --resume would continue: pass one of them")
+    nodes = nnodes or loaded.launch.nnodes
+    rank = node_rank if node_rank is not None else loaded.launch.node_rank
+    # Node 0 owns the run folder: on a shared file system a later node would otherwise delete (or
+    # refuse because of) what node 0 has just started writing. A dry run changes nothing.
+    if dry_run or resume is not None or (nodes > 1 and rank != 0):
+        return
+    if overwrite:
+        from hpref.evaluate.export import run_status
+
+        alive, reason = run_status(run_dir)
+        if alive:
+            raise UserError(f"{run_dir}: --overwrite refused, the run there is still training ({reason})")
+    removed = prepare_fresh_run(run_dir, overwrite=overwrite)
+    if removed:
+        names = ", ".join(p.name for p in removed)
+        logger.warning(f"--overwrite: deleted the earlier run's {names} in {run_dir}")
+
+
     resume: str | None = typer.Option(None, "--resume", help="'auto' or a run folder to resume from."),
 ) -> None:
     """Multi-policy RL on Ray: several policies trained at once on shared rollouts, led by the first."""

@@ -157,11 +157,12 @@ class Recipe(Section):
         return dump_toml(self.to_dict())
 
     def write(self, folder: Path) -> Path:
-        """Write the resolved recipe as `recipe.toml` into a run folder."""
+        """Write the resolved recipe as `recipe.toml` into a run folder, atomically: export and eval
+        rebuild the model from it, so a crash mid-write must leave the old file, not half of one."""
+        from hpref.runfolder.files import write_text_atomic
+
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "recipe.toml"
-        path.write_text(self.to_toml())
-        return path
+        return write_text_atomic(folder / "recipe.toml", self.to_toml())
 
 
 # --------------------------------------------------------------------------------------------------
