@@ -103,6 +103,19 @@ class LaunchSection(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process group: auto = nccl on GPUs, else gloo"
     )
+    heartbeat_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="end the run when a rank's process has not run for this long (stopped, frozen); 0: off",
+    )
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="how long a rank waits in one collective (all-reduce, barrier) before failing",
+    )
+    oversubscribe: bool = Field(
+        False, description="on CPU, allow more ranks per node than this machine has cores"
+    )
 
 
 class Recipe(Section):

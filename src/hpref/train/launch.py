@@ -10,22 +10,39 @@ there and a cluster needs nothing new:
   which is what schedulers such as SLURM hand out.
 
 A rank that fails stops the others (torchrun's agent watches them every 0.1 s) and the launcher
-reports which rank died, with what, and where its log is; its exit code becomes `hpref`'s.
+reports which rank died, with what, and where its log is; its exit code becomes `hpref`'s. A rank
+that stops running without exiting is found by its heartbeat (`hpref.train.watchdog`), and every
+worker dies with the launcher, even one killed with SIGKILL.
+
+A one-node run on the default endpoint listens on loopback only. torchrun's own stores bind every
+interface whatever host they are given (`TCPStore` passes no address to bind(); both the libuv and
+the legacy server), so the launcher hosts the rendezvous store itself on a socket it bound to
+127.0.0.1 (`TCPStore(master_listen_fd=...)`) through a static one-node rendezvous registered as
+`hpref-loopback`; the workers reach it as clients (torchrun's shared agent store) and gloo is pinned
+to the loopback interface. The printed command (`--dry-run`) is torchrun's standard c10d launch,
+which run from a shell would listen on every interface. Several nodes, or an endpoint that is not
+loopback, are the user's choice of network, and bind as torchrun does.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
 
-from hpref.recipe import Recipe, load_recipe
+from hpref.errors import UserError
+from hpref.recipe import LaunchSection, Recipe, load_recipe
 
 WORKER_MODULE = "hpref.train.worker"
+LOOPBACK_BACKEND = "hpref-loopback"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def free_port() -> int:
@@ -84,8 +101,6 @@ def plan_launch(
     elif nodes == 1:
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
     elif endpoint is None:
-        from hpref.errors import UserError
-
         raise UserError(
             f"{nodes} nodes need --rdzv-endpoint HOST:PORT (or launch.rdzv_endpoint), the same on every node"
         )
@@ -139,24 +154,126 @@ def run_train(
         print()
         print(recipe.to_toml())
         return 0
+    check_cpu_ranks(plan.nproc_per_node, recipe)
     if plan.torchrun_args is None:
         from hpref.train.worker import run_worker
 
         return run_worker(
             recipe_path, overrides, resume=None if resume is None else str(resume), console=False
         )
-    return run_torchrun(plan.torchrun_args, recipe.run.run_dir)
+    return run_torchrun(plan.torchrun_args, recipe.run.run_dir, recipe.launch)
 
 
-def run_torchrun(argv: list[str], run_dir: Path) -> int:
-    """torchrun in this process; a failed rank becomes one log line and its exit code."""
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask: a container's or `taskset`'s limit)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_cpu_ranks(nproc: int, recipe: Recipe) -> None:
+    """On CPU, refuse more ranks per node than cores unless `launch.oversubscribe`.
+
+    Refused rather than warned: each gloo rank is a full training process with its own copy of the
+    data and its own threads, so 64 ranks on 2 cores spend a minute starting up silently and then
+    train slower than 2 ranks would, and a warning scrolls away before anything visible happens.
+    Oversubscribing on purpose (testing 4-way sharding on a laptop) stays one setting away.
+    """
+    import torch
+
+    on_gpu = torch.cuda.is_available() and recipe.launch.backend != "gloo"
+    cores = cpu_cores()
+    if on_gpu or recipe.launch.oversubscribe or nproc <= cores:
+        return
+    raise UserError(
+        f"{nproc} ranks per node on a CPU with {cores} cores: use --nproc-per-node {cores} or fewer, "
+        "or --set launch.oversubscribe=true to run them anyway"
+    )
+
+
+def _loopback_handler(params):
+    """torchrun rendezvous for one node whose store listens on loopback only (module docstring)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(socket.SOMAXCONN)
+    timeout = int(params.config.get("timeout", 600))
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return LOOPBACK_BACKEND
+
+    rendezvous = LoopbackRendezvous(host, port, 0, 1, params.run_id, timeout)
+    # StaticTCPRendezvous creates its store (on every interface) only when it has none.
+    # The store takes over the socket; `listener` must outlive it, so it rides along.
+    rendezvous._store = TCPStore(
+        host,
+        port,
+        world_size=1,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+        multi_tenant=True,
+        master_listen_fd=listener.fileno(),
+    )
+    rendezvous._hpref_listener = listener
+    return rendezvous
+
+
+def _register_loopback_backend() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LOOPBACK_BACKEND, _loopback_handler)
+
+
+def _loopback_environment() -> dict[str, str]:
+    """gloo listens on the address of the machine's hostname unless told an interface."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)
+    return {"GLOO_SOCKET_IFNAME": loopback} if loopback else {}
+
+
+def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = None) -> int:
+    """torchrun in this process; a failed or stalled rank becomes one log line and an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from hpref.train.watchdog import Watchdog
+
+    launch = launch or LaunchSection()
     logger.info(f"launching: torchrun {shlex.join(argv)}")
+    args = parse_args(argv)
+    env: dict[str, str] = {}
+    host = args.rdzv_endpoint.rpartition(":")[0].strip("[]")
+    if args.rdzv_backend == "c10d" and str(args.nnodes) == "1" and host in LOOPBACK_HOSTS:
+        _register_loopback_backend()
+        args.rdzv_backend = LOOPBACK_BACKEND
+        env.update(_loopback_environment())
+    watchdog = None
+    if launch.heartbeat_timeout_s > 0:
+        watchdog = Watchdog(Path(tempfile.mkdtemp(prefix="hpref-heartbeat-")), launch.heartbeat_timeout_s)
+        env.update(watchdog.environment())
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # torchrun hands its environment to the workers
     try:
-        run(parse_args(argv))
+        if watchdog is not None:
+            watchdog.start()
+        run(args)
     except ChildFailedError as exc:
+        if watchdog is not None and watchdog.stall is not None:
+            logger.error(watchdog.stall.message(run_dir))
+            return 1
         rank, failure = exc.get_first_failure()
         message = failure.message
         if isinstance(message, dict):
@@ -169,6 +286,15 @@ def run_torchrun(argv: list[str], run_dir: Path) -> int:
         if others:
             logger.error(f"stopped with it: rank(s) {', '.join(map(str, others))}")
         return failure.exitcode if failure.exitcode > 0 else 1
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if watchdog is not None:
+            watchdog.stop()
+            shutil.rmtree(watchdog.folder, ignore_errors=True)
     return 0
 
 
@@ -177,7 +303,6 @@ def run_init(recipe_path: str | Path, overrides: list[str] | None = None) -> Pat
 
     `hpref train` with the same run folder starts from these weights. Returns the folder.
     """
-    from hpref.errors import UserError
     from hpref.plugins import load_plugins
     from hpref.train.sharding import INIT_FOLDER
 

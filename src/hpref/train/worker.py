@@ -16,6 +16,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
+from hpref.train.watchdog import die_with_parent, start_heartbeat
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,10 @@ class DistInfo:
     backend: str
 
 
-def init_distributed(backend: str) -> DistInfo:
+def init_distributed(backend: str, collective_timeout_s: float | None = None) -> DistInfo:
     """nccl on GPUs, gloo on CPU (or as the recipe says). Without torchrun's environment: a
-    one-process group on an in-memory store."""
+    one-process group on an in-memory store. `collective_timeout_s` bounds how long a rank waits
+    in one collective for a peer that never arrives (torch's default: 30 min for gloo)."""
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise UserError("launch.backend = 'nccl' needs CUDA GPUs, and none is visible")
@@ -49,8 +52,9 @@ def init_distributed(backend: str) -> DistInfo:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device if use_cuda else None)
+        dist.init_process_group(backend, device_id=device if use_cuda else None, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistInfo(rank, world, local_rank, device, backend)
@@ -205,7 +209,7 @@ def run_worker(
     run_dir = recipe.run.run_dir
     log_file, handlers = setup_worker_logging(run_dir, rank, console=console)
     try:
-        info = init_distributed(recipe.launch.backend)
+        info = init_distributed(recipe.launch.backend, recipe.launch.collective_timeout_s)
         seed_everything(recipe.run.seed, info.rank)
         if info.rank == 0:
             recipe.write(run_dir)
@@ -244,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value")
     parser.add_argument("--resume", default=None, help="auto, a checkpoint folder, or a run folder")
     args = parser.parse_args(argv)
+    die_with_parent()
+    start_heartbeat(int(os.environ.get("RANK", "0")))
     logger.remove()  # loguru's default stderr handler would print on every rank
     sys.exit(run_worker(args.recipe, args.overrides, resume=args.resume))
 
