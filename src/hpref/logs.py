@@ -45,9 +45,29 @@ def setup_logging(
             diagnose=False,
         )
     if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        logger.add(log_file, level="DEBUG", format=FILE_FORMAT, backtrace=True, diagnose=False, enqueue=False)
+        add_log_file(log_file)
     return logger
+
+
+def add_log_file(log_file: Path, level: str = "DEBUG") -> int:
+    """A full log file sink; returns its handler id.
+
+    `errors="backslashreplace"`: a message can carry text that is not valid Unicode (a lone
+    surrogate from an undecodable byte of a user's file, in an exception's message or traceback).
+    With loguru's default strict UTF-8 the file sink raised on every such record and loguru printed
+    ~50 lines of "--- Logging error in Loguru Handler ---" to the console before hpref's own
+    one-line error; escaped, the record is written and nothing spills."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    return logger.add(
+        log_file,
+        level=level,
+        format=FILE_FORMAT,
+        backtrace=True,
+        diagnose=False,
+        enqueue=False,
+        encoding="utf-8",
+        errors="backslashreplace",
+    )
 
 
 def file_only():

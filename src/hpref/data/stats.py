@@ -28,6 +28,8 @@ from hpref.data.readers import (
 )
 from hpref.errors import DataError
 
+DUPLICATE_EXAMPLES = 5
+
 
 def open_data_file(path: str | Path, seed: int = 0, on_error: str = "raise") -> BattleSource:
     """The right reader for a file: arena schema if it has prompt/response_a/response_b, pairwise if
@@ -69,6 +71,9 @@ def data_stats(
     full_lengths: list[int] = []
     truncated = 0
     pending = []
+    seen_ids: set[str] = set()
+    repeated_rows = 0
+    repeated_ids: dict[str, None] = {}  # insertion-ordered: the first repeated ids come first
 
     def flush() -> None:
         nonlocal truncated
@@ -81,6 +86,11 @@ def data_stats(
     with_truth: list[Any] | None = [] if not hasattr(source, "report") else None
     for battle in source.battles():
         turns[len(battle.prompt)] += 1
+        if battle.id in seen_ids:
+            repeated_rows += 1
+            repeated_ids[battle.id] = None
+        else:
+            seen_ids.add(battle.id)
         if with_truth is not None:
             if battle.truth is not None and battle.label is not None:
                 with_truth.append(battle)
@@ -104,6 +114,14 @@ def data_stats(
         if labeled
         else {},
         "turns": dict(sorted(turns.items())),
+        # hpref eval joins predictions to battles by id and refuses a file that repeats one, so a
+        # file that passes stats silently would fail there; rows without an id column get one from
+        # their content, so two identical rows repeat an id too.
+        "duplicate_ids": {
+            "rows": repeated_rows,
+            "ids": len(repeated_ids),
+            "examples": list(repeated_ids)[:DUPLICATE_EXAMPLES],
+        },
     }
     if formatter is not None:
         out["max_length"] = getattr(formatter, "max_length", None)
@@ -141,7 +159,15 @@ def format_stats(stats: dict[str, Any]) -> str:
         lines.append(f"labels       A {shares['a']:.1%}  B {shares['b']:.1%}  tie {shares['tie']:.1%}")
     else:
         lines.append("labels       none (unlabeled)")
-    lines.append("turns        " + ", ".join(f"{k}: {v}" for k, v in stats["turns"].items()))
+    lines.append("turns        " + (", ".join(f"{k}: {v}" for k, v in stats["turns"].items()) or "none"))
+    duplicates = stats.get("duplicate_ids", {})
+    if duplicates.get("rows"):
+        shown = ", ".join(repr(i) for i in duplicates["examples"])
+        more = ", ..." if duplicates["ids"] > len(duplicates["examples"]) else ""
+        lines.append(
+            f"ids          {duplicates['rows']} rows repeat an earlier id ({shown}{more}): hpref eval "
+            "refuses a file with duplicate ids (it joins predictions to battles by id)"
+        )
     if "tokens" in stats and stats["tokens"]:
         t, u = stats["tokens"], stats["tokens_untruncated"]
         lines.append(
