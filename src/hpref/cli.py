@@ -273,13 +273,23 @@ def recipes_show(
 def recipes_check(
     recipes: list[str] = typer.Argument(..., help="Recipe files or shipped recipe names."),
     overrides: list[str] = SetOption,
+    portable: bool = typer.Option(
+        False,
+        "--portable",
+        help="Skip what depends on this machine (CUDA, flash-attn, data files), for another machine.",
+    ),
 ) -> None:
-    """Validate recipes against the schema and every component's parameters; exit 2 on the first error."""
+    """Validate recipes as `hpref train` does before it starts anything; exit 2 on the first error.
+
+    The schema, every component's parameters, and what training needs (a model, training data,
+    settings this machine can run: `hpref.recipe_checks`)."""
     from hpref.recipe import load_recipe
+    from hpref.recipe_checks import check_train
 
     for item in recipes:
         path = resolve_recipe_path(item)
         resolved = load_recipe(path, overrides)
+        check_train(resolved, path, machine=not portable)
         parts = ", ".join(f"{dotted}={sec.name}" for dotted, _kind, sec in resolved.component_sections())
         typer.echo(f"ok  {path}  ({parts})")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from hpref.errors import RecipeError, UserError, did_you_mean
 
@@ -45,9 +45,43 @@ class ComponentSection(BaseModel):
 
 
 class RunSection(Section):
-    name: str = Field("run", description="run name; the run folder is output_dir/name")
-    output_dir: Path = Field(Path("runs"), description="folder holding run folders")
+    """`name` is one plain folder name, so a run can only ever write inside `output_dir`:
+    `run.name = "/etc/cron.d"` or `"../.."` once put the run folder there. `output_dir` is any folder
+    the user chooses (absolute, relative to the current folder, `~`): choosing where output goes is
+    its whole purpose, so it is taken as given."""
+
+    name: str = Field("run", description="run name, one plain folder name; the run folder is output_dir/name")
+    output_dir: Path = Field(
+        Path("runs"), description="folder holding run folders (any path you choose; relative = from here)"
+    )
     seed: int = Field(0, description="seed for data order, augmentation and init")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_folder_name(cls, name: str) -> str:
+        if not name.strip():
+            raise ValueError("must be a folder name, not empty")
+        if name in (".", ".."):
+            raise ValueError(
+                "must be one plain folder name, not '.' or '..' (the run folder is output_dir/name)"
+            )
+        if "/" in name or "\\" in name:
+            raise ValueError(
+                "must be one plain folder name, without '/' or '\\' (the run folder is output_dir/name; "
+                "to put runs elsewhere set run.output_dir)"
+            )
+        if any(ord(c) < 32 or ord(c) == 127 for c in name):
+            raise ValueError("must not contain control characters")
+        if len(name.encode("utf-8", "surrogatepass")) > 255:
+            raise ValueError("is longer than 255 bytes, the most a folder name can be")
+        return name
+
+    @field_validator("output_dir")
+    @classmethod
+    def _no_nul(cls, path: Path) -> Path:
+        if "\0" in str(path):
+            raise ValueError("must not contain a NUL character")
+        return path
 
     @property
     def run_dir(self) -> Path:

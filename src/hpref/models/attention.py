@@ -39,6 +39,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from hpref.errors import UserError
+
 ATTENTION_NAME = "hpref_varlen"
 CONTEXT_KWARG = "hpref_varlen"
 
@@ -136,6 +138,47 @@ def _torch_varlen_func():
     return varlen_attn
 
 
+class BackendUnavailable(UserError, RuntimeError):
+    """An attention backend asked for by name that cannot run on this machine or these tensors.
+
+    A `UserError` (one line, exit 2: the fix is the recipe's `model.attention`, not hpref's code),
+    and a `RuntimeError` for callers that caught what this raised before."""
+
+
+def backend_problem(
+    requested: str,
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> str | None:
+    """Why `requested` cannot run on `device_type` in `dtype` (None when it can).
+
+    The one list of requirements, used per call by `resolve_backend` and before any process starts
+    by `hpref.recipe_checks` (which knows the device and precision a run will get, but not yet a
+    layer's softcap or dropout)."""
+    if requested not in BACKENDS:
+        return f"is not a known attention backend; known: {', '.join(BACKENDS)}"
+    if requested not in ("flash_varlen", "torch_varlen"):
+        return None
+    if device_type != "cuda":
+        return f"needs a CUDA GPU, and this run computes on {device_type}"
+    if requested == "flash_varlen" and _flash_varlen_func() is None:
+        return "needs the flash-attn package (pip install 'hpref[gpu]'), which is not installed"
+    if requested == "torch_varlen" and _torch_varlen_func() is None:
+        return "needs torch.nn.attention.varlen (torch >= 2.9), which this torch lacks"
+    if dtype not in _GPU_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        return f"needs fp16/bf16 compute, and this run computes in {name} (set train.precision = 'bf16')"
+    if requested == "torch_varlen" and (softcap is not None or dropout > 0.0):
+        return (
+            "supports neither logit softcap nor attention dropout, which this model uses; "
+            "use 'flash_varlen' or an sdpa backend"
+        )
+    return None
+
+
 def resolve_backend(
     requested: str,
     *,
@@ -148,8 +191,8 @@ def resolve_backend(
 
     `auto` prefers flash-attn, then torch's varlen kernel, on CUDA with fp16/bf16 (both are
     padding-free and O(T) memory); everything else gets `sdpa_segments`, which is exact and needs no
-    mask tensor. A backend asked for by name that cannot run here raises instead of silently
-    switching, so a recipe never measures something other than what it says.
+    mask tensor. A backend asked for by name that cannot run here raises `BackendUnavailable`
+    instead of silently switching, so a recipe never measures something other than what it says.
     """
     gpu_ok = device.type == "cuda" and dtype in _GPU_DTYPES
     if requested == "auto":
@@ -158,29 +201,13 @@ def resolve_backend(
         if gpu_ok and _torch_varlen_func() is not None and softcap is None and dropout == 0.0:
             return "torch_varlen"
         return "sdpa_segments"
-    if requested == "flash_varlen":
-        if _flash_varlen_func() is None:
-            raise RuntimeError(
-                "attention 'flash_varlen' needs the flash-attn package (pip install 'hpref[gpu]')"
-            )
-        if not gpu_ok:
-            raise RuntimeError(
-                f"attention 'flash_varlen' needs CUDA fp16/bf16 tensors, got {device.type} {dtype}"
-            )
-    elif requested == "torch_varlen":
-        if _torch_varlen_func() is None:
-            raise RuntimeError("attention 'torch_varlen' needs torch.nn.attention.varlen (torch >= 2.9)")
-        if not gpu_ok:
-            raise RuntimeError(
-                f"attention 'torch_varlen' needs CUDA fp16/bf16 tensors, got {device.type} {dtype}"
-            )
-        if softcap is not None or dropout > 0.0:
-            raise RuntimeError(
-                "attention 'torch_varlen' supports neither logit softcap nor attention dropout; "
-                "use 'flash_varlen' or an sdpa backend"
-            )
-    elif requested not in BACKENDS:
+    if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend '{requested}'; known: {', '.join(BACKENDS)}")
+    problem = backend_problem(
+        requested, device_type=device.type, dtype=dtype, softcap=softcap, dropout=dropout
+    )
+    if problem is not None:
+        raise BackendUnavailable(f"attention '{requested}' {problem}")
     return requested
 
 
