@@ -29,6 +29,13 @@ class DataError(UserError):
     """A data file or row that cannot be read."""
 
 
+class TrainingDiverged(UserError):
+    """The loss or the gradient norm became NaN/inf: the run stops before it can save the damage.
+    Exit code 3, so a script can tell a diverged run from a bad recipe."""
+
+    exit_code = 3
+
+
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """`" (did you mean 'x'?)"` for the nearest candidate, or `""` when nothing is close."""
     match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import hashlib
 import inspect
+import io
 import json
 import os
 import random
@@ -637,18 +638,30 @@ class RolloutExecutor:
     async def save(self, folder: str) -> None:
         """Write the data position. Prefetched data is not saved: it is regenerated identically
         (seeded by policy and rollout id) from the restored weights."""
+        from hpref.runfolder import integrity
+        from hpref.runfolder.files import write_json_atomic
+
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        tmp = path / ".executor.json.tmp"
-        tmp.write_text(json.dumps({"positions": self.positions}, sort_keys=True) + "\n")
-        os.replace(tmp, path / "executor.json")
+        write_json_atomic(path / "executor.json", {"positions": self.positions}, sort_keys=True)
+        integrity.write_manifest(path)
 
     async def load(self, folder: str) -> dict[str, int]:
         """Restore the data position of the policies saved in `folder`; returns it."""
         path = Path(folder) / "executor.json"
         self._drop_buffers()
         self._answers.clear()
-        saved = json.loads(path.read_text())["positions"] if path.is_file() else {}
+        saved: dict[str, int] = {}
+        if path.is_file():
+            from hpref.runfolder import integrity
+            from hpref.runfolder.safe_load import CheckpointError
+
+            integrity.require_verified(path.parent)
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))["positions"]
+                saved = {str(p): int(n) for p, n in saved.items()}
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
         for p in self.policies:
             self.positions[p] = int(saved.get(p, 0))
         return {p: self.positions[p] for p in self.policies if p in saved}
@@ -770,33 +783,47 @@ class TrainerActor:
         """The model as a transformers folder (a usable starting checkpoint), optimizer and counters."""
         import torch
 
+        from hpref.runfolder import integrity
+        from hpref.runfolder.files import write_bytes_atomic
+
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path / "model")
         self.tokenizer.save_pretrained(path / "model")
-        tmp = path / f".{TRAINER_STATE}.tmp"
+        buffer = io.BytesIO()
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
                 "rollouts_done": self.rollouts_done,
                 "version": self.version,
             },
-            tmp,
+            buffer,
         )
-        os.replace(tmp, path / TRAINER_STATE)
+        write_bytes_atomic(path / TRAINER_STATE, buffer.getvalue())
+        integrity.write_manifest(path)  # sizes and SHA-256 of every file, verified by `load`
 
     def load(self, folder: str) -> int:
         """Restore from `folder`; returns the rollout id to start at (0 when there is nothing there)."""
-        import torch
         from safetensors.torch import load_file
+
+        from hpref.runfolder import integrity
+        from hpref.runfolder.safe_load import CheckpointError, load_torch_file
 
         path = Path(folder)
         if not (path / TRAINER_STATE).is_file():
             return 0
-        weights = load_file(str(path / "model" / "model.safetensors"))
-        self.model.load_state_dict(weights, strict=True)
-        state = torch.load(path / TRAINER_STATE, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.rollouts_done = int(state["rollouts_done"])
-        self.version = int(state["version"])
+        integrity.require_verified(path)
+        weights_file = path / "model" / "model.safetensors"
+        try:
+            weights = load_file(str(weights_file))
+            self.model.load_state_dict(weights, strict=True)
+        except Exception as exc:  # safetensors' header errors and shape mismatches
+            raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
+        state = load_torch_file(path / TRAINER_STATE)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.rollouts_done = int(state["rollouts_done"])
+            self.version = int(state["version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path / TRAINER_STATE}: damaged ({type(exc).__name__}: {exc})") from None
         return self.rollouts_done

@@ -109,7 +109,10 @@ def verify(folder: str | Path, *, collective: bool = False) -> list[str]:
     checksums", which callers may treat as a warning for checkpoints of older hpref versions.
     """
     folder = Path(folder)
-    manifest = read_manifest(folder)
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as exc:  # every rank reads the same file, so all return here together
+        return [str(exc)]
     if manifest is None:
         return [f"{folder}: no {MANIFEST} (written before hpref recorded checksums); not verified"]
     expected: dict[str, Any] = manifest["files"]

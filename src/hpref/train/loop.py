@@ -365,6 +365,10 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                     setup.scheduler.step()
                     dist.all_reduce(loss_sum)  # the one loss reduction of the step
                     stats.step += 1
+                    # every rank sees the same summed loss and global grad norm, so all stop together,
+                    # before this step's weights can reach a checkpoint
+                    if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+                        raise _diverged(setup.run_dir, stats.step, loss_sum / plan.num_sequences, grad_norm)
                     interval.losses.append(loss_sum / plan.num_sequences)
                     interval.tokens += plan.num_tokens
                     interval.flops += _step_flops(
@@ -426,11 +430,29 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     summary = _summary(setup, stats, time.perf_counter() - run_start)
     if rank == 0:
         rows = _summary_rows(setup, summary)  # adds the baselines to the summary
-        (setup.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        from hpref.runfolder.files import write_text_atomic
+
+        write_text_atomic(setup.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         from rich.console import Console
 
         Console().print(summary_table(rows, title=f"hpref train: {setup.run_dir}"))
     return summary
+
+
+def _diverged(run_dir: Path, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> Exception:
+    from hpref.errors import TrainingDiverged
+
+    last_good = checkpoint.find_latest(run_dir)
+    where = (
+        f"the last good checkpoint is {last_good} (resume it with --resume auto, e.g. with a lower "
+        "optimizer.lr)"
+        if last_good is not None
+        else "there is no checkpoint before it"
+    )
+    return TrainingDiverged(
+        f"step {step}: training loss {float(loss):.4g}, gradient norm {float(grad_norm):.4g} (not "
+        f"finite); stopped without saving; {where}"
+    )
 
 
 def _restore(setup: TrainSetup, path: Path) -> int:
