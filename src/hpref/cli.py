@@ -328,25 +328,15 @@ def train_command(
         None, "--resume", help="'auto' (latest complete checkpoint) or a path."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command and resolved recipe."),
-) -> None:
-    """Train a preference model: FSDP2 processes through torchrun (one process runs in-process)."""
-    from hpref.train.launch import run_train
-
-    code = run_train(
-        resolve_recipe_path(recipe),
-        overrides,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
     overwrite: bool = typer.Option(
         False,
         "--overwrite",
         help="Delete the run already in the run folder (only the files hpref wrote) and start afresh.",
     ),
-        rdzv_endpoint=rdzv_endpoint,
-        resume=resume,
-        dry_run=dry_run,
-    )
+) -> None:
+    """Train a preference model: FSDP2 processes through torchrun (one process runs in-process)."""
+    from hpref.train.launch import run_train
+
     _check_train_start(
         resolve_recipe_path(recipe),
         overrides,
@@ -356,19 +346,19 @@ def train_command(
         nnodes=nnodes,
         node_rank=node_rank,
     )
+    code = run_train(
+        resolve_recipe_path(recipe),
+        overrides,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        resume=resume,
+        dry_run=dry_run,
+    )
     raise typer.Exit(code)
 
 
-@app.command("rl")
-def rl_command(
-    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with an rl section."),
-    policies: str = typer.Option(
-        ..., "--policies", help="Policy ids to run, comma-separated; the first leads."
-    ),
-    overrides: list[str] = SetOption,
-    ray_address: str | None = typer.Option(
-        None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
-    ),
 def _check_train_start(
     recipe_path: Path,
     overrides: list[str],
@@ -409,6 +399,16 @@ def _check_train_start(
         logger.warning(f"--overwrite: deleted the earlier run's {names} in {run_dir}")
 
 
+@app.command("rl")
+def rl_command(
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name with an rl section."),
+    policies: str = typer.Option(
+        ..., "--policies", help="Policy ids to run, comma-separated; the first leads."
+    ),
+    overrides: list[str] = SetOption,
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
+    ),
     resume: str | None = typer.Option(None, "--resume", help="'auto' or a run folder to resume from."),
 ) -> None:
     """Multi-policy RL on Ray: several policies trained at once on shared rollouts, led by the first."""
@@ -539,9 +539,15 @@ def save_cmd(
     dtype: str = typer.Option("fp32", "--dtype", help="bf16 | fp32 weights in the export."),
     now: bool = typer.Option(False, "--now", help="Ask the live run to checkpoint now; print its path."),
     timeout: float = typer.Option(1800, "--timeout", help="With --now: seconds to wait for the checkpoint."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --to folder."),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace an earlier hpref export at --to (never a folder holding anything else).",
+    ),
     recipe: Path | None = typer.Option(
-        None, "--recipe", help="Recipe (default: the run folder's recipe.toml)."
+        None,
+        "--recipe",
+        help="Recipe (default: the run folder's recipe.toml, which may not enable trust_remote_code).",
     ),
 ) -> None:
     """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""

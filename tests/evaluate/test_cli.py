@@ -31,12 +31,12 @@ def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
     assert (
         eval_command(recipe, checkpoint=run_dir, data=labelled, out=tmp_path / "a" / "p.csv", tta="swap") == 0
     )
-    metrics = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "a" / "p.metrics.json").read_text())
     preds = read_predictions(tmp_path / "a" / "p.csv")
     labels = np.array([b.label for b in battles])
     assert metrics["n"] == 24 and metrics["log_loss"] == pytest.approx(log_loss(preds.probs, labels))
     assert metrics["sequences"] == 48 and metrics["rows_per_s"] > 0 and metrics["bayes_floor"] is not None
-    assert (tmp_path / "a" / "reliability.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "a" / "p.reliability.png").read_bytes()[:4] == b"\x89PNG"
     assert "rows/s" in capsys.readouterr().out
 
     # export, then the same eval on the export (no TTA) and an ensemble of the two files
@@ -49,11 +49,11 @@ def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
     files = [tmp_path / "a" / "p.csv", tmp_path / "b" / "p.csv"]
     assert eval_command(None, ensemble=files, weights="1,1", data=labelled, out=out) == 0
     np.testing.assert_allclose(read_predictions(out).probs, (preds.probs + b.probs) / 2, atol=1e-12)
-    assert json.loads((tmp_path / "c" / "metrics.json").read_text())["weights"] == [0.5, 0.5]
+    assert json.loads((tmp_path / "c" / "blend.metrics.json").read_text())["weights"] == [0.5, 0.5]
     assert (
         eval_command(None, ensemble=files, fit_weights=True, data=labelled, out=tmp_path / "d" / "f.csv") == 0
     )
-    fitted = json.loads((tmp_path / "d" / "metrics.json").read_text())
+    fitted = json.loads((tmp_path / "d" / "f.metrics.json").read_text())
     assert fitted["log_loss"] <= min(metrics["log_loss"], log_loss(b.probs, labels)) + 1e-9
 
     # teacher predictions on unlabelled battles -> soft labels the arena reader accepts
@@ -65,7 +65,7 @@ def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
         eval_command(None, ensemble=files, data=unlabelled, out=tmp_path / "e" / "t.csv", soft_labels=soft)
         == 0
     )
-    assert not (tmp_path / "e" / "metrics.json").exists()  # nothing to score without labels
+    assert not (tmp_path / "e" / "t.metrics.json").exists()  # nothing to score without labels
     students = list(ArenaReader(ArenaConfig(path=str(soft)), seed=0).battles())
     np.testing.assert_allclose(
         [s.label for s in students], read_predictions(tmp_path / "e" / "t.csv").probs, atol=1e-12
@@ -110,7 +110,7 @@ def test_two_process_eval_gives_the_one_process_predictions(tmp_path):
     order = {i: k for k, i in enumerate(two.ids)}
     two_probs = two.probs[[order[i] for i in one.ids]]
     assert np.abs(two_probs - one.probs).max() < 1e-5
-    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "two" / "p.metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["n"] == 30
 
 

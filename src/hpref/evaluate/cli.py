@@ -21,25 +21,28 @@ def _print(renderable: Any) -> None:
 
 
 def _report(
-    preds: Any, battles: list[Any] | None, out_dir: Path, *, source: str, extra: dict[str, Any], plot: bool
+    preds: Any, battles: list[Any] | None, out_path: Path, *, source: str, extra: dict[str, Any], plot: bool
 ):
-    """Score `preds` against labelled `battles` (when labelled): metrics.json, table, PNG."""
+    """Score `preds` against labelled `battles` (when labelled): the table, and the metrics JSON and
+    reliability PNG named after the predictions file (`layout.side_files`)."""
     from hpref.evaluate.ensemble import labels_for
     from hpref.evaluate.metrics import compute_metrics, metrics_table, write_metrics_json
+    from hpref.runfolder.layout import side_files
 
     if battles is None or not battles or any(b.label is None for b in battles):
         return None
     labels, truth = labels_for(preds, battles, source=source)
     metrics = compute_metrics(preds.probs, labels, truth)
     metrics.extra.update(extra)
-    path = write_metrics_json(out_dir / "metrics.json", metrics)
+    metrics_path, png_path = side_files(out_path)
+    path = write_metrics_json(metrics_path, metrics)
     _print(metrics_table(metrics, title=f"hpref eval: {source}"))
     logger.info(f"metrics written to {path}")
     if plot:
         from hpref.evaluate.plots import reliability_diagram
 
         try:
-            png = reliability_diagram(metrics, out_dir / "reliability.png", title=source)
+            png = reliability_diagram(metrics, png_path, title=source)
             logger.info(f"reliability diagram written to {png}")
         except UserError as exc:  # a missing plot must not fail an evaluation
             logger.warning(str(exc))
@@ -74,6 +77,7 @@ def eval_command(
 
     if tta not in ("none", "swap"):
         raise UserError(f"--tta {tta!r}: expected none or swap")
+    _check_outputs(out=out, soft_labels=soft_labels)
     if nproc_per_node is not None and nproc_per_node > 1:
         if ensemble:
             raise UserError(
@@ -137,10 +141,26 @@ def eval_command(
             raise UserError("--soft-labels needs the battles the predictions are for (--data)")
         path = write_soft_labels(soft_labels, preds, battles, source=source)
         logger.info(f"soft-label training file written to {path}")
-    _report(preds, battles, out_path.parent, source=source, extra=extra, plot=plot)
+    _report(preds, battles, out_path, source=source, extra=extra, plot=plot)
     if "rows_per_s" in extra:
         print(f"eval throughput: {extra['rows_per_s']:,.1f} rows/s ({extra['sequences']:,} sequences)")
     return 0
+
+
+def _check_outputs(**paths: str | Path | None) -> None:
+    """Refuse an output that would land in a run's own files or a checkpoint (a predictions file in
+    `checkpoints/` would be pruned with it, or break it), before any model is loaded."""
+    from hpref.runfolder.layout import owner_of, side_files
+
+    for option, path in paths.items():
+        if path is None:
+            continue
+        targets = (Path(path), *side_files(path)) if option == "out" else (Path(path),)
+        for target in targets:
+            reason = owner_of(target)
+            if reason is not None:
+                flag = "--" + option.replace("_", "-")
+                raise UserError(f"{flag} {path}: {reason}; write outputs outside it")
 
 
 def _rank() -> int:

@@ -141,19 +141,55 @@ def load_model_state(path: Path, model: Any) -> dict[str, Any]:
     return state["model"]
 
 
-def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
-    """The run's resolved recipe: given, or `recipe.toml` beside `checkpoints/`."""
-    from hpref.recipe import load_recipe
+REMOTE_CODE_KEY = "trust_remote_code"
 
-    if recipe_path is None:
-        candidate = Path(checkpoint_dir).resolve().parent.parent / "recipe.toml"
-        if not candidate.is_file():
-            raise CheckpointError(
-                f"{checkpoint_dir}: no recipe.toml in its run folder ({candidate}); "
-                "pass the recipe explicitly"
-            )
-        recipe_path = candidate
-    return load_recipe(recipe_path)
+
+def remote_code_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys under which `data` (a recipe as a dict) turns on `trust_remote_code`, at any depth
+    (`model`, a policy's model, a plugin component's table)."""
+    found: list[str] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            dotted = f"{prefix}{key}"
+            if key == REMOTE_CODE_KEY and value not in (False, None, 0, "", "false"):
+                found.append(dotted)
+            else:
+                found += remote_code_keys(value, dotted + ".")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found += remote_code_keys(value, f"{prefix}{i}.")
+    return found
+
+
+def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
+    """The run's resolved recipe: given, or `recipe.toml` beside `checkpoints/`.
+
+    The folder's own recipe comes with the folder, from whoever made it (a downloaded run, a shared
+    checkpoint), so it may not turn on remote code: loading the model would run that folder's Python.
+    A recipe the user names explicitly (`--recipe`) is the user's decision and is taken as given.
+    """
+    from hpref.recipe import load_recipe, read_toml
+
+    if recipe_path is not None:
+        return load_recipe(recipe_path)
+    candidate = Path(checkpoint_dir).resolve().parent.parent / "recipe.toml"
+    if not candidate.is_file():
+        raise CheckpointError(
+            f"{checkpoint_dir}: no recipe.toml in its run folder ({candidate}); pass the recipe explicitly"
+        )
+    # The raw file, then the resolved recipe (a component's default could turn it on).
+    keys = remote_code_keys(read_toml(candidate))
+    recipe = None
+    if not keys:
+        recipe = load_recipe(candidate)
+        keys = remote_code_keys(recipe.to_dict())
+    if keys:
+        raise UserError(
+            f"{candidate}: {keys[0]} = true: a recipe found inside the folder being loaded may not "
+            "enable remote code; if you trust that folder's code, pass the recipe explicitly "
+            f"(--recipe {candidate})"
+        )
+    return recipe
 
 
 @dataclass
@@ -246,6 +282,70 @@ def model_card(
     return "\n".join(lines)
 
 
+def _check_export_target(to: Path, overwrite: bool) -> None:
+    """`--to` must be a new or empty folder, or (with `overwrite`) an earlier hpref export: never a
+    file, and never a folder holding anything else, which `--overwrite` would have deleted."""
+    from hpref.runfolder.layout import check_folder_path
+
+    check_folder_path(to, "--to")
+    if not to.is_dir() or not any(to.iterdir()):
+        return
+    if not (to / CHECKPOINT_JSON).is_file():
+        raise UserError(
+            f"--to {to}: exists and is not empty, and is not an hpref export (no {CHECKPOINT_JSON}); "
+            "refusing to replace it, even with --overwrite: name a new or empty folder"
+        )
+    if not overwrite:
+        raise UserError(
+            f"--to {to}: exists and is not empty (an hpref export; pass --overwrite to replace it)"
+        )
+
+
+def _check_export_overlap(to: Path, checkpoint_dir: Path) -> None:
+    """The export must not be, contain, or sit inside what it is exported from: `--to RUN
+    --overwrite` once deleted the whole run. A new folder of the user's choosing inside the run
+    folder (`RUN/export`) is fine; the run's own entries (`checkpoints/`, `logs/`, ...) are not."""
+    from hpref.runfolder.layout import CHECKPOINTS, owner_of
+
+    target = to.resolve()
+    checkpoint = checkpoint_dir.resolve()
+    source = checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else checkpoint
+    for folder, what in ((source, "the run folder being exported"), (checkpoint, "the checkpoint")):
+        if target == folder or target in folder.parents:
+            raise UserError(f"--to {to}: is or contains {what} ({folder}); name a folder outside it")
+    if checkpoint in target.parents:
+        raise UserError(f"--to {to}: lies inside the checkpoint {checkpoint}; name a folder outside it")
+    reason = owner_of(target)
+    if reason is not None:
+        raise UserError(f"--to {to}: {reason}; name a folder outside it")
+
+
+def _replace_folder(tmp: Path, to: Path, overwrite: bool) -> None:
+    """Move the finished `tmp` to `to`. An existing `to` (empty, or an export) is first moved aside
+    and deleted only once the new folder is in place, so `to` is always a complete export."""
+    import uuid
+
+    from hpref.runfolder.files import fsync_dir
+
+    _check_export_target(to, overwrite)  # again: the folder may have changed while the model loaded
+    old = None
+    if to.exists() or to.is_symlink():
+        old = to.with_name(f".{to.name}.{uuid.uuid4().hex[:8]}.old")
+        os.rename(to, old)
+    try:
+        os.rename(tmp, to)
+    except BaseException:
+        if old is not None:
+            os.rename(old, to)
+        raise
+    fsync_dir(to.parent)
+    if old is not None:
+        if old.is_symlink():  # the link goes; what it pointed to is not ours to delete
+            old.unlink()
+        else:
+            shutil.rmtree(old)
+
+
 def save_export(
     source: str | Path,
     to: str | Path,
@@ -255,16 +355,24 @@ def save_export(
     recipe_path: str | Path | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Consolidate a checkpoint into `to` (written beside it under a temporary name, then renamed:
-    a folder named `to` is always complete). Returns `to`."""
+    """Consolidate a checkpoint into `to` (written beside it under a temporary name, fsynced, then
+    renamed: a folder named `to` is always complete). Returns `to`.
+
+    `to` may be new, empty, or (with `overwrite`) an earlier export, and must not overlap the run or
+    checkpoint it comes from. Every failure leaves the parent folder as it was (no temporary folder).
+    """
+    import tempfile
+
     import torch
+
+    from hpref.runfolder.files import fsync_tree, write_text_atomic
 
     if dtype not in ("fp32", "bf16"):
         raise UserError(f"--dtype {dtype!r}: expected bf16 or fp32")
-    to = Path(to)
-    if to.exists() and (not to.is_dir() or any(to.iterdir())) and not overwrite:
-        raise UserError(f"--to {to}: exists and is not empty (pass --overwrite to replace it)")
+    to = Path(os.path.abspath(to))  # `..` resolved by name: a symlink named `to` stays a link
+    _check_export_target(to, overwrite)
     checkpoint_dir = resolve_checkpoint(source, step)
+    _check_export_overlap(to, checkpoint_dir)
     recipe = recipe_of_run(checkpoint_dir, recipe_path)
     loaded = load_model_from_checkpoint(checkpoint_dir, recipe)
     model = loaded.model
@@ -273,35 +381,36 @@ def save_export(
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
         if hasattr(model.backbone_config, "dtype"):
             model.backbone_config.dtype = torch.bfloat16
-    tmp = to.with_name(f".tmp-{to.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp, state_dict=state)
-    run_step = loaded.train_state.get("step")
-    run_dir = checkpoint_dir.resolve().parent.parent
-    (tmp / MODEL_CARD).write_text(
-        model_card(
+    to.parent.mkdir(parents=True, exist_ok=True)
+    # A unique name: a fixed `.tmp-NAME` would delete a user's folder of that name.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.", suffix=".part", dir=to.parent))
+    try:
+        model.save_pretrained(tmp, state_dict=state)
+        run_step = loaded.train_state.get("step")
+        run_dir = checkpoint_dir.resolve().parent.parent
+        card = model_card(
             recipe_toml=recipe.to_toml(),
             checkpoint=checkpoint_dir,
             step=run_step,
             dtype=dtype,
             metrics=_run_metrics(run_dir, run_step),
         )
-    )
-    (tmp / "recipe.toml").write_text(recipe.to_toml())
-    formatter = recipe.formatter.name
-    info = {
-        "checkpoint": str(checkpoint_dir),
-        "step": run_step,
-        "dtype": dtype,
-        "formatter": formatter,
-        "max_length": recipe.train.max_length,
-        "labels": ["winner_model_a", "winner_model_b", "winner_tie"],
-    }
-    (tmp / CHECKPOINT_JSON).write_text(json.dumps(info, indent=2) + "\n")
-    if to.exists():
-        shutil.rmtree(to)
-    os.replace(tmp, to)
+        write_text_atomic(tmp / MODEL_CARD, card)
+        write_text_atomic(tmp / "recipe.toml", recipe.to_toml())
+        info = {
+            "checkpoint": str(checkpoint_dir),
+            "step": run_step,
+            "dtype": dtype,
+            "formatter": recipe.formatter.name,
+            "max_length": recipe.train.max_length,
+            "labels": ["winner_model_a", "winner_model_b", "winner_tie"],
+        }
+        write_text_atomic(tmp / CHECKPOINT_JSON, json.dumps(info, indent=2) + "\n")
+        fsync_tree(tmp)
+        _replace_folder(tmp, to, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     logger.info(f"exported {checkpoint_dir} (step {run_step}, {dtype}) to {to}")
     return to
 

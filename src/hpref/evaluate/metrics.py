@@ -16,9 +16,7 @@ defined for both. Conventions, chosen to match what the Kaggle LMSYS leaderboard
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,14 +195,13 @@ def compute_metrics(probs: Any, labels: Any, truth: Any | None = None, *, bins: 
 
 
 def write_metrics_json(path: str | Path, metrics: EvalMetrics, **extra: Any) -> Path:
-    """`metrics.json` (written to a temporary name, then renamed: a reader never sees half a file)."""
+    """The metrics as JSON, written atomically (a reader never sees half a file)."""
+    from hpref.runfolder.files import write_json_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {**metrics.as_dict(), **extra}
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default, allow_nan=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, data, indent=2, default=_json_default, allow_nan=True)
 
 
 def _json_default(value: Any) -> Any:

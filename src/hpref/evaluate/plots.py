@@ -7,11 +7,12 @@ whole evaluation. The Agg backend is forced, so no display is ever needed (clust
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 
 from hpref.errors import UserError
 from hpref.evaluate.metrics import EvalMetrics
+from hpref.runfolder.files import write_bytes_atomic
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLOURS = {"a": "tab:blue", "b": "tab:orange", "tie": "tab:green"}
@@ -66,9 +67,9 @@ def reliability_diagram(metrics: EvalMetrics, path: str | Path, title: str = "re
         bottom.set_xlabel("predicted probability")
         bottom.set_ylabel("count")
         fig.tight_layout()
-        tmp = path.with_name(path.name + ".part")
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
+        write_bytes_atomic(path, png.getvalue())
     finally:
         plt.close(fig)
     return path

@@ -12,8 +12,8 @@ rounded files, or soft labels from them, would no longer sum to one exactly.
 
 from __future__ import annotations
 
+import io
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ import numpy as np
 from hpref.data.readers import LABEL_SUM_TOLERANCE, TableFile, detect_format
 from hpref.data.records import LABELS
 from hpref.errors import DataError
+from hpref.runfolder.files import write_bytes_atomic
 
 COLUMNS = ("id", *LABELS)
 
@@ -57,7 +58,7 @@ class Predictions:
 
 
 def write_predictions(path: str | Path, ids: Sequence[str], probs: Any, fmt: str = "auto") -> Path:
-    """Write a submission file (format by extension: .csv, .parquet, .jsonl); atomic rename."""
+    """Write a submission file (format by extension: .csv, .parquet, .jsonl), atomically."""
     import pandas as pd
 
     path = Path(path)
@@ -69,15 +70,15 @@ def write_predictions(path: str | Path, ids: Sequence[str], probs: Any, fmt: str
         raise DataError(f"{path}: refusing to write duplicate id {dup!r}")
     frame = pd.DataFrame({"id": preds.ids, **{c: preds.probs[:, k] for k, c in enumerate(LABELS)}})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.part")
     if kind == "csv":
-        frame.to_csv(tmp, index=False, float_format="%.17g")
+        data = frame.to_csv(index=False, float_format="%.17g").encode("utf-8")
     elif kind == "parquet":
-        frame.to_parquet(tmp, index=False)
+        buffer = io.BytesIO()
+        frame.to_parquet(buffer, index=False)
+        data = buffer.getvalue()
     else:
-        frame.to_json(tmp, orient="records", lines=True, double_precision=15)
-    os.replace(tmp, path)
-    return path
+        data = frame.to_json(orient="records", lines=True, double_precision=15).encode("utf-8")
+    return write_bytes_atomic(path, data)
 
 
 def _probability(value: Any, where: str, column: str) -> float:
