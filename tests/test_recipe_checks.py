@@ -160,3 +160,11 @@ def test_run_name_error_through_the_cli(tmp_path):
     train = run_hpref("train", str(path), "--dry-run", "--set", 'run.name="../escape"')
     _one_line_exit_2(train, path, "run.name: Value error, must be one plain folder name")
     assert not (REPO / "escape").exists()
+
+
+def test_a_utf16_recipe_is_named_as_such(tmp_path):
+    # Windows editors save "Unicode" as UTF-16; the message said "invalid start byte at byte 0".
+    path = tmp_path / "r.toml"
+    path.write_bytes(GOOD.encode("utf-16"))
+    result = run_hpref("recipes", "check", str(path))
+    _one_line_exit_2(result, path, "UTF-16 or UTF-32 text, and TOML must be UTF-8")

@@ -256,6 +256,12 @@ def read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{path}: invalid TOML: {exc}") from None
     except UnicodeDecodeError as exc:
+        head = path.read_bytes()[:4]
+        # TOML is UTF-8 by definition; Windows editors save "Unicode" text as UTF-16 with a mark.
+        if head.startswith((b"\xff\xfe", b"\xfe\xff", b"\x00\x00\xfe\xff")):
+            raise RecipeError(
+                f"{path}: UTF-16 or UTF-32 text, and TOML must be UTF-8; save it as UTF-8"
+            ) from None
         raise RecipeError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
