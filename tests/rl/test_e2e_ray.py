@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 
 import pytest
 
@@ -15,7 +17,11 @@ ray = pytest.importorskip("ray")
 from hpref.recipe import recipe_from_dict  # noqa: E402
 from hpref.rl.driver import run_rl  # noqa: E402
 from hpref.rl.record import ResumeError, read_record  # noqa: E402
+from hpref.runfolder.integrity import write_manifest  # noqa: E402
+from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
+
+torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +52,14 @@ def recipe(run_dir, **rl_over):
     )
 
 
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
 def read_metrics(run_dir, policy):
     lines = (run_dir / "metrics" / f"{policy}.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -65,6 +79,19 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
     # 2. a fresh start into the same folder is refused: it would mix two runs
     with pytest.raises(ResumeError, match="already holds a checkpoint record"):
         run_rl(recipe(run_dir), ["a", "b"], None, None)
+
+    # 2b. a tampered copy of the run (b's trainer state pickles as os.system, checksums rewritten to
+    # match) is refused on resume and its code never runs; if this fails, resuming a downloaded
+    # rl run folder runs a stranger's code in the trainer actor
+    tampered = tmp_path / "tampered"
+    shutil.copytree(run_dir, tampered)
+    saved_b = tampered / first.save_dir / "b"
+    marker = tmp_path / "MARKER"
+    torch.save({"optimizer": _Evil(marker), "rollouts_done": 1, "version": 0}, saved_b / "trainer.pt")
+    write_manifest(saved_b)
+    with pytest.raises(CheckpointError, match="trainer.pt: refused to load"):
+        run_rl(recipe(tampered), ["a", "b"], None, "auto")
+    assert not marker.exists()
 
     # 3. the wrong leader is refused before any actor starts
     with pytest.raises(ResumeError, match="written with leader 'a', not 'b'"):
