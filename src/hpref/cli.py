@@ -434,13 +434,12 @@ def start_run_folder(recipe: Any, name: str) -> Path:
     `<run_dir>/logs/<name>.log` beside the console. Returns the log file."""
     from loguru import logger
 
-    from hpref.logs import FILE_FORMAT
+    from hpref.logs import add_log_file
 
     run_dir = recipe.run.run_dir
     recipe.write(run_dir)
     log_file = run_dir / "logs" / f"{name}.log"
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    logger.add(log_file, level="DEBUG", format=FILE_FORMAT, backtrace=True, diagnose=False)
+    add_log_file(log_file)
     logger.info(f"run folder {run_dir}: resolved recipe in recipe.toml, full log in {log_file}")
     return log_file
 

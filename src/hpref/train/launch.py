@@ -137,8 +137,11 @@ def run_train(
     A recipe error raises `UserError` before anything starts. `dry_run` prints the exact command
     and the resolved recipe, and returns 0.
     """
+    from hpref.recipe_checks import check_train
+
     overrides = list(overrides or [])
     recipe = load_recipe(recipe_path, overrides)
+    check_train(recipe, recipe_path)  # the same checks as `hpref recipes check`, before any process
     plan = plan_launch(
         recipe_path,
         overrides,

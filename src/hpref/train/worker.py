@@ -74,12 +74,12 @@ def _console_sink(message) -> None:
 def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Path, list[int]]:
     """A full DEBUG log per rank in the run folder; with `console`, INFO on stderr from rank 0.
     Returns the log file and the handler ids, which the worker removes when it ends."""
-    from hpref.logs import CONSOLE_FORMAT, FILE_FORMAT
+    from hpref.logs import CONSOLE_FORMAT, add_log_file
 
     log_file = run_dir / "logs" / f"rank{rank}.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     logger.configure(extra={"rank": rank})
-    handlers = [logger.add(log_file, level="DEBUG", format=FILE_FORMAT, backtrace=True, diagnose=False)]
+    handlers = [add_log_file(log_file)]
     if console and rank == 0:
         handlers.append(
             logger.add(_console_sink, level="INFO", format=CONSOLE_FORMAT, colorize=sys.stderr.isatty())
@@ -91,6 +91,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
     """Components -> tokenized data -> sharded model -> optimizer, sampler, scheduler."""
     from hpref.data.packing import StepSampler
     from hpref.plugins import load_plugins
+    from hpref.recipe_checks import check_train
     from hpref.train.data import require_labels, tokenize, tokenize_cached
     from hpref.train.loop import TrainSetup, build_lr_scheduler, build_optimizer
     from hpref.train.metrics import peak_flops
@@ -98,10 +99,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
 
     registry = load_plugins()
     train_cfg = recipe.train
-    if recipe.model is None:
-        raise UserError("the recipe has no [model] section")
-    if recipe.dataset.train is None:
-        raise UserError("the recipe has no [dataset.train] section")
+    check_train(recipe, machine=False)  # a worker started without the launcher gets the same checks
     model = registry.get("model", recipe.model.name).build(
         recipe.model.config, num_labels=3, device=info.device, meta=True
     )
