@@ -21,8 +21,10 @@ import asyncio
 import json
 import math
 import os
+import socket
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ from hpref.rl.record import (
     read_record,
     write_record,
 )
+from hpref.runfolder.files import write_json_atomic
 
 SAVE_NOW_FILE = "SAVE_NOW"
 ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
@@ -306,7 +309,8 @@ async def drive(
             for task in done:
                 exc = task.exception()
                 if exc is not None:
-                    logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
+                    if _death(exc) is None:  # a lost actor is named by run_rl, whose loop met it is noise
+                        logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
                     raise exc
     finally:
         stop.set()
@@ -485,30 +489,22 @@ def run_rl(
     for p in order:  # train/cache tokenizers once here, not once per actor in parallel
         policy_tokenizer(config.policies[p].model)
     warm_started = apply_warmup(config, order)
-    (run_dir / "rl.json").write_text(
-        json.dumps(
-            {
-                "policies": order,
-                "warmup_checkpoints": warm_started,
-                "config": config.model_dump(mode="json"),
-            },
-            indent=2,
-        )
-        + "\n"
+    write_json_atomic(
+        run_dir / "rl.json",
+        {"policies": order, "warmup_checkpoints": warm_started, "config": config.model_dump(mode="json")},
+        indent=2,
     )
     setup_s = time.perf_counter() - started
 
-    import ray
-
     teardown = Teardown()
-    if not ray.is_initialized():
-        if ray_address:
-            ray.init(address=ray_address)
-        else:
-            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False)
+    if connect_ray(ray_address):
+        import ray
+
         teardown.add("ray", ray.shutdown)
+    actors: dict[str, str] = {}
     try:
         handles = create_ray_actors(config, order, teardown)
+        actors = actor_names(handles)
         teardown_executor = handles.executor
         metrics = MetricsWriter(run_dir)
 
@@ -541,27 +537,36 @@ def run_rl(
         cause = _ray_cause(exc)
         if isinstance(cause, UserError):
             raise cause from None
-        raise
+        lost = lost_actor(exc, actors)
+        if lost is None:
+            raise
+        record = read_record(run_dir)
+        where = (
+            f"--resume auto continues from {record.save_dir} ({run_dir / 'record.json'})"
+            if record is not None
+            else "no save was recorded yet, so a new run starts from the beginning"
+        )
+        logger.opt(exception=exc).debug("actor lost")
+        logger.error(f"{lost} died ({type(_death(exc)).__name__}); the run stopped; {where}")
+        return 1
     finally:
         teardown.close()
-    (run_dir / "rl_summary.json").write_text(
-        json.dumps(
-            {
-                "positions": result.positions,
-                "saves": result.saves,
-                "debug_exit": result.debug_exit,
-                "timed_out": result.timed_out,
-                "evals": [{k: v for k, v in e.items() if k != "battles"} for e in result.evals],
-                "leaderboard": result.leaderboard(order),
-                "warmup_checkpoints": warm_started,
-                "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
-                "drive_s": result.seconds,  # the policies' loops: what concurrency speeds up
-                "wall_s": time.perf_counter() - started,
-            },
-            indent=2,
-            sort_keys=True,
-        )
-        + "\n"
+    write_json_atomic(
+        run_dir / "rl_summary.json",
+        {
+            "positions": result.positions,
+            "saves": result.saves,
+            "debug_exit": result.debug_exit,
+            "timed_out": result.timed_out,
+            "evals": [{k: v for k, v in e.items() if k != "battles"} for e in result.evals],
+            "leaderboard": result.leaderboard(order),
+            "warmup_checkpoints": warm_started,
+            "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
+            "drive_s": result.seconds,  # the policies' loops: what concurrency speeds up
+            "wall_s": time.perf_counter() - started,
+        },
+        indent=2,
+        sort_keys=True,
     )
     from hpref.rl.leaderboard import plot_metrics
 
@@ -573,3 +578,126 @@ def _ray_cause(exc: BaseException) -> BaseException:
     """The user's error inside a Ray task error (Ray wraps the actor's exception)."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
+
+
+def actor_names(handles: Handles) -> dict[str, str]:
+    """Ray actor id (hex) -> what it is, for naming an actor that died."""
+    names = {}
+    for p, engine in handles.engines.items():
+        names[engine._actor_id.hex()] = f"policy '{p}': engine actor"
+    for p, trainer in handles.trainers.items():
+        names[trainer._actor_id.hex()] = f"policy '{p}': trainer actor"
+    names[handles.executor._actor_id.hex()] = "the rollout executor actor (shared by all policies)"
+    return names
+
+
+def _death(exc: BaseException | None) -> BaseException | None:
+    """The `RayActorError` (a dead or unreachable actor) in `exc`'s chain of Ray wrappers, if any.
+
+    The innermost one is the actor that actually died: an engine killed under the executor reaches
+    the driver as the executor's task error wrapping the engine's death.
+    """
+    from ray.exceptions import RayActorError
+
+    found = None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RayActorError) and getattr(exc, "actor_id", None):
+            found = exc
+        cause = getattr(exc, "cause", None)
+        exc = cause if isinstance(cause, BaseException) else exc.__cause__
+    return found
+
+
+def lost_actor(exc: BaseException, names: dict[str, str]) -> str | None:
+    """`policy 'b': trainer actor` when `exc` says one of this run's actors died, else None."""
+    death = _death(exc)
+    if death is None:
+        return None
+    return names.get(death.actor_id, f"Ray actor {death.actor_id}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Connecting to Ray
+
+#: Ray resolves a node address of 127.0.0.1 to the machine's network address (so that other nodes
+#: could reach it) unless this is 0, and its GCS, raylet and workers listen on every interface
+#: unless the node address is exactly 127.0.0.1. One switch gives a cluster that listens on loopback.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@contextmanager
+def _loopback_ray():
+    """Ray on this node addressed (and listening) as 127.0.0.1, for a `ray.init` in the block.
+
+    The switch is read from the environment when Ray's constants are first imported, and the GCS
+    and raylet this process starts inherit it; a Ray imported before us has read it already, so its
+    constant is set for the block too.
+    """
+    import ray._private.ray_constants as ray_constants
+
+    old_env, old_flag = os.environ.get(RAY_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[RAY_LOOPBACK_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(RAY_LOOPBACK_ENV, None)
+        else:
+            os.environ[RAY_LOOPBACK_ENV] = old_env
+
+
+def connect_ray(address: str | None) -> bool:
+    """Start a local Ray cluster listening on loopback only, or join the one at `address`.
+
+    Returns whether this call connected (False: Ray was already initialised in this process, whose
+    owner shuts it down). Joining: a cluster started with token authentication (Ray's default when
+    `~/.ray/auth_token` exists) gets the token Ray finds (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`,
+    `~/.ray/auth_token`); Ray itself only does this for address "auto". A loopback address is joined
+    as a loopback node, which is what a head started on loopback (README) expects. A cluster that
+    cannot be reached, or refuses the token, is a `UserError`.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if not address:
+        with _loopback_ray():
+            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False)
+        return True
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise UserError(
+            f"--ray-address {address}: expected HOST:PORT of a Ray head (ray start --head --port)"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise UserError(
+            f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
+            "with `ray start --head` (see README) or leave --ray-address out for a local one"
+        ) from None
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    try:
+        if host in LOOPBACK_HOSTS:
+            with _loopback_ray():
+                ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as exc:
+        raise UserError(
+            f"--ray-address {address}: could not join the Ray cluster: {str(exc).splitlines()[0]}; "
+            "if it uses token authentication, give this process the same token (RAY_AUTH_TOKEN or "
+            "~/.ray/auth_token); a head on this machine must be started as the README says "
+            "(its node address 127.0.0.1)"
+        ) from None
+    return True

@@ -1,0 +1,116 @@
+"""kill -9 of one policy's engine or trainer actor in a live `hpref rl` run on a real local Ray
+cluster: the run ends with one line naming the policy and the actor, and `--resume auto` continues
+from record.json."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+ray = pytest.importorskip("ray")
+
+from hpref.recipe import recipe_from_dict  # noqa: E402
+from hpref.rl import driver  # noqa: E402
+from hpref.rl.record import read_record  # noqa: E402
+from tests.rl.tiny import TINY  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def recipe(run_dir, num_rollouts):
+    rl = {
+        "num_rollouts": num_rollouts,
+        "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 4},
+        "reward": {"name": "rule"},
+        "defaults": {"model": TINY, "lr": 1e-3},
+        "policies": {"a": {}, "b": {"model": {"seed": 1}}},
+        "eval_interval": 0,
+        "save_interval": 1,
+    }
+    return recipe_from_dict(
+        {"run": {"name": run_dir.name, "output_dir": str(run_dir.parent)}, "rl": rl}, resolve=False
+    )
+
+
+@pytest.fixture
+def messages():
+    from loguru import logger
+
+    found: list[str] = []
+    handler = logger.add(lambda m: found.append(str(m)), level="INFO", format="{level} {message}")
+    yield found
+    logger.remove(handler)
+
+
+@pytest.fixture
+def synced(monkeypatch):
+    """Paths whose data was fsynced (through any fd) during the test."""
+    paths: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        paths.append(os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else str(fd))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return paths
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="uses /proc")
+@pytest.mark.parametrize("kind", ["trainer", "engine"])
+def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch, messages, synced):
+    """SIGKILL policy b's actor once b has trained two rollouts and a save is recorded. If the run
+    hangs, a dead actor is not noticed; if it ends in a traceback or the line lacks "policy 'b':
+    <kind> actor", the user cannot tell what died; if the resume fails, the record written before
+    the death is not usable.
+    Also: rl.json and rl_summary.json are written through a fsynced temporary file (a crash
+    mid-write must leave the old file, not half of one)."""
+    assert not ray.is_initialized()
+    run_dir = tmp_path / "arena"
+    pids: dict[str, int] = {}
+    real_create = driver.create_ray_actors
+
+    def create(config, order, teardown):
+        handles = real_create(config, order, teardown)
+        group = handles.trainers if kind == "trainer" else handles.engines
+        pids["b"] = ray.get(group["b"].__ray_call__.remote(lambda self: os.getpid()))
+        return handles
+
+    monkeypatch.setattr(driver, "create_ray_actors", create)
+
+    def killer():
+        metrics = run_dir / "metrics" / "b.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            saved = read_record(run_dir) is not None
+            if "b" in pids and saved and metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                os.kill(pids["b"], signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    code = driver.run_rl(recipe(run_dir, 200), ["a", "b"])
+    thread.join(timeout=5)
+    assert code == 1
+    assert time.monotonic() - start < 300
+    lines = [m for m in messages if " died (" in m]
+    assert len(lines) == 1, messages[-10:]
+    assert f"policy 'b': {kind} actor died" in lines[0]
+    record = read_record(run_dir)
+    assert record is not None and record.save_dir in lines[0] and "--resume auto" in lines[0]
+    assert not ray.is_initialized()
+
+    # the record, not the metrics, says where the run stands; resume runs two leader rollouts more
+    stop = record.rollout_ids["a"] + 2
+    assert driver.run_rl(recipe(run_dir, stop), ["a", "b"], resume="auto") == 0
+    assert any("resumed from" in m and record.save_dir in m for m in messages)
+    assert read_record(run_dir).rollout_ids["a"] == stop
+    for name in ("rl.json", "rl_summary.json"):
+        assert any(p.startswith(str(run_dir / f".{name}.")) for p in synced), (name, synced[-5:])

@@ -1,0 +1,249 @@
+"""`hpref rl` and its Ray cluster: a local one listens on loopback only, `--ray-address` joins a real
+`ray start --head` (token authentication on, as Ray sets up by default), and a cluster that cannot
+be reached or refuses the token is one line, exit 2.
+
+The head is this module's own: its own temp dir, port and token, and it is stopped by killing the
+processes that carry its temp dir. Never `ray stop`, which stops every Ray cluster on the machine,
+including other test sessions'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from tests.rl.tiny import TINY  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and ss"),
+    pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss"),
+]
+RAY = str(Path(sys.executable).parent / "ray")
+HPREF = [sys.executable, "-m", "hpref"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_with(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _descendants(root: int) -> set[int]:
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                parent[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _listening(pids: set[int]) -> list[str]:
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
+
+
+def _beyond_loopback(lines: list[str]) -> list[str]:
+    ok = ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]")
+    return [line for line in lines if line.split()[3].rpartition(":")[0] not in ok]
+
+
+def write_rl_recipe(folder: Path, name: str, num_rollouts: int = 2) -> Path:
+    model = ", ".join(f"{k} = {v}" for k, v in TINY.items())
+    path = folder / f"{name}.toml"
+    path.write_text(
+        textwrap.dedent(f"""
+        [run]
+        name = "{name}"
+        output_dir = "{(folder / "runs").as_posix()}"
+
+        [rl]
+        num_rollouts = {num_rollouts}
+        save_interval = 1
+        eval_interval = 0
+
+        [rl.rollout]
+        group_size = 2
+        prompts_per_rollout = 2
+        max_new_tokens = 4
+
+        [rl.reward]
+        name = "rule"
+
+        [rl.defaults]
+        lr = 1e-3
+        model = {{ {model} }}
+
+        [rl.policies.a]
+
+        [rl.policies.b]
+        model = {{ seed = 1 }}
+        """)
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """`ray start --head` on loopback with token authentication, as README's commands; yields
+    (address, token)."""
+    temp = tempfile.mkdtemp(prefix="hr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    port = _free_port()
+    token = secrets.token_hex(16)
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    args = [RAY, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard=false"]
+    args += ["--node-ip-address", "127.0.0.1", "--temp-dir", temp, "--disable-usage-stats"]
+    try:
+        started = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield f"127.0.0.1:{port}", token
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in _pids_with(temp):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            time.sleep(2)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HPREF_HOME=str(tmp_path / "home"), **extra)
+    return env
+
+
+def test_rl_joins_a_token_protected_head_on_loopback(head, tmp_path):
+    """README's commands: `ray start --head ...`, then `hpref rl ... --ray-address 127.0.0.1:PORT`
+    with the cluster's token available the way Ray stores it (here RAY_AUTH_TOKEN), RAY_AUTH_MODE
+    not set. If this fails with InvalidAuthToken, hpref does not send the token (Ray only does for
+    address 'auto'); with "Failed to connect ... <machine address>", the driver took the machine's
+    address while the head is on loopback."""
+    address, token = head
+    recipe = write_rl_recipe(tmp_path, "joined")
+    result = subprocess.run(
+        [*HPREF, "rl", str(recipe), "--policies", "a,b", "--ray-address", address],
+        env=_env(tmp_path, RAY_AUTH_TOKEN=token),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "joined" / "rl_summary.json").read_text())
+    assert summary["positions"]["a"] == 2
+    # hpref disconnects from a cluster it joined; it does not stop it
+    assert _pids_with(f"127.0.0.1:{address.rpartition(':')[2]}"), "the head is gone after the run"
+
+
+def test_a_wrong_token_is_one_line_and_exit_2(head, tmp_path):
+    """A head that refuses the token: exit 2 and one `error:` line that names the address and says
+    what to do. If this fails, the user gets Ray's retry spam and `internal error: ConnectionError`
+    (exit 1)."""
+    address, _token = head
+    recipe = write_rl_recipe(tmp_path, "refused")
+    result = subprocess.run(
+        [*HPREF, "rl", str(recipe), "--policies", "a,b", "--ray-address", address],
+        env=_env(tmp_path, RAY_AUTH_TOKEN=secrets.token_hex(16)),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"--ray-address {address}: could not join" in errors[0], result.stderr
+    assert "token" in errors[0]
+    assert "internal error" not in result.stderr
+
+
+def test_an_address_nobody_answers_is_one_line_and_exit_2(tmp_path):
+    """Nothing listens on the port: exit 2 within seconds, one line."""
+    recipe = write_rl_recipe(tmp_path, "nobody")
+    address = f"127.0.0.1:{_free_port()}"
+    start = time.monotonic()
+    result = subprocess.run(
+        [*HPREF, "rl", str(recipe), "--policies", "a,b", "--ray-address", address],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: --ray-address {address}: no Ray cluster answers there")
+    ), result.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_the_local_cluster_listens_on_loopback_only(tmp_path):
+    """The cluster `hpref rl` starts by itself (GCS, raylet, the driver, an actor's worker): every
+    listening TCP socket on 127.0.0.1. If this fails, Ray's default (every interface, the node
+    addressed by the machine's network address) exposes the cluster, which runs any code sent to
+    it, to the network."""
+    script = textwrap.dedent("""
+        import os, sys, time, ray
+        from hpref.rl.driver import connect_ray
+        assert connect_ray(None)
+        @ray.remote(num_cpus=0.1)
+        class A:
+            def pid(self):
+                return os.getpid()
+        a = A.remote()
+        print(ray.get(a.pid.remote()), flush=True)
+        sys.stdin.readline()
+        ray.shutdown()
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=_env(tmp_path),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        actor_pid = int(proc.stdout.readline())
+        pids = _descendants(proc.pid) | {proc.pid}
+        assert actor_pid in pids
+        lines = _listening(pids)
+        assert any("gcs_server" in line for line in lines), lines
+        assert not _beyond_loopback(lines), "\n".join(_beyond_loopback(lines))
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            for pid in _descendants(proc.pid) | {proc.pid}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=30)
