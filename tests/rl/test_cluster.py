@@ -181,6 +181,9 @@ def test_a_wrong_token_is_one_line_and_exit_2(head, tmp_path):
     assert len(errors) == 1 and f"--ray-address {address}: could not join" in errors[0], result.stderr
     assert "token" in errors[0]
     assert "internal error" not in result.stderr
+    # nothing else: no retry warnings from Ray's client ahead of the line
+    others = [line for line in result.stderr.splitlines() if line not in errors and "run folder" not in line]
+    assert not others, "\n".join(others[:5])
 
 
 def test_an_address_nobody_answers_is_one_line_and_exit_2(tmp_path):

@@ -651,6 +651,33 @@ def _loopback_ray():
             os.environ[RAY_LOOPBACK_ENV] = old_env
 
 
+@contextmanager
+def _stderr_to_log():
+    """File descriptor 2 into the debug log for the block.
+
+    Ray's C++ client retries a refused token or a missing head once a second for ~20 s and warns on
+    the process's stderr each time, before Python logging is set up (RAY_BACKEND_LOG_LEVEL does not
+    reach it): twenty lines ahead of the one that says what is wrong.
+    """
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", "replace").strip()
+            if text:
+                logger.debug(f"ray.init said:\n{text}")
+
+
 def connect_ray(address: str | None) -> bool:
     """Start a local Ray cluster listening on loopback only, or join the one at `address`.
 
@@ -686,13 +713,14 @@ def connect_ray(address: str | None) -> bool:
             f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
             "with `ray start --head` (see README) or leave --ray-address out for a local one"
         ) from None
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     try:
-        if host in LOOPBACK_HOSTS:
-            with _loopback_ray():
+        with _stderr_to_log():
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+            if host in LOOPBACK_HOSTS:
+                with _loopback_ray():
+                    ray.init(address=address, log_to_driver=False)
+            else:
                 ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as exc:
         raise UserError(
             f"--ray-address {address}: could not join the Ray cluster: {str(exc).splitlines()[0]}; "
