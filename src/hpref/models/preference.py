@@ -182,6 +182,9 @@ class PreferenceModel(nn.Module):
         self.provenance = provenance or {}
         self._init_std = float(getattr(self.backbone_config, "initializer_range", 0.02))
         self._backbone_state = backbone_state
+        #: True when the head is a new one (seeded), not a trained head loaded from an export: a
+        #: trainer may then set its output bias to the training labels' log prior (`set_output_bias`)
+        self.fresh_head = head_state is None
         self._head_state = head_state or (
             lambda: seeded_head_state(
                 hidden, self.head_hidden_size, num_labels, seed=seed, std=self._init_std
@@ -261,6 +264,20 @@ class PreferenceModel(nn.Module):
         )
         hidden = out.last_hidden_state[0]
         return self.head(pool(hidden, cu_seqlens, self.pooling)).float()
+
+    def set_output_bias(self, bias: torch.Tensor) -> None:
+        """Overwrite the head's output bias (`[num_labels]`), sharded (FSDP2 DTensor) or not.
+
+        Collective when the model is sharded: call it on every rank with the same value.
+        """
+        param = self.head.out_proj.bias
+        value = bias.detach().to(device=param.device, dtype=param.dtype)
+        if _is_dtensor(param):
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value, param.device_mesh, param.placements)
+        with torch.no_grad():
+            param.copy_(value)
 
     # ------------------------------------------------------------------------------------------- FLOPs
     def _matmul_params(self) -> int:

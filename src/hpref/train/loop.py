@@ -78,6 +78,33 @@ def build_optimizer(
         return torch.optim.AdamW(param_groups, foreach=True, **kwargs)
 
 
+def prior_logits(labels: np.ndarray, floor: float = 1e-4) -> torch.Tensor:
+    """Log of the mean label distribution (each class at least `floor`), centred: the logits of a
+    head that predicts the label prior whatever its input."""
+    prior = np.clip(np.asarray(labels, dtype=np.float64).mean(axis=0), floor, None)
+    logits = np.log(prior / prior.sum())
+    return torch.tensor(logits - logits.mean(), dtype=torch.float32)
+
+
+def init_head_to_prior(model: torch.nn.Module, data: Tokenized) -> torch.Tensor | None:
+    """Start a new head at the training labels' prior: its output bias = their log prior.
+
+    On chosen/rejected data the tie class never occurs, and a zero bias makes the first steps
+    spend themselves pushing P(tie) from 1/3 towards 0 (loss ln 3 -> ln 2) through the head's
+    weights and the backbone before any A-vs-B signal is learnt (issue #12); on arena data the prior
+    is nearly uniform and this changes little. A trained head (an export) is left alone. Collective:
+    every rank holds the same labels and calls it."""
+    if not getattr(model, "fresh_head", False) or not hasattr(model, "set_output_bias"):
+        return None
+    labels = np.array([e.label for e in data.examples if e.label is not None], dtype=np.float64)
+    if labels.size == 0:
+        return None
+    bias = prior_logits(labels)
+    model.set_output_bias(bias)
+    logger.info(f"head output bias set to the training labels' log prior {bias.tolist()}")
+    return bias
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe, total_steps: int):
     """The recipe's scheduler component (a multiplier of each group's base LR) as a LambdaLR."""
     from hpref.plugins import load_plugins
@@ -311,6 +338,11 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     stats = RunStats()
     if resume_from is not None:
         stats.step = _restore(setup, resume_from)
+    else:
+        from hpref.train.sharding import init_weights_folder
+
+        if init_weights_folder(setup.run_dir) is None:  # `hpref init` weights are used as they are
+            init_head_to_prior(setup.model, setup.train_data)
     metrics.start(stats.step if resume_from is not None else None)
     fail_rank = os.environ.get(FAIL_RANK_ENV)
     crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
