@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,11 +44,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpref.evaluate.cli import eval_command
     from hpref.logs import setup_logging
+    from hpref.train.watchdog import die_with_parent, start_heartbeat
     from hpref.train.worker import init_distributed
 
     parser = argparse.ArgumentParser(prog="hpref.evaluate.worker")
     parser.add_argument("--spec", required=True, help="JSON file with eval_command's arguments")
     args = parser.parse_args(argv)
+    # the same liveness as training workers: gone with the launcher, watched by its heartbeat check
+    die_with_parent()
+    start_heartbeat(int(os.environ.get("RANK", "0")))
     spec = json.loads(Path(args.spec).read_text())
     info = init_distributed("auto")
     setup_logging(None, rank=info.rank)
