@@ -304,3 +304,36 @@ def test_the_divergence_message_names_the_last_good_checkpoint(short_run):
     assert exc.exit_code == 3
     assert str(exc).startswith("step 9: training loss nan, gradient norm inf (not finite)")
     assert str(run_dir / "checkpoints" / "step-000006") in str(exc)
+
+
+# --------------------------------------------------------------------------------------------------
+# durability of a save
+
+
+def test_a_checkpoint_is_fsynced_before_it_is_renamed_and_before_latest_names_it(tmp_path, monkeypatch):
+    """Every file of the checkpoint (shards, index, states, manifest) is fsynced while it still has
+    its temporary name, the rename into `step-N` is made durable, and only then does `latest` move.
+    If this fails, a power cut after `latest` moved can leave it naming a folder of empty files."""
+    from tests.durable import DurableWrites
+
+    writes = DurableWrites(monkeypatch)
+    events: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        events.append(f"replace {Path(dst).name}")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    run_dir = tmp_path / "runs" / "tiny"
+    _model, _recipe, final = make_run(run_dir)
+    tmp = final.parent / f".tmp-{final.name}"
+    files = sorted(p.name for p in final.iterdir())
+    assert "checksums.json" in files and ".metadata" in files and "train_state.json" in files
+    for name in files:
+        assert (tmp / name).resolve() in writes.fsynced or any(
+            f.name.startswith(f".{name}.") and f.parent == tmp.resolve() for f in writes.fsynced
+        ), f"{name} was not fsynced before the checkpoint was renamed into place"
+    assert final.parent.resolve() in writes.fsynced  # the rename itself is durable
+    assert events.index(f"replace {final.name}") < events.index("replace latest")
+    writes.assert_durable(final.parent / "latest")
