@@ -12,6 +12,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
+#: The smallest recipe `hpref train` accepts: a tiny model and synthetic training data.
+MINIMAL_RECIPE = """\
+[run]
+name = "t"
+[model]
+name = "tiny-llama"
+hidden_size = 64
+[dataset.train]
+name = "synthetic-arena"
+num_battles = 100
+"""
+
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
@@ -21,6 +33,17 @@ def _isolated_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HPREF_HOME", str(base / "hpref-home"))
     monkeypatch.setenv("HPREF_CACHE", str(base / "hpref-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def log_messages():
+    """Every loguru message (any level) emitted during the test."""
+    from loguru import logger
+
+    messages: list[str] = []
+    handler = logger.add(lambda m: messages.append(str(m)), level="DEBUG", format="{level} {message}")
+    yield messages
+    logger.remove(handler)
 
 
 def fake_plugin_site(tmp_path: Path, entry_point: str, source: str) -> dict[str, str]:

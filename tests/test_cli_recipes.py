@@ -15,24 +15,11 @@ import tomllib
 from hpref import __version__
 from hpref.errors import RecipeError
 from hpref.recipe import load_recipe, parse_override
-from tests.conftest import REPO, fake_plugin_site, run_hpref
+from tests.conftest import MINIMAL_RECIPE, REPO, fake_plugin_site, run_hpref
 
 SHIPPED = sorted((REPO / "recipes").glob("*.toml"))
 GPU_REFERENCES = {"gemma2-9b-arena", "llama3-8b-arena"}
-GOOD = textwrap.dedent(
-    """
-    [run]
-    name = "t"
-    [model]
-    name = "tiny-llama"
-    hidden_size = 64
-    [dataset.train]
-    name = "synthetic-arena"
-    num_battles = 100
-    [scheduler]
-    name = "cosine"
-    """
-)
+GOOD = MINIMAL_RECIPE + '[scheduler]\nname = "cosine"\n'
 
 
 def write(tmp_path, text: str, name: str = "r.toml"):

@@ -5,7 +5,6 @@ dotted key, exit 2."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import pytest
 import torch
@@ -14,20 +13,9 @@ from hpref.errors import RecipeError, UserError
 from hpref.models.attention import BackendUnavailable, resolve_backend
 from hpref.recipe import load_recipe
 from hpref.recipe_checks import check_train
-from tests.conftest import REPO, run_hpref
+from tests.conftest import MINIMAL_RECIPE, REPO, run_hpref
 
-GOOD = textwrap.dedent(
-    """
-    [run]
-    name = "t"
-    [model]
-    name = "tiny-llama"
-    hidden_size = 64
-    [dataset.train]
-    name = "synthetic-arena"
-    num_battles = 100
-    """
-)
+GOOD = MINIMAL_RECIPE
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA refuses")
 
 

@@ -38,16 +38,6 @@ def recipe(run_dir, num_rollouts):
 
 
 @pytest.fixture
-def messages():
-    from loguru import logger
-
-    found: list[str] = []
-    handler = logger.add(lambda m: found.append(str(m)), level="INFO", format="{level} {message}")
-    yield found
-    logger.remove(handler)
-
-
-@pytest.fixture
 def synced(monkeypatch):
     """Paths whose data was fsynced (through any fd) during the test."""
     paths: list[str] = []
@@ -63,7 +53,7 @@ def synced(monkeypatch):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="uses /proc")
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
-def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch, messages, synced):
+def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch, log_messages, synced):
     """SIGKILL policy b's actor once b has trained two rollouts and a save is recorded. If the run
     hangs, a dead actor is not noticed; if it ends in a traceback or the line lacks "policy 'b':
     <kind> actor", the user cannot tell what died; if the resume fails, the record written before
@@ -100,8 +90,8 @@ def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch
     thread.join(timeout=5)
     assert code == 1
     assert time.monotonic() - start < 300
-    lines = [m for m in messages if " died (" in m]
-    assert len(lines) == 1, messages[-10:]
+    lines = [m for m in log_messages if " died (" in m]
+    assert len(lines) == 1, log_messages[-10:]
     assert f"policy 'b': {kind} actor died" in lines[0]
     record = read_record(run_dir)
     assert record is not None and record.save_dir in lines[0] and "--resume auto" in lines[0]
@@ -110,7 +100,7 @@ def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch
     # the record, not the metrics, says where the run stands; resume runs two leader rollouts more
     stop = record.rollout_ids["a"] + 2
     assert driver.run_rl(recipe(run_dir, stop), ["a", "b"], resume="auto") == 0
-    assert any("resumed from" in m and record.save_dir in m for m in messages)
+    assert any("resumed from" in m and record.save_dir in m for m in log_messages)
     assert read_record(run_dir).rollout_ids["a"] == stop
     for name in ("rl.json", "rl_summary.json"):
         assert any(p.startswith(str(run_dir / f".{name}.")) for p in synced), (name, synced[-5:])

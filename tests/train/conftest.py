@@ -90,17 +90,6 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["step_loss"] for r in records}
 
 
-@pytest.fixture
-def log_messages():
-    """Every loguru message (any level) emitted during the test."""
-    from loguru import logger
-
-    messages: list[str] = []
-    handler = logger.add(lambda m: messages.append(str(m)), level="DEBUG", format="{level} {message}")
-    yield messages
-    logger.remove(handler)
-
-
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory):
     """The uninterrupted 2-rank reference run, shared by the equivalence and resume tests."""
