@@ -129,6 +129,9 @@ def _example_recipe(tmp_path: Path) -> Path:
     recipe.write_text(
         textwrap.dedent(
             f"""
+            [model]
+            name = "tiny-llama"
+            hidden_size = 64
             [dataset.train]
             name = "tsv-pairs"
             path = "{data}"
