@@ -38,7 +38,7 @@ def contains(seq, sub):
 def test_registered_builders():
     registered = {}
     builtin_formatters.register_formatters(register=lambda **kw: registered.setdefault(kw["name"], kw))
-    assert set(registered) == {"pab", "papb"} and registered["pab"]["config"] is FormatterConfig
+    assert set(registered) == {"pab", "papb", "answers"} and registered["pab"]["config"] is FormatterConfig
 
 
 def test_pab_with_chat_template_ends_at_the_verdict(chat_tokenizer):

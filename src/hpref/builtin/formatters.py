@@ -1,12 +1,13 @@
 """Built-in prompt formatters: `pab` (turn by turn: user, A, B) and `papb` (A's conversation, then
-B's). `build(config, tokenizer, max_length)` returns a `hpref.data.formatting.JudgeFormatter` with
-`encode(battle) -> list[int]` (at most max_length ids, ending where the verdict would start)."""
+B's) for a judge, `answers` (each answer with its conversation, two sequences) for a reward model.
+`build(config, tokenizer, max_length)` returns a `hpref.data.formatting.JudgeFormatter` with
+`encode(battle) -> list[int]` (at most max_length ids per sequence)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hpref.data.formatting import FormatterConfig, JudgeFormatter
+from hpref.data.formatting import AnswersConfig, AnswersFormatter, FormatterConfig, JudgeFormatter
 from hpref.hookspecs import hookimpl
 
 
@@ -20,7 +21,14 @@ def build_papb(config: FormatterConfig, tokenizer: Any, max_length: int) -> Judg
     return JudgeFormatter("papb", config, tokenizer, max_length)
 
 
+def build_answers(config: AnswersConfig, tokenizer: Any, max_length: int) -> AnswersFormatter:
+    """Reward-model input: A's conversation and B's as two sequences of max_length each (a model
+    with head = "reward" scores each one)."""
+    return AnswersFormatter(config, tokenizer, max_length)
+
+
 @hookimpl
 def register_formatters(register):
     register(name="pab", config=FormatterConfig, build=build_pab)
     register(name="papb", config=FormatterConfig, build=build_papb)
+    register(name="answers", config=AnswersConfig, build=build_answers)

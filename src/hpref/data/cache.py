@@ -16,7 +16,8 @@ The key is a hash of everything that changes the ids:
   views      whether swapped views are stored
   extra      any `key_parts` the caller adds
 The cache lives in `$HPREF_CACHE`, else `~/.cache/hpref/tokens`: one `<key>.npz` (flat int32 ids,
-offsets, labels, rows, swap flags, truncation flags, untruncated lengths) and a `<key>.json` with the
+offsets, labels, rows, swap flags, truncation flags, untruncated lengths, and where a paired
+example's second sequence starts) and a `<key>.json` with the
 read summary and the key's parts, for humans. Files are written to a temporary name and renamed, so
 concurrent ranks or runs never read half a file. A source without `fingerprint()` is tokenized
 every time (there is no safe key), with a log line saying so.
@@ -36,10 +37,13 @@ from typing import Any
 import numpy as np
 from loguru import logger
 
+from hpref.data.formatting import encode_battles
 from hpref.data.packing import TokenizedExample
 
 CACHE_ENV = "HPREF_CACHE"
-CACHE_VERSION = 2  # 2: pairwise folds no longer depend on the run seed (same key, other rows)
+# 2: pairwise folds no longer depend on the run seed (same key, other rows)
+# 3: entries store `splits` (a reward model's paired examples); older entries lack the array
+CACHE_VERSION = 3
 _ENCODE_CHUNK = 256
 
 
@@ -88,6 +92,7 @@ class TokenArrays:
     swapped: np.ndarray  # bool [n]
     truncated: np.ndarray  # bool [n]
     full_lengths: np.ndarray  # int64 [n], length before truncation
+    splits: np.ndarray  # int64 [n], start of a paired example's second sequence (0 = one sequence)
     summary: dict[str, Any] = field(default_factory=dict)
     from_cache: bool = False
 
@@ -105,6 +110,7 @@ class TokenArrays:
                     label=label,  # type: ignore[arg-type]
                     row=int(self.rows[i]),
                     swapped=bool(self.swapped[i]),
+                    split=int(self.splits[i]),
                 )
             )
         return out
@@ -135,16 +141,12 @@ def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
     swapped: list[bool] = []
     truncated: list[bool] = []
     full: list[int] = []
+    splits: list[int] = []
     pending: list[tuple[int, bool, Any]] = []
-
-    def encode(f: Any, battles: list[Any]) -> list[tuple[Any, bool, int]]:
-        if hasattr(f, "encode_many"):
-            return [(e.ids, e.truncated, e.full_length) for e in f.encode_many(battles)]
-        return [(ids, False, len(ids)) for ids in map(f.encode, battles)]  # only the required encode()
 
     def flush() -> None:
         battles = [b for _, _, b in pending]
-        per_formatter = [encode(f, battles) for f in formatters]
+        per_formatter = [encode_battles(f, battles) for f in formatters]
         # Views of one battle stay adjacent: for each battle, each formatter's A/B (then B/A) view.
         ordered = [
             (pending[k], per_formatter[j][k])
@@ -152,14 +154,15 @@ def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
             for j in range(len(formatters))
             for k in range(start, start + views)
         ]
-        for (row, is_swapped, battle), (ids, cut, full_length) in ordered:
-            chunks.append(np.asarray(ids, dtype=np.int32))
-            lengths.append(len(ids))
+        for (row, is_swapped, battle), encoded in ordered:
+            chunks.append(np.asarray(encoded.ids, dtype=np.int32))
+            lengths.append(len(encoded.ids))
             labels.append(battle.label if battle.label is not None else (np.nan, np.nan, np.nan))
             rows.append(row)
             swapped.append(is_swapped)
-            truncated.append(cut)
-            full.append(full_length)
+            truncated.append(encoded.truncated)
+            full.append(encoded.full_length)
+            splits.append(encoded.split)
         pending.clear()
 
     for row, battle in enumerate(dataset.battles()):
@@ -180,11 +183,12 @@ def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
         swapped=np.array(swapped, dtype=np.bool_),
         truncated=np.array(truncated, dtype=np.bool_),
         full_lengths=np.array(full, dtype=np.int64),
+        splits=np.array(splits, dtype=np.int64),
         summary=summary,
     )
 
 
-_FIELDS = ("ids", "offsets", "labels", "rows", "swapped", "truncated", "full_lengths")
+_FIELDS = ("ids", "offsets", "labels", "rows", "swapped", "truncated", "full_lengths", "splits")
 
 
 def _save(path: Path, arrays: TokenArrays, key: dict) -> None:

@@ -3,9 +3,12 @@
 A formatter turns one `Battle` into the token ids of one sequence that ends where a judge would give
 its verdict, so the hidden state of the last token is the natural place to classify.
 
-pab   one judge prompt with the whole conversation, turn by turn: the user message, then Assistant
-      A's answer, then Assistant B's.
-papb  A's whole conversation, then B's (the user turns appear in both).
+pab      one judge prompt with the whole conversation, turn by turn: the user message, then Assistant
+         A's answer, then Assistant B's.
+papb     A's whole conversation, then B's (the user turns appear in both).
+answers  for a reward model: no judge prompt, TWO sequences per battle, A's conversation (user and
+         assistant turns, the answer to score last) and B's, each within max_length on its own
+         (`AnswersFormatter`; `Encoded.split` says where B's sequence starts).
 
 When the tokenizer has a chat template, the judge prompt is the user message of a one-message chat
 rendered with `add_generation_prompt=True` (the sequence ends at the start of the assistant's reply);
@@ -82,6 +85,21 @@ class Encoded:
     ids: list[int]
     truncated: bool  # some field was cut or some turn dropped
     full_length: int  # the length without truncation
+    #: where the second sequence starts when one battle is two sequences (`AnswersFormatter`: A's
+    #: conversation is ids[:split], B's ids[split:]); 0 = one sequence
+    split: int = 0
+
+
+def encode_battles(formatter: Any, battles: Sequence[Battle]) -> list[Encoded]:
+    """Every caller's way to run a formatter plugin: `encode_many` when it has one (batched
+    tokenization, truncation statistics, paired sequences), else the required `encode` alone."""
+    if hasattr(formatter, "encode_many"):
+        return list(formatter.encode_many(battles))
+    out = []
+    for battle in battles:
+        ids = list(formatter.encode(battle))
+        out.append(Encoded(ids, False, len(ids)))
+    return out
 
 
 def _layout_pab(n: int, instruction: str) -> list[str | Slot]:
@@ -119,8 +137,12 @@ class JudgeFormatter:
     Encodes one view; callers encode `battle.swapped()` for the swap view.
     """
 
-    def __init__(self, name: str, config: FormatterConfig, tokenizer: Any, max_length: int) -> None:
-        if name not in LAYOUTS:
+    #: one sequence per battle (a judge reads both answers); `AnswersFormatter` makes two
+    paired = False
+    layouts: dict[str, Any] = LAYOUTS
+
+    def __init__(self, name: str, config: Any, tokenizer: Any, max_length: int) -> None:
+        if name not in self.layouts:
             raise ValueError(f"unknown layout {name!r}")
         self.name = name
         self.config = config
@@ -146,6 +168,13 @@ class JudgeFormatter:
             )
         return text + "\n\nVerdict:"
 
+    def _render(self, n_turns: int) -> tuple[str, list[Slot]]:
+        """The whole fixed text for `n_turns` turns, with sentinel `i` where slot `i`'s field goes."""
+        layout = self.layouts[self.name](n_turns, self.config.instruction)
+        slots = [p for p in layout if isinstance(p, Slot)]
+        marked = "".join(p if isinstance(p, str) else _SENTINEL.format(i) for i, p in slots_iter(layout))
+        return self._wrap(marked), slots
+
     def _special_wrap(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer adds around a text by itself (BOS, or CLS ... SEP), for plain mode."""
         if self.use_chat_template:
@@ -162,10 +191,7 @@ class JudgeFormatter:
         cached = self._skeletons.get(n_turns)
         if cached is not None:
             return cached
-        layout = LAYOUTS[self.name](n_turns, self.config.instruction)
-        slots = [p for p in layout if isinstance(p, Slot)]
-        marked = "".join(p if isinstance(p, str) else _SENTINEL.format(i) for i, p in slots_iter(layout))
-        rendered = self._wrap(marked)
+        rendered, slots = self._render(n_turns)
         texts = []
         rest = rendered
         for i in range(len(slots)):
@@ -296,6 +322,128 @@ class JudgeFormatter:
             "version": 1,
         }
         return hashlib.blake2b(json.dumps(settings, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# reward-model input: each answer with its conversation, as its own sequence
+
+
+class AnswersConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="render each side as the tokenizer's chat (user/assistant turns) when it has a "
+        "template (auto), always (on) or never (off: plain 'User:' / 'Assistant:' text)",
+    )
+    answer_share: float = Field(
+        0.75,
+        gt=0.0,
+        le=1.0,
+        description="the most of a sequence's field budget the scored answer takes when the side does "
+        "not fit; the rest goes to the last user message first, then to earlier turns",
+    )
+    min_turn_tokens: int = Field(
+        8, ge=0, description="an earlier turn left with fewer field tokens is dropped, with its fixed text"
+    )
+
+
+def _layout_answers(n: int, _instruction: str | None = None) -> list[str | Slot]:
+    """Plain-text rendering of one side's conversation (no chat template)."""
+    parts: list[str | Slot] = []
+    for t in range(n):
+        parts += ["User:\n", Slot("prompt", t), "\n\nAssistant:\n", Slot("answer", t)]
+        if t < n - 1:
+            parts.append("\n\n")
+    return parts
+
+
+class AnswersFormatter(JudgeFormatter):
+    """A battle as TWO sequences for a reward model: [conversation + A's answer], [conversation + B's].
+
+    Each side is the user turns with that side's own assistant turns (in a multi-turn arena battle
+    each model answered its own conversation), rendered as a chat (`apply_chat_template` over
+    user/assistant messages, no generation prompt: the scored answer is the last turn) or as plain
+    text wrapped in the tokenizer's special tokens. No judge instruction: the model scores one
+    answer, it does not compare. Each side gets `max_length` tokens of its own. When a side does not
+    fit, the scored (last) answer keeps its beginning, up to `answer_share` of the budget if the
+    last user message needs the rest; the conversation before it keeps its end (the turns nearest
+    the answer, newest first) and older turns are dropped whole once they would keep fewer than
+    `min_turn_tokens`. `encode_many` returns `Encoded(ids = A + B, split = len(A))`.
+    """
+
+    paired = True
+    layouts = {"answers": _layout_answers}
+
+    def __init__(self, config: AnswersConfig, tokenizer: Any, max_length: int) -> None:
+        super().__init__("answers", config, tokenizer, max_length)
+
+    def _render(self, n_turns: int) -> tuple[str, list[Slot]]:
+        if not self.use_chat_template:
+            layout = _layout_answers(n_turns)
+            slots = [p for p in layout if isinstance(p, Slot)]
+            marked = "".join(p if isinstance(p, str) else _SENTINEL.format(i) for i, p in slots_iter(layout))
+            return marked, slots
+        slots, messages = [], []
+        for t in range(n_turns):
+            for role, kind in (("user", "prompt"), ("assistant", "answer")):
+                messages.append({"role": role, "content": _SENTINEL.format(len(slots))})
+                slots.append(Slot(kind, t))
+        return self.tokenizer.apply_chat_template(messages, tokenize=False), slots
+
+    def _assemble(self, battle: Battle, fields: dict[tuple[str, int], list[int]]) -> Encoded:
+        n = len(battle.prompt)
+        if n == 0:
+            raise DataError(f"battle {battle.id}: no turns to format")
+        sides = []
+        for kind in ("a", "b"):
+            side = {(k, t): ids for (k, t), ids in fields.items() if k == "prompt"}
+            side.update({("answer", t): ids for (k, t), ids in fields.items() if k == kind})
+            sides.append(self._assemble_side(n, side))
+        (a, cut_a, full_a), (b, cut_b, full_b) = sides
+        return Encoded(a + b, cut_a or cut_b, full_a + full_b, split=len(a))
+
+    def _assemble_side(self, n: int, fields: dict[tuple[str, int], list[int]]) -> tuple[list[int], bool, int]:
+        pieces, slots = self.skeleton(n)
+        full_length = sum(map(len, pieces)) + sum(len(fields[(s.kind, s.turn)]) for s in slots)
+        if full_length <= self.max_length:
+            return self._join(pieces, slots, fields), False, full_length
+        first = 0  # the oldest turn kept
+        while True:
+            pieces, slots = self.skeleton(n - first)
+            shifted = [Slot(s.kind, s.turn + first) for s in slots]
+            budget = self.max_length - sum(map(len, pieces))
+            if budget < 1 and first < n - 1:
+                first += 1
+                continue
+            limits = self._budget(shifted, fields, max(budget, 0))
+            oldest = [(k, t) for (k, t) in limits if t == first]
+            kept = sum(limits[key] for key in oldest)
+            needs = sum(len(fields[key]) for key in oldest)
+            if first < n - 1 and kept < min(self.config.min_turn_tokens, needs):
+                first += 1
+                continue
+            scored = ("answer", n - 1)
+            cut = {
+                key: fields[key][: limits[key]]  # the scored answer keeps its beginning
+                if key == scored
+                else fields[key][len(fields[key]) - limits[key] :]  # context keeps its end
+                for key in limits
+            }
+            return self._join(pieces, shifted, cut), True, full_length
+
+    def _budget(self, slots: list[Slot], fields: dict[tuple[str, int], list[int]], budget: int) -> dict:
+        """Tokens kept per field: the scored answer first (leaving the last user message up to
+        1 - answer_share of the budget), then the context from the newest field backwards."""
+        keys = [(s.kind, s.turn) for s in slots]
+        scored, question = keys[-1], keys[-2]
+        reserve = min(len(fields[question]), int(budget * (1.0 - self.config.answer_share)))
+        limits = {scored: min(len(fields[scored]), max(budget - reserve, 0))}
+        rest = budget - limits[scored]
+        for key in reversed(keys[:-1]):
+            limits[key] = min(len(fields[key]), rest)
+            rest -= limits[key]
+        return limits
 
 
 def slots_iter(layout: list[str | Slot]):

@@ -21,6 +21,10 @@ Why the plan has the shape it has
 - Everything is a pure function of (lengths, rows, settings, seed, epoch): every rank computes the
   same plan locally, and resuming mid-epoch is skipping the completed steps (`StepSampler`).
 
+Paired examples (a reward model's battle: A's conversation and B's, `TokenizedExample.split`) are
+planned as one unit of their total length, so both sequences of a battle are always in the same
+micro-batch, next to each other; `collate` gives each its own boundary in `cu_seqlens`.
+
 `plan_eval` packs every example exactly once (no swap selection, no shuffling) with the same
 equal-count rule; gathered predictions drop rows == -1 (fillers).
 """
@@ -46,30 +50,38 @@ Swap = Literal["none", "full", "random"]
 @dataclass
 class TokenizedExample:
     """One formatted view of one battle. `row` is the battle's index in its dataset's `battles()`
-    order; `swapped` says this is the B/A view (its label already swapped)."""
+    order; `swapped` says this is the B/A view (its label already swapped). `split` > 0 makes it two
+    sequences, ids[:split] (A's) and ids[split:] (B's), for a reward model that scores each alone;
+    0 is one sequence (a judge's)."""
 
     ids: np.ndarray | list[int]
     label: Probs | None
     row: int
     swapped: bool = False
+    split: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
 
 
-def filler(token_id: int = 0) -> TokenizedExample:
-    """The zero-weight dummy that keeps micro-batch counts equal across ranks."""
+def filler(token_id: int = 0, *, paired: bool = False) -> TokenizedExample:
+    """The zero-weight dummy that keeps micro-batch counts equal across ranks: one 1-token sequence,
+    or a pair of them when the data is paired (a reward model reads sequences two by two)."""
+    if paired:
+        return TokenizedExample(ids=np.array([token_id] * 2, dtype=np.int32), label=None, row=FILLER, split=1)
     return TokenizedExample(ids=np.array([token_id], dtype=np.int32), label=None, row=FILLER, swapped=False)
 
 
 @dataclass
 class PackedBatch:
-    """One micro-batch: n sequences concatenated into one row of T tokens, no padding.
+    """One micro-batch: n examples concatenated into one row of T tokens, no padding.
 
-    input_ids [T] long, position_ids [T] long (restarting at 0 per sequence), cu_seqlens [n+1] int32
-    (starts at 0, flash-attention's varlen layout), last_token_index [n] long (where each sequence's
-    verdict is read), labels [n, 3] float (zeros when unlabeled; see has_label), rows [n] long (-1 for
-    fillers), swapped [n] bool, weights [n] float (1 real, 0 filler), max_seqlen (python int).
+    An example is s = 1 sequence (a judge's) or s = 2 (a reward model's A and B, consecutive), the
+    same s for every example of a batch. Per sequence (m = s n): position_ids [T] long (restarting
+    at 0 per sequence), cu_seqlens [m+1] int32 (starts at 0, flash-attention's varlen layout),
+    last_token_index [m] long, max_seqlen (python int). Per example, which is what the model
+    returns one row of logits for: labels [n, 3] float (zeros when unlabeled; see has_label), rows
+    [n] long (-1 for fillers), swapped [n] bool, weights [n] float (1 real, 0 filler).
     """
 
     input_ids: torch.Tensor
@@ -85,7 +97,7 @@ class PackedBatch:
 
     @property
     def num_sequences(self) -> int:
-        """All sequences, fillers included (the model returns one output per sequence)."""
+        """All examples, fillers included (the model returns one output per example)."""
         return int(self.rows.numel())
 
     @property
@@ -93,10 +105,15 @@ class PackedBatch:
         return int((self.rows >= 0).sum())
 
     @property
+    def sequences_per_example(self) -> int:
+        return (self.cu_seqlens.numel() - 1) // max(self.rows.numel(), 1)
+
+    @property
     def num_tokens(self) -> int:
         """Real tokens (fillers excluded): the numerator of tokens/s."""
         lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        return int(lengths[self.rows >= 0].sum())
+        per_example = lengths.reshape(self.rows.numel(), -1).sum(dim=1)
+        return int(per_example[self.rows >= 0].sum())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         moved = {
@@ -117,14 +134,24 @@ class PackedBatch:
 
 
 def collate(examples: Sequence[TokenizedExample]) -> PackedBatch:
-    """Concatenate examples into one padding-free `PackedBatch` (rows < 0 get weight 0)."""
+    """Concatenate examples into one padding-free `PackedBatch` (rows < 0 get weight 0); a paired
+    example (split > 0) is two sequences, each with its own boundary and positions from 0."""
     if not examples:
         raise ValueError("collate needs at least one example")
-    lengths = [len(e) for e in examples]
+    paired = {e.split > 0 for e in examples}
+    if len(paired) > 1:
+        raise ValueError(
+            "collate got paired (split > 0) and single-sequence examples in one batch: a model reads "
+            "either one sequence or two per example"
+        )
+    if paired.pop():
+        lengths = [n for e in examples for n in (e.split, len(e) - e.split)]
+    else:
+        lengths = [len(e) for e in examples]
     if min(lengths) < 1:
         raise ValueError("collate got an empty sequence")
     ids = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in examples])
-    cu = np.zeros(len(examples) + 1, dtype=np.int32)
+    cu = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu[1:])
     positions = np.arange(len(ids), dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), lengths)
     labels = np.array(
@@ -170,8 +197,8 @@ class StepPlan:
     def batches(
         self, rank: int, examples: Sequence[TokenizedExample], filler_token_id: int = 0
     ) -> list[PackedBatch]:
-        """This rank's micro-batches, collated."""
-        pad = filler(filler_token_id)
+        """This rank's micro-batches, collated (fillers shaped like the examples: paired or not)."""
+        pad = filler(filler_token_id, paired=bool(examples) and examples[0].split > 0)
         return [collate([examples[i] if i >= 0 else pad for i in mb]) for mb in self.for_rank(rank)]
 
 

@@ -102,20 +102,22 @@ def view_examples(
 
     Give `formatter` (uses `encode_many` when it has one: batched tokenization) or `encode`.
     """
+    from hpref.data.formatting import Encoded, encode_battles
     from hpref.data.packing import TokenizedExample
 
     views: list[tuple[int, bool, Battle]] = [(i, False, b) for i, b in enumerate(battles)]
     if tta:
         views += [(i, True, b.swapped()) for i, b in enumerate(battles)]
     shown = [b for _, _, b in views]
-    if formatter is not None and hasattr(formatter, "encode_many"):
-        ids = [list(e.ids) for e in formatter.encode_many(shown)]
+    if formatter is not None:
+        encoded = encode_battles(formatter, shown)
     else:
-        fn = encode if encode is not None else formatter.encode
-        ids = [list(fn(b)) for b in shown]
+        encoded = [Encoded(ids, False, len(ids)) for ids in (list(encode(b)) for b in shown)]
     return [
-        TokenizedExample(ids=np.asarray(seq, dtype=np.int32), label=b.label, row=row, swapped=flag)
-        for (row, flag, b), seq in zip(views, ids, strict=True)
+        TokenizedExample(
+            ids=np.asarray(e.ids, dtype=np.int32), label=b.label, row=row, swapped=flag, split=e.split
+        )
+        for (row, flag, b), e in zip(views, encoded, strict=True)
     ]
 
 

@@ -8,10 +8,11 @@ is tokenized directly, keeping the battles, whose ids the predictions file needs
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hpref.data.formatting import encode_battles
 from hpref.data.packing import TokenizedExample
 from hpref.data.records import Battle
 from hpref.errors import DataError
@@ -66,17 +67,13 @@ def tokenize(battles: Iterable[Battle], formatter: Any, *, both_views: bool, nam
         views: list[tuple[int, bool, Battle]] = [(start + i, False, b) for i, b in enumerate(chunk)]
         if both_views:
             views += [(start + i, True, b.swapped()) for i, b in enumerate(chunk)]
-        encoded = _encode_many(formatter, [b for _, _, b in views])
-        for (row, swapped, battle), ids in zip(views, encoded, strict=True):
-            examples.append(TokenizedExample(ids=ids, label=battle.label, row=row, swapped=swapped))
+        encoded = encode_battles(formatter, [b for _, _, b in views])
+        for (row, swapped, battle), e in zip(views, encoded, strict=True):
+            examples.append(
+                TokenizedExample(ids=list(e.ids), label=battle.label, row=row, swapped=swapped, split=e.split)
+            )
     examples.sort(key=lambda e: (e.row, e.swapped))
     return Tokenized(examples=examples, battles=kept)
-
-
-def _encode_many(formatter: Any, battles: Sequence[Battle]) -> list[list[int]]:
-    if hasattr(formatter, "encode_many"):
-        return [list(e.ids) for e in formatter.encode_many(battles)]
-    return [list(formatter.encode(b)) for b in battles]
 
 
 def require_labels(data: Tokenized, name: str) -> None:
