@@ -109,7 +109,9 @@ def tiny_gemma2_config(**overrides):
     return Gemma2Config(**values)
 
 
-def model_from_config(config, *, attention="sdpa_segments", pooling="auto", meta=False, seed=0, num_labels=3):
+def model_from_config(
+    config, *, attention="sdpa_segments", pooling="auto", meta=False, seed=0, num_labels=3, head="judge"
+):
     from hpref.models.hf import build_from_config
 
     return build_from_config(
@@ -125,4 +127,5 @@ def model_from_config(config, *, attention="sdpa_segments", pooling="auto", meta
         head_dropout=0.1,
         seed=seed,
         provenance={"test": True},
+        head=head,
     )

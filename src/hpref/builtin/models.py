@@ -24,12 +24,23 @@ class _Config(BaseModel):
 
 
 class HeadConfig(_Config):
+    head: Literal["judge", "reward"] = Field(
+        "judge",
+        description=(
+            "judge = one sequence with both answers, a 3-way (A / B / tie) head; reward = a scalar "
+            "reward model scoring each answer with its conversation (formatter 'answers', swap "
+            "'none'; Bradley-Terry, Davidson with ties; `hpref save` exports a transformers "
+            "sequence classifier with one label)"
+        ),
+    )
     attention: Attention = Field(
         "auto",
         description="packed attention: auto = flash-attn or torch varlen on CUDA bf16, else sdpa_segments",
     )
     head_hidden_size: int | None = Field(
-        None, ge=1, description="width of the head's hidden layer (default: the backbone's hidden size)"
+        None,
+        ge=1,
+        description="width of the judge head's hidden layer (default: the backbone's hidden size)",
     )
     head_dropout: float = Field(
         0.0,
@@ -120,6 +131,7 @@ class TinyLlamaConfig(HeadConfig):
 
 def _head_kwargs(config: HeadConfig) -> dict[str, Any]:
     return dict(
+        head=config.head,
         attention=config.attention,
         head_hidden_size=config.head_hidden_size,
         head_dropout=config.head_dropout,
@@ -147,6 +159,7 @@ def build_hf_classifier(
             num_labels=num_labels,
             backbone_config=config.backbone_config,
             backbone_dropout=config.backbone_dropout,
+            head=config.head,
         )
     return build_from_folder(
         folder,

@@ -54,8 +54,11 @@ def minilm_path() -> Path:
     return folder
 
 
-def _init_kwargs(config: Any) -> dict[str, Any]:
-    """Constructor switches that drop parts we never use (BERT's pooler: we pool ourselves)."""
+def _init_kwargs(config: Any, head: str = "judge") -> dict[str, Any]:
+    """Constructor switches that drop parts we never use (BERT's pooler: a judge pools itself; a
+    reward model keeps it, as transformers' sequence classifier applies it)."""
+    if head == "reward":
+        return {}
     from transformers import MODEL_MAPPING
 
     try:
@@ -90,6 +93,7 @@ def build_from_folder(
     head_state: Any = None,
     backbone_config: dict[str, Any] | None = None,
     backbone_dropout: bool = False,
+    head: str = "judge",
 ) -> PreferenceModel:
     """A `PreferenceModel` on an HF backbone folder; `meta=True` allocates nothing (see preference.py).
 
@@ -113,7 +117,7 @@ def build_from_folder(
     kwargs: dict[str, Any] = dict(
         attn_implementation=name, dtype=torch.float32, trust_remote_code=trust_remote_code
     )
-    kwargs.update(_init_kwargs(config))
+    kwargs.update(_init_kwargs(config, head))
 
     def pretrained() -> torch.nn.Module:
         try:
@@ -152,6 +156,7 @@ def build_from_folder(
         backbone_state=load_cpu,
         head_state=head_state,
         provenance=provenance,
+        head=head,  # type: ignore[arg-type]
     )
     return finish(model, device=device, meta=meta)
 
@@ -218,10 +223,12 @@ def load_exported(
     num_labels: int | None = None,
     backbone_config: dict[str, Any] | None = None,
     backbone_dropout: bool = False,
+    head: str | None = None,
 ) -> PreferenceModel:
     """Rebuild a model saved by `PreferenceModel.save_pretrained`, trained head included.
 
-    `num_labels`, when given, must match the saved head (a 3-way head cannot score a 2-way task).
+    `num_labels`, when given, must match the saved head (a 3-way head cannot score a 2-way task);
+    `head`, when given, must be the saved head's kind (judge or reward).
     """
     meta_file = folder / EXPORT_JSON
     if not meta_file.is_file():
@@ -235,6 +242,12 @@ def load_exported(
     if num_labels is not None and int(info["num_labels"]) != num_labels:
         raise UserError(
             f"the head saved in '{folder}' has {info['num_labels']} labels, the run needs {num_labels}"
+        )
+
+    saved_head = info.get("head", "judge")
+    if head is not None and head != saved_head:
+        raise UserError(
+            f"the head saved in '{folder}' is a {saved_head} head, the recipe asks for head = '{head}'"
         )
 
     def head_state() -> dict[str, torch.Tensor]:
@@ -257,6 +270,7 @@ def load_exported(
         head_state=head_state,
         backbone_config=backbone_config,
         backbone_dropout=backbone_dropout,
+        head=saved_head,
     )
 
 
@@ -274,6 +288,7 @@ def build_from_config(
     head_dropout: float,
     seed: int,
     provenance: dict[str, Any],
+    head: str = "judge",
 ) -> PreferenceModel:
     """A `PreferenceModel` on a randomly initialised backbone built from an HF config.
 
@@ -305,5 +320,6 @@ def build_from_config(
         seed=seed,
         backbone_state=lambda: seeded().state_dict(),
         provenance=provenance,
+        head=head,  # type: ignore[arg-type]
     )
     return finish(model, device=device, meta=meta)

@@ -17,6 +17,21 @@ computed on CPU at build time and kept), then fills the DTensor shards through
 `torch.distributed.checkpoint.state_dict.set_model_state_dict(full_state_dict=True)` from
 `pretrained_state_dict()` — a full CPU state dict that only rank 0 has to read when
 `broadcast_from_rank0=True` (the others pass `{}` and receive their shards from rank 0).
+
+Two heads (`head`):
+judge   one sequence holds the conversation and both answers; `ClassificationHead` maps its pooled
+        state to 3 logits (A / B / tie).
+reward  a scalar reward model: each example is two sequences (A's conversation, B's; the `answers`
+        formatter), each pooled the way transformers' `AutoModelForSequenceClassification` pools
+        that family (the last token of a decoder; BERT's pooler, dense + tanh over CLS, of an
+        encoder, which stays in the backbone with its pretrained weights) and scored by one linear
+        (`RewardHead.score`: Llama's `score`, no bias; BERT's `classifier`, with bias). Consecutive
+        scores (s_A, s_B) become 3 logits `davidson_logits` = [s_A, s_B, log nu + (s_A + s_B) / 2]:
+        their softmax is Davidson's tie model (P(tie) proportional to nu sqrt(pi_A pi_B)), and
+        with nu -> 0 Bradley-Terry, P(A) = sigmoid(s_A - s_B). So predictions, loss, metrics and
+        checkpoints see one example = one battle with 3 logits, as with a judge. `save_pretrained`
+        writes the backbone and `score` in the layout of transformers' sequence-classification model
+        with one label, which TRL and OpenRLHF load as a reward model; nu goes in hpref_model.json.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from torch import nn
 from hpref.models.attention import CONTEXT_KWARG, VarlenContext
 
 Pooling = Literal["last", "first", "mean"]
+Head = Literal["judge", "reward"]
 EXPORT_FORMAT = 1
 EXPORT_JSON = "hpref_model.json"
 HEAD_FILE = "head.safetensors"
@@ -70,6 +86,76 @@ def seeded_head_state(
         "out_proj.weight": torch.randn(num_labels, hidden_size, generator=gen) * std,
         "out_proj.bias": torch.zeros(num_labels),
     }
+
+
+class RewardHead(nn.Module):
+    """One scalar per sequence (`score`: transformers' own sequence-classification linear with one
+    label) and the learned tie parameter `log_tie` = log nu of Davidson's model."""
+
+    def __init__(self, in_features: int, bias: bool) -> None:
+        super().__init__()
+        self.score = nn.Linear(in_features, 1, bias=bias)
+        self.log_tie = nn.Parameter(torch.zeros(1))
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return davidson_logits(self.score(pooled).squeeze(-1).float(), self.log_tie.float())
+
+
+def davidson_logits(scores: torch.Tensor, log_tie: torch.Tensor) -> torch.Tensor:
+    """`[2n]` scores of consecutive (A, B) sequences -> `[n, 3]` logits whose softmax is Davidson's
+    model: P(A) : P(B) : P(tie) = pi_A : pi_B : nu sqrt(pi_A pi_B), pi = exp(s)."""
+    if scores.numel() % 2:
+        raise ValueError(f"a reward model scores sequences in (A, B) pairs, got {scores.numel()} sequences")
+    pairs = scores.reshape(-1, 2)
+    tie = log_tie.reshape(()) + pairs.mean(dim=1)
+    return torch.cat([pairs, tie[:, None]], dim=1)
+
+
+def seeded_reward_head_state(
+    in_features: int, bias: bool, *, seed: int, std: float
+) -> dict[str, torch.Tensor]:
+    """The reward head's initial weights from `seed` alone; log nu = 0 until the trainer sets it to
+    the labels' prior (`set_output_bias`)."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {"score.weight": torch.randn(1, in_features, generator=gen) * std, "log_tie": torch.zeros(1)}
+    if bias:
+        state["score.bias"] = torch.zeros(1)
+    return state
+
+
+def hf_reward_layout(config: Any) -> dict[str, Any]:
+    """Where transformers' `AutoModelForSequenceClassification` (one label) keeps what hpref's reward
+    model has: the base model's key prefix, the name of the scoring linear, its bias, the class.
+
+    Built on the meta device (no memory). A family whose head is not one linear on the pooled state
+    (RoBERTa's two-layer head, DeBERTa's context pooler, ...) is refused: its export would not be the
+    model hpref trained.
+    """
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    from hpref.errors import UserError
+
+    cfg = copy.deepcopy(config)
+    cfg.num_labels = 1
+    try:
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(cfg)
+    except (ValueError, KeyError) as exc:
+        raise UserError(
+            "head = 'reward' needs a transformers sequence-classification model for "
+            f"{type(config).__name__}: {exc}"
+        ) from None
+    prefix = model.base_model_prefix
+    extra = sorted(k for k in model.state_dict() if not k.startswith(prefix + "."))
+    for name in ("score", "classifier"):
+        if extra in ([f"{name}.weight"], [f"{name}.bias", f"{name}.weight"]):
+            return {"prefix": prefix, "name": name, "bias": len(extra) == 2, "class": type(model).__name__}
+    raise UserError(
+        f"head = 'reward': {type(model).__name__}'s head is {extra}, not one linear on the pooled state "
+        "(hpref's reward head follows Llama-family decoders' score and BERT-family encoders' classifier)"
+    )
 
 
 def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -161,6 +247,7 @@ class PreferenceModel(nn.Module):
         backbone_state: StateFactory,
         head_state: StateFactory | None = None,
         provenance: dict[str, Any] | None = None,
+        head: Head = "judge",
     ) -> None:
         super().__init__()
         if not getattr(backbone, "_supports_attention_backend", False):
@@ -172,6 +259,20 @@ class PreferenceModel(nn.Module):
         self.tokenizer = tokenizer
         self.backbone_config = backbone.config
         self.num_labels = num_labels
+        self.head_kind = head
+        #: the reward head reads two sequences per example (the `answers` formatter's pairs)
+        self.paired = head == "reward"
+        self.reward_layout: dict[str, Any] | None = None
+        if head == "reward":
+            from hpref.errors import UserError
+
+            expected = "last" if is_causal_backbone(backbone) else "first"
+            if pooling != expected:
+                raise UserError(
+                    f"head = 'reward' pools as transformers' sequence-classification model does: "
+                    f"'{expected}' for this backbone, not '{pooling}'"
+                )
+            self.reward_layout = hf_reward_layout(backbone.config)
         self.pooling = pooling
         self.attention = attention
         self.position_offset = position_offset(backbone)
@@ -185,14 +286,23 @@ class PreferenceModel(nn.Module):
         #: True when the head is a new one (seeded), not a trained head loaded from an export: a
         #: trainer may then set its output bias to the training labels' log prior (`set_output_bias`)
         self.fresh_head = head_state is None
-        self._head_state = head_state or (
-            lambda: seeded_head_state(
-                hidden, self.head_hidden_size, num_labels, seed=seed, std=self._init_std
+        if self.reward_layout is not None:
+            bias = bool(self.reward_layout["bias"])
+            self._head_state = head_state or (
+                lambda: seeded_reward_head_state(hidden, bias, seed=seed, std=self._init_std)
             )
-        )
+        else:
+            self._head_state = head_state or (
+                lambda: seeded_head_state(
+                    hidden, self.head_hidden_size, num_labels, seed=seed, std=self._init_std
+                )
+            )
         meta = any(p.is_meta for p in backbone.parameters())
         with torch.device("meta" if meta else "cpu"):
-            self.head = ClassificationHead(hidden, self.head_hidden_size, num_labels, head_dropout)
+            if self.reward_layout is not None:
+                self.head: nn.Module = RewardHead(hidden, bool(self.reward_layout["bias"]))
+            else:
+                self.head = ClassificationHead(hidden, self.head_hidden_size, num_labels, head_dropout)
         if not meta:
             self.head.load_state_dict(self._head_state())
         self._buffers_snapshot = _buffer_snapshot(backbone)
@@ -262,15 +372,26 @@ class PreferenceModel(nn.Module):
         out = self.backbone(
             input_ids=input_ids[None], position_ids=positions[None], **inputs, **{CONTEXT_KWARG: ctx}
         )
-        hidden = out.last_hidden_state[0]
-        return self.head(pool(hidden, cu_seqlens, self.pooling)).float()
+        pooled = pool(out.last_hidden_state[0], cu_seqlens, self.pooling)
+        if self.paired and getattr(self.backbone, "pooler", None) is not None:
+            # BERT's own pooler (dense + tanh on CLS), as its sequence-classification model applies
+            # it; it reads position 0 of a [batch, seq, H] input, so each CLS state is a batch row
+            pooled = self.backbone.pooler(pooled[:, None, :])
+        return self.head(pooled).float()
 
     def set_output_bias(self, bias: torch.Tensor) -> None:
         """Overwrite the head's output bias (`[num_labels]`), sharded (FSDP2 DTensor) or not.
 
-        Collective when the model is sharded: call it on every rank with the same value.
+        A reward head has no 3-way bias; its tie parameter takes the value that gives the same tie
+        probability when s_A = s_B: log nu = bias_tie - (bias_A + bias_B) / 2 (pairwise data, which
+        never ties: about -8.5, P(tie) ~ 1e-4). Collective when the model is sharded: call it on
+        every rank with the same value.
         """
-        param = self.head.out_proj.bias
+        if self.reward_layout is not None:
+            param = self.head.log_tie
+            bias = (bias[2] - (bias[0] + bias[1]) / 2).reshape(1)
+        else:
+            param = self.head.out_proj.bias
         value = bias.detach().to(device=param.device, dtype=param.dtype)
         if _is_dtensor(param):
             from torch.distributed.tensor import distribute_tensor
@@ -369,21 +490,49 @@ class PreferenceModel(nn.Module):
         def plain(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
+        config = self.backbone_config
+        if self.reward_layout is not None:
+            backbone, config = self._sequence_classification(backbone, head)
         save_file(plain(backbone), str(folder / BACKBONE_FILE), metadata={"format": "pt"})
         save_file(plain(head), str(folder / HEAD_FILE), metadata={"format": "pt"})
-        self.backbone_config.save_pretrained(folder)
+        config.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
         meta = {
             "format": EXPORT_FORMAT,
             "num_labels": self.num_labels,
             "pooling": self.pooling,
+            "head": self.head_kind,
             "head_hidden_size": self.head_hidden_size,
             "head_dropout": self.head_dropout,
             "seed": self.seed,
             "provenance": self.provenance,
         }
+        if self.reward_layout is not None:
+            meta["tie_log_nu"] = float(head["head.log_tie"].float().reshape(()))
         (folder / EXPORT_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return folder
+
+    def _sequence_classification(
+        self, backbone: dict[str, torch.Tensor], head: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """The reward model as transformers' sequence-classification checkpoint with one label:
+        backbone keys under the base-model prefix, `head.score.*` as its scoring linear, and a config
+        naming that class (`AutoModel` still reads the backbone out of it: hpref loads it back)."""
+        import copy
+
+        layout = self.reward_layout
+        assert layout is not None
+        state = {f"{layout['prefix']}.{k}": v for k, v in backbone.items()}
+        for part in ("weight", "bias"):
+            if f"head.score.{part}" in head:
+                state[f"{layout['name']}.{part}"] = head[f"head.score.{part}"]
+        config = copy.deepcopy(self.backbone_config)
+        config.num_labels = 1
+        config.architectures = [layout["class"]]
+        if getattr(config, "pad_token_id", None) is None:
+            # a decoder's sequence classifier finds each row's last token by its padding id
+            config.pad_token_id = getattr(self.tokenizer, "pad_token_id", None)
+        return state, config
 
     @classmethod
     def from_pretrained(
