@@ -26,6 +26,7 @@ loopback, are the user's choice of network, and bind as torchrun does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -34,6 +35,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -247,6 +249,31 @@ def _loopback_environment() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": loopback} if loopback else {}
 
 
+def _first_real_failure(exc: Any) -> tuple[int, Any]:
+    """The rank whose failure explains the run: the earliest with an error of its own (exit code
+    > 0, which carries a message) before ranks that torchrun stopped with a signal afterwards."""
+    failures = sorted(exc.failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp))
+    return failures[0] if failures else exc.get_first_failure()
+
+
+@contextlib.contextmanager
+def _quiet_torchrun():
+    """torchrun's agent logs each failure on its own (warnings about SIGTERMs it sends, an error
+    per failed rank, an OMP_NUM_THREADS banner): hpref reports a failure in one line naming the
+    rank and its log, so the agent's loggers are raised to CRITICAL while it runs."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = None) -> int:
     """torchrun in this process; a failed or stalled rank becomes one log line and an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -272,12 +299,13 @@ def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = 
     try:
         if watchdog is not None:
             watchdog.start()
-        run(args)
+        with _quiet_torchrun():
+            run(args)
     except ChildFailedError as exc:
         if watchdog is not None and watchdog.stall is not None:
             logger.error(watchdog.stall.message(run_dir))
             return 1
-        rank, failure = exc.get_first_failure()
+        rank, failure = _first_real_failure(exc)
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", message)
@@ -287,7 +315,7 @@ def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = 
         )
         others = sorted(r for r in exc.failures if r != rank)
         if others:
-            logger.error(f"stopped with it: rank(s) {', '.join(map(str, others))}")
+            logger.debug(f"stopped with it: rank(s) {', '.join(map(str, others))}")
         return failure.exitcode if failure.exitcode > 0 else 1
     finally:
         for key, value in saved.items():

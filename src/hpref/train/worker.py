@@ -26,7 +26,7 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
-from hpref.train.watchdog import die_with_parent, start_heartbeat
+from hpref.train.watchdog import LAUNCHER_PID_ENV, die_with_parent, start_heartbeat
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,24 @@ def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Pa
     logger.configure(extra={"rank": rank})
     handlers = [add_log_file(log_file)]
     if console and rank == 0:
+        # under hpref's launcher a failure reaches the console once, as the launcher's line naming
+        # the rank and its log; rank 0 printing it too would say it twice
+        launched = LAUNCHER_PID_ENV in os.environ
         handlers.append(
-            logger.add(_console_sink, level="INFO", format=CONSOLE_FORMAT, colorize=sys.stderr.isatty())
+            logger.add(
+                _console_sink,
+                level="INFO",
+                format=CONSOLE_FORMAT,
+                colorize=sys.stderr.isatty(),
+                filter=lambda record: not (launched and record["level"].no >= logger.level("ERROR").no),
+            )
         )
     return log_file, handlers
 
 
 def build_setup(recipe: Recipe, info: DistInfo):
     """Components -> tokenized data -> sharded model -> optimizer, sampler, scheduler."""
+    from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
     from hpref.plugins import load_plugins
     from hpref.recipe_checks import check_train
@@ -111,6 +121,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
     formatter = registry.get("formatter", recipe.formatter.name).build(
         recipe.formatter.config, model.tokenizer, train_cfg.max_length
     )
+    check_pairing(formatter, model)
 
     seed = recipe.run.seed
     train_source = registry.get("dataset", recipe.dataset.train.name).build(recipe.dataset.train.config, seed)
@@ -206,6 +217,9 @@ def run_worker(
         return exc.exit_code
     run_dir = recipe.run.run_dir
     log_file, handlers = setup_worker_logging(run_dir, rank, console=console)
+    # under hpref's launcher, a failed rank's error reaches the user through the launcher's one line
+    launched = LAUNCHER_PID_ENV in os.environ
+    failed = False
     try:
         info = init_distributed(recipe.launch.backend, recipe.launch.collective_timeout_s)
         seed_everything(recipe.run.seed, info.rank)
@@ -220,21 +234,26 @@ def run_worker(
         dist.barrier()  # rank 0 prints the summary last; no rank tears the group down under it
         return 0
     except UserError as exc:
+        failed = True
         _record_failure(exc)
         logger.error(str(exc))
-        if rank != 0:
+        if rank != 0 and not launched:
             print(f"rank {rank}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Exception as exc:
+        failed = True
         _record_failure(exc)
         logger.opt(exception=exc).debug("traceback")
         message = f"rank {rank}: {type(exc).__name__}: {exc} (traceback in {log_file})"
         logger.error(message)
-        if rank != 0:
+        if rank != 0 and not launched:
             print(message, file=sys.stderr)
         return 1
     finally:
-        if dist.is_initialized():
+        # After a failure the peers may be anywhere (in a collective, or tearing down too): gloo
+        # aborted the process (SIGABRT, exit 1 instead of the error's own code) when two ranks
+        # destroyed the group at once, so a failed rank leaves the group to process exit.
+        if dist.is_initialized() and not failed:
             dist.destroy_process_group()
         for handler in handlers:
             logger.remove(handler)
