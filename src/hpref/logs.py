@@ -7,6 +7,7 @@ the console stays one line long.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -73,3 +74,36 @@ def add_log_file(log_file: Path, level: str = "DEBUG") -> int:
 def file_only():
     """A logger whose records go to the log file but never to the console (tracebacks)."""
     return logger.bind(file_only=True)
+
+
+class _LoguruHandler(logging.Handler):
+    """A stdlib logging handler that hands records to loguru at DEBUG: they land in hpref's log
+    files (DEBUG) and never on the console (INFO)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a library's malformed format args must not break a run
+            message = str(record.msg)
+        logger.opt(depth=1).debug(f"[{record.name}] {message}")
+
+
+_ROUTED = False
+
+
+def route_transformers_logs() -> None:
+    """Send transformers' own output (the per-model weight LOAD REPORT tables, warnings, the
+    "Loading weights" progress bar) to hpref's log files instead of the user's console.
+
+    Call it after transformers is imported (hpref imports it lazily, where a model or tokenizer is
+    built); idempotent. transformers installs its own stderr handler on import, so it is removed
+    here rather than configured before the import."""
+    global _ROUTED
+    if _ROUTED:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.disable_progress_bar()
+    hf_logging.add_handler(_LoguruHandler())
+    _ROUTED = True

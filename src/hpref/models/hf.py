@@ -104,6 +104,9 @@ def build_from_folder(
     """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
+    from hpref.logs import route_transformers_logs
+
+    route_transformers_logs()  # load reports and progress bars go to the run log, not the console
     name = register_varlen_attention()
     try:
         config = AutoConfig.from_pretrained(

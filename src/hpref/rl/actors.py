@@ -105,6 +105,9 @@ def build_policy_model(model: PolicyModelConfig) -> tuple[Any, Any]:
 
     tokenizer = policy_tokenizer(model)
     if model.path is not None:
+        from hpref.logs import route_transformers_logs
+
+        route_transformers_logs()  # the load report goes to the actor's log, not the console
         lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
         return lm, tokenizer
     config = LlamaConfig(
