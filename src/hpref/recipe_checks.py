@@ -46,6 +46,7 @@ def _check_recipe(recipe: Recipe, where: str) -> None:
             f"{where}: dataset.train: the recipe has no [dataset.train] section, and training needs one "
             "(see 'hpref components dataset')"
         )
+    _check_head(recipe, where)
     # Only where the model's own config states its positions; a pretrained backbone's comes from its
     # folder, which the worker reads (and checks) when it builds the model.
     positions = getattr(recipe.model.config, "max_position_embeddings", None)
@@ -53,6 +54,30 @@ def _check_recipe(recipe: Recipe, where: str) -> None:
         raise RecipeError(
             f"{where}: train.max_length: {recipe.train.max_length} exceeds the model's "
             f"{positions} positions (model.max_position_embeddings)"
+        )
+
+
+def _check_head(recipe: Recipe, where: str) -> None:
+    """A reward model reads two sequences per battle (the `answers` formatter) and is symmetric in
+    A and B by construction, so swap augmentation would only double its compute."""
+    assert recipe.model is not None
+    reward = getattr(recipe.model.config, "head", "judge") == "reward"
+    answers = recipe.formatter.name == "answers"
+    if reward and not answers:
+        raise RecipeError(
+            f"{where}: formatter.name: a reward model (model.head = 'reward') scores each answer with "
+            f"its conversation; set formatter.name = \"answers\", not '{recipe.formatter.name}'"
+        )
+    if answers and not reward:
+        raise RecipeError(
+            f"{where}: formatter.name: 'answers' makes two sequences per battle for a reward model; "
+            'set model.head = "reward" or use a judge formatter (pab, papb)'
+        )
+    if reward and recipe.train.swap != "none":
+        raise RecipeError(
+            f"{where}: train.swap: a reward model scores A and B alone, so the B/A view is the A/B "
+            f"view mirrored and swap = '{recipe.train.swap}' only doubles the compute; "
+            'set train.swap = "none"'
         )
 
 

@@ -90,6 +90,19 @@ class Encoded:
     split: int = 0
 
 
+def check_pairing(formatter: Any, model: Any) -> None:
+    """A reward model (`model.paired`) needs two sequences per battle (`formatter.paired`), a judge
+    one: a mismatch would pair unrelated sequences or split one battle into two verdicts."""
+    if bool(getattr(formatter, "paired", False)) != bool(getattr(model, "paired", False)):
+        kind = "a reward model" if getattr(model, "paired", False) else "a judge"
+        makes = "two sequences" if getattr(formatter, "paired", False) else "one sequence"
+        raise DataError(
+            f"the formatter makes {makes} "
+            f"per battle, and the model is {kind}: use formatter 'answers' with head = 'reward', "
+            "a judge formatter (pab, papb) with head = 'judge'"
+        )
+
+
 def encode_battles(formatter: Any, battles: Sequence[Battle]) -> list[Encoded]:
     """Every caller's way to run a formatter plugin: `encode_many` when it has one (batched
     tokenization, truncation statistics, paired sequences), else the required `encode` alone."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
@@ -101,6 +102,13 @@ def predict(
 
     if not battles:
         raise UserError("nothing to predict: the data has no battles")
+    from hpref.data.formatting import check_pairing
+
+    check_pairing(formatter, model)
+    if tta and getattr(model, "paired", False):
+        # a reward model scores A and B alone: the swapped view is this one mirrored, exactly
+        logger.info("--tta swap: a reward model is symmetric in A and B; scoring each battle once")
+        tta = False
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     start = time.perf_counter()

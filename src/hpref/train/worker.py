@@ -135,7 +135,8 @@ def build_setup(recipe: Recipe, info: DistInfo):
         eval_data = tokenize(eval_source.battles(), formatter, both_views=False, name="dataset.eval")
         require_labels(eval_data, "dataset.eval")
     logger.info(
-        f"data: {train_data.num_battles} train battles ({len(train_data.examples)} sequences, "
+        f"data: {train_data.num_battles} train battles "
+        f"({sum(2 if e.split else 1 for e in train_data.examples)} sequences, "
         f"{sum(train_data.lengths):,} tokens)"
         + (f", {len(eval_data.battles)} eval battles" if eval_data is not None else ", no eval set")
     )

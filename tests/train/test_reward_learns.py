@@ -1,0 +1,198 @@
+"""The scalar reward model end to end: it learns a chosen/rejected task with an obvious signal,
+`hpref eval` scores it (swap TTA a no-op), `hpref save` exports a transformers sequence classifier
+whose scores reproduce hpref's predictions, and a killed run resumes to the same losses."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from .test_learns_pairwise import write_pairs
+
+RECIPE = """
+[run]
+name = "{name}"
+output_dir = "{output_dir}"
+seed = 0
+
+[model]
+name = "tiny-llama"
+head = "reward"
+hidden_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+intermediate_size = 128
+vocab_size = 512
+tokenizer_texts = 500
+
+[dataset.train]
+name = "pairwise"
+path = "{train}"
+folds = 1
+split = "all"
+
+[dataset.eval]
+name = "pairwise"
+path = "{eval}"
+folds = 1
+split = "all"
+
+[formatter]
+name = "answers"
+
+[optimizer]
+lr = 3e-3
+betas = [0.9, 0.99]
+
+[scheduler]
+name = "linear"
+warmup_fraction = 0.1
+
+[train]
+epochs = 2
+batch_size = 8
+max_length = 64
+micro_batch_tokens = 1024
+swap = "none"
+precision = "fp32"
+log_interval = 1
+checkpoint_interval = 10
+"""
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pairs")
+    return write_pairs(folder / "train.jsonl", 128, seed=0), write_pairs(folder / "eval.jsonl", 64, seed=1)
+
+
+def write_recipe(folder: Path, pairs, name: str = "reward") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.toml"
+    text = RECIPE.format(
+        name=name,
+        output_dir=(folder / "runs").as_posix(),
+        train=pairs[0].as_posix(),
+        eval=pairs[1].as_posix(),
+    )
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory, pairs):
+    from hpref.train import run_train
+
+    folder = tmp_path_factory.mktemp("reward")
+    assert run_train(write_recipe(folder, pairs), nproc_per_node=1) == 0
+    return folder / "runs" / "reward"
+
+
+def test_reward_model_learns_an_obvious_preference(reward_run):
+    """Chosen says 'I love X', rejected 'I hate X': a reward model that scores each answer must
+    separate them (a constant score sits at ln 2 and 0.5 accuracy)."""
+    from hpref.train.metrics import read_metrics
+
+    records = read_metrics(reward_run / "metrics.jsonl")
+    losses = [r["step_loss"] for r in records if r["kind"] == "train"]
+    final = [r for r in records if r["kind"] == "eval"][-1]
+    assert len(losses) == 32
+    assert losses[0] == pytest.approx(math.log(2), abs=0.05)  # P(tie) ~ 0 from step 0: prior-initialised nu
+    assert sum(losses[-8:]) / 8 < 0.5 * math.log(2), losses
+    assert final["eval_accuracy"] >= 0.9 and final["eval_log_loss"] < 0.35, final
+
+
+def test_hpref_eval_scores_it_and_swap_tta_changes_nothing(reward_run, tmp_path, log_messages):
+    """`hpref eval` on the run folder gives the training eval's numbers; `--tta swap` is a no-op (a
+    reward model is symmetric by construction), said in one log line, not twice the compute."""
+    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.predictions import read_predictions
+
+    recipe = reward_run / "recipe.toml"
+    assert eval_command(recipe, checkpoint=reward_run, out=tmp_path / "a.csv") == 0
+    assert eval_command(recipe, checkpoint=reward_run, out=tmp_path / "b.csv", tta="swap") == 0
+    a, b = read_predictions(tmp_path / "a.csv"), read_predictions(tmp_path / "b.csv")
+    np.testing.assert_array_equal(a.probs, b.probs)
+    metrics = json.loads((tmp_path / "b.metrics.json").read_text())
+    assert metrics["sequences"] == 64 and metrics["accuracy"] >= 0.9
+    assert any("symmetric" in m for m in log_messages)
+    trained = np.loadtxt(reward_run / "predictions.csv", delimiter=",", skiprows=1, usecols=(1, 2, 3))
+    np.testing.assert_allclose(a.probs, trained, atol=2e-6)
+
+
+def test_saved_reward_model_is_a_transformers_sequence_classifier(reward_run, tmp_path):
+    """`hpref save` -> AutoModelForSequenceClassification (num_labels 1) scores each answer alone;
+    Davidson's probabilities from those scores and the saved nu reproduce hpref's predictions. If
+    not, TRL / OpenRLHF would load a different reward model from the one hpref evaluated."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hpref.data.formatting import AnswersConfig, AnswersFormatter
+    from hpref.evaluate.cli import save_command
+    from hpref.evaluate.predictions import read_predictions
+    from hpref.plugins import load_plugins
+    from hpref.recipe import load_recipe
+
+    export = tmp_path / "export"
+    assert save_command(reward_run, to=export) == 0
+    info = json.loads((export / "hpref_model.json").read_text())
+    hf = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert hf.config.num_labels == 1 and info["head"] == "reward" and info["tie_log_nu"] < -5
+    recipe = load_recipe(reward_run / "recipe.toml")
+    source = load_plugins().get("dataset", "pairwise").build(recipe.dataset.eval.config, recipe.run.seed)
+    battles = list(source.battles())
+    formatter = AnswersFormatter(AnswersConfig(), tokenizer, recipe.train.max_length)
+    probs = []
+    with torch.no_grad():
+        for e in formatter.encode_many(battles):
+            a = hf(input_ids=torch.tensor([e.ids[: e.split]])).logits[0, 0]
+            b = hf(input_ids=torch.tensor([e.ids[e.split :]])).logits[0, 0]
+            logits = torch.stack([a, b, info["tie_log_nu"] + (a + b) / 2])
+            probs.append(torch.softmax(logits, dim=0).tolist())
+    hpref_probs = read_predictions(reward_run / "predictions.csv").probs
+    np.testing.assert_allclose(np.array(probs), hpref_probs, atol=1e-4)
+
+
+def test_killed_reward_run_resumes_to_the_same_losses(reward_run, pairs, tmp_path):
+    """Killed after step 15 and resumed from its step-10 checkpoint, the run follows the uninterrupted
+    one (1e-6): the reward head and its tie parameter are checkpointed and restored like a judge's."""
+    from hpref.train import run_train
+
+    from ..conftest import run_hpref
+    from .conftest import train_losses
+
+    recipe = write_recipe(tmp_path, pairs)
+    # the killed run in its own process, as a real crash is
+    crashed = run_hpref("train", str(recipe), env={"HPREF_DEBUG_CRASH_AFTER_STEP": "15"}, timeout=300)
+    assert crashed.returncode != 0, crashed.stderr
+    assert run_train(recipe, nproc_per_node=1, resume="auto") == 0
+    resumed, reference = train_losses(tmp_path / "runs" / "reward"), train_losses(reward_run)
+    assert sorted(resumed) == sorted(reference)
+    for step in reference:
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (['formatter.name="pab"'], "formatter.name"),
+        (['train.swap="full"'], "train.swap"),
+        (['model.head="judge"', 'train.swap="none"'], "formatter.name"),
+    ],
+)
+def test_recipe_check_refuses_a_reward_model_with_a_judge_input(pairs, tmp_path, overrides, key):
+    """A reward model fed judge sequences would pair unrelated sequences; a judge fed answer pairs
+    would give two verdicts per battle; swap on a reward model doubles compute for nothing."""
+    from hpref.errors import RecipeError
+    from hpref.recipe import load_recipe
+    from hpref.recipe_checks import check_train
+
+    recipe = load_recipe(write_recipe(tmp_path, pairs), overrides)
+    with pytest.raises(RecipeError, match=key):
+        check_train(recipe, machine=False)
