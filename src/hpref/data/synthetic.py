@@ -39,12 +39,10 @@ Public helpers (stable; other parts of hpref build on them):
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import random
 import re
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -53,6 +51,7 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from hpref.data.base import BattleSource, DatasetConfig
+from hpref.data.baselines import cheap_baselines, labels_of, log_loss
 from hpref.data.records import Battle, Probs
 
 GENERATOR_VERSION = "1"  # bump when generated battles change, so token caches are not reused
@@ -587,106 +586,6 @@ class SyntheticReport:
         )
 
 
-def _labels(battles: Sequence[Battle]) -> np.ndarray:
-    return np.array([b.label for b in battles], dtype=np.float64)
-
-
-def log_loss(probs: np.ndarray, labels: np.ndarray) -> float:
-    """Mean cross-entropy of predicted distributions against (hard or soft) labels."""
-    return float(-(labels * np.log(np.clip(probs, 1e-12, 1.0))).sum(axis=1).mean())
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    z = z - z.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
-
-
-def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float, steps: int = 300, lr: float = 0.1) -> np.ndarray:
-    """Multinomial logistic regression (weights [d+1, 3], last row the bias) by full-batch Adam on
-    the mean cross-entropy plus l2·|W|²; numpy only, since scikit-learn is not a dependency."""
-    n, d = x.shape
-    xb = np.hstack([x, np.ones((n, 1))]).astype(np.float32)
-    y = y.astype(np.float32)
-    w = np.zeros((d + 1, 3), dtype=np.float32)
-    m = np.zeros_like(w)
-    v = np.zeros_like(w)
-    mask = np.ones_like(w)
-    mask[-1] = 0.0  # the bias is not regularised
-    for t in range(1, steps + 1):
-        p = _softmax(xb @ w)
-        grad = xb.T @ (p - y) / n + 2 * l2 * w * mask
-        m = 0.9 * m + 0.1 * grad
-        v = 0.999 * v + 0.001 * grad**2
-        w -= lr * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
-    return w
-
-
-def predict_logistic(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    return _softmax(np.hstack([x, np.ones((len(x), 1))]) @ w)
-
-
-def _fit_select(x_train: np.ndarray, y_train: np.ndarray, l2s: Iterable[float]) -> np.ndarray:
-    """Pick l2 on a held-out fifth of the train split (shorter fits), then refit on all of it."""
-    n = len(x_train)
-    cut = max(1, n // 5)
-    with _single_thread():
-        best = min(
-            l2s,
-            key=lambda l2: log_loss(
-                predict_logistic(fit_logistic(x_train[cut:], y_train[cut:], l2, steps=150), x_train[:cut]),
-                y_train[:cut],
-            ),
-        )
-        return fit_logistic(x_train, y_train, best)
-
-
-@contextlib.contextmanager
-def _single_thread():
-    """Small matrices: BLAS threads only contend (5x slower on a busy 2-core box). threadpoolctl is
-    optional; without it the fit just runs with the default thread count."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(1):
-        yield
-
-
-def _length_features(battles: Sequence[Battle]) -> np.ndarray:
-    rows = []
-    for b in battles:
-        la = sum(len(t) for t in b.response_a)
-        lb = sum(len(t) for t in b.response_b)
-        wa = sum(len(t.split()) for t in b.response_a)
-        wb = sum(len(t.split()) for t in b.response_b)
-        d = math.log1p(la) - math.log1p(lb)
-        dw = (wa - wb) / 10.0
-        rows.append((d, abs(d), dw, abs(dw), d * d))
-    return np.array(rows, dtype=np.float64)
-
-
-_TOKEN = re.compile(r"\w+|[^\w\s]")
-
-
-def _bow(turns: Sequence[str]) -> Counter[str]:
-    return Counter(tok.lower() for t in turns for tok in _TOKEN.findall(t))
-
-
-def _bow_features(battles: Sequence[Battle], vocab: dict[str, int]) -> np.ndarray:
-    x = np.zeros((len(battles), 2 * len(vocab)))
-    for i, b in enumerate(battles):
-        diff = _bow(b.response_a)
-        diff.subtract(_bow(b.response_b))
-        for tok, count in diff.items():
-            j = vocab.get(tok)
-            if j is not None and count:
-                x[i, j] = count
-                x[i, len(vocab) + j] = abs(count)
-    return x
-
-
 _Turn = tuple[float, bool, str | None]  # (utility without the correctness term, correct, family)
 
 
@@ -738,7 +637,7 @@ def skill_ceilings(evaluation: Sequence[Battle]) -> dict[str, float]:
     the style-only judge is roughly what a model that relates no answer to its prompt can reach."""
     if not evaluation:
         raise ValueError("skill_ceilings needs battles")
-    labels = _labels(evaluation)
+    labels = labels_of(evaluation)
     decomposed = [_decompose(b) for b in evaluation]
     skill = {f: sum(a.skill[f] for a in ASSISTANTS) / len(ASSISTANTS) for f in FAMILIES}
 
@@ -763,25 +662,11 @@ def arena_report(
     `evaluation`. Every battle needs `truth`; labels may be hard or soft."""
     if not train or not evaluation:
         raise ValueError("the report needs battles in both the train and the eval split")
-    y_train, y_eval = _labels(train), _labels(evaluation)
+    y_eval = labels_of(evaluation)
     truth = np.array([b.truth for b in evaluation], dtype=np.float64)
     floor = log_loss(truth, y_eval)
     entropy = log_loss(truth, truth)
-    prior = log_loss(np.tile(y_train.mean(axis=0), (len(evaluation), 1)), y_eval)
-
-    xl_train, xl_eval = _length_features(train), _length_features(evaluation)
-    scale = xl_train.std(axis=0) + 1e-9
-    w_len = _fit_select(xl_train / scale, y_train, (1e-4, 1e-3, 1e-2))
-    length = log_loss(predict_logistic(w_len, xl_eval / scale), y_eval)
-
-    counts: Counter[str] = Counter()
-    for b in train:
-        counts.update(set(_bow(b.response_a)) | set(_bow(b.response_b)))
-    vocab = {tok: i for i, (tok, c) in enumerate(counts.most_common(max_vocab)) if c >= 3}
-    xb_train, xb_eval = _bow_features(train, vocab), _bow_features(evaluation, vocab)
-    w_bow = _fit_select(xb_train, y_train, (1e-3, 1e-2, 1e-1))
-    bow = log_loss(predict_logistic(w_bow, xb_eval), y_eval)
-
+    cheap = cheap_baselines(train, evaluation, max_vocab=max_vocab)
     shares = tuple(float(s) for s in y_eval.mean(axis=0))
     return SyntheticReport(
         n_train=len(train),
@@ -789,8 +674,8 @@ def arena_report(
         uniform=math.log(3),
         bayes_floor=floor,
         expected_entropy=entropy,
-        prior_baseline=prior,
-        length_baseline=length,
-        bow_baseline=bow,
+        prior_baseline=cheap.prior,
+        length_baseline=cheap.length,
+        bow_baseline=cheap.bow,
         label_shares=shares,  # type: ignore[arg-type]
     )
