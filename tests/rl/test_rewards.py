@@ -165,3 +165,43 @@ def test_a_judge_path_without_an_export_is_one_line_naming_the_key(tmp_path):
     with pytest.raises(RecipeError) as err:
         parse_rl_section(section, "r.toml")
     assert str(err.value).startswith(f"r.toml: rl.reward.path: no exported preference model at {tmp_path}")
+
+
+def test_judge_reward_on_a_reward_model_scores_each_answer_alone(tmp_path_factory):
+    """A reward-model export scores each answer with its conversation, G sequences for G answers
+    (no pairs, no opponents): the reward of an answer is its score alone, whatever the rest of its
+    group. Wrong if the answers were judged in pairs (G^2 cost) or paired with another group's."""
+    pytest.importorskip("torch")
+    import torch
+
+    from hpref.builtin.models import TinyLlamaConfig, build_tiny_llama
+    from hpref.builtin.rewards import build_judge
+    from hpref.data.formatting import AnswersConfig, AnswersFormatter
+    from hpref.data.records import Battle
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
+    try:
+        model = build_tiny_llama(TinyLlamaConfig(**TINY, head="reward"))
+        with torch.no_grad():
+            model.head.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+        folder = model.save_pretrained(tmp_path_factory.mktemp("reward"))
+    finally:
+        mp.undo()
+    reward = build_judge(JudgeConfig(path=str(folder), max_length=200))
+    assert reward.scalar and not reward.wants_opponents
+    answers = ["42", "I cannot assist with this request.", "41"]
+    calls = []
+    forward = reward.model.forward
+    reward.model.forward = lambda ids, cu, *a, **k: calls.append(cu.numel() - 1) or forward(ids, cu, *a, **k)
+    (scores,) = reward.score_groups([PROMPT], [answers])
+    assert sum(calls) == 4  # 3 answers: two by two, the odd one with itself
+    alone = reward.score_groups([PROMPT], [answers[1:2]])[0]
+    assert scores[1] == pytest.approx(alone[0], abs=1e-5)
+    f = AnswersFormatter(AnswersConfig(), model.tokenizer, 200)
+    e = f.encode_many([Battle("x", PROMPT, (answers[0],), (answers[2],))])[0]
+    cu = torch.tensor([0, e.split, len(e.ids)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(e.split), torch.arange(len(e.ids) - e.split)])
+    with torch.no_grad():
+        logits = model(torch.tensor(e.ids), cu, positions)[0]
+    assert [scores[0], scores[2]] == pytest.approx(logits[:2].tolist(), abs=1e-5)

@@ -13,6 +13,10 @@ each answer's reward is its mean win probability (+ half the tie probability) ov
 of its group and those opponents: cross-policy judging. Rewards also expose `true_utility(prompt,
 answer)` when they know the ground truth, for the metrics that reveal reward hacking.
 
+`judge` on a reward model's export (`head = "reward"`) scores each answer alone: a group of G answers
+costs G sequences (packed two by two), not G (G - 1) pairs, and the reward is the model's scalar score,
+as in TRL or OpenRLHF; other policies' answers change nothing, so it asks for none.
+
 torch is imported inside `judge`'s build only: `hpref --help` loads this module.
 """
 
@@ -60,7 +64,9 @@ class RuleConfig(_CrossPolicy):
 
 class JudgeConfig(_CrossPolicy):
     path: str = Field(description="folder of a preference model exported by `hpref train` + `hpref save`")
-    formatter: str = Field("pab", description="the formatter the judge was trained with")
+    formatter: str = Field(
+        "pab", description="the formatter the judge was trained with (a reward model always uses 'answers')"
+    )
     max_length: int = Field(512, ge=16, description="token budget of one judged pair")
     symmetric: bool = Field(
         True, description="judge each pair in both orders and average, cancelling the judge's position bias"
@@ -156,42 +162,75 @@ class JudgeReward:
 
         self.config = config
         self.model = PreferenceModel.from_pretrained(config.path).eval()
-        component = load_plugins().get("formatter", config.formatter)
+        #: a scalar reward model: each answer scored alone, no pairs, no opponents
+        self.scalar = bool(getattr(self.model, "paired", False))
+        component = load_plugins().get("formatter", "answers" if self.scalar else config.formatter)
         self.formatter = component.build(component.config(), self.model.tokenizer, config.max_length)
         from hpref.data import synthetic
 
         self._synthetic = synthetic
-        self.wants_opponents = config.cross_policy
+        self.wants_opponents = config.cross_policy and not self.scalar
         self.opponent_answers = config.opponent_answers
 
     def true_utility(self, prompt: Prompt, answer: str) -> float:
         return float(self._synthetic.answer_utility(prompt, answer))
 
-    def judge_pairs(self, battles: list[Any]) -> list[tuple[float, float, float]]:
-        """(p_a, p_b, p_tie) of each battle, scored in packed micro-batches."""
+    def _logits(self, battles: list[Any]) -> list[list[float]]:
+        """The model's 3 logits per battle, formatted and packed into micro-batches in order."""
         import torch
 
-        ids = [self.formatter.encode(b) for b in battles]
-        probs: list[tuple[float, float, float]] = []
+        from hpref.data.formatting import encode_battles
+        from hpref.data.packing import TokenizedExample, collate
+
+        examples = [
+            TokenizedExample(ids=e.ids, label=None, row=i, split=e.split)
+            for i, e in enumerate(encode_battles(self.formatter, battles))
+        ]
+        out: list[list[float]] = []
         start = 0
         with torch.no_grad():
-            while start < len(ids):
+            while start < len(examples):
                 end, tokens = start, 0
-                while end < len(ids) and (
-                    end == start or tokens + len(ids[end]) <= self.config.micro_batch_tokens
+                while end < len(examples) and (
+                    end == start or tokens + len(examples[end]) <= self.config.micro_batch_tokens
                 ):
-                    tokens += len(ids[end])
+                    tokens += len(examples[end])
                     end += 1
-                chunk = ids[start:end]
-                lengths = torch.tensor([len(x) for x in chunk])
-                cu = torch.zeros(len(chunk) + 1, dtype=torch.int32)
-                cu[1:] = lengths.cumsum(0)
-                flat = torch.tensor([t for x in chunk for t in x], dtype=torch.long)
-                positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
-                logits = self.model(flat, cu, positions)
-                probs.extend(tuple(row) for row in torch.softmax(logits, dim=-1).tolist())
+                batch = collate(examples[start:end])
+                logits = self.model(
+                    batch.input_ids, batch.cu_seqlens, batch.position_ids, max_seqlen=batch.max_seqlen
+                )
+                out.extend(logits.float().tolist())
                 start = end
-        return probs
+        return out
+
+    def judge_pairs(self, battles: list[Any]) -> list[tuple[float, float, float]]:
+        """(p_a, p_b, p_tie) of each battle, scored in packed micro-batches."""
+        import math
+
+        probs = []
+        for row in self._logits(battles):
+            top = max(row)
+            exps = [math.exp(x - top) for x in row]
+            probs.append(tuple(x / sum(exps) for x in exps))
+        return probs  # type: ignore[return-value]
+
+    def score_answers(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> list[list[float]]:
+        """A reward model's score of each answer with its conversation, one sequence per answer: the
+        answers go two by two into one battle (the odd one out with itself), and its first two
+        logits are the two scores (Davidson's logits are [s_A, s_B, tie])."""
+        from hpref.data.records import Battle
+
+        battles, slots = [], []
+        for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
+            for k in range(0, len(answers), 2):
+                j = min(k + 1, len(answers) - 1)
+                battles.append(Battle(f"rl-{g}-{k}", tuple(prompt), (answers[k],), (answers[j],)))
+                slots.append((g, k, j))
+        scores: dict[tuple[int, int], float] = {}
+        for (g, k, j), row in zip(slots, self._logits(battles), strict=True):
+            scores[(g, k)], scores[(g, j)] = row[0], row[1]
+        return [[scores[(g, i)] for i in range(len(answers))] for g, answers in enumerate(groups)]
 
     def score_groups(
         self,
@@ -202,9 +241,12 @@ class JudgeReward:
         """Within-group pairs, and each answer against each opponent, in one batched judging pass.
 
         Opponents are only ever judged against the group's answers, never among themselves: their
-        own rewards are not needed.
+        own rewards are not needed. A reward model scores each answer alone instead (`score_answers`).
         """
         from hpref.data.records import Battle
+
+        if self.scalar:
+            return self.score_answers(prompts, groups)
 
         battles, index = [], {}
         for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
