@@ -245,6 +245,7 @@ class TrainSetup:
     peak: Peak
     eval_source: Any = None
     backbone_flops: Any = None  # flops_per_token(seq_len)
+    train_source: Any = None  # for the cheap baselines the summary prints on real data
 
 
 @dataclass
@@ -569,7 +570,9 @@ def _summary_rows(setup: TrainSetup, summary: dict[str, Any]) -> list[tuple[str,
         rows.append(("eval log loss", f"{summary['eval_log_loss']:.4f}"))
         rows.append(("eval accuracy", f"{summary['eval_accuracy']:.3f}"))
         report = _baselines(setup)
-        if report is not None:
+        if report is None:
+            rows += _cheap_baseline_rows(setup, summary)
+        else:
             summary["baselines"] = report.as_dict()
             summary["gap_closed"] = report.closed(summary["eval_log_loss"])
             rows += [
@@ -579,6 +582,39 @@ def _summary_rows(setup: TrainSetup, summary: dict[str, Any]) -> list[tuple[str,
                 ("Bayes floor", f"{report.bayes_floor:.4f}"),
                 ("gap closed (uniform -> floor)", f"{summary['gap_closed']:.0%}"),
             ]
+    return rows
+
+
+# bag-of-words features are a dense [n, 2 x vocab] matrix: past this many train battles only the
+# label prior and the length baseline are fitted (the Kaggle LMSYS train set has 57k)
+BOW_BASELINE_MAX_BATTLES = 20_000
+
+
+def _cheap_baseline_rows(setup: TrainSetup, summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """On data without a known floor (real arena votes, chosen/rejected pairs): the eval log loss
+    beside what the train split's label prior, answer lengths and word counts alone reach, fitted
+    on the train split and scored on the same eval battles. A model that does not beat these has
+    learned nothing about the answers."""
+    if setup.train_source is None or setup.eval_source is None:
+        return []
+    from hpref.data.baselines import cheap_baselines
+
+    try:
+        train = [b for b in setup.train_source.battles() if b.label is not None]
+        evaluation = [b for b in setup.eval_source.battles() if b.label is not None]
+        cheap = cheap_baselines(train, evaluation, bow=len(train) <= BOW_BASELINE_MAX_BATTLES)
+    except Exception as exc:  # a baseline is a nicety; never fail a finished run over it
+        logger.warning(f"could not compute the eval baselines: {exc}")
+        return []
+    summary["baselines"] = cheap.as_dict()
+    rows = [
+        ("label-prior baseline", f"{cheap.prior:.4f}"),
+        ("length-only baseline", f"{cheap.length:.4f}"),
+    ]
+    if cheap.bow is not None:
+        rows.append(("bag-of-words baseline", f"{cheap.bow:.4f}"))
+    best = min(v for v in (cheap.prior, cheap.length, cheap.bow) if v is not None)
+    rows.append(("vs best cheap baseline", f"{summary['eval_log_loss'] - best:+.4f} nats"))
     return rows
 
 

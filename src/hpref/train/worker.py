@@ -183,6 +183,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
         filler_token_id=int(pad) if pad is not None else 0,
         peak=peak,
         eval_source=eval_source,
+        train_source=train_source,
         backbone_flops=model.flops_per_token,
     )
 
