@@ -86,7 +86,9 @@ def register_formatters(register) -> None:
     last token is classified). Callers encode `battle.swapped()` for the swapped view. `tokenizer` is
     a Hugging Face fast tokenizer. Optional, used when present: `encode_many(battles)` returning
     objects with `ids`, `truncated`, `full_length` (batched tokenization, truncation statistics) and
-    `fingerprint() -> str` (the token cache key). See `hpref.data.formatting.JudgeFormatter`.
+    `fingerprint() -> str` (the token cache key). A formatter for a reward model sets `paired = True`
+    and returns `split` too: ids[:split] and ids[split:] are two sequences (A's and B's). See
+    `hpref.data.formatting.JudgeFormatter` and `AnswersFormatter`.
     """
 
 

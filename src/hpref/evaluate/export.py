@@ -248,8 +248,30 @@ def _run_metrics(run_dir: Path, step: int | None) -> dict[str, Any]:
 
 
 def model_card(
-    *, recipe_toml: str, checkpoint: Path, step: int | None, dtype: str, metrics: dict[str, Any]
+    *,
+    recipe_toml: str,
+    checkpoint: Path,
+    step: int | None,
+    dtype: str,
+    metrics: dict[str, Any],
+    reward: bool = False,
 ) -> str:
+    files = (
+        "- files: `config.json` + `model.safetensors` (a transformers sequence classifier with one "
+        "label: `AutoModelForSequenceClassification.from_pretrained(folder)` gives each answer's reward, "
+        "as TRL and OpenRLHF load reward models), tokenizer files, `head.safetensors` and "
+        "`hpref_model.json` (the tie parameter `tie_log_nu` of Davidson's model, pooling)"
+        if reward
+        else "- files: `config.json` + `model.safetensors` (the backbone, loadable with "
+        "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the "
+        "classification head), `hpref_model.json` (labels, pooling, head settings)"
+    )
+    what = (
+        "Scores one assistant answer with its conversation (a scalar reward); two scores give P(A wins), "
+        "P(B wins), P(tie) by Davidson's model."
+        if reward
+        else "Predicts P(A wins), P(B wins), P(tie) for two assistant answers to one conversation."
+    )
     lines = [
         "---",
         "library_name: hpref",
@@ -258,13 +280,11 @@ def model_card(
         "",
         "# hpref preference model",
         "",
-        "Predicts P(A wins), P(B wins), P(tie) for two assistant answers to one conversation.",
+        what,
         "",
         f"- checkpoint: `{checkpoint}` (step {step if step is not None else '?'})",
         f"- weights: {dtype}",
-        "- files: `config.json` + `model.safetensors` (the backbone, loadable with "
-        "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the "
-        "classification head), `hpref_model.json` (labels, pooling, head settings)",
+        files,
         "- load: `hpref.models.PreferenceModel.from_pretrained(folder)`, or "
         "`hpref eval RECIPE --checkpoint folder`",
         "",
@@ -394,6 +414,7 @@ def save_export(
             step=run_step,
             dtype=dtype,
             metrics=_run_metrics(run_dir, run_step),
+            reward=getattr(model, "head_kind", "judge") == "reward",
         )
         write_text_atomic(tmp / MODEL_CARD, card)
         write_text_atomic(tmp / "recipe.toml", recipe.to_toml())
