@@ -254,8 +254,10 @@ def run_worker(
     finally:
         # After a failure the peers may be anywhere (in a collective, or tearing down too): gloo
         # aborted the process (SIGABRT, exit 1 instead of the error's own code) when two ranks
-        # destroyed the group at once, so a failed rank leaves the group to process exit.
-        if dist.is_initialized() and not failed:
+        # destroyed the group at once, so a failed rank under the launcher leaves the group to
+        # process exit. An in-process run (one rank, no launcher) must destroy it: the process
+        # goes on, and the next run in it would find a group already initialised.
+        if dist.is_initialized() and not (failed and launched):
             dist.destroy_process_group()
         for handler in handlers:
             logger.remove(handler)
