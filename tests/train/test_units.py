@@ -226,10 +226,10 @@ def test_auto_precision_follows_the_measurements(monkeypatch):
     cpu = torch.device("cpu")
     assert sharding.resolve_precision("fp32", cpu, 4096) == torch.float32
     assert sharding.resolve_precision("bf16", cpu, 64) == torch.bfloat16
-    monkeypatch.setattr(sharding, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(sharding, "cpu_has_fast_bf16", lambda: True)
     assert sharding.resolve_precision("auto", cpu, 128) == torch.float32
     assert sharding.resolve_precision("auto", cpu, 384) == torch.bfloat16
-    monkeypatch.setattr(sharding, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(sharding, "cpu_has_fast_bf16", lambda: False)
     assert sharding.resolve_precision("auto", cpu, 4096) == torch.float32
 
 

@@ -104,6 +104,8 @@ def cpu_peak(dtype: torch.dtype) -> Peak:
     vector = 64 if "avx512f" in flags else 32 if "avx2" in flags else 16
     if dtype == torch.bfloat16 and "amx_bf16" in flags:
         per_cycle, unit = 1024, "AMX bf16"
+    elif dtype == torch.bfloat16 and "avx512_bf16" in flags:  # VDPBF16PS: two bf16 products per fp32 lane
+        per_cycle, unit = 2 * vector, "AVX512-BF16"
     else:
         per_cycle, unit = vector, ("AVX-512" if vector == 64 else "AVX2" if vector == 32 else "SSE") + " fp32"
     if ghz is None:
