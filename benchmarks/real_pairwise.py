@@ -12,8 +12,8 @@ epoch on the same train pairs with the same pretrained backbone (all-MiniLM-L6-v
 batch 8, linear warm-up 10 %, grad clip 1) and the compute dtype hpref's `auto` precision picks
 (bf16 on an AMX CPU); then each scores the same eval pairs:
 
-- `hpref-reward`: `hpref train minilm-reward` (one score per answer, Bradley-Terry; packed,
-  2 ranks x 1 thread).
+- `hpref-reward`: `hpref train minilm-reward` (one score per answer, Bradley-Terry; packed; one
+  process with both cores as threads); `hpref-reward-2ranks`: the same as 2 ranks x 1 thread.
 - `trl`: TRL's `RewardTrainer` (`benchmarks.hf_worker`, one process, all threads) on the same
   pairs, each side tokenised alone as TRL expects.
 - `hpref-judge`: `hpref train minilm-pairwise` (both answers in one sequence, both orders).
@@ -42,7 +42,12 @@ from benchmarks.common import REPO
 from benchmarks.run import pairwise_scores, prepare_baseline_inputs, run_baseline, run_hpref
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
-RECIPES = {"hpref-reward": "minilm-reward", "hpref-judge": "minilm-pairwise"}
+#: contender -> (shipped recipe, extra --set values)
+RECIPES = {
+    "hpref-reward": ("minilm-reward", []),
+    "hpref-reward-2ranks": ("minilm-reward", ["launch.nproc=2"]),  # 2 ranks x 1 thread each
+    "hpref-judge": ("minilm-pairwise", []),
+}
 EVAL_SHARE = 20  # percent of prompt hashes that go to eval
 
 
@@ -81,7 +86,8 @@ def write_recipe(name: str, train: Path, evaluation: Path, work: Path) -> Path:
         f'dataset.eval.path="{evaluation}"', "dataset.eval.folds=1", 'dataset.eval.split="all"',
         "train.batch_size=8", "train.epochs=1", f'run.output_dir="{work / "runs"}"', f'run.name="{name}"',
     ]  # fmt: skip
-    recipe = load_recipe(REPO / "recipes" / f"{RECIPES[name]}.toml", sets)
+    shipped, extra = RECIPES[name]
+    recipe = load_recipe(REPO / "recipes" / f"{shipped}.toml", sets + extra)
     path = work / f"{name}.toml"
     path.write_text(recipe.to_toml())
     return path
