@@ -132,9 +132,7 @@ def gguf_folder(file: Path) -> Path:
     if (target / GGUF_SOURCE_JSON).is_file():
         return target
     if importlib.util.find_spec("gguf") is None:
-        raise UserError(
-            f"reading the GGUF file '{file}' needs the gguf package: pip install 'hpref[gguf]'"
-        )
+        raise UserError(f"reading the GGUF file '{file}' needs the gguf package: pip install 'hpref[gguf]'")
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f".{target.name}.lock")):
         if (target / GGUF_SOURCE_JSON).is_file():  # another process converted it while we waited
