@@ -548,12 +548,25 @@ def save_cmd(
         "--recipe",
         help="Recipe (default: the run folder's recipe.toml, which may not enable trust_remote_code).",
     ),
+    adapter: bool = typer.Option(
+        False,
+        "--adapter",
+        help="LoRA run: write PEFT's adapter folder + hpref's head instead of merged weights.",
+    ),
 ) -> None:
     """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""
     from hpref.evaluate.cli import save_command
 
     code = save_command(
-        run_dir, to=to, step=step, dtype=dtype, now=now, timeout=timeout, overwrite=overwrite, recipe=recipe
+        run_dir,
+        to=to,
+        step=step,
+        dtype=dtype,
+        now=now,
+        timeout=timeout,
+        overwrite=overwrite,
+        recipe=recipe,
+        adapter=adapter,
     )
     raise typer.Exit(code)
 

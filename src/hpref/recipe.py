@@ -152,6 +152,38 @@ class LaunchSection(Section):
     )
 
 
+class LoraSection(Section):
+    """LoRA adapters through PEFT (`pip install 'hpref[lora]'`): the backbone's weights stay frozen
+    and low-rank updates of its attention and MLP projections train, with the preference head (and a
+    reward model's BERT pooler) in full. Without this section the whole model trains."""
+
+    r: int = Field(8, ge=1, description="rank of each low-rank update")
+    alpha: int | None = Field(
+        None, ge=1, description="scale numerator: an update is scaled by alpha / r (default: 2 r)"
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout on the adapters' input (off, like the backbone's: see model.backbone_dropout)",
+    )
+    target_modules: list[str] | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "module names (PEFT's suffix match) that get adapters; default: every linear layer inside "
+            "the transformer blocks (BERT query/key/value/dense, Llama q/k/v/o/gate/up/down_proj)"
+        ),
+    )
+    quantize_base: Literal["none", "4bit"] = Field(
+        "none", description="4bit = QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, a CUDA GPU)"
+    )
+
+    @property
+    def scale_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.r
+
+
 class Recipe(Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ComponentSection | None = None
@@ -161,6 +193,7 @@ class Recipe(Section):
     scheduler: ComponentSection = Field(default_factory=lambda: ComponentSection(name="constant"))
     train: TrainSection = Field(default_factory=TrainSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
+    lora: LoraSection | None = Field(None, description="LoRA adapters (absent: full fine-tuning)")
     rl: dict[str, Any] | None = Field(None, description="multi-policy RL settings (hpref rl)")
 
     _source: Path | None = PrivateAttr(default=None)

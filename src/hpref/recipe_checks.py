@@ -11,7 +11,8 @@ Two kinds of check:
 - about the recipe alone (the same answer on every machine): a `[model]` and `[dataset.train]`
   section, `train.max_length` within the model's positions where the model config states them;
 - about this machine (`machine=True`): CUDA for `launch.backend = 'nccl'` and the CUDA-only
-  attention kernels, the packages those kernels need, `run.output_dir` not a file, and every
+  attention kernels, the packages those kernels need, peft for `[lora]` and a CUDA GPU with
+  bitsandbytes for `lora.quantize_base = '4bit'`, `run.output_dir` not a file, and every
   dataset section buildable (its file there, readable, with the right columns). `hpref recipes
   check --portable` skips these, for a recipe written here for another machine (the GPU references).
 """
@@ -28,6 +29,11 @@ def check_train(recipe: Recipe, where: str | Path | None = None, *, machine: boo
     """Raise `RecipeError` (one line: file, dotted key, what is wrong) for the first thing
     `hpref train` would refuse; `machine=False` leaves out what depends on this machine."""
     where = str(where if where is not None else recipe._source or "recipe")
+    if recipe.rl is not None and recipe.lora is not None:
+        raise RecipeError(
+            f"{where}: lora: [lora] adapts the preference model `hpref train` trains; `hpref rl` "
+            "policies do not take adapters yet (remove the section)"
+        )
     if recipe.rl is not None and recipe.model is None:
         return  # an `hpref rl` recipe: its [rl] section was checked when it loaded; it trains no judge
     _check_recipe(recipe, where)
@@ -87,6 +93,8 @@ def _check_machine(recipe: Recipe, where: str) -> None:
     needs_torch = backend == "nccl" or attention not in ("auto", "sdpa_segments", "sdpa_block_mask")
     if needs_torch:  # torch is imported only for the settings that ask about CUDA
         _check_cuda(recipe, where, attention)
+    if recipe.lora is not None:
+        _check_lora_machine(recipe, where)
     output_dir = recipe.run.output_dir.expanduser()
     for folder, key in ((output_dir, "run.output_dir"), (recipe.run.run_dir.expanduser(), "run.name")):
         if folder.exists() and not folder.is_dir():
@@ -119,6 +127,24 @@ def _check_cuda(recipe: Recipe, where: str, attention: str) -> None:
     if device_type == "cpu":
         problem += " (no CUDA GPU is visible)" if not cuda else " (launch.backend = 'gloo' runs on CPU)"
     raise RecipeError(f"{where}: model.attention: '{attention}' {problem}")
+
+
+def _check_lora_machine(recipe: Recipe, where: str) -> None:
+    """peft installed; QLoRA's 4-bit base only where its CUDA kernels run (the worker's device rule)."""
+    import importlib.util
+
+    assert recipe.lora is not None
+    if importlib.util.find_spec("peft") is None:
+        raise RecipeError(f"{where}: lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
+    if recipe.lora.quantize_base != "none":
+        import torch
+
+        from hpref.models.adapters import quantize_problem
+
+        on_cuda = torch.cuda.is_available() and recipe.launch.backend != "gloo"
+        problem = quantize_problem(recipe.lora, on_cuda=on_cuda)
+        if problem is not None:
+            raise RecipeError(f"{where}: lora.quantize_base: {problem}")
 
 
 def _check_datasets(recipe: Recipe, where: str) -> None:

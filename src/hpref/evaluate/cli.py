@@ -182,7 +182,12 @@ def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides,
         section = recipe.dataset.eval
         source = load_plugins().get("dataset", section.name).build(section.config, recipe.run.seed)
         battles = list(source.battles())
-    model = load_model(checkpoint, recipe, device=device)
+    from hpref.models.adapters import is_adapter_export, load_adapter_export
+
+    if is_adapter_export(checkpoint):  # `hpref save --adapter`: base + PEFT adapter + head
+        model = load_adapter_export(checkpoint, device=device)
+    else:
+        model = load_model(checkpoint, recipe, device=device)
     formatter = build_formatter(recipe, model.tokenizer)
     result = predict(
         model,
@@ -215,8 +220,10 @@ def save_command(
     timeout: float = 1800.0,
     overwrite: bool = False,
     recipe: str | Path | None = None,
+    adapter: bool = False,
 ) -> int:
-    """`hpref save`: export a checkpoint (`--to`), or with `--now` ask a live run for one first."""
+    """`hpref save`: export a checkpoint (`--to`), or with `--now` ask a live run for one first.
+    A LoRA run exports merged weights, or with `adapter` PEFT's adapter folder and hpref's head."""
     from hpref.evaluate.export import request_save_now, save_export
 
     if now:
@@ -229,7 +236,13 @@ def save_command(
         raise UserError("hpref save needs --to DIR (or --now to only trigger a checkpoint)")
     source: str | Path = step if now else run_dir
     folder = save_export(
-        source, to, step=None if now else step, dtype=dtype, recipe_path=recipe, overwrite=overwrite
-    )  # type: ignore[arg-type]
+        source,
+        to,
+        step=None if now else step,  # type: ignore[arg-type]
+        dtype=dtype,  # type: ignore[arg-type]
+        recipe_path=recipe,
+        overwrite=overwrite,
+        adapter=adapter,
+    )
     print(folder)
     return 0

@@ -131,10 +131,16 @@ def validate_checkpoint(path: Path, expected: dict[str, Any] | None = None, pref
 
 
 def load_model_state(path: Path, model: Any) -> dict[str, Any]:
-    """The model's tensors from a (validated) checkpoint, as a fresh full CPU state dict."""
+    """The model's tensors from a (validated) checkpoint, as a fresh CPU state dict: every tensor,
+    or with LoRA what trained (adapters, head), the frozen base being the model's own."""
     import torch
 
-    template = {k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items()}
+    from hpref.models.adapters import frozen_state_keys
+
+    frozen = frozen_state_keys(model)
+    template = {
+        k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items() if k not in frozen
+    }
     validate_checkpoint(path, template)
     state = {"model": template}
     dcp_load(state, path, no_dist=True)
@@ -192,6 +198,12 @@ def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
     return recipe
 
 
+def frozen_keys(model: Any) -> set[str]:
+    from hpref.models.adapters import frozen_state_keys
+
+    return frozen_state_keys(model)
+
+
 @dataclass
 class LoadedCheckpoint:
     model: Any
@@ -213,8 +225,17 @@ def load_model_from_checkpoint(
         raise UserError("the recipe has no [model] section")
     component = load_plugins().get("model", recipe.model.name)
     model = component.build(recipe.model.config, num_labels=3, device="cpu", meta=False)
+    if recipe.lora is not None:
+        from hpref.models.adapters import apply_lora
+
+        apply_lora(model, recipe.lora)
     state = load_model_state(checkpoint_dir, model)
-    model.load_state_dict(state, strict=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - frozen_keys(model):
+        raise CheckpointError(
+            f"{checkpoint_dir}: does not fit the recipe's model (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
     model.to(device)
     model.eval()
     train_state = json.loads((checkpoint_dir / TRAIN_STATE).read_text())
@@ -255,6 +276,7 @@ def model_card(
     dtype: str,
     metrics: dict[str, Any],
     reward: bool = False,
+    adapter: bool = False,
 ) -> str:
     files = (
         "- files: `config.json` + `model.safetensors` (a transformers sequence classifier with one "
@@ -266,6 +288,13 @@ def model_card(
         "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the "
         "classification head), `hpref_model.json` (labels, pooling, head settings)"
     )
+    if adapter:
+        files = (
+            "- files: `adapter_config.json` + `adapter_model.safetensors` (a PEFT LoRA adapter for the "
+            "base backbone named in `hpref_adapter.json`: `peft.PeftModel.from_pretrained(AutoModel."
+            "from_pretrained(base), folder)`), tokenizer files, `head.safetensors` (hpref's head) and "
+            "`hpref_adapter.json` (the base model, head settings)"
+        )
     what = (
         "Scores one assistant answer with its conversation (a scalar reward); two scores give P(A wins), "
         "P(B wins), P(tie) by Davidson's model."
@@ -285,8 +314,12 @@ def model_card(
         f"- checkpoint: `{checkpoint}` (step {step if step is not None else '?'})",
         f"- weights: {dtype}",
         files,
-        "- load: `hpref.models.PreferenceModel.from_pretrained(folder)`, or "
-        "`hpref eval RECIPE --checkpoint folder`",
+        "- load: `hpref eval RECIPE --checkpoint folder`, or in Python "
+        + (
+            "`hpref.models.adapters.load_adapter_export(folder)`"
+            if adapter
+            else "`hpref.models.PreferenceModel.from_pretrained(folder)`"
+        ),
         "",
         "## Eval metrics",
         "",
@@ -374,9 +407,14 @@ def save_export(
     dtype: Dtype = "fp32",
     recipe_path: str | Path | None = None,
     overwrite: bool = False,
+    adapter: bool = False,
 ) -> Path:
     """Consolidate a checkpoint into `to` (written beside it under a temporary name, fsynced, then
     renamed: a folder named `to` is always complete). Returns `to`.
+
+    A LoRA run (`[lora]` in its recipe) is exported merged (PEFT's `merge_and_unload`: the same
+    transformers folder as a fully fine-tuned model), or with `adapter` as PEFT's adapter folder
+    beside hpref's head (`hpref.models.adapters.save_adapter`).
 
     `to` may be new, empty, or (with `overwrite`) an earlier export, and must not overlap the run or
     checkpoint it comes from. Every failure leaves the parent folder as it was (no temporary folder).
@@ -394,8 +432,17 @@ def save_export(
     checkpoint_dir = resolve_checkpoint(source, step)
     _check_export_overlap(to, checkpoint_dir)
     recipe = recipe_of_run(checkpoint_dir, recipe_path)
+    if adapter and recipe.lora is None:
+        raise UserError(
+            f"--adapter: {checkpoint_dir} is a full fine-tuning run (its recipe has no [lora] section); "
+            "export it without --adapter"
+        )
     loaded = load_model_from_checkpoint(checkpoint_dir, recipe)
     model = loaded.model
+    from hpref.models import adapters
+
+    if not adapter:
+        adapters.merge_lora(model)  # a no-op without LoRA
     state = model.state_dict()
     if dtype == "bf16":
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
@@ -405,7 +452,15 @@ def save_export(
     # A unique name: a fixed `.tmp-NAME` would delete a user's folder of that name.
     tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.", suffix=".part", dir=to.parent))
     try:
-        model.save_pretrained(tmp, state_dict=state)
+        if adapter:
+            adapters.save_adapter(
+                model,
+                tmp,
+                base=adapters.base_pointer(recipe),
+                dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+            )
+        else:
+            model.save_pretrained(tmp, state_dict=state)
         run_step = loaded.train_state.get("step")
         run_dir = checkpoint_dir.resolve().parent.parent
         card = model_card(
@@ -415,6 +470,7 @@ def save_export(
             dtype=dtype,
             metrics=_run_metrics(run_dir, run_step),
             reward=getattr(model, "head_kind", "judge") == "reward",
+            adapter=adapter,
         )
         write_text_atomic(tmp / MODEL_CARD, card)
         write_text_atomic(tmp / "recipe.toml", recipe.to_toml())
@@ -426,6 +482,8 @@ def save_export(
             "max_length": recipe.train.max_length,
             "labels": ["winner_model_a", "winner_model_b", "winner_tie"],
         }
+        if recipe.lora is not None:
+            info["lora"] = "adapter" if adapter else "merged"
         write_text_atomic(tmp / CHECKPOINT_JSON, json.dumps(info, indent=2) + "\n")
         fsync_tree(tmp)
         _replace_folder(tmp, to, overwrite)

@@ -3,8 +3,10 @@
 Layout of a run folder's `checkpoints/`:
 
     step-000040/          a complete checkpoint (only ever created by a rename)
-      .metadata, *.distcp   DCP: model and optimizer, sharded as they were trained
-      train_state.json      step, sampler position, scheduler, world size (identical on every rank)
+      .metadata, *.distcp   DCP: model and optimizer, sharded as they were trained; only what trains
+                            (with LoRA: adapters and head, not the frozen base weights)
+      train_state.json      step, sampler position, scheduler, world size (identical on every rank);
+                            with LoRA also `base_model`, the recipe's [model] that gives the base
       rank-00000.json       that rank's RNG states (CPU, CUDA, Python, NumPy)
       checksums.json        size and SHA-256 of every file above
     .tmp-step-000050/     being written, or left behind by a crash: never loaded
@@ -233,7 +235,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
     save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     write_json_atomic(tmp / _rank_file(rank), {"rank": rank, "rng": rng_state()})
     if rank == 0:
@@ -256,6 +258,16 @@ def save_checkpoint(
         logger.info(f"checkpoint {final}")
     _barrier()
     return final
+
+
+def _trained_only(strict: bool = True) -> Any:
+    """DCP's state-dict options: only parameters that train. A LoRA checkpoint then holds the
+    adapters, the head and their optimizer state, not the frozen base, which the recipe's `[model]`
+    rebuilds (`train_state.json` records that section as `base_model`); full fine-tuning freezes
+    nothing, so its checkpoints hold every weight, as before."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
 @dataclass
@@ -296,10 +308,18 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
             f"checkpoint {path} was written by {train_state.get('world_size')} ranks, this run has {world}; "
             "resume with the same number of processes"
         )
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
     state = {"model": model_state, "optim": optim_state}
     dcp_load(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # frozen weights (a LoRA base) are not in the checkpoint: the model already holds them
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_trained_only(strict=not frozen),
+    )
     rank_file = path / _rank_file(rank)
     rank_state = _read_json(rank_file)
     try:

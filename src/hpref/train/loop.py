@@ -369,6 +369,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                 "sampler": setup.sampler.state_dict(),
                 "scheduler": setup.scheduler.state_dict(),
                 "total_steps": setup.total_steps,
+                **_base_pointer(setup),
             },
             keep=train_cfg.keep_checkpoints,
         )
@@ -492,6 +493,14 @@ def _restore(setup: TrainSetup, path: Path) -> int:
     """Load a checkpoint into the setup; returns the number of completed steps."""
     from hpref.errors import UserError
 
+    expected = _base_pointer(setup).get("base_model")
+    saved = _read_base_pointer(path)
+    if expected is not None and saved is not None and saved != expected:
+        # the adapters only mean something on the base they were trained on
+        raise UserError(
+            f"cannot resume from {path}: its adapters were trained on the base model {json.dumps(saved)}, "
+            f"and this recipe's [model] is {json.dumps(expected)}"
+        )
     restored = checkpoint.load_checkpoint(path, model=setup.model, optimizer=setup.optimizer)
     try:
         setup.sampler.load_state_dict(restored.train_state["sampler"])
@@ -499,6 +508,22 @@ def _restore(setup: TrainSetup, path: Path) -> int:
         raise UserError(f"cannot resume from {path}: {exc}") from None
     setup.scheduler.load_state_dict(restored.train_state["scheduler"])
     return int(restored.train_state["step"])
+
+
+def _base_pointer(setup: TrainSetup) -> dict[str, Any]:
+    """For a LoRA run, what a checkpoint needs to name the frozen base weights it leaves out."""
+    if setup.recipe.lora is None:
+        return {}
+    from hpref.models.adapters import base_pointer
+
+    return {"base_model": base_pointer(setup.recipe)}
+
+
+def _read_base_pointer(path: Path) -> Any:
+    try:
+        return json.loads((Path(path) / checkpoint.TRAIN_STATE).read_text(encoding="utf-8")).get("base_model")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_checkpoint names what is wrong with the file
 
 
 def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: MetricsFile) -> EvalResult:
@@ -549,6 +574,9 @@ def _summary(setup: TrainSetup, stats: RunStats, wall: float) -> dict[str, Any]:
         "peak": str(setup.peak),
         "peak_memory_gib": peak_memory_gib(setup.device),
     }
+    from hpref.models.adapters import count_parameters
+
+    out["trainable_params"], out["params"] = count_parameters(setup.model)
     if stats.eval is not None:
         out.update(
             eval_log_loss=stats.eval.log_loss, eval_accuracy=stats.eval.accuracy, eval_step=stats.eval_step
@@ -566,6 +594,14 @@ def _summary_rows(setup: TrainSetup, summary: dict[str, Any]) -> list[tuple[str,
         rows.append(("tokens/s (all ranks)", f"{summary['tokens_per_s']:,.0f}"))
         rows.append(("MFU", f"{summary['mfu']:.2%} of {summary['peak']}"))
     rows.append(("peak memory (rank 0)", f"{summary['peak_memory_gib']:.2f} GiB"))
+    if summary["trainable_params"] != summary["params"]:
+        share = summary["trainable_params"] / summary["params"]
+        rows.append(
+            (
+                "trainable parameters",
+                f"{summary['trainable_params']:,} of {summary['params']:,} ({share:.2%})",
+            )
+        )
     if "eval_log_loss" in summary:
         rows.append(("eval log loss", f"{summary['eval_log_loss']:.4f}"))
         rows.append(("eval accuracy", f"{summary['eval_accuracy']:.3f}"))

@@ -3,11 +3,17 @@
     activation checkpointing (per block)  ->  fully_shard per block  ->  fully_shard(root)
     ->  materialise and load the initial weights (sharded, rank 0 reads, the others receive)
 
-FSDP2 keeps fp32 master weights; with bf16 precision its `MixedPrecisionPolicy` all-gathers bf16
-copies for compute and reduce-scatters gradients in fp32. The classification head is the exception:
-it is its own FSDP unit computing in fp32 (on the bf16 pooled state cast up), because bf16 keeps
-only ~3 significant digits and logits rounded that coarsely put many predictions on the same few
-values (ties in a ranking, a calibration floor in log loss) for a cost of two tiny matmuls.
+FSDP2 keeps fp32 master weights of what trains; with bf16 precision its `MixedPrecisionPolicy`
+all-gathers bf16 copies for compute and reduce-scatters gradients in fp32. The classification head
+is the exception: it is its own FSDP unit computing in fp32 (on the bf16 pooled state cast up),
+because bf16 keeps only ~3 significant digits and logits rounded that coarsely put many predictions
+on the same few values (ties in a ranking, a calibration floor in log loss) for a cost of two tiny
+matmuls.
+
+With LoRA (`hpref.models.adapters`) the frozen base weights are stored in the compute dtype: they
+never step, so an fp32 master copy would only double their memory, and FSDP2 casts them to that
+dtype for every forward anyway (the same numbers). The adapters, the head and anything else that
+trains keep fp32 master weights.
 
 FSDP2 works on CPU with gloo (a "cpu" DeviceMesh) in torch >= 2.6, so there is no second code path
 for CPU or for a single process: the same sharded model runs everywhere (world size 1 simply holds
@@ -80,6 +86,11 @@ def parallelize(
     policy = MixedPrecisionPolicy(
         param_dtype=None if param_dtype == torch.float32 else param_dtype, reduce_dtype=torch.float32
     )
+    frozen = 0
+    if param_dtype != torch.float32:  # LoRA: the frozen base needs no fp32 master weights
+        from hpref.models.adapters import freeze_dtype
+
+        frozen = freeze_dtype(model, param_dtype)
     blocks = model.blocks()
     for block in blocks:
         fully_shard(block, mp_policy=policy)
@@ -93,6 +104,7 @@ def parallelize(
         f"FSDP2: {len(blocks)} blocks + root over {dist.get_world_size()} rank(s), "
         f"compute {_name(param_dtype)}{' (head fp32)' if fp32_head else ''}, reduce fp32, "
         f"activation checkpointing {'on' if activation_checkpointing else 'off'}"
+        + (f"; {frozen:,} frozen parameters stored in {_name(param_dtype)}" if frozen else "")
     )
     return model
 
@@ -124,6 +136,10 @@ def load_initial_weights(model: torch.nn.Module, *, device: torch.device, init_f
     if init_folder is None:
         return
     state = read_init_weights(init_folder) if dist.get_rank() == 0 or not broadcast else {}
+    if state:
+        from hpref.models.adapters import to_model_layout
+
+        state = to_model_layout(model, state)  # an `hpref init` folder holds the plain layout
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
     )

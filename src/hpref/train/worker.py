@@ -97,7 +97,8 @@ def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Pa
 
 
 def build_setup(recipe: Recipe, info: DistInfo):
-    """Components -> tokenized data -> sharded model -> optimizer, sampler, scheduler."""
+    """Components -> tokenized data -> (LoRA adapters) -> sharded model -> optimizer (what trains),
+    sampler, scheduler."""
     from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
     from hpref.plugins import load_plugins
@@ -113,6 +114,10 @@ def build_setup(recipe: Recipe, info: DistInfo):
     model = registry.get("model", recipe.model.name).build(
         recipe.model.config, num_labels=3, device=info.device, meta=True
     )
+    if recipe.lora is not None:
+        from hpref.models.adapters import apply_lora
+
+        apply_lora(model, recipe.lora)  # before sharding: FSDP2 must see which weights are frozen
     if train_cfg.max_length > model.max_position_embeddings:
         raise UserError(
             f"train.max_length {train_cfg.max_length} exceeds the model's "
