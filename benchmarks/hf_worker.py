@@ -3,7 +3,10 @@
 - `trainer`: HF `Trainer` + `AutoModelForSequenceClassification` (3 labels, hard-label cross
   entropy) + `DataCollatorWithPadding` (dynamic padding), the usual Kaggle LMSYS baseline. It
   trains on exactly the token ids hpref's formatter produced (written by `benchmarks.run`).
-- `trl`: TRL's `RewardTrainer` on chosen/rejected token ids (1 label, Bradley-Terry loss).
+- `trl`: TRL's `RewardTrainer` on chosen/rejected token ids (1 label, Bradley-Terry loss). With
+  `spec["lora"]` the model is wrapped by PEFT first (what `RewardTrainer(peft_config=...)` does; done
+  here so the optimizer below is built over the adapters): LoRA on every linear layer inside the
+  transformer blocks, the classifier (and BERT's pooler) trained in full, as hpref's `[lora]` does.
 
 Both use AdamW with hpref's groups (head LR, no decay on biases and norms), a linear schedule with
 the same warmup fraction, the same grad clip, batch, epochs and compute dtype as the hpref run.
@@ -36,12 +39,34 @@ def build_model(spec: dict, num_labels: int):
     return model
 
 
+def wrap_lora(model, lora: dict):
+    """PEFT LoRA with hpref's defaults: adapters on the block's linear layers (not BERT's pooler,
+    which trains in full beside the score layer), alpha = 2 r, no adapter dropout."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    linears = "query|key|value|dense|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+    blocks = rf".*\.(layer|layers)\.\d+\..*\.({linears})"
+    pooler = ["pooler"] if getattr(getattr(model, "bert", None), "pooler", None) is not None else []
+    config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,  # adds the classifier / score layer to modules_to_save
+        r=lora["r"],
+        lora_alpha=lora.get("alpha") or 2 * lora["r"],
+        lora_dropout=lora.get("dropout", 0.0),
+        target_modules=blocks,
+        modules_to_save=pooler,
+    )
+    return get_peft_model(model, config)
+
+
 def optimizer_and_schedule(model, spec: dict, total_steps: int):
     from transformers import get_linear_schedule_with_warmup
 
     head_names = ("score.", "classifier.")
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # LoRA: the frozen base
+            continue
+        name = name.removeprefix("base_model.model.")  # PEFT's wrapper prefix
         groups.setdefault((name.startswith(head_names), p.ndim >= 2), []).append(p)
     param_groups = [
         {
@@ -69,6 +94,8 @@ def main(spec_path: str, out_path: str) -> None:
         tokenizer.pad_token_id = spec["pad_token_id"]
     reward = spec["mode"] == "trl"
     model = build_model(spec, 1 if reward else 3)
+    if spec.get("lora"):
+        model = wrap_lora(model, spec["lora"])
     batch = spec["batch_size"]
     n_train = len(data["train"]["chosen_ids" if reward else "input_ids"])
     total_steps = math.ceil(n_train / batch) * spec["epochs"]
@@ -113,6 +140,10 @@ def main(spec_path: str, out_path: str) -> None:
     result = trainer.train()
     train_s = time.perf_counter() - t
     out = {"train_s": train_s, "train_loss": result.training_loss, "steps": result.global_step}
+    # what a user keeps: the trained weights (a PEFT model writes its adapter folder only)
+    saved = Path(spec["work_dir"]) / "final"
+    trainer.save_model(str(saved))
+    out["saved_bytes"] = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
 
     # Eval: the model's forward on padded batches (longest first is not the HF default; keep order).
     model.eval()

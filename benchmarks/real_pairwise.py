@@ -47,7 +47,10 @@ RECIPES = {
     "hpref-reward": ("minilm-reward", []),
     "hpref-reward-2ranks": ("minilm-reward", ["launch.nproc=2"]),  # 2 ranks x 1 thread each
     "hpref-judge": ("minilm-pairwise", []),
+    "hpref-reward-lora": ("minilm-reward", ["lora.r=8"]),  # LoRA r 8 (alpha 16) through PEFT
 }
+#: TRL contender -> LoRA settings for PEFT (None: full fine-tuning), the same as hpref's [lora] r = 8
+TRL = {"trl": None, "trl-lora": {"r": 8}}
 EVAL_SHARE = 20  # percent of prompt hashes that go to eval
 
 
@@ -96,8 +99,9 @@ def write_recipe(name: str, train: Path, evaluation: Path, work: Path) -> Path:
 def run_contender(name: str, work: Path, recipes: dict[str, Path], prep: dict) -> dict:
     folder = work / f"{name}-{len(list(work.glob(name + '-*')))}"
     folder.mkdir()
-    if name == "trl":
-        result = run_baseline("trl", prep, folder)
+    if name in TRL:
+        spec = dict(prep["spec"], lora=TRL[name], work_dir=str(folder / "trl_work"))
+        result = run_baseline("trl", {**prep, "spec": spec}, folder)
         if "error" in result:
             return result
         tokens = prep["trl_train_tokens"]
@@ -111,47 +115,55 @@ def run_contender(name: str, work: Path, recipes: dict[str, Path], prep: dict) -
     if "error" in result:
         return result
     scores = pairwise_scores(Path(result["run_dir"]), prep["eval_winners"])
+    # the resumable checkpoint hpref leaves (model or adapters + head, optimizer state)
+    checkpoints = sorted(Path(result["run_dir"]).glob("checkpoints/step-*"))
+    saved = sum(f.stat().st_size for f in checkpoints[-1].rglob("*") if f.is_file()) if checkpoints else 0
     return {
         **result,
         "tokens": result["hpref_tokens"],
         "accuracy": scores["eval_accuracy_ab"],
         "log_loss": scores["eval_log_loss_ab"],
+        "saved_bytes": saved,
     }
 
 
 def table(results: dict[str, list[dict]], n_train: int, n_eval: int) -> list[str]:
     rows = [
         "| contender | eval pairwise accuracy | eval BT log loss | train s | real tokens/s | pairs/s | "
-        "wall s | peak RSS (all processes) | load | runs |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "wall s | peak RSS (all processes) | saved at the end | load | runs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     med = {}
     for name, runs in results.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
-            rows.append(f"| {name} | error: {runs[-1]['error']} | | | | | | | | {len(runs)} |")
+            rows.append(f"| {name} | error: {runs[-1]['error']} | | | | | | | | | {len(runs)} |")
             continue
         m = {k: statistics.median(r[k] for r in ok) for k in ("accuracy", "log_loss", "train_s", "wall_s")}
         m["peak"] = statistics.median(r["peak_rss_gib"] for r in ok)
         m["load"] = statistics.median(r["load_mean"] for r in ok)
+        m["saved"] = statistics.median(r.get("saved_bytes", 0) for r in ok) / 2**20
         m["tps"] = statistics.median(r["tokens"] / r["train_s"] for r in ok)
         m["pps"] = n_train / m["train_s"]
         med[name] = m
         rows.append(
             f"| {name} | {m['accuracy']:.3f} | {m['log_loss']:.4f} | {m['train_s']:,.0f} | "
             f"{m['tps']:,.0f} | {m['pps']:.2f} | {m['wall_s']:,.0f} | {m['peak']:.2f} GiB | "
-            f"{m['load']:.1f} | {len(ok)} |"
+            f"{m['saved']:,.1f} MiB | {m['load']:.1f} | {len(ok)} |"
         )
-    if "trl" in med:
-        for name in med:
-            if name != "trl":
-                rows.append("")
-                rows.append(
-                    f"{name} / TRL: wall {med[name]['wall_s'] / med['trl']['wall_s']:.2f}x, "
-                    f"pairs/s {med[name]['pps'] / med['trl']['pps']:.2f}x, "
-                    f"peak memory {med[name]['peak'] / med['trl']['peak']:.2f}x, "
-                    f"accuracy {med[name]['accuracy'] - med['trl']['accuracy']:+.3f}"
-                )
+    for name in med:
+        if name in TRL:
+            continue
+        # a LoRA contender is compared with TRL + the same LoRA, a full fine-tune with full TRL
+        ref = "trl-lora" if name.endswith("-lora") and "trl-lora" in med else "trl"
+        if ref in med:
+            rows.append("")
+            rows.append(
+                f"{name} / {ref}: wall {med[name]['wall_s'] / med[ref]['wall_s']:.2f}x, "
+                f"pairs/s {med[name]['pps'] / med[ref]['pps']:.2f}x, "
+                f"peak memory {med[name]['peak'] / med[ref]['peak']:.2f}x, "
+                f"accuracy {med[name]['accuracy'] - med[ref]['accuracy']:+.3f}"
+            )
     return rows
 
 
