@@ -15,6 +15,9 @@ Two kinds of check:
   bitsandbytes for `lora.quantize_base = '4bit'`, `run.output_dir` not a file, and every
   dataset section buildable (its file there, readable, with the right columns). `hpref recipes
   check --portable` skips these, for a recipe written here for another machine (the GPU references).
+
+An `hpref rl` recipe trains no judge: for it only the adapters of its policies are checked (`[lora]`
+or `rl.policies.<id>.lora`: peft, and target modules each policy's LM has).
 """
 
 from __future__ import annotations
@@ -29,13 +32,10 @@ def check_train(recipe: Recipe, where: str | Path | None = None, *, machine: boo
     """Raise `RecipeError` (one line: file, dotted key, what is wrong) for the first thing
     `hpref train` would refuse; `machine=False` leaves out what depends on this machine."""
     where = str(where if where is not None else recipe._source or "recipe")
-    if recipe.rl is not None and recipe.lora is not None:
-        raise RecipeError(
-            f"{where}: lora: [lora] adapts the preference model `hpref train` trains; `hpref rl` "
-            "policies do not take adapters yet (remove the section)"
-        )
     if recipe.rl is not None and recipe.model is None:
-        return  # an `hpref rl` recipe: its [rl] section was checked when it loaded; it trains no judge
+        # an `hpref rl` recipe: its [rl] section was checked when it loaded; it trains no judge
+        _check_rl_lora(recipe, where, machine)
+        return
     _check_recipe(recipe, where)
     if machine:
         _check_machine(recipe, where)
@@ -127,6 +127,27 @@ def _check_cuda(recipe: Recipe, where: str, attention: str) -> None:
     if device_type == "cpu":
         problem += " (no CUDA GPU is visible)" if not cuda else " (launch.backend = 'gloo' runs on CPU)"
     raise RecipeError(f"{where}: model.attention: '{attention}' {problem}")
+
+
+def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:
+    """`hpref rl` policies with adapters (the top-level `[lora]` or a policy's `lora` table): peft
+    installed, and target modules every such policy's LM has (from its architecture alone; a policy
+    whose model is a local folder only with `machine`, since the folder is this machine's)."""
+    import importlib.util
+
+    from hpref.rl.config import parse_rl_section
+
+    config = parse_rl_section(recipe.rl, where, lora=recipe.lora)
+    with_lora = sorted(p for p, policy in config.policies.items() if policy.lora is not None)
+    if not with_lora:
+        return
+    if importlib.util.find_spec("peft") is None:
+        if not machine:
+            return
+        raise RecipeError(f"{where}: lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
+    from hpref.rl.actors import check_policy_lora
+
+    check_policy_lora(config, with_lora, where, skip_paths=not machine)
 
 
 def _check_lora_machine(recipe: Recipe, where: str) -> None:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from hpref.errors import UserError
 from hpref.rl.config import PolicyConfig, PolicyModelConfig, RLConfig, RolloutConfig
 
 TOKENIZER_MIN_FREQUENCY = 2
@@ -101,7 +102,7 @@ def build_policy_model(model: PolicyModelConfig) -> tuple[Any, Any]:
     """(causal LM, tokenizer). A tiny model is seeded, so the engine and the trainer of one policy
     build identical weights independently (version 0) without shipping them."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     tokenizer = policy_tokenizer(model)
     if model.path is not None:
@@ -110,21 +111,69 @@ def build_policy_model(model: PolicyModelConfig) -> tuple[Any, Any]:
         route_transformers_logs()  # the load report goes to the actor's log, not the console
         lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
         return lm, tokenizer
-    config = LlamaConfig(
+    config = tiny_policy_config(
+        model,
         vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(model.seed)
+    return LlamaForCausalLM(config).float(), tokenizer
+
+
+def tiny_policy_config(model: PolicyModelConfig, **tokens: Any) -> Any:
+    """The `LlamaConfig` of a tiny policy (`tokens`: vocab_size and the special token ids)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         hidden_size=model.hidden_size,
         intermediate_size=model.intermediate_size,
         num_hidden_layers=model.num_hidden_layers,
         num_attention_heads=model.num_attention_heads,
         num_key_value_heads=model.num_key_value_heads,
         max_position_embeddings=model.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
+        **tokens,
     )
-    torch.manual_seed(model.seed)
-    return LlamaForCausalLM(config).float(), tokenizer
+
+
+def policy_skeleton(model: PolicyModelConfig) -> Any:
+    """The policy's causal LM on the meta device: its module tree without weights or a tokenizer
+    (seconds less than a build), for checks of settings that depend on the architecture."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model.path is not None:
+        config = AutoConfig.from_pretrained(model.path)
+    else:  # the vocabulary size is the target's; only the embedding's shape depends on it
+        config = tiny_policy_config(model, vocab_size=model.vocab_size)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_policy_lora(config: RLConfig, policies: list[str], where: str, *, skip_paths: bool = False) -> None:
+    """Before any actor starts: every LoRA policy's adapters can be injected into its LM (their
+    `target_modules` name linear layers it has). A `RecipeError` of one line naming the policy.
+    `skip_paths`: leave out policies whose model is a local folder (a check for another machine)."""
+    from hpref.errors import RecipeError
+    from hpref.models.adapters import apply_lora_to_causal_lm
+
+    for p in policies:
+        policy = config.policies[p]
+        if policy.lora is None or (skip_paths and policy.model.path is not None):
+            continue
+        try:
+            skeleton = policy_skeleton(policy.model)
+        except (OSError, ValueError) as exc:
+            raise RecipeError(
+                f"{where}: rl.policies.{p}.model.path: no causal LM config to adapt there "
+                f"({str(exc).splitlines()[0]})"
+            ) from None
+        try:
+            apply_lora_to_causal_lm(skeleton, policy.lora, seed=policy.model.seed)
+        except UserError as exc:
+            raise RecipeError(f"{where}: rl.policies.{p}.{exc}") from None
 
 
 def encode_prompt(tokenizer: Any, turns: tuple[str, ...]) -> list[int]:
@@ -699,12 +748,24 @@ class TrainerActor:
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         self.update_interval = update_interval
         self.model, self.tokenizer = build_policy_model(self.config.model)
+        self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
+        if self.config.lora is not None:
+            from hpref.models.adapters import apply_lora_to_causal_lm
+
+            try:
+                self.lora = apply_lora_to_causal_lm(self.model, self.config.lora, seed=self.config.model.seed)
+            except UserError as exc:
+                raise UserError(f"rl.policies.{policy}.{exc}") from None
         self.model.train()
         self.reference = None
-        if self.config.kl_coef > 0 or self.config.measure_kl:  # the frozen starting policy
+        self.wants_reference = self.config.kl_coef > 0 or self.config.measure_kl
+        if self.wants_reference and self.lora is None:  # the frozen starting policy
+            # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.trainable,
             lr=self.config.lr,
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
@@ -732,10 +793,7 @@ class TrainerActor:
         for i, lp in enumerate(rollout["logprobs"]):  # the engine's (behaviour) log-probs
             start_col = len(rollout["prompt_ids"][i]) - 1
             old[i, start_col : start_col + len(lp)] = torch.tensor(lp)
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = completion_logprobs(self.reference, batch, rollout["temperature"])
+        ref = self._reference_logprobs(batch, rollout["temperature"])
         stats: dict[str, float] = {}
         for epoch in range(cfg.epochs_per_rollout):
             logp = completion_logprobs(self.model, batch, rollout["temperature"])
@@ -753,7 +811,7 @@ class TrainerActor:
             self.optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             grad_norm = (
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
                 if cfg.grad_clip
                 else torch.tensor(0.0)
             )
@@ -776,23 +834,58 @@ class TrainerActor:
         )
         return stats
 
+    def _reference_logprobs(self, batch: dict[str, Any], temperature: float) -> Any:
+        """Log-probs under the frozen starting policy, or None when no KL is asked for."""
+        import torch
+
+        if not self.wants_reference:
+            return None
+        with torch.no_grad():
+            if self.lora is not None:
+                # LoRA's B starts at zero and the base never steps, so the base alone is the start
+                with self.lora.disable_adapter():
+                    return completion_logprobs(self.model, batch, temperature)
+            return completion_logprobs(self.reference, batch, temperature)
+
     def update_weights(self) -> tuple[int, dict[str, Any]]:
-        """Publish the current weights: (the new version, a CPU state dict for the engine)."""
+        """Publish the current weights: (the new version, a CPU state dict for the engine).
+
+        With LoRA the engine gets merged weights (base + B A alpha/r, under the plain LM's keys), not
+        the adapter: it then loads a plain transformers state dict whether or not the policy has
+        adapters, so no engine (nor an engine plugin such as vLLM) has to know PEFT, hold the base
+        separately, or pay for the adapter's extra matmuls while generating. The price is a full
+        state dict per sync, the same as without LoRA."""
         self.version = expected_version(self.rollouts_done, self.update_interval)
+        if self.lora is not None:
+            from hpref.models.adapters import merged_lm_state
+
+            return self.version, merged_lm_state(self.model)
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return self.version, state
 
     def save(self, folder: str) -> None:
-        """The model as a transformers folder (a usable starting checkpoint), optimizer and counters."""
+        """The model as a transformers folder (a usable starting checkpoint), optimizer and counters.
+
+        With LoRA only what trains: PEFT's adapter folder (`adapter/`, loadable by `peft`), the
+        optimizer state of the adapters, the counters, and `policy_base.json`, which names the frozen
+        base (the policy's `model` settings) and the adapter settings that resume must match."""
         import torch
 
         from hpref.runfolder import integrity
-        from hpref.runfolder.files import write_bytes_atomic
+        from hpref.runfolder.files import write_bytes_atomic, write_json_atomic
 
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path / "model")
-        self.tokenizer.save_pretrained(path / "model")
+        if self.lora is not None:
+            from hpref.models.adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE
+
+            self.lora.save_pretrained(
+                str(path / POLICY_ADAPTER_DIR), safe_serialization=True, save_embedding_layers=False
+            )
+            write_json_atomic(path / POLICY_BASE_FILE, self._base_description(), indent=2, sort_keys=True)
+        else:
+            self.model.save_pretrained(path / "model")
+            self.tokenizer.save_pretrained(path / "model")
         buffer = io.BytesIO()
         torch.save(
             {
@@ -809,6 +902,7 @@ class TrainerActor:
         """Restore from `folder`; returns the rollout id to start at (0 when there is nothing there)."""
         from safetensors.torch import load_file
 
+        from hpref.models.adapters import POLICY_BASE_FILE
         from hpref.runfolder import integrity
         from hpref.runfolder.safe_load import CheckpointError, load_torch_file
 
@@ -816,12 +910,20 @@ class TrainerActor:
         if not (path / TRAINER_STATE).is_file():
             return 0
         integrity.require_verified(path)
-        weights_file = path / "model" / "model.safetensors"
-        try:
-            weights = load_file(str(weights_file))
-            self.model.load_state_dict(weights, strict=True)
-        except Exception as exc:  # safetensors' header errors and shape mismatches
-            raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
+        if self.lora is not None:
+            self._load_adapter(path)
+        else:
+            weights_file = path / "model" / "model.safetensors"
+            if not weights_file.is_file() and (path / POLICY_BASE_FILE).is_file():
+                raise CheckpointError(
+                    f"{path}: holds a LoRA adapter, but policy '{self.policy}' has no [lora] now; "
+                    "resume with the adapter settings it was saved with"
+                )
+            try:
+                weights = load_file(str(weights_file))
+                self.model.load_state_dict(weights, strict=True)
+            except Exception as exc:  # safetensors' header errors and shape mismatches
+                raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
         state = load_torch_file(path / TRAINER_STATE)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -830,3 +932,53 @@ class TrainerActor:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path / TRAINER_STATE}: damaged ({type(exc).__name__}: {exc})") from None
         return self.rollouts_done
+
+    def _base_description(self) -> dict[str, Any]:
+        """What a LoRA save leaves out and resume must find again: the base and the adapter shape."""
+        assert self.config.lora is not None
+        return {
+            "format": 1,
+            "base": self.config.model.model_dump(mode="json"),
+            "lora": self.config.lora.model_dump(mode="json"),
+        }
+
+    def _load_adapter(self, path: Path) -> None:
+        """The adapter of a LoRA save into this trainer, after checking it adapts this very base."""
+        from safetensors.torch import load_file
+
+        from hpref.models.adapters import (
+            PEFT_WEIGHTS_FILE,
+            POLICY_ADAPTER_DIR,
+            POLICY_BASE_FILE,
+            load_lm_adapter_state,
+        )
+        from hpref.runfolder.safe_load import CheckpointError
+
+        described = path / POLICY_BASE_FILE
+        if not described.is_file():
+            raise CheckpointError(
+                f"{path}: holds full weights (no {POLICY_BASE_FILE}), but policy '{self.policy}' has "
+                "[lora] now; resume without it, or start a new run"
+            )
+        try:
+            saved = json.loads(described.read_text(encoding="utf-8"))
+            saved_base, saved_lora = dict(saved["base"]), dict(saved["lora"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{described}: damaged ({type(exc).__name__}: {exc})") from None
+        want = self._base_description()
+        for part, have in (("base", saved_base), ("lora", saved_lora)):
+            if have != want[part]:
+                diff = sorted(k for k in set(have) | set(want[part]) if have.get(k) != want[part].get(k))
+                key = "model" if part == "base" else "lora"
+                raise CheckpointError(
+                    f"{described}: the adapter was trained with other {key} settings than policy "
+                    f"'{self.policy}' has now ({key}.{diff[0]}: saved {have.get(diff[0])!r}, now "
+                    f"{want[part].get(diff[0])!r}); an adapter only fits the base it was trained on"
+                )
+        weights_file = path / POLICY_ADAPTER_DIR / PEFT_WEIGHTS_FILE
+        try:
+            load_lm_adapter_state(self.lora, load_file(str(weights_file)), source=str(weights_file))
+        except ValueError as exc:
+            raise CheckpointError(str(exc).splitlines()[0]) from None
+        except Exception as exc:  # safetensors' header errors
+            raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None

@@ -30,6 +30,11 @@
     [rl.policies.b]
     kl_coef = 0.05
     rollout = { temperature = 0.7 }   # only the keys in POLICY_ROLLOUT_OVERRIDES
+    lora = { r = 8 }             # LoRA: only this policy's adapter trains (hpref.recipe.LoraSection)
+
+The recipe's top-level `[lora]` section gives every policy adapters: it is read as if written in
+`[rl.defaults.lora]`, below it (`rl.defaults.lora` and `rl.policies.<id>.lora` change its keys). A
+policy without a `lora` table, with no `[lora]` either, trains all its weights.
 
 `--policies a,b` picks which run; the first is the leader. `parse_rl_section` validates all of it
 and raises `RecipeError` with one line naming the dotted key.
@@ -41,9 +46,10 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpref.errors import RecipeError, UserError, did_you_mean
+from hpref.recipe import LoraSection
 
 POLICY_ID = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
@@ -88,6 +94,20 @@ class PolicyRolloutOverrides(_Section):
     max_new_tokens: int | None = Field(None, ge=1, description="longest answer of this policy")
 
 
+class PolicyLoraSection(LoraSection):
+    """A policy's `[lora]`: the recipe section's keys, for a causal LM (`hpref.models.adapters`
+    `apply_lora_to_causal_lm`)."""
+
+    @field_validator("quantize_base")
+    @classmethod
+    def _no_qlora(cls, value: str) -> str:
+        # The policy's engine and trainer are plain transformers models; a 4-bit base would need
+        # bitsandbytes kernels in both, which hpref rl does not wire up.
+        if value != "none":
+            raise ValueError(f"'{value}' (QLoRA) is not supported for hpref rl policies; set it to \"none\"")
+        return value
+
+
 class PolicyConfig(_Section):
     """One policy: its model, optimizer and GRPO settings."""
 
@@ -114,6 +134,11 @@ class PolicyConfig(_Section):
     rollout: PolicyRolloutOverrides = Field(
         default_factory=PolicyRolloutOverrides,
         description=f"this policy's own rollout settings (only {', '.join(POLICY_ROLLOUT_OVERRIDES)})",
+    )
+    lora: PolicyLoraSection | None = Field(
+        None,
+        description="LoRA adapters through PEFT: only they train, the base stays frozen (absent: all "
+        "weights train); the recipe's [lora] section is every policy's default",
     )
 
 
@@ -284,10 +309,14 @@ def describe_error(exc: ValidationError, model: type[BaseModel], prefix: str) ->
     return f"{key}: {msg}, got {got_text}" if loc else f"{key}: {msg}"
 
 
-def parse_rl_section(data: dict[str, Any] | None, where: str = "recipe") -> RLConfig:
+def parse_rl_section(
+    data: dict[str, Any] | None, where: str = "recipe", *, lora: LoraSection | dict[str, Any] | None = None
+) -> RLConfig:
     """Validate the `[rl]` table (policy tables merged over `[rl.defaults]`) and its reward component.
 
-    Every error is a `RecipeError` of one line: `<where>: rl.<dotted key>: <what is wrong>`.
+    `lora`: the recipe's top-level `[lora]` section, every policy's default adapter settings (as if
+    it were `[rl.defaults.lora]`, under that table). Every error is a `RecipeError` of one line:
+    `<where>: rl.<dotted key>: <what is wrong>`.
     """
     if not data:
         raise RecipeError(f"{where}: rl: hpref rl needs an [rl] section with at least one [rl.policies.<id>]")
@@ -295,6 +324,10 @@ def parse_rl_section(data: dict[str, Any] | None, where: str = "recipe") -> RLCo
     defaults = data.pop("defaults", {}) or {}
     if not isinstance(defaults, dict):
         raise RecipeError(f"{where}: rl.defaults: expected a table")
+    if lora is not None:
+        if isinstance(lora, LoraSection):  # only the keys the recipe set, so a policy's table can add
+            lora = lora.model_dump(mode="json", exclude_unset=True)
+        defaults = _merge({"lora": dict(lora)}, defaults)
     try:
         PolicyConfig.model_validate(defaults)
     except ValidationError as exc:

@@ -420,7 +420,7 @@ def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
     if isinstance(rl, RLConfig):
         return rl, run_dir
     where = str(getattr(recipe, "_source", None) or "recipe")
-    return parse_rl_section(rl, where), run_dir
+    return parse_rl_section(rl, where, lora=getattr(recipe, "lora", None)), run_dir
 
 
 def resume_source(run_dir: Path, resume: str | None) -> Path | None:
@@ -478,6 +478,11 @@ def run_rl(
     started = time.perf_counter()
     config, run_dir = _rl_config(recipe)
     order = config.select(list(policies))
+    if any(config.policies[p].lora is not None for p in order):
+        from hpref.rl.actors import check_policy_lora
+
+        # a wrong target name is one line here, not an actor that dies while it is being built
+        check_policy_lora(config, order, str(getattr(recipe, "_source", None) or "recipe"))
     source = resume_source(run_dir, resume)
     if source is not None:
         record = read_record(source)
