@@ -394,3 +394,41 @@ def test_hpref_rl_refuses_a_wrong_target_before_any_actor_starts(tmp_path, monke
     ):
         driver.run_rl(recipe, ["a", "b"])
     assert not (tmp_path / "r").exists()  # refused before the run folder was made
+
+
+@pytest.mark.slow
+def test_hpref_rl_with_lora_on_ray_saves_adapters(tmp_path):
+    # Wrong if the recipe's [lora] (and a policy's own lora table) did not reach the trainer actors
+    # on Ray: rl.json and the saves would show full weights. (Resume is checked in-process above.)
+    ray = pytest.importorskip("ray")
+    from hpref.recipe import recipe_from_dict
+    from hpref.rl.driver import run_rl
+    from hpref.rl.record import read_record
+
+    rl = {
+        "num_rollouts": 2,
+        "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 4, "eval_prompts": 0},
+        "defaults": {"model": TINY, "lr": 1e-3},
+        # one policy (three actors: each is a process that imports torch), with the recipe's [lora]
+        # and its own change to it
+        "policies": {"b": {"kl_coef": 0.05, "lora": {"alpha": 2}}},
+    }
+    run = {"name": "arena", "output_dir": str(tmp_path)}
+    recipe = recipe_from_dict({"run": run, "rl": rl, "lora": {"r": R}}, resolve=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert run_rl(recipe, ["b"]) == 0
+    finally:
+        ray.shutdown()
+    run_dir = tmp_path / "arena"
+    final = read_record(run_dir)
+    assert final.rollout_ids == {"b": 2}
+    lora = json.loads((run_dir / "rl.json").read_text())["config"]["policies"]["b"]["lora"]
+    assert (lora["r"], lora["alpha"]) == (R, 2)
+    saved = run_dir / final.save_dir / "b"
+    assert not (saved / "model").exists()
+    adapter = json.loads((saved / "adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (R, 2)
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "b.jsonl").read_text().splitlines()]
+    assert [(row["rollout"], row["weight_version"]) for row in rows] == [(0, 1), (1, 2)]
+    assert all(row["kl"] >= 0 and row["grad_norm"] >= 0 for row in rows)
