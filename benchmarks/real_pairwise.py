@@ -46,6 +46,8 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jso
 RECIPES = {
     "hpref-reward": ("minilm-reward", []),
     "hpref-reward-2ranks": ("minilm-reward", ["launch.nproc=2"]),  # 2 ranks x 1 thread each
+    # BERT's CLS pooler, as transformers' sequence classifier (and so TRL) reads it: the same model as TRL's
+    "hpref-reward-cls": ("minilm-reward", ['model.pooling="first"']),
     "hpref-judge": ("minilm-pairwise", []),
     "hpref-reward-lora": ("minilm-reward", ["lora.r=8"]),  # LoRA r 8 (alpha 16) through PEFT
 }

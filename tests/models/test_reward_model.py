@@ -150,12 +150,42 @@ def test_the_tie_parameter_starts_at_the_label_prior():
     assert probs[2].item() == pytest.approx(0.25 / (0.25 + 2 * math.sqrt(0.4 * 0.35)), abs=1e-5)
 
 
+def test_mean_pooled_encoder_reward_model_scores_the_mean_and_round_trips_through_hpref(tmp_path):
+    """pooling = "mean" on an encoder (how sentence embedders such as MiniLM were tuned): each score is
+    the score linear on the sequence's mean hidden state, BERT's CLS pooler is not applied, and the
+    export is hpref's own folder (a plain backbone, not a sequence classifier that transformers would
+    silently pool by CLS) that hpref loads back with identical logits. If the pooler still ran, or the
+    export claimed a sequence-classifier class, a TRL/OpenRLHF user would get different scores."""
+    from hpref.models import PreferenceModel
+
+    model = model_from_config(tiny_bert_config(pad_token_id=0), head="reward", pooling="mean")
+    model.tokenizer = word_tokenizer()
+    model = trained(model)
+    assert not model.exports_sequence_classifier
+    ids, cu, positions, seqs = packed_batch(PAIRS, vocab=90)
+    with torch.no_grad():
+        # each sequence through the plain transformers backbone alone: the reference mean
+        means = torch.stack([model.backbone(input_ids=s[None]).last_hidden_state[0].mean(0) for s in seqs])
+        expected = model.head.score(means).squeeze(-1)
+        torch.testing.assert_close(_pooled(model, ids, cu, positions), means, atol=1e-6, rtol=1e-6)
+        logits = model(ids, cu, positions)
+    torch.testing.assert_close(logits[:, :2], expected.reshape(-1, 2), atol=1e-5, rtol=1e-5)
+    folder = model.save_pretrained(tmp_path / "export")
+    config = json.loads((folder / "config.json").read_text())
+    assert not any("SequenceClassification" in a for a in config.get("architectures") or [])
+    assert json.loads((folder / "hpref_model.json").read_text())["pooling"] == "mean"
+    loaded = PreferenceModel.from_pretrained(folder)
+    assert loaded.pooling == "mean" and loaded.head_kind == "reward"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, cu, positions), logits, atol=1e-6, rtol=1e-6)
+
+
 def test_reward_head_refuses_what_it_cannot_export():
     """A family whose transformers classifier is not one linear on the pooled state (RoBERTa) and a
     pooling unlike transformers' would export a model that scores differently: both are refused."""
     with pytest.raises(UserError, match="not one linear"):
         model_from_config(tiny_roberta_config(), head="reward")
-    with pytest.raises(UserError, match="'last'"):
+    with pytest.raises(UserError, match="'last'"):  # mean on a decoder: only encoders may mean-pool
         builtin_models.build_tiny_llama(
             builtin_models.TinyLlamaConfig(**TINY, head="reward", pooling="mean"),
             texts=builtin_models_texts,

@@ -322,6 +322,7 @@ def test_minilm_reward_lora_checkpoint_is_small_and_its_adapter_loads_in_plain_p
         "train.max_steps=3",
         "optimizer.lr=1e-3",
         "lora.r=16",
+        'model.pooling="first"',  # CLS + pooler: the export is a transformers sequence classifier
     ]
     assert run_train(REPO / "recipes" / "minilm-reward.toml", overrides, nproc_per_node=1) == 0
     run = tmp_path / "runs" / "m"

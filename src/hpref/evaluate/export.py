@@ -276,6 +276,7 @@ def model_card(
     dtype: str,
     metrics: dict[str, Any],
     reward: bool = False,
+    sequence_classifier: bool = True,
     adapter: bool = False,
 ) -> str:
     files = (
@@ -283,6 +284,12 @@ def model_card(
         "label: `AutoModelForSequenceClassification.from_pretrained(folder)` gives each answer's reward, "
         "as TRL and OpenRLHF load reward models), tokenizer files, `head.safetensors` and "
         "`hpref_model.json` (the tie parameter `tie_log_nu` of Davidson's model, pooling)"
+        if reward and sequence_classifier
+        else "- files: `config.json` + `model.safetensors` (the backbone, loadable with "
+        "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the reward "
+        "`score` linear and Davidson's tie parameter), `hpref_model.json` (pooling = mean: no "
+        "transformers class pools that way, so `hpref eval` and `hpref rl` load this folder; train with "
+        '`model.pooling = "first"` for a sequence classifier that TRL and OpenRLHF load)'
         if reward
         else "- files: `config.json` + `model.safetensors` (the backbone, loadable with "
         "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the "
@@ -470,6 +477,7 @@ def save_export(
             dtype=dtype,
             metrics=_run_metrics(run_dir, run_step),
             reward=getattr(model, "head_kind", "judge") == "reward",
+            sequence_classifier=getattr(model, "exports_sequence_classifier", False),
             adapter=adapter,
         )
         write_text_atomic(tmp / MODEL_CARD, card)

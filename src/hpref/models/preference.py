@@ -267,10 +267,16 @@ class PreferenceModel(nn.Module):
             from hpref.errors import UserError
 
             expected = "last" if is_causal_backbone(backbone) else "first"
-            if pooling != expected:
+            # 'mean' suits encoders tuned as sentence embedders (MiniLM: 0.667 vs 0.614 pairwise
+            # accuracy on HH-RLHF, benchmarks/REAL.md), but no transformers class pools that way, so
+            # its export is hpref's own folder rather than a sequence classifier
+            allowed = (expected,) if expected == "last" else (expected, "mean")
+            if pooling not in allowed:
                 raise UserError(
-                    f"head = 'reward' pools as transformers' sequence-classification model does: "
-                    f"'{expected}' for this backbone, not '{pooling}'"
+                    f"head = 'reward' pools as transformers' sequence-classification model does "
+                    f"('{expected}' for this backbone"
+                    + (", or 'mean' with an hpref-only export" if "mean" in allowed else "")
+                    + f"), not '{pooling}'"
                 )
             self.reward_layout = hf_reward_layout(backbone.config)
         self.pooling = pooling
@@ -373,7 +379,7 @@ class PreferenceModel(nn.Module):
             input_ids=input_ids[None], position_ids=positions[None], **inputs, **{CONTEXT_KWARG: ctx}
         )
         pooled = pool(out.last_hidden_state[0], cu_seqlens, self.pooling)
-        if self.paired and getattr(self.backbone, "pooler", None) is not None:
+        if self.paired and self.pooling == "first" and getattr(self.backbone, "pooler", None) is not None:
             # BERT's own pooler (dense + tanh on CLS), as its sequence-classification model applies
             # it; it reads position 0 of a [batch, seq, H] input, so each CLS state is a batch row
             pooled = self.backbone.pooler(pooled[:, None, :])
@@ -491,7 +497,7 @@ class PreferenceModel(nn.Module):
             return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
 
         config = self.backbone_config
-        if self.reward_layout is not None:
+        if self.exports_sequence_classifier:
             backbone, config = self._sequence_classification(backbone, head)
         save_file(plain(backbone), str(folder / BACKBONE_FILE), metadata={"format": "pt"})
         save_file(plain(head), str(folder / HEAD_FILE), metadata={"format": "pt"})
@@ -511,6 +517,13 @@ class PreferenceModel(nn.Module):
             meta["tie_log_nu"] = float(head["head.log_tie"].float().reshape(()))
         (folder / EXPORT_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return folder
+
+    @property
+    def exports_sequence_classifier(self) -> bool:
+        """True when `save_pretrained` writes a transformers sequence classifier with one label (a
+        reward model pooled as that class pools); False for a judge and a mean-pooled reward model,
+        whose folder holds the plain backbone and hpref's head (loaded by hpref alone)."""
+        return self.reward_layout is not None and self.pooling != "mean"
 
     def _sequence_classification(
         self, backbone: dict[str, torch.Tensor], head: dict[str, torch.Tensor]
