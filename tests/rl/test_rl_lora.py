@@ -432,3 +432,33 @@ def test_hpref_rl_with_lora_on_ray_saves_adapters(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics" / "b.jsonl").read_text().splitlines()]
     assert [(row["rollout"], row["weight_version"]) for row in rows] == [(0, 1), (1, 2)]
     assert all(row["kl"] >= 0 and row["grad_norm"] >= 0 for row in rows)
+
+
+def test_merged_weights_cover_embedding_and_lm_head_adapters():
+    # Wrong if merging skipped an adapter kind: PEFT keeps an embedding's adapter apart from a
+    # linear layer's (lora_embedding_A/B), and a missed one would leave the engine on the base
+    # embedding while the trainer uses the adapted one. Random adapters, so every delta is non-zero.
+    from transformers import LlamaForCausalLM
+
+    from hpref.models.adapters import apply_lora_to_causal_lm, merged_lm_state
+    from hpref.recipe import LoraSection
+    from hpref.rl.actors import tiny_policy_config
+    from hpref.rl.config import PolicyModelConfig
+
+    config = tiny_policy_config(PolicyModelConfig(**TINY), vocab_size=300)
+    torch.manual_seed(0)
+    adapted, plain = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    peft = apply_lora_to_causal_lm(
+        adapted, LoraSection(r=4, target_modules=["embed_tokens", "q_proj", "lm_head"])
+    )
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0.0, 0.3)
+    plain.load_state_dict(merged_lm_state(adapted), strict=True)
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = adapted(ids).logits
+        assert float((want - plain(ids).logits).abs().max()) < 1e-5
+        with peft.disable_adapter():  # and the adapters change the output: the check can fail
+            assert float((want - adapted(ids).logits).abs().max()) > 1.0

@@ -28,6 +28,11 @@ PEFT's own adapter folder (`adapter_config.json`, `adapter_model.safetensors`: l
 `peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base), folder)`) plus hpref's head and
 `hpref_adapter.json`, which names the base model (the recipe's `[model]` section) so that
 `load_adapter_export` can rebuild base + adapter + head.
+
+RL policies. An `hpref rl` policy is a plain transformers causal LM: `apply_lora_to_causal_lm`
+adapts it in place (default targets: every linear layer in its decoder blocks), `merged_lm_state`
+gives the merged weights its engine loads, and `lm_adapter_state` / `load_lm_adapter_state` are the
+adapter's tensors in PEFT's saved names, for the rl trainer's save and resume (`hpref.rl.actors`).
 """
 
 from __future__ import annotations
@@ -537,7 +542,10 @@ def merged_lm_state(lm: nn.Module) -> dict[str, torch.Tensor]:
     deltas: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, module in lm.named_modules():
-            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            # linear layers hold their adapter in lora_A, embeddings in lora_embedding_A
+            if isinstance(module, LoraLayer) and (
+                ADAPTER in module.lora_A or ADAPTER in module.lora_embedding_A
+            ):
                 deltas[f"{name}.weight"] = module.get_delta_weight(ADAPTER)
         out: dict[str, torch.Tensor] = {}
         for key, tensor in lm.state_dict().items():
