@@ -756,6 +756,16 @@ class TrainerActor:
                 self.lora = apply_lora_to_causal_lm(self.model, self.config.lora, seed=self.config.model.seed)
             except UserError as exc:
                 raise UserError(f"rl.policies.{policy}.{exc}") from None
+            from loguru import logger
+
+            from hpref.models.adapters import count_parameters
+
+            trainable, total = count_parameters(self.model)
+            logger.info(
+                f"policy '{policy}': LoRA r={self.config.lora.r} on "
+                f"{', '.join(sorted(self.lora.peft_config['default'].target_modules))}: "
+                f"{trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
+            )
         self.model.train()
         self.reference = None
         self.wants_reference = self.config.kl_coef > 0 or self.config.measure_kl
