@@ -1,0 +1,81 @@
+"""The real-data benchmark's plumbing (benchmarks/real_pairwise.py), without training anything: it
+must skip cleanly where ../shared is absent, split by prompt so no prompt sits on both sides, and
+point each contender at the right shipped recipe and settings."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import real_pairwise
+
+
+def _pairs(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        prompt = (
+            f"\n\nHuman: question {i % (n // 2)}?"  # every prompt twice: the split must keep them together
+        )
+        rows.append(
+            {"chosen": f"{prompt}\n\nAssistant: good {i}", "rejected": f"{prompt}\n\nAssistant: bad {i}"}
+        )
+    return rows
+
+
+def test_skips_cleanly_without_the_data(tmp_path, capsys):
+    """No ../shared (a fresh clone, CI elsewhere): exit 0 with one line, not a traceback; otherwise
+    the benchmark would break every machine that lacks the real data."""
+    assert (
+        real_pairwise.main(["--data", str(tmp_path / "absent.jsonl.gz"), "--out", str(tmp_path / "o.md")])
+        == 0
+    )
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("skipped:")
+    assert not (tmp_path / "o.md").exists()
+
+
+def test_split_is_by_prompt_and_fixed(tmp_path):
+    """Both pairs of one prompt go to the same side (else eval would score prompts seen in training),
+    the eval share is about a fifth, and the split does not change between calls."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _pairs(400)))
+    first = tmp_path / "a"
+    second = tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    train, evaluation, n_train, n_eval = real_pairwise.split_by_prompt(data, first, None)
+    assert n_train + n_eval == 400 and 0.1 < n_eval / 400 < 0.3
+    prompts = [
+        {real_pairwise.prompt_key(json.loads(line)["chosen"]) for line in path.read_text().splitlines()}
+        for path in (train, evaluation)
+    ]
+    assert not prompts[0] & prompts[1]
+    again = real_pairwise.split_by_prompt(data, second, None)
+    assert again[1].read_text() == evaluation.read_text()
+
+
+def test_contenders_use_the_shipped_recipes_and_their_variants(tmp_path):
+    """hpref-reward is the shipped minilm-reward (mean pooling), -cls the CLS pooler TRL uses, -lora
+    LoRA r 8; --backbone smollm2 swaps in smollm2-reward. A wrong mapping would compare other models
+    than the table says."""
+    from hpref.recipe import load_recipe
+
+    train, evaluation = tmp_path / "t.jsonl", tmp_path / "e.jsonl"
+    made = {
+        (name, backbone): load_recipe(
+            real_pairwise.write_recipe(name, train, evaluation, tmp_path, backbone), []
+        )
+        for name, backbone in [
+            ("hpref-reward", "minilm"),
+            ("hpref-reward-cls", "minilm"),
+            ("hpref-reward-lora", "minilm"),
+            ("hpref-reward", "smollm2"),
+        ]
+    }
+    assert made["hpref-reward", "minilm"].model.name == "minilm"
+    assert made["hpref-reward", "minilm"].model.config.pooling == "mean"
+    assert made["hpref-reward", "minilm"].lora is None
+    assert made["hpref-reward-cls", "minilm"].model.config.pooling == "first"
+    assert made["hpref-reward-lora", "minilm"].lora.r == 8
+    assert made["hpref-reward", "smollm2"].model.name == "smollm2"
+    for recipe in made.values():
+        assert recipe.train.epochs == 1 and recipe.train.batch_size == 8
+        assert recipe.dataset.train.config.path == str(train)
