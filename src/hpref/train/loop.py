@@ -31,6 +31,7 @@ from hpref.data.records import LABELS
 from hpref.recipe import OptimizerSection, Recipe
 from hpref.train import checkpoint
 from hpref.train.data import Tokenized
+from hpref.train.memory import release_freed_memory
 from hpref.train.metrics import MetricsFile, Peak, peak_memory_gib, summary_table
 
 #: Test hooks: make one rank raise at its first step / make every rank stop after step k.
@@ -395,6 +396,8 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                         grad_clip=train_cfg.grad_clip,
                         device=setup.device,
                     )
+                    if setup.device.type == "cpu":
+                        release_freed_memory()  # see hpref.train.memory: flat RSS across step lengths
                     lr = setup.scheduler.get_last_lr()[0]
                     setup.scheduler.step()
                     dist.all_reduce(loss_sum)  # the one loss reduction of the step

@@ -214,7 +214,9 @@ def run_worker(
     its own console handler); the per-rank log file is always written."""
     from hpref.train.checkpoint import resolve_resume
     from hpref.train.loop import fit
+    from hpref.train.memory import cap_onednn_cache
 
+    cap_onednn_cache()  # before the first matmul builds oneDNN's cache (hpref.train.memory)
     rank = int(os.environ.get("RANK", "0"))
     try:
         recipe = load_recipe(recipe_path, overrides)
