@@ -151,8 +151,9 @@ def default_target_modules(model: Any) -> list[str]:
 def full_modules(model: Any) -> list[str]:
     """Backbone modules trained in full: BERT's pooler when a reward model applies it (see
     `PreferenceModel.forward`); it has pretrained weights, so a new head alone would not replace it."""
-    if getattr(model, "paired", False) and getattr(model.backbone, "pooler", None) is not None:
-        return ["pooler"]
+    applies_pooler = getattr(model, "paired", False) and getattr(model, "pooling", None) == "first"
+    if applies_pooler and getattr(model.backbone, "pooler", None) is not None:
+        return ["pooler"]  # a mean-pooled reward model never calls it: no trainable copy for it
     return []
 
 
