@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpref.errors import RecipeError, UserError
-from hpref.rl.config import POLICY_ROLLOUT_OVERRIDES, RLConfig, parse_rl_section
+from hpref.recipe_rl import POLICY_ROLLOUT_OVERRIDES, RLConfig, parse_rl_section
 
 
 def section(**over):
@@ -94,6 +94,6 @@ def test_select_checks_policy_ids_leader_first():
 
 
 def test_whitelist_is_exactly_the_override_model():
-    from hpref.rl.config import PolicyRolloutOverrides
+    from hpref.recipe_rl import PolicyRolloutOverrides
 
     assert tuple(PolicyRolloutOverrides.model_fields) == POLICY_ROLLOUT_OVERRIDES
