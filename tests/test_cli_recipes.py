@@ -206,7 +206,7 @@ def test_wheel_ships_the_recipes(tmp_path):
     assert packaged == shipped
     # The installed package (outside any checkout) resolves `quickstart` to its packaged copy.
     probe = (
-        "from hpref.cli import resolve_recipe_path, shipped_recipes_dir; "
+        "from hpref.recipe_catalog import resolve_recipe_path, shipped_recipes_dir; "
         "print(shipped_recipes_dir()); print(resolve_recipe_path('quickstart'))"
     )
     out = subprocess.run(
@@ -346,8 +346,8 @@ def test_data_stats_on_a_file_with_on_error_and_a_recipe_for_tokens(tmp_path):
     skip`, which counts it; `--tokens` takes the tokenizer, formatter and max_length from `--recipe`
     (with its `--set`s), and without one it is a usage error rather than silently ignored. If this
     fails, a file with one bad row cannot be summarised, or token lengths are made up or dropped."""
+    from hpref.arena import generate_battles
     from hpref.data.readers import write_arena_file
-    from hpref.data.synthetic import generate_battles
 
     data = write_arena_file(tmp_path / "a.csv", generate_battles(30, 0))
     lines = data.read_text().splitlines(keepends=True)
@@ -509,7 +509,7 @@ def test_rl_writes_resolved_recipe_and_log_before_the_run(tmp_path, monkeypatch,
 
     # A fresh start on a folder holding another run's record is refused before anything is written.
     other = tmp_path / "other"
-    monkeypatch.setattr("hpref.rl.driver.read_record", lambda folder: object())
+    monkeypatch.setattr("hpref.rl.launch.read_record", lambda folder: object())
     with pytest.raises(SystemExit) as exit_info:
         main(["rl", "rl-arena", "--policies", "a", "--set", f"run.output_dir={other}"])
     assert exit_info.value.code == 2 and not other.exists()

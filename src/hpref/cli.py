@@ -12,12 +12,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from hpref import __version__
 from hpref.errors import UserError
+from hpref.recipe_catalog import resolve_recipe_path
 
 app = typer.Typer(
     name="hpref",
@@ -163,82 +163,15 @@ def components_command(
 # recipes
 
 
-def shipped_recipes_dir() -> Path | None:
-    """Where the shipped recipes are: `HPREF_RECIPES`, else the `recipes/` folder of this source
-    checkout (an editable install), else the copy a wheel carries as `hpref/recipes` (setup.py)."""
-    env = os.environ.get("HPREF_RECIPES")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parent
-    for folder in (here.parents[1] / "recipes", here / "recipes"):
-        if folder.is_dir():
-            return folder
-    return None
-
-
-def resolve_recipe_path(name_or_path: str) -> Path:
-    """A path as given, or the name of a shipped recipe (`quickstart` -> recipes/quickstart.toml).
-
-    A bare name that is neither is a `RecipeError` suggesting the nearest shipped recipe."""
-    path = Path(name_or_path)
-    if path.exists() or path.suffix == ".toml" or os.sep in name_or_path:
-        return path
-    shipped = shipped_recipes_dir()
-    if shipped is not None and (shipped / f"{name_or_path}.toml").exists():
-        return shipped / f"{name_or_path}.toml"
-    from hpref.errors import RecipeError, did_you_mean
-
-    names = sorted(p.stem for p in shipped.glob("*.toml")) if shipped is not None else []
-    hint = did_you_mean(name_or_path, names) or (f"; shipped: {', '.join(names)}" if names else "")
-    raise RecipeError(f"{name_or_path}: no such file, nor a shipped recipe of that name{hint}")
-
-
-def _recipe_summary(path: Path) -> dict[str, Any]:
-    from hpref.recipe import read_toml
-
-    data = read_toml(path)
-    first_line = ""
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.startswith("#"):
-            first_line = line.lstrip("# ").strip()
-            break
-    model = data.get("model", {}).get("name", "-") if isinstance(data.get("model"), dict) else "-"
-    train = data.get("dataset", {}).get("train", {}) if isinstance(data.get("dataset"), dict) else {}
-    return {
-        "name": path.stem,
-        "path": str(path),
-        "model": model,
-        "dataset": train.get("name", "-") if isinstance(train, dict) else "-",
-        "description": first_line,
-    }
-
-
 @recipes_app.command("list")
 def recipes_list(
     folders: list[Path] = typer.Argument(None, help="Extra folders to search for *.toml recipes."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List the shipped recipes and those in any folder given."""
-    from hpref.errors import RecipeError
+    from hpref.recipe_catalog import list_recipes
 
-    search = [d for d in [shipped_recipes_dir()] if d is not None] + list(folders or [])
-    rows = []
-    for folder in search:
-        if not folder.is_dir():
-            raise RecipeError(f"{folder}: not a folder")
-        for path in sorted(folder.glob("*.toml")):
-            try:
-                rows.append(_recipe_summary(path))
-            except UserError as exc:
-                rows.append(
-                    {
-                        "name": path.stem,
-                        "path": str(path),
-                        "model": "-",
-                        "dataset": "-",
-                        "description": f"INVALID: {exc}",
-                    }
-                )
+    rows = list_recipes(list(folders or []))
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -283,15 +216,10 @@ def recipes_check(
 
     The schema, every component's parameters, and what training needs (a model, training data,
     settings this machine can run: `hpref.recipe_checks`)."""
-    from hpref.recipe import load_recipe
-    from hpref.recipe_checks import check_train
+    from hpref.recipe_catalog import check_recipes
 
-    for item in recipes:
-        path = resolve_recipe_path(item)
-        resolved = load_recipe(path, overrides)
-        check_train(resolved, path, machine=not portable)
-        parts = ", ".join(f"{dotted}={sec.name}" for dotted, _kind, sec in resolved.component_sections())
-        typer.echo(f"ok  {path}  ({parts})")
+    for line in check_recipes(recipes, overrides, portable=portable):
+        typer.echo(line)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -335,18 +263,9 @@ def train_command(
     ),
 ) -> None:
     """Train a preference model: FSDP2 processes through torchrun (one process runs in-process)."""
-    from hpref.train.launch import run_train
+    from hpref.train.command import train_command as run_train_command
 
-    _check_train_start(
-        resolve_recipe_path(recipe),
-        overrides,
-        resume=resume,
-        overwrite=overwrite,
-        dry_run=dry_run,
-        nnodes=nnodes,
-        node_rank=node_rank,
-    )
-    code = run_train(
+    code = run_train_command(
         resolve_recipe_path(recipe),
         overrides,
         nproc_per_node=nproc_per_node,
@@ -355,48 +274,9 @@ def train_command(
         rdzv_endpoint=rdzv_endpoint,
         resume=resume,
         dry_run=dry_run,
+        overwrite=overwrite,
     )
     raise typer.Exit(code)
-
-
-def _check_train_start(
-    recipe_path: Path,
-    overrides: list[str],
-    *,
-    resume: str | None,
-    overwrite: bool,
-    dry_run: bool,
-    nnodes: int | None,
-    node_rank: int | None,
-) -> None:
-    """Before any process starts: the run folder must be a folder, and a fresh run must not land on
-    another run (see `hpref.runfolder.layout`); `--overwrite` deletes that run's own files first."""
-    from loguru import logger
-
-    from hpref.recipe import load_recipe
-    from hpref.runfolder.layout import check_folder_path, prepare_fresh_run
-
-    loaded = load_recipe(recipe_path, overrides)
-    run_dir = loaded.run.run_dir
-    check_folder_path(run_dir, "run folder (run.output_dir / run.name)")
-    if overwrite and resume is not None:
-        raise UserError("--overwrite deletes the run that --resume would continue: pass one of them")
-    nodes = nnodes or loaded.launch.nnodes
-    rank = node_rank if node_rank is not None else loaded.launch.node_rank
-    # Node 0 owns the run folder: on a shared file system a later node would otherwise delete (or
-    # refuse because of) what node 0 has just started writing. A dry run changes nothing.
-    if dry_run or resume is not None or (nodes > 1 and rank != 0):
-        return
-    if overwrite:
-        from hpref.evaluate.export import run_status
-
-        alive, reason = run_status(run_dir)
-        if alive:
-            raise UserError(f"{run_dir}: --overwrite refused, the run there is still training ({reason})")
-    removed = prepare_fresh_run(run_dir, overwrite=overwrite)
-    if removed:
-        names = ", ".join(p.name for p in removed)
-        logger.warning(f"--overwrite: deleted the earlier run's {names} in {run_dir}")
 
 
 @app.command("rl")
@@ -412,36 +292,9 @@ def rl_command(
     resume: str | None = typer.Option(None, "--resume", help="'auto' or a run folder to resume from."),
 ) -> None:
     """Multi-policy RL on Ray: several policies trained at once on shared rollouts, led by the first."""
-    from hpref.errors import RecipeError
-    from hpref.recipe import load_recipe
-    from hpref.rl import run_rl
-    from hpref.rl.driver import resume_source
+    from hpref.rl.command import rl_command as run_rl_command
 
-    path = resolve_recipe_path(recipe)
-    loaded = load_recipe(path, overrides)
-    if loaded.rl_config is None:
-        raise RecipeError(f"{path}: rl: the recipe has no [rl] section")
-    ids = [p.strip() for p in policies.split(",") if p.strip()]
-    loaded.rl_config.select(ids)  # an unknown policy id is a user error before the run folder is touched
-    # A fresh start on a folder that holds another run's record is refused before anything is written.
-    resume_source(loaded.run.run_dir, resume)
-    start_run_folder(loaded, "rl")
-    raise typer.Exit(run_rl(loaded, ids, ray_address, resume))
-
-
-def start_run_folder(recipe: Any, name: str) -> Path:
-    """At run start: the resolved recipe as `<run_dir>/recipe.toml`, and a full (DEBUG) log file
-    `<run_dir>/logs/<name>.log` beside the console. Returns the log file."""
-    from loguru import logger
-
-    from hpref.logs import add_log_file
-
-    run_dir = recipe.run.run_dir
-    recipe.write(run_dir)
-    log_file = run_dir / "logs" / f"{name}.log"
-    add_log_file(log_file)
-    logger.info(f"run folder {run_dir}: resolved recipe in recipe.toml, full log in {log_file}")
-    return log_file
+    raise typer.Exit(run_rl_command(resolve_recipe_path(recipe), overrides, policies, ray_address, resume))
 
 
 @app.command("rl-warmup")
@@ -457,26 +310,10 @@ def rl_warmup_command(
     `hpref rl` does the same on its own before the first rollout; this command does it ahead of time
     and prints one line per policy: its id, a tab, the checkpoint folder (a transformers causal LM).
     """
-    from hpref.errors import RecipeError
-    from hpref.recipe import load_recipe
-    from hpref.rl.actors import policy_tokenizer
-    from hpref.rl.warmup import warmup_checkpoint
+    from hpref.rl.command import warmup_lines
 
-    path = resolve_recipe_path(recipe)
-    loaded = load_recipe(path, overrides)
-    config = loaded.rl_config
-    if config is None:
-        raise RecipeError(f"{path}: rl: the recipe has no [rl] section")
-    if config.warmup is None:
-        raise RecipeError(f"{path}: rl.warmup: the recipe has no [rl.warmup] section to build")
-    ids = [p.strip() for p in policies.split(",") if p.strip()] if policies else sorted(config.policies)
-    for p in config.select(ids):
-        model = config.policies[p].model
-        if model.path is not None:
-            typer.echo(f"{p}\t{model.path}\t(model.path: no warm-up)")
-            continue
-        policy_tokenizer(model)
-        typer.echo(f"{p}\t{warmup_checkpoint(model, config.warmup)}")
+    for line in warmup_lines(resolve_recipe_path(recipe), overrides, policies):
+        typer.echo(line)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -597,47 +434,17 @@ def data_stats_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     """Rows read/used/skipped, label shares, turns, token lengths; the Bayes floor for synthetic data."""
-    from hpref.data.stats import data_stats, format_stats, open_data_file
-    from hpref.errors import RecipeError
+    from hpref.data.stats import format_stats, stats_command
 
-    path = resolve_recipe_path(source)
-    is_recipe = path.suffix == ".toml"
-    if is_recipe and (recipe_for_tokens is not None or on_error != "raise"):
-        raise RecipeError("--recipe and --on-error are for a data file; a recipe brings its own")
-    if on_error not in ("raise", "skip"):
-        raise RecipeError(f"--on-error {on_error!r}: expected raise or skip")
-    if tokens and not is_recipe and recipe_for_tokens is None:
-        raise RecipeError(
-            "--tokens on a data file needs --recipe RECIPE (the model whose tokenizer, and the formatter)"
-        )
-    recipe = None
-    if is_recipe or recipe_for_tokens is not None:
-        from hpref.plugins import load_plugins
-        from hpref.recipe import load_recipe
-
-        recipe_path = path if is_recipe else resolve_recipe_path(recipe_for_tokens)
-        recipe = load_recipe(recipe_path, overrides)
-        registry = load_plugins()
-    elif overrides:
-        raise RecipeError("--set needs a recipe (the source or --recipe)")
-    if is_recipe:
-        if split not in ("train", "eval"):
-            raise RecipeError(f"--split {split!r}: expected train or eval")
-        section = getattr(recipe.dataset, split)
-        if section is None:
-            raise RecipeError(f"{path}: dataset.{split}: the recipe has no such section")
-        data = registry.get("dataset", section.name).build(section.config, seed=recipe.run.seed)
-    else:
-        data = open_data_file(path, seed=0, on_error=on_error)
-    formatter = None
-    if tokens:
-        if recipe.model is None:
-            raise RecipeError(f"{recipe_path}: --tokens needs a [model] section (for its tokenizer)")
-        model = registry.get("model", recipe.model.name).build(recipe.model.config, meta=True)
-        formatter = registry.get("formatter", recipe.formatter.name).build(
-            recipe.formatter.config, model.tokenizer, recipe.train.max_length
-        )
-    stats = data_stats(data, formatter, ceilings=ceilings)
+    stats = stats_command(
+        source,
+        split=split,
+        tokens=tokens,
+        recipe_for_tokens=recipe_for_tokens,
+        on_error=on_error,
+        ceilings=ceilings,
+        overrides=overrides,
+    )
     if as_json:
         typer.echo(json.dumps(stats, indent=2, default=str))
     else:

@@ -17,31 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
-from hpref.errors import RecipeError, UserError, did_you_mean
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-
-class ComponentSection(BaseModel):
-    """`name` picks a registered component; every other key is one of its parameters."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field(description="registered component name (see `hpref components`)")
-    _config: BaseModel | None = PrivateAttr(default=None)
-
-    @property
-    def config(self) -> BaseModel:
-        if self._config is None:
-            raise RuntimeError(f"component section '{self.name}' was not resolved against the registry")
-        return self._config
-
-    def params(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+from hpref.errors import RecipeError
+from hpref.recipe_rl import RLConfig, parse_rl_section
+from hpref.recipe_schema import ComponentSection, LoraSection, Section, describe_error, resolve_component
 
 
 class RunSection(Section):
@@ -152,38 +132,6 @@ class LaunchSection(Section):
     )
 
 
-class LoraSection(Section):
-    """LoRA adapters through PEFT (`pip install 'hpref[lora]'`): the backbone's weights stay frozen
-    and low-rank updates of its attention and MLP projections train, with the preference head (and a
-    reward model's BERT pooler) in full. Without this section the whole model trains."""
-
-    r: int = Field(8, ge=1, description="rank of each low-rank update")
-    alpha: int | None = Field(
-        None, ge=1, description="scale numerator: an update is scaled by alpha / r (default: 2 r)"
-    )
-    dropout: float = Field(
-        0.0,
-        ge=0.0,
-        lt=1.0,
-        description="dropout on the adapters' input (off, like the backbone's: see model.backbone_dropout)",
-    )
-    target_modules: list[str] | None = Field(
-        None,
-        min_length=1,
-        description=(
-            "module names (PEFT's suffix match) that get adapters; default: every linear layer inside "
-            "the transformer blocks (BERT query/key/value/dense, Llama q/k/v/o/gate/up/down_proj)"
-        ),
-    )
-    quantize_base: Literal["none", "4bit"] = Field(
-        "none", description="4bit = QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, a CUDA GPU)"
-    )
-
-    @property
-    def scale_alpha(self) -> int:
-        return self.alpha if self.alpha is not None else 2 * self.r
-
-
 class Recipe(Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ComponentSection | None = None
@@ -194,15 +142,9 @@ class Recipe(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     lora: LoraSection | None = Field(None, description="LoRA adapters (absent: full fine-tuning)")
-    rl: dict[str, Any] | None = Field(None, description="multi-policy RL settings (hpref rl)")
+    rl: RLConfig | None = Field(None, description="multi-policy RL settings (hpref rl; hpref.recipe_rl)")
 
     _source: Path | None = PrivateAttr(default=None)
-    _rl: Any = PrivateAttr(default=None)
-
-    @property
-    def rl_config(self):
-        """The validated `[rl]` section (`hpref.rl.config.RLConfig`), or None without one."""
-        return self._rl
 
     def component_sections(self) -> list[tuple[str, str, ComponentSection]]:
         """(dotted key, component kind, section) for every component section present."""
@@ -238,11 +180,11 @@ class Recipe(Section):
 
     def write(self, folder: Path) -> Path:
         """Write the resolved recipe as `recipe.toml` into a run folder, atomically: export and eval
-        rebuild the model from it, so a crash mid-write must leave the old file, not half of one."""
-        from hpref.runfolder.files import write_text_atomic
+        rebuild the model from it, so a crash mid-write must leave the old file, not half of one.
+        (The run folder owns the file: `hpref.runfolder.start.write_resolved_recipe`.)"""
+        from hpref.runfolder.start import write_resolved_recipe
 
-        folder.mkdir(parents=True, exist_ok=True)
-        return write_text_atomic(folder / "recipe.toml", self.to_toml())
+        return write_resolved_recipe(self, folder)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -306,72 +248,29 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, *, resolve
 
 
 def recipe_from_dict(data: dict[str, Any], *, source: Path | None = None, resolve: bool = True) -> Recipe:
+    """Validate a recipe given as a dict (what `load_recipe` read); see the module docstring.
+
+    `[rl]` is validated after the other sections (`hpref.recipe_rl.parse_rl_section`: its policies
+    are merged over `rl.defaults` and the recipe's `[lora]`); `resolve=False` leaves the component
+    sections (and `[rl]`'s reward and engine) unchecked against the plugin registry."""
     where = str(source) if source else "recipe"
+    rest = {key: value for key, value in data.items() if key != "rl"}
     try:
-        recipe = Recipe.model_validate(data)
+        recipe = Recipe.model_validate(rest)
     except ValidationError as exc:
-        raise RecipeError(f"{where}: {_describe(exc, Recipe, ())}") from None
+        raise RecipeError(f"{where}: {describe_error(exc, Recipe, ())}") from None
     recipe._source = source
     if resolve:
         resolve_components(recipe, where)
-        if recipe.rl is not None:
-            from hpref.rl.config import parse_rl_section
-
-            recipe._rl = parse_rl_section(recipe.rl, where)
+    if "rl" in data:
+        recipe.rl = parse_rl_section(data["rl"], where, lora=recipe.lora, resolve=resolve)
     return recipe
 
 
 def resolve_components(recipe: Recipe, where: str = "recipe") -> None:
     """Validate each component section's parameters against its registered config class."""
-    from hpref.plugins import load_plugins
-
-    registry = load_plugins()
     for dotted, kind, sec in recipe.component_sections():
-        try:
-            component = registry.get(kind, sec.name)
-        except UserError as exc:
-            raise RecipeError(f"{where}: {dotted}.name: {exc}") from None
-        try:
-            sec._config = component.config.model_validate(sec.params())
-        except ValidationError as exc:
-            raise RecipeError(
-                f"{where}: {_describe(exc, component.config, tuple(dotted.split('.')))}"
-            ) from None
-
-
-def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The pydantic model class that owns the last element of `loc` (for key suggestions)."""
-    current: type[BaseModel] | None = model
-    for part in loc[:-1]:
-        if current is None or not isinstance(part, str) or part not in current.model_fields:
-            return None
-        annotation = current.model_fields[part].annotation
-        candidates = [annotation, *getattr(annotation, "__args__", ())]
-        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-    return current
-
-
-def _describe(exc: ValidationError, model: type[BaseModel], prefix: tuple[str, ...]) -> str:
-    """One line for the first validation error: dotted key, what was wrong, a suggestion."""
-    err = exc.errors()[0]
-    loc = tuple(err["loc"])
-    key = ".".join(str(p) for p in (*prefix, *loc)) or "(top level)"
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        owner = _model_at(model, loc)
-        fields = list(owner.model_fields) if owner else []
-        if owner is ComponentSection:
-            return f"{key}: unknown key{did_you_mean(str(loc[-1]), fields)}"
-        return f"{key}: unknown key{did_you_mean(str(loc[-1]), fields)}; valid keys: {', '.join(fields)}"
-    if kind == "missing":
-        return f"{key}: required key is missing"
-    got = err.get("input")
-    if isinstance(got, dict):  # a whole-section check (a model validator): the message says it all
-        return f"{key}: {err['msg'].rstrip('.')}"
-    got_text = json.dumps(got, default=str)
-    if len(got_text) > 60:
-        got_text = got_text[:57] + "..."
-    return f"{key}: {err['msg'].rstrip('.')}, got {got_text}"
+        sec._config = resolve_component(kind, sec.name, sec.params(), dotted, where)
 
 
 # --------------------------------------------------------------------------------------------------

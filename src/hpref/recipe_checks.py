@@ -135,9 +135,8 @@ def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:
     whose model is a local folder only with `machine`, since the folder is this machine's)."""
     import importlib.util
 
-    from hpref.rl.config import parse_rl_section
-
-    config = parse_rl_section(recipe.rl, where, lora=recipe.lora)
+    config = recipe.rl  # typed when the recipe loaded, with `[lora]` as every policy's default
+    assert config is not None
     with_lora = sorted(p for p, policy in config.policies.items() if policy.lora is not None)
     if not with_lora:
         return
@@ -145,7 +144,7 @@ def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:
         if not machine:
             return
         raise RecipeError(f"{where}: lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
-    from hpref.rl.actors import check_policy_lora
+    from hpref.rl.policy import check_policy_lora
 
     check_policy_lora(config, with_lora, where, skip_paths=not machine)
 

@@ -15,7 +15,8 @@ def make_tokenizer(chat_template: bool = True, texts: list[str] | None = None):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from hpref.data import formatting, synthetic
+    from hpref import arena as synthetic
+    from hpref.data import formatting
 
     corpus = list(texts or []) + list(synthetic.corpus_texts(200, seed=0))
     corpus.append(formatting.DEFAULT_INSTRUCTION)

@@ -68,9 +68,9 @@ def test_planned_batches_through_hpref_varlen_attention(chat_tokenizer, backend,
     differ."""
     import copy
 
+    from hpref.arena import generate_battles
     from hpref.data.formatting import FormatterConfig, JudgeFormatter
     from hpref.data.packing import plan_steps
-    from hpref.data.synthetic import generate_battles
     from hpref.models.hf import build_from_config
 
     formatter = JudgeFormatter("pab", FormatterConfig(instruction="Judge."), chat_tokenizer, 96)

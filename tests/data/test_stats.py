@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from hpref.arena import generate_battles
 from hpref.data.formatting import FormatterConfig, JudgeFormatter
 from hpref.data.readers import ArenaReader, PairwiseReader, write_arena_file
 from hpref.data.stats import data_stats, format_stats, open_data_file
-from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig, generate_battles
+from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
 from hpref.errors import DataError
 
 SHARED_HH = Path(__file__).resolve().parents[3] / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"

@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from hpref import arena as syn
 from hpref.builtin import datasets as builtin_datasets
-from hpref.data import synthetic as syn
+from hpref.data.baselines import log_loss
+from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
 
 
 def test_battles_are_deterministic_and_prefix_stable():
@@ -39,7 +41,7 @@ def test_judge_rewards_correct_answers_and_is_swap_symmetric():
     swapped = syn.judge("Which is smaller: 40 or 12?", "40", "12")
     assert swapped[1] > swapped[0]
     # Listing every capital must not count as knowing the right one (RL would learn that hack).
-    assert not syn.is_correct(syn.parse_task("What is the capital of Peru?"), " ".join(syn._CITIES))
+    assert not syn.is_correct(syn.parse_task("What is the capital of Peru?"), " ".join(syn.CITIES))
     assert syn.is_correct(syn.parse_task("What is the capital of Peru?"), "It is Lima.")
     # A refusal loses against a wrong but honest answer.
     assert syn.answer_utility("What is 1 + 1?", syn.REFUSALS[0]) < syn.answer_utility("What is 1 + 1?", "3")
@@ -64,7 +66,7 @@ def test_drawn_labels_follow_the_true_probabilities():
 
 
 def test_report_floor_and_baseline_bounds():
-    arena = syn.SyntheticArena(syn.SyntheticArenaConfig(num_battles=3000), seed=0)
+    arena = SyntheticArena(SyntheticArenaConfig(num_battles=3000), seed=0)
     report = arena.report()
     assert report.uniform == pytest.approx(math.log(3))
     assert report.n_train + report.n_eval == 3000 and 500 < report.n_eval < 700
@@ -116,7 +118,7 @@ def test_skill_ceilings_run_from_style_only_to_the_bayes_floor():
     battles = list(syn.generate_battles(300, seed=11))
     ceilings = syn.skill_ceilings(battles)
     labels = np.array([b.label for b in battles])
-    floor = syn.log_loss(np.array([b.truth for b in battles]), labels)
+    floor = log_loss(np.array([b.truth for b in battles]), labels)
     steps = [k for k in ceilings if "alone" not in k and k != "style only"]
     assert len(steps) == len(syn.FAMILIES) and set(steps[-1].split("+")) == set(syn.FAMILIES)
     assert ceilings[steps[-1]] == pytest.approx(floor, abs=1e-9)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hpref.arena import generate_battles
 from hpref.data.cache import cache_root, tokenize_arrays, tokenize_dataset
 from hpref.data.formatting import FormatterConfig, JudgeFormatter
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
-from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig, generate_battles
+from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
 
 
 class CountingFormatter(JudgeFormatter):

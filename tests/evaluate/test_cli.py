@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from hpref.arena import generate_battles
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
-from hpref.data.synthetic import generate_battles
 from hpref.errors import UserError
 from hpref.evaluate.cli import eval_command, save_command
 from hpref.evaluate.metrics import log_loss

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from hpref.arena import generate_battles
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
-from hpref.data.synthetic import generate_battles
 from hpref.errors import DataError, UserError
 from hpref.evaluate import ensemble as ens
 from hpref.evaluate.metrics import log_loss

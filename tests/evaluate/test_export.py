@@ -1,17 +1,18 @@
-"""`hpref save`: consolidation round trip, refusal of partial/corrupt/tampered checkpoints, `--now`."""
+"""`hpref save`: consolidation round trip, refusal of partial/corrupt/tampered checkpoints.
+
+(`--now` is tested with the run folder: tests/runfolder/test_save_trigger.py.)
+"""
 
 from __future__ import annotations
 
 import json
 import pickle
-import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from hpref.data.synthetic import generate_battles
+from hpref.arena import generate_battles
 from hpref.errors import UserError
 from hpref.evaluate import export
 from hpref.evaluate.runner import build_formatter, load_model, predict
@@ -141,75 +142,3 @@ def test_a_checkpoint_of_another_model_names_the_mismatch(run, tmp_path):
         export.CheckpointError, match=r"has shape \[64, 32\] in the checkpoint and \[48, 32\]"
     ):
         export.load_model_from_checkpoint(copy)
-
-
-# --------------------------------------------------------------------------------------------------
-# save --now
-
-
-def _fake_complete_checkpoint(run_dir, step):
-    folder = run_dir / "checkpoints" / f"step-{step:06d}"
-    folder.mkdir(parents=True)
-    (folder / ".metadata").write_bytes(b"")
-    (folder / "train_state.json").write_text("{}")
-    (run_dir / "checkpoints" / "latest").write_text(folder.name)
-
-
-def test_save_now_waits_for_the_checkpoint_the_trainer_writes(tmp_path):
-    run_dir = tmp_path / "live"
-    run_dir.mkdir()
-    stop = threading.Event()
-
-    def trainer():  # what the real loop must do at each step boundary
-        step = 3
-        while not stop.is_set():
-            export.write_heartbeat(run_dir, step)
-            if export.check_save_trigger_all_ranks(run_dir):
-                _fake_complete_checkpoint(run_dir, step)
-            step += 1
-            time.sleep(0.02)
-        export.clear_heartbeat(run_dir)
-
-    _fake_complete_checkpoint(run_dir, 1)  # an older checkpoint must not satisfy the request
-    thread = threading.Thread(target=trainer, daemon=True)
-    thread.start()
-    try:
-        time.sleep(0.05)
-        path = export.request_save_now(run_dir, timeout=10, poll=0.02)
-    finally:
-        stop.set()
-        thread.join()
-    assert path.name != "step-000001" and path.is_dir()
-    assert not (run_dir / export.SAVE_NOW).exists()  # the trainer consumed the trigger
-    assert not (run_dir / export.HEARTBEAT).exists()
-
-
-def test_save_now_reports_a_run_that_is_not_alive(tmp_path):
-    run_dir = tmp_path / "dead"
-    run_dir.mkdir()
-    with pytest.raises(UserError, match="not alive: no heartbeat.json"):
-        export.request_save_now(run_dir, timeout=1)
-    (run_dir / export.HEARTBEAT).write_text(
-        json.dumps(
-            {"pid": 2**22 + 12345, "host": __import__("socket").gethostname(), "step": 1, "time": time.time()}
-        )
-    )
-    with pytest.raises(UserError, match=r"pid \d+\) is not running"):
-        export.request_save_now(run_dir, timeout=1)
-    export.write_heartbeat(run_dir, 5)
-    beat = json.loads((run_dir / export.HEARTBEAT).read_text())
-    beat["time"] -= 3600
-    (run_dir / export.HEARTBEAT).write_text(json.dumps(beat))
-    with pytest.raises(UserError, match="3600 s old"):
-        export.request_save_now(run_dir, timeout=1)
-    assert not (run_dir / export.SAVE_NOW).exists()  # no trigger is left for a dead run
-
-
-def test_save_now_gives_up_when_the_trainer_dies_while_waiting(tmp_path):
-    run_dir = tmp_path / "dies"
-    run_dir.mkdir()
-    export.write_heartbeat(run_dir, 1)
-    threading.Timer(0.1, export.clear_heartbeat, args=(run_dir,)).start()
-    with pytest.raises(UserError, match="stopped before saving"):
-        export.request_save_now(run_dir, timeout=10, poll=0.02)
-    assert not (run_dir / export.SAVE_NOW).exists()

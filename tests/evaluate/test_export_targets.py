@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
+from hpref.arena import generate_battles
 from hpref.data.readers import write_arena_file
-from hpref.data.synthetic import generate_battles
 from hpref.errors import UserError
 from hpref.evaluate import export
 from hpref.evaluate.cli import eval_command

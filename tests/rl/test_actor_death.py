@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 
 from hpref.recipe import recipe_from_dict  # noqa: E402
-from hpref.rl import driver  # noqa: E402
+from hpref.rl import launch as driver  # noqa: E402
 from hpref.rl.record import read_record  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 

@@ -9,18 +9,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpref.rl.actors import (  # noqa: E402
-    EngineActor,
-    LocalActor,
-    RolloutExecutor,
-    StaleWeightsError,
-    TrainerActor,
-    pad_batch,
-    rollout_prompts,
-    staleness_decision,
-    trim_completion,
-)
-from hpref.rl.config import parse_rl_section  # noqa: E402
+from hpref.recipe_rl import parse_rl_section  # noqa: E402
+from hpref.rl.engines import EngineActor  # noqa: E402
+from hpref.rl.policy import pad_batch, trim_completion  # noqa: E402
+from hpref.rl.rollouts import RolloutExecutor, StaleWeightsError, rollout_prompts, staleness_decision  # noqa: E402
+from hpref.rl.trainer import TrainerActor  # noqa: E402
+from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 
@@ -89,7 +83,7 @@ def test_engine_and_trainer_start_identical_and_agree_on_logprobs(actors):
     assert len(out["completions"]) == 4 and out["version"] == 0
     again = engine.generate(rollout_prompts(cfg.rollout, 0), 2, 6, 1.0, 0, 123)
     assert again["completions"] == out["completions"]  # seeded: regenerating replays the same answers
-    from hpref.rl.actors import completion_logprobs
+    from hpref.rl.policy import completion_logprobs
 
     batch = pad_batch(out["prompt_ids"], out["completions"], engine.tokenizer.pad_token_id)
     with torch.no_grad():
@@ -162,7 +156,7 @@ def test_kl_policy_has_a_frozen_reference(actors):
 
 def _pairwise_expected(prompt, answers, opponents):
     """Each group answer's mean P(win) + P(tie)/2 over the rest of its group and the opponents."""
-    from hpref.data.synthetic import answer_utility, davidson
+    from hpref.arena import answer_utility, davidson
 
     everyone = [*answers, *opponents]
     u = [answer_utility(prompt, a) for a in everyone]
@@ -177,7 +171,7 @@ def test_cross_policy_rewards_judge_each_policy_against_the_other(actors):
     # Wrong if a policy's answers were judged only within their own group (cross-policy judging
     # off), against answers to other prompts, or if an opponent's already produced answers to the
     # same rollout were not reused (paying for a second generation).
-    from hpref.rl.actors import sample_seed
+    from hpref.rl.rollouts import sample_seed
 
     _cfg, engines, _trainers = actors
     cfg = rl_config(reward={"name": "rule", "mode": "pairwise", "opponent_answers": 1})
@@ -240,7 +234,7 @@ def test_eval_win_rate_is_against_the_recorded_start(actors):
         return start, await ex.evaluate(["b"])
 
     start, ev = asyncio.run(main())
-    from hpref.data.synthetic import davidson
+    from hpref.arena import davidson
 
     p_a, _p_b, p_tie = davidson(0.0, 0.0)
     assert ev["win_rate_vs_start"]["b"] == pytest.approx(p_a + 0.5 * p_tie) == pytest.approx(0.5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpref.errors import RecipeError, UserError
-from hpref.rl.config import POLICY_ROLLOUT_OVERRIDES, RLConfig, parse_rl_section
+from hpref.recipe_rl import POLICY_ROLLOUT_OVERRIDES, RLConfig, parse_rl_section
 
 
 def section(**over):
@@ -94,6 +94,28 @@ def test_select_checks_policy_ids_leader_first():
 
 
 def test_whitelist_is_exactly_the_override_model():
-    from hpref.rl.config import PolicyRolloutOverrides
+    from hpref.recipe_rl import PolicyRolloutOverrides
 
     assert tuple(PolicyRolloutOverrides.model_fields) == POLICY_ROLLOUT_OVERRIDES
+
+
+def test_the_recipe_types_its_rl_section_once_with_the_lora_default():
+    """`Recipe.rl` is the validated `RLConfig` (reward and engine resolved), parsed once when the
+    recipe loads, with the recipe's `[lora]` as every policy's default; its errors are the [rl]
+    parser's one-line messages; the resolved recipe it writes reloads to the same section."""
+    import tomllib
+
+    from hpref.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"rl": section(), "lora": {"r": 3}})
+    assert isinstance(recipe.rl, RLConfig)
+    assert recipe.rl.policies["a"].lora is not None and recipe.rl.policies["a"].lora.r == 3
+    assert recipe.rl.reward_config is not None and recipe.rl.engine_config is not None
+    unknown = r"^recipe: rl\.policies\.a\.lrr: unknown key \(did you mean 'lr'\?\)"
+    with pytest.raises(RecipeError, match=unknown):
+        recipe_from_dict({"rl": {"policies": {"a": {"lrr": 1}}}})
+    with pytest.raises(RecipeError, match=r"^recipe: rl: expected a table"):
+        recipe_from_dict({"rl": 3})
+    again = recipe_from_dict(tomllib.loads(recipe.to_toml()))
+    assert again.rl.model_dump() == recipe.rl.model_dump()
+    assert again.to_toml() == recipe.to_toml()

@@ -9,10 +9,13 @@ import time
 
 import pytest
 
-from hpref.rl.actors import LocalActor
-from hpref.rl.config import parse_rl_section
-from hpref.rl.driver import SAVE_NOW_FILE, Handles, Teardown, drive, restore, rollout_metrics
+from hpref.recipe_rl import parse_rl_section
+from hpref.rl.driver import Handles, drive, restore
+from hpref.rl.launch import Teardown
+from hpref.rl.metrics import rollout_metrics
 from hpref.rl.record import ResumeError, read_record
+from hpref.runfolder.layout import HEARTBEAT, SAVE_NOW
+from tests.rl.local_actor import LocalActor
 
 
 class World:
@@ -151,10 +154,10 @@ def test_the_trigger_file_is_handled_by_the_leader_once(tmp_path):
     world = World()
     order = ["a", "b"]
     handles, _ = make(world, order)
-    (tmp_path / SAVE_NOW_FILE).write_text("")
+    (tmp_path / SAVE_NOW).write_text("")
     result = run(drive(config(num_rollouts=3), order, handles, tmp_path, {"a": 0, "b": 0}))
     assert result.saves == 2  # the trigger after rollout 1, then the final save
-    assert not (tmp_path / SAVE_NOW_FILE).exists()
+    assert not (tmp_path / SAVE_NOW).exists()
 
 
 def test_debug_exit_saves_and_stops_everyone(tmp_path):
@@ -211,7 +214,7 @@ def test_rollout_metrics():
 
 
 def test_resume_truncates_metrics_written_after_the_save(tmp_path):
-    from hpref.rl.driver import MetricsWriter, keep_row
+    from hpref.rl.metrics import MetricsWriter, keep_row
 
     writer = MetricsWriter(tmp_path)
     for r in range(5):
@@ -233,7 +236,7 @@ def test_resume_truncates_metrics_written_after_the_save(tmp_path):
 
 
 def test_resume_source(tmp_path):
-    from hpref.rl.driver import resume_source
+    from hpref.rl.launch import resume_source
     from hpref.rl.record import CheckpointRecord, write_record
 
     assert resume_source(tmp_path, None) is None  # fresh folder, fresh run
@@ -283,7 +286,7 @@ def test_keep_last_prunes_old_saves_but_never_the_recorded_one(tmp_path):
 def test_eval_rows_carry_the_win_rate_against_the_start(tmp_path):
     # Wrong if the leader skipped the eval at the last rollout (the number a run is judged by) or
     # the win rate against the start did not reach metrics.jsonl.
-    from hpref.rl.driver import MetricsWriter
+    from hpref.rl.metrics import MetricsWriter
 
     class WinRateExecutor(FakeExecutor):
         async def evaluate(self, policies):
@@ -313,3 +316,24 @@ def test_time_limit_ends_the_leader_with_a_final_eval_and_save(tmp_path):
     assert result.timed_out and 3 <= result.positions["a"] < 1000
     assert result.saves == 1 and read_record(tmp_path).rollout_ids["a"] == result.positions["a"]
     assert [e["rollout"] for e in result.evals] == [result.positions["a"]]
+
+
+def test_the_leader_beats_while_the_policies_run_and_stops_at_the_end(tmp_path, monkeypatch):
+    """`hpref save --now` asks only a live run: the driver writes `heartbeat.json` while the
+    policies run (the leader's position as its step), and removes it when they stop."""
+    from hpref.rl import driver
+    from hpref.runfolder.heartbeat import run_status, write_heartbeat
+
+    beats = []
+
+    def spy(run_dir, step):
+        write_heartbeat(run_dir, step)
+        beats.append((step, run_status(run_dir)[0]))
+
+    monkeypatch.setattr(driver, "write_heartbeat", spy)
+    world = World()
+    order = ["a", "b"]
+    handles, _ = make(world, order)
+    run(drive(config(num_rollouts=3), order, handles, tmp_path, {"a": 0, "b": 0}))
+    assert beats and beats[0] == (0, True)  # alive from the start
+    assert not (tmp_path / HEARTBEAT).exists()  # and no longer once the policies stopped

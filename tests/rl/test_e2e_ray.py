@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 
 from hpref.recipe import recipe_from_dict  # noqa: E402
-from hpref.rl.driver import run_rl  # noqa: E402
+from hpref.rl.launch import run_rl  # noqa: E402
 from hpref.rl.record import ResumeError, read_record  # noqa: E402
 from hpref.runfolder.integrity import write_manifest  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402

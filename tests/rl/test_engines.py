@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 from hpref.errors import RecipeError
 from hpref.hookspecs import hookimpl
 from hpref.plugins import load_plugins, reset_plugins
-from hpref.rl.config import parse_rl_section
+from hpref.recipe_rl import parse_rl_section
 from hpref.rl.engines import TransformersEngineConfig
 from tests.rl.tiny import TINY
 
@@ -29,7 +29,7 @@ class ReversedEngine:
     """A plugin's engine: the built-in one with every answer's text reversed (a visible change)."""
 
     def __init__(self, config, policy, model, env):
-        from hpref.rl.actors import EngineActor
+        from hpref.rl.engines import EngineActor
 
         self.inner = EngineActor(policy, model, env=env)
         self.suffix = config.suffix
@@ -90,7 +90,8 @@ def test_a_plugin_engine_is_chosen_by_name_and_hosted(monkeypatch, tmp_path):
     # Wrong if `[rl.engine] name` did not reach the actor that builds the engine, or the host
     # did not forward the engine calls the executor and the driver make.
     pytest.importorskip("torch")
-    from hpref.rl.actors import EngineHost, rollout_prompts
+    from hpref.rl.engines import EngineHost
+    from hpref.rl.rollouts import rollout_prompts
 
     monkeypatch.setenv("HPREF_CACHE", str(tmp_path / "cache"))
     load_plugins(extra=[ReversedPlugin()])

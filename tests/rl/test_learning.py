@@ -14,9 +14,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hpref.rl.actors import EngineActor, LocalActor, RolloutExecutor, TrainerActor  # noqa: E402
-from hpref.rl.config import parse_rl_section  # noqa: E402
-from hpref.rl.driver import Handles, MetricsWriter, drive  # noqa: E402
+from hpref.recipe_rl import parse_rl_section  # noqa: E402
+from hpref.rl.driver import Handles, drive  # noqa: E402
+from hpref.rl.engines import EngineActor  # noqa: E402
+from hpref.rl.metrics import MetricsWriter  # noqa: E402
+from hpref.rl.rollouts import RolloutExecutor  # noqa: E402
+from hpref.rl.trainer import TrainerActor  # noqa: E402
+from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hpref import arena as synthetic
 from hpref.builtin.rewards import JudgeConfig, RuleConfig, build_rule, pairwise_rewards
-from hpref.data import synthetic
 from hpref.plugins import load_plugins
 from tests.rl.tiny import TINY
 
@@ -159,7 +159,7 @@ def test_cross_policy_is_pairwise_only_and_can_be_turned_off():
 def test_a_judge_path_without_an_export_is_one_line_naming_the_key(tmp_path):
     # Wrong if a missing judge surfaced only inside the executor actor, after Ray had started.
     from hpref.errors import RecipeError
-    from hpref.rl.config import parse_rl_section
+    from hpref.recipe_rl import parse_rl_section
 
     section = {"policies": {"a": {}}, "reward": {"name": "judge", "path": str(tmp_path / "nope")}}
     with pytest.raises(RecipeError) as err:

@@ -15,19 +15,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from hpref.errors import RecipeError  # noqa: E402
-from hpref.rl.actors import (  # noqa: E402
-    EngineActor,
-    LocalActor,
-    RolloutExecutor,
-    TrainerActor,
-    build_policy_model,
-    completion_logprobs,
-    pad_batch,
-)
-from hpref.rl.config import parse_rl_section  # noqa: E402
-from hpref.rl.driver import Handles, MetricsWriter, drive, restore  # noqa: E402
+from hpref.recipe_rl import parse_rl_section  # noqa: E402
+from hpref.rl.driver import Handles, drive, restore  # noqa: E402
+from hpref.rl.engines import EngineActor  # noqa: E402
+from hpref.rl.metrics import MetricsWriter  # noqa: E402
+from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  # noqa: E402
+from hpref.rl.rollouts import RolloutExecutor  # noqa: E402
+from hpref.rl.trainer import TrainerActor  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
+from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 R = 4
@@ -295,7 +292,7 @@ def test_driver_gives_the_recipes_lora_to_the_policies():
     # Wrong if `hpref rl` parsed [rl] without the recipe's [lora] (policies would train in full
     # while `recipes check` had accepted the section for them).
     from hpref.recipe import recipe_from_dict
-    from hpref.rl.driver import _rl_config
+    from hpref.rl.launch import _rl_config
 
     recipe = recipe_from_dict({"rl": {"policies": {"a": {}}}, "lora": {"r": 3}}, resolve=False)
     config, _run_dir = _rl_config(recipe)
@@ -373,7 +370,7 @@ def test_hpref_rl_refuses_a_wrong_target_before_any_actor_starts(tmp_path, monke
     # Wrong if a target module the policy does not have surfaced only inside a trainer actor (on Ray:
     # an actor that died, exit 1, instead of one line naming the key, exit 2).
     from hpref.recipe import recipe_from_dict
-    from hpref.rl import driver
+    from hpref.rl import launch as driver
 
     def no_ray(_address):
         raise AssertionError("Ray was started before the recipe's [lora] was checked")
@@ -402,7 +399,7 @@ def test_hpref_rl_with_lora_on_ray_saves_adapters(tmp_path):
     # on Ray: rl.json and the saves would show full weights. (Resume is checked in-process above.)
     ray = pytest.importorskip("ray")
     from hpref.recipe import recipe_from_dict
-    from hpref.rl.driver import run_rl
+    from hpref.rl.launch import run_rl
     from hpref.rl.record import read_record
 
     rl = {
@@ -442,8 +439,8 @@ def test_merged_weights_cover_embedding_and_lm_head_adapters():
 
     from hpref.models.adapters import apply_lora_to_causal_lm, merged_lm_state
     from hpref.recipe import LoraSection
-    from hpref.rl.actors import tiny_policy_config
-    from hpref.rl.config import PolicyModelConfig
+    from hpref.recipe_rl import PolicyModelConfig
+    from hpref.rl.policy import tiny_policy_config
 
     config = tiny_policy_config(PolicyModelConfig(**TINY), vocab_size=300)
     torch.manual_seed(0)

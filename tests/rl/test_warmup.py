@@ -9,10 +9,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hpref.data import synthetic  # noqa: E402
+from hpref import arena as synthetic  # noqa: E402
+from hpref.recipe_rl import PolicyModelConfig, RolloutConfig, WarmupConfig  # noqa: E402
 from hpref.rl import warmup as warmup_mod  # noqa: E402
-from hpref.rl.actors import EngineActor, encode_prompt, policy_tokenizer, rollout_prompts  # noqa: E402
-from hpref.rl.config import PolicyModelConfig, RolloutConfig, WarmupConfig  # noqa: E402
+from hpref.rl.engines import EngineActor  # noqa: E402
+from hpref.rl.policy import encode_prompt, policy_tokenizer  # noqa: E402
+from hpref.rl.rollouts import rollout_prompts  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
 from tests.rl.tiny import TINY as TINY_SETTINGS  # noqa: E402
 

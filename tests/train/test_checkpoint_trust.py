@@ -124,8 +124,8 @@ def exported_run(tmp_path):
 
 
 def _eval_and_save(run_dir: Path, tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    from hpref.arena import generate_battles
     from hpref.data.readers import write_arena_file
-    from hpref.data.synthetic import generate_battles
 
     data = write_arena_file(tmp_path / "eval.csv", list(generate_battles(6, seed=5)))
     return [

@@ -119,7 +119,7 @@ class RuleReward:
     """The synthetic arena's ground-truth judge (or a user function) as the reward."""
 
     def __init__(self, config: RuleConfig) -> None:
-        from hpref.data import synthetic
+        from hpref import arena as synthetic
 
         self.config = config
         self._synthetic = synthetic
@@ -166,7 +166,7 @@ class JudgeReward:
         self.scalar = bool(getattr(self.model, "paired", False))
         component = load_plugins().get("formatter", "answers" if self.scalar else config.formatter)
         self.formatter = component.build(component.config(), self.model.tokenizer, config.max_length)
-        from hpref.data import synthetic
+        from hpref import arena as synthetic
 
         self._synthetic = synthetic
         self.wants_opponents = config.cross_policy and not self.scalar

@@ -131,8 +131,8 @@ def data_stats(
     if hasattr(source, "report"):
         out["synthetic"] = source.report().as_dict()
     elif with_truth:
+        from hpref.arena import arena_report
         from hpref.data.splits import FoldAssigner
-        from hpref.data.synthetic import arena_report
 
         assigner = FoldAssigner(5, 0)
         folds = [assigner.fold_of(b) for b in with_truth]
@@ -191,3 +191,63 @@ def format_stats(stats: dict[str, Any]) -> str:
             head = "ceilings     " if i == 0 else "             "
             lines.append(f"{head}{skills:<45} {value:.4f} ({(r['uniform'] - value) / gap:.0%} of the gap)")
     return "\n".join(lines)
+
+
+def stats_command(
+    source: str,
+    *,
+    split: str = "train",
+    tokens: bool = False,
+    recipe_for_tokens: str | None = None,
+    on_error: str = "raise",
+    ceilings: bool = False,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """`hpref data stats`: the statistics of a data file, or of a recipe's dataset section.
+
+    `source` is a data file or a recipe (a path or a shipped recipe's name); with `tokens` the
+    battles are also formatted and tokenized, by the recipe's model and formatter (a data file takes
+    them from `recipe_for_tokens`). Every misuse of the options is a `RecipeError` of one line.
+    """
+    from hpref.errors import RecipeError
+    from hpref.recipe_catalog import resolve_recipe_path
+
+    overrides = list(overrides or [])
+    path = resolve_recipe_path(source)
+    is_recipe = path.suffix == ".toml"
+    if is_recipe and (recipe_for_tokens is not None or on_error != "raise"):
+        raise RecipeError("--recipe and --on-error are for a data file; a recipe brings its own")
+    if on_error not in ("raise", "skip"):
+        raise RecipeError(f"--on-error {on_error!r}: expected raise or skip")
+    if tokens and not is_recipe and recipe_for_tokens is None:
+        raise RecipeError(
+            "--tokens on a data file needs --recipe RECIPE (the model whose tokenizer, and the formatter)"
+        )
+    recipe = None
+    if is_recipe or recipe_for_tokens is not None:
+        from hpref.plugins import load_plugins
+        from hpref.recipe import load_recipe
+
+        recipe_path = path if is_recipe else resolve_recipe_path(recipe_for_tokens)  # type: ignore[arg-type]
+        recipe = load_recipe(recipe_path, overrides)
+        registry = load_plugins()
+    elif overrides:
+        raise RecipeError("--set needs a recipe (the source or --recipe)")
+    if is_recipe:
+        if split not in ("train", "eval"):
+            raise RecipeError(f"--split {split!r}: expected train or eval")
+        section = getattr(recipe.dataset, split)
+        if section is None:
+            raise RecipeError(f"{path}: dataset.{split}: the recipe has no such section")
+        data = registry.get("dataset", section.name).build(section.config, seed=recipe.run.seed)
+    else:
+        data = open_data_file(path, seed=0, on_error=on_error)
+    formatter = None
+    if tokens:
+        if recipe.model is None:
+            raise RecipeError(f"{recipe_path}: --tokens needs a [model] section (for its tokenizer)")
+        model = registry.get("model", recipe.model.name).build(recipe.model.config, meta=True)
+        formatter = registry.get("formatter", recipe.formatter.name).build(
+            recipe.formatter.config, model.tokenizer, recipe.train.max_length
+        )
+    return data_stats(data, formatter, ceilings=ceilings)

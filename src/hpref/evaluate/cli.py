@@ -224,7 +224,8 @@ def save_command(
 ) -> int:
     """`hpref save`: export a checkpoint (`--to`), or with `--now` ask a live run for one first.
     A LoRA run exports merged weights, or with `adapter` PEFT's adapter folder and hpref's head."""
-    from hpref.evaluate.export import request_save_now, save_export
+    from hpref.evaluate.export import save_export
+    from hpref.runfolder.save_trigger import request_save_now
 
     if now:
         path = request_save_now(run_dir, timeout=timeout)

@@ -1,24 +1,18 @@
-"""`hpref save`: a training checkpoint -> a self-contained HF-style folder, and the `--now` protocol.
+"""`hpref save`: a training checkpoint -> a self-contained HF-style folder.
 
 Consolidation. The trainer writes DCP checkpoints (`hpref.train.checkpoint`): tensors sharded as
 they were trained, under `model.*` and `optim.*`. `save` rebuilds the model from the run's resolved
 `recipe.toml` on one CPU process, loads only the `model.*` tensors into it (DCP reshards any world
 size into one), and writes `PreferenceModel.save_pretrained`'s folder plus a README model card.
 
-Safe loading, never half-loaded. Every read goes through `hpref.runfolder`: the checkpoint's
-files are checked against the checksums recorded at save time (`integrity.require_verified`), the
-DCP index is unpickled with the exact allow-list of `safe_load`, and non-tensor items never reach
-`torch.load(weights_only=False)`. `validate_checkpoint` also checks that the index holds every model
-key with the right shape; only then is anything loaded, into a fresh state dict, and copied into the
-model in one `load_state_dict`.
+Safe loading, never half-loaded. Finding and checking the checkpoint is the run folder's job
+(`hpref.runfolder.checkpoints`: `resolve_checkpoint`, and `validate_checkpoint`, which checks the
+recorded checksums, reads the DCP index through the one restricted reader of
+`hpref.runfolder.safe_load` and checks that it holds every model key with the right shape); only
+then is anything loaded, into a fresh state dict, and copied into the model in one
+`load_state_dict`.
 
-`save --now`. A running trainer cannot be asked over a socket (it may be 8 ranks on another node),
-so the request is a file: `request_save_now` writes `RUN_DIR/SAVE_NOW`, and waits for a complete
-checkpoint newer than the one that existed when it asked. The trainer, at each step boundary, calls
-`check_save_trigger_all_ranks(run_dir)` (rank 0 looks for the file and removes it, the answer is
-broadcast, every rank then saves collectively). Liveness comes from `RUN_DIR/heartbeat.json`, which
-the trainer refreshes with `write_heartbeat` (pid, host, step, time) and removes at exit: a missing
-or stale heartbeat, or a dead pid on this host, is reported as "not running" instead of waiting.
+`save --now` (ask a live run for a checkpoint first) is `hpref.runfolder.save_trigger`.
 """
 
 from __future__ import annotations
@@ -26,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,12 +27,9 @@ from typing import Any, Literal
 from loguru import logger
 
 from hpref.errors import UserError
-from hpref.runfolder.integrity import require_verified
-from hpref.runfolder.safe_load import CheckpointError, dcp_load, read_dcp_index
+from hpref.runfolder.checkpoints import TRAIN_STATE, resolve_checkpoint, validate_checkpoint
+from hpref.runfolder.safe_load import CheckpointError, dcp_load
 
-SAVE_NOW = "SAVE_NOW"
-HEARTBEAT = "heartbeat.json"
-HEARTBEAT_STALE_S = 300.0  # a step (plus eval or checkpoint) longer than this reads as a hung run
 MODEL_CARD = "README.md"
 CHECKPOINT_JSON = "hpref_checkpoint.json"
 
@@ -48,86 +37,7 @@ Dtype = Literal["fp32", "bf16"]
 
 
 # --------------------------------------------------------------------------------------------------
-# finding and validating checkpoints
-
-
-def resolve_checkpoint(path: str | Path, step: str | int | None = "latest") -> Path:
-    """A checkpoint folder from a run folder (`step` = "latest" or a step number) or a checkpoint
-    folder itself (`step` ignored)."""
-    from hpref.train.checkpoint import CHECKPOINTS, checkpoint_name, find_latest
-
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such run or checkpoint folder")
-    if (path / ".metadata").exists() or path.name.startswith(("step-", ".tmp-")):
-        return path
-    if not (path / CHECKPOINTS).is_dir():
-        raise CheckpointError(f"{path}: neither a run folder (no {CHECKPOINTS}/) nor a checkpoint folder")
-    if step in (None, "latest"):
-        found = find_latest(path)
-        if found is None:
-            raise CheckpointError(f"{path}: the run has no complete checkpoint yet")
-        return found
-    try:
-        number = int(step)
-    except ValueError:
-        raise UserError(f"--step {step!r}: expected a step number or 'latest'") from None
-    folder = path / CHECKPOINTS / checkpoint_name(number)
-    if not folder.is_dir():
-        raise CheckpointError(f"{path}: no checkpoint for step {number} ({folder} does not exist)")
-    return folder
-
-
-def validate_checkpoint(path: Path, expected: dict[str, Any] | None = None, prefix: str = "model.") -> Any:
-    """Check a checkpoint before reading a tensor (see the module docstring); returns its index.
-
-    `expected` maps model keys (without `prefix`) to tensors of the wanted shapes.
-    """
-    from hpref.train.checkpoint import TMP_PREFIX, TRAIN_STATE
-
-    path = Path(path)
-    if path.name.startswith(TMP_PREFIX):
-        raise CheckpointError(
-            f"{path}: a partial checkpoint (a save that did not finish); use a step-* folder"
-        )
-    if not (path / TRAIN_STATE).is_file():
-        raise CheckpointError(
-            f"{path}: no {TRAIN_STATE}, so the save did not finish; refusing a partial checkpoint"
-        )
-    require_verified(path)
-    index = read_dcp_index(path)
-    sizes: dict[str, int] = {}
-    for info in (getattr(index, "storage_data", None) or {}).values():
-        # checkpoints of older hpref versions have no checksums: at least refuse missing or
-        # truncated shard files before DCP reads past their end
-        name = str(info.relative_path)
-        if name not in sizes:
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{path}: shard file {name} is missing; refusing a partial checkpoint")
-            sizes[name] = file.stat().st_size
-        if info.offset + info.length > sizes[name]:
-            raise CheckpointError(
-                f"{path}: shard file {name} is truncated ({sizes[name]} bytes, the index needs "
-                f"{info.offset + info.length}); refusing a corrupt checkpoint"
-            )
-    if expected is not None:
-        stored = index.state_dict_metadata
-        missing = [k for k in expected if prefix + k not in stored]
-        if missing:
-            raise CheckpointError(
-                f"{path}: {len(missing)} model tensors are not in the checkpoint (first: {missing[0]}); "
-                "was it written for a different model?"
-            )
-        for key, tensor in expected.items():
-            meta = stored[prefix + key]
-            shape = tuple(getattr(meta, "size", ()))
-            if shape != tuple(tensor.shape):
-                raise CheckpointError(
-                    f"{path}: tensor {key} has shape {list(shape)} in the checkpoint and "
-                    f"{list(tensor.shape)} in the recipe's model; was it written for a different model?"
-                )
-    return index
+# loading a checkpoint into the recipe's model
 
 
 def load_model_state(path: Path, model: Any) -> dict[str, Any]:
@@ -217,7 +127,6 @@ def load_model_from_checkpoint(
 ) -> LoadedCheckpoint:
     """Build the recipe's model on one CPU process and fill it from the checkpoint."""
     from hpref.plugins import load_plugins
-    from hpref.train.checkpoint import TRAIN_STATE
 
     checkpoint_dir = Path(checkpoint_dir)
     recipe = recipe if recipe is not None else recipe_of_run(checkpoint_dir)
@@ -500,120 +409,3 @@ def save_export(
         raise
     logger.info(f"exported {checkpoint_dir} (step {run_step}, {dtype}) to {to}")
     return to
-
-
-# --------------------------------------------------------------------------------------------------
-# save --now: trigger file and heartbeat
-
-
-def write_heartbeat(run_dir: str | Path, step: int) -> None:
-    """Trainer side (rank 0, every step or every few seconds): "I am alive at this step"."""
-    path = Path(run_dir) / HEARTBEAT
-    data = {"pid": os.getpid(), "host": socket.gethostname(), "step": int(step), "time": time.time()}
-    tmp = path.with_name(f".{HEARTBEAT}.{os.getpid()}.part")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def clear_heartbeat(run_dir: str | Path) -> None:
-    """Trainer side, at exit (normal or not): the run is no longer alive."""
-    with _suppress_missing():
-        (Path(run_dir) / HEARTBEAT).unlink()
-
-
-class _suppress_missing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
-        return kind is not None and issubclass(kind, FileNotFoundError)
-
-
-def run_status(run_dir: str | Path, stale_after: float = HEARTBEAT_STALE_S) -> tuple[bool, str]:
-    """(alive, reason) from the heartbeat file: fresh, and its pid alive when on this host."""
-    path = Path(run_dir) / HEARTBEAT
-    try:
-        beat = json.loads(path.read_text())
-    except FileNotFoundError:
-        return False, f"no {HEARTBEAT} in {run_dir} (the run is not training, or finished)"
-    except (OSError, json.JSONDecodeError) as exc:
-        return False, f"{path} is unreadable ({exc})"
-    age = time.time() - float(beat.get("time", 0))
-    if beat.get("host") == socket.gethostname() and not _pid_alive(int(beat.get("pid", -1))):
-        return False, f"the trainer (pid {beat.get('pid')}) is not running"
-    if age > stale_after:
-        return (
-            False,
-            f"the last heartbeat is {age:.0f} s old (step {beat.get('step')}); the run looks hung or dead",
-        )
-    return True, f"pid {beat.get('pid')} on {beat.get('host')}, step {beat.get('step')}"
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def check_save_trigger(run_dir: str | Path) -> bool:
-    """Trainer side, rank 0, at a step boundary: True (and the trigger removed) when a save was asked."""
-    path = Path(run_dir) / SAVE_NOW
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def check_save_trigger_all_ranks(run_dir: str | Path) -> bool:
-    """Collective: rank 0 checks the trigger, every rank gets its answer (saving is collective)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return check_save_trigger(run_dir)
-    flag = [check_save_trigger(run_dir) if dist.get_rank() == 0 else False]
-    dist.broadcast_object_list(flag, src=0)
-    return bool(flag[0])
-
-
-def request_save_now(
-    run_dir: str | Path,
-    *,
-    timeout: float = 1800.0,
-    poll: float = 1.0,
-    stale_after: float = HEARTBEAT_STALE_S,
-) -> Path:
-    """Ask a live run for a checkpoint at its next step boundary and wait until it is complete."""
-    from hpref.train.checkpoint import complete_checkpoints
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir}: no such run folder")
-    alive, reason = run_status(run_dir, stale_after)
-    if not alive:
-        raise UserError(f"{run_dir}: the run is not alive: {reason}")
-    before = {p.name for p in complete_checkpoints(run_dir)}
-    trigger = run_dir / SAVE_NOW
-    trigger.write_text(json.dumps({"requested": time.time(), "pid": os.getpid()}) + "\n")
-    logger.info(f"asked {run_dir} ({reason}) for a checkpoint; waiting")
-    deadline = time.monotonic() + timeout
-    while True:
-        new = [p for p in complete_checkpoints(run_dir) if p.name not in before]
-        if new and not trigger.exists():
-            return new[-1]
-        if time.monotonic() > deadline:
-            raise UserError(
-                f"{run_dir}: no new checkpoint after {timeout:.0f} s (the trigger file is left in place)"
-            )
-        alive, reason = run_status(run_dir, stale_after)
-        if not alive:
-            with _suppress_missing():
-                trigger.unlink()
-            raise UserError(f"{run_dir}: the run stopped before saving: {reason}")
-        time.sleep(poll)

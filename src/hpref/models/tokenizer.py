@@ -1,7 +1,7 @@
 """A small byte-level BPE tokenizer the project trains itself, cached on disk by its settings.
 
 The tiny models must run with no download at all, so their tokenizer is trained here with the
-`tokenizers` library on the synthetic arena's text (`hpref.data.synthetic.corpus_texts`) when the
+`tokenizers` library on the synthetic arena's text (`hpref.arena.corpus_texts`) when the
 data layer provides it, else on a small built-in corpus. Byte-level BPE never produces an unknown
 token, so any text — including the real arena's — is encodable, just less compactly.
 
@@ -55,7 +55,7 @@ def default_text_source() -> tuple[str, TextSource]:
     data layer may expose `CORPUS_VERSION` to invalidate caches when its text generator changes.
     """
     try:
-        from hpref.data import synthetic
+        from hpref import arena as synthetic
     except ImportError:
         return "builtin", builtin_corpus_texts
     corpus = getattr(synthetic, "corpus_texts", None)

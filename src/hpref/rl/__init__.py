@@ -1,15 +1,23 @@
 """Multi-policy RL (`hpref rl`): several policies trained at once on shared rollouts.
 
+- `command`: `hpref rl` and `hpref rl-warmup` from the command line (checks, then the run).
+- `driver`: one asyncio task per policy; `run_rl` is the entry point of a run.
+- `ray_cluster`: starting or joining the Ray cluster the actors run on.
+- `policy`: a policy's causal LM and tokenizer, its prompts, the padding maths of a step.
+- `engines`: generation (the built-in `transformers` engine, registered through `register_engines`,
+  and `EngineHost`, the Ray actor around any registered engine).
+- `rollouts`: the prompt stream, the staleness policy and the rollout executor (buffers, rewards).
+- `trainer`: the GRPO trainer of one policy (its step, weights for the engine, save and load).
+- `evaluation`: win rates against the start and the battles of the Bradley-Terry leaderboard.
 - `algorithms`: GRPO advantages, the clipped policy loss, k3 KL (pure torch functions).
 - `parking`: the leader's rendezvous with its followers for consistent saves and evals.
-- `record`: the checkpoint record written after a global save, and the resume checks.
-- `config`: the `[rl]` recipe section.
-- `actors`: engine, rollout executor and trainer (plain classes, made Ray actors by the driver).
-- `engines`: the built-in `transformers` engine, registered through the `register_engines` hook.
+- `record`: the resume checks against the checkpoint record (`hpref.runfolder.record`).
+- `protocols`: the `Reward` and `Engine` seams, as `typing.Protocol`s.
 - `warmup`: the cached supervised warm-up that makes tiny policies' starting checkpoint.
-- `driver`: one asyncio task per policy; `run_rl` is the entry point of `hpref rl`.
+- `leaderboard`: Bradley-Terry ratings and the metric plots.
 
-Importing this package imports nothing heavy; `run_rl` loads torch and Ray when called.
+The `[rl]` recipe section is typed with the rest of the recipe (`hpref.recipe_rl`). Importing this
+package imports nothing heavy; `run_rl` loads torch and Ray when called.
 """
 
 from __future__ import annotations
@@ -20,8 +28,8 @@ from typing import Any
 def run_rl(
     recipe: Any, policies: list[str], ray_address: str | None = None, resume: str | None = None
 ) -> int:
-    """Run `hpref rl` (see `hpref.rl.driver.run_rl`)."""
-    from hpref.rl.driver import run_rl as _run_rl
+    """Run `hpref rl` (see `hpref.rl.launch.run_rl`)."""
+    from hpref.rl.launch import run_rl as _run_rl
 
     return _run_rl(recipe, policies, ray_address, resume)
 

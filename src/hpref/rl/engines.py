@@ -2,20 +2,25 @@
 
 An engine component's `build(config, *, policy, model, env)` returns an object with the engine
 methods the rollout executor and the driver call (see `hpref.hookspecs.register_engines`). The
-built-in `transformers` engine is `hpref.rl.actors.EngineActor`: `model.generate` on CPU (or on
-whatever device torch defaults to), weights swapped in begin/load/commit steps. vLLM or SGLang
-engines can come from plugins the same way, chosen by `[rl.engine] name = "..."`.
+built-in `transformers` engine is `EngineActor`: `model.generate` on CPU (or on whatever device
+torch defaults to), weights swapped in begin/load/commit steps. vLLM or SGLang engines can come
+from plugins the same way, chosen by `[rl.engine] name = "..."`; `EngineHost` is the Ray actor
+around whichever engine the recipe names. The methods every engine has are the `Engine` protocol
+(`hpref.rl.protocols`).
 
 This module is loaded by `hpref --help` (it is a built-in plugin): torch is imported inside build.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
+from hpref.recipe_rl import PolicyModelConfig
+from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, trim_completion
 
 
 class TransformersEngineConfig(BaseModel):
@@ -27,11 +32,167 @@ class TransformersEngineConfig(BaseModel):
 
 def build_transformers(config: TransformersEngineConfig, *, policy: str, model: Any, env: Any = None) -> Any:
     """transformers `generate` on CPU, with versioned weights (begin/load/commit updates)."""
-    from hpref.rl.actors import EngineActor
-
     return EngineActor(policy, model, threads=config.threads, env=env)
 
 
 @hookimpl
 def register_engines(register):
     register(name="transformers", config=TransformersEngineConfig, build=build_transformers)
+
+
+# --------------------------------------------------------------------------------------------------
+# engine
+
+
+class EngineActor:
+    """Generation for one policy (transformers on CPU), with versioned weights.
+
+    Weight updates are three steps so a failed transfer never leaves half-loaded weights serving:
+    `begin_update(version)` opens a staging area, `load_weights(state)` fills it, `commit_update()`
+    swaps it in (or `abort_update()` drops it).
+    """
+
+    def __init__(
+        self, policy: str, model: PolicyModelConfig, threads: int = 1, env: dict[str, str] | None = None
+    ) -> None:
+        apply_env(env)
+        import torch
+
+        torch.set_num_threads(threads)
+        self.policy = policy
+        self.model, self.tokenizer = build_policy_model(model)
+        self.model.eval()
+        self.version = 0
+        self._staging: tuple[int, dict[str, Any]] | None = None
+
+    def prompt_ids(self, prompts: list[tuple[str, ...]]) -> list[list[int]]:
+        return [encode_prompt(self.tokenizer, p) for p in prompts]
+
+    def generate(
+        self,
+        prompts: list[tuple[str, ...]],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int = 0,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> dict[str, Any]:
+        """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version."""
+        import torch
+
+        start = time.perf_counter()
+        prompt_ids = self.prompt_ids(prompts)
+        rows = [ids for ids in prompt_ids for _ in range(group_size)]
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for i, r in enumerate(rows):  # left padding: every row's continuation starts at `width`
+            input_ids[i, width - len(r) :] = torch.tensor(r)
+            attention[i, width - len(r) :] = 1
+        torch.manual_seed(seed)
+        sampling: dict[str, Any] = (
+            {"do_sample": False}
+            if greedy
+            else {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": 1.0}
+        )
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=self.tokenizer.eos_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **sampling,
+            )
+        new = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1)[:, : new.shape[1]].float()
+        scale = 1.0 if greedy else temperature
+        logp = torch.log_softmax(logits / scale, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        completions, logprobs = [], []
+        for i in range(len(rows)):
+            tokens = trim_completion(new[i].tolist(), self.tokenizer.eos_token_id, pad)
+            completions.append(tokens)
+            logprobs.append(logp[i, : len(tokens)].tolist())
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        return {
+            "prompt_ids": rows,
+            "completions": completions,
+            "logprobs": logprobs,
+            "texts": texts,
+            "version": self.version,
+            "tokens": sum(len(c) for c in completions),
+            "seconds": time.perf_counter() - start,
+        }
+
+    def begin_update(self, version: int) -> None:
+        if version < self.version:
+            raise ValueError(
+                f"engine '{self.policy}': version {version} is older than the live {self.version}"
+            )
+        self._staging = (version, {})
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        if self._staging is None:
+            raise RuntimeError(f"engine '{self.policy}': load_weights without begin_update")
+        self._staging[1].update(state)
+
+    def commit_update(self) -> int:
+        if self._staging is None:
+            raise RuntimeError(f"engine '{self.policy}': commit_update without begin_update")
+        version, state = self._staging
+        self._staging = None
+        self.model.load_state_dict(state, strict=True)
+        self.version = version
+        return version
+
+    def abort_update(self) -> None:
+        self._staging = None
+
+    def get_version(self) -> int:
+        return self.version
+
+
+class EngineHost:
+    """The Ray actor around a registered engine component (`[rl.engine] name = ...`).
+
+    Ray needs the actor's methods on its class, so this class names every engine method and
+    forwards it; the component itself is built inside the actor's process by its plugin's `build`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: Any,
+        policy: str,
+        model: PolicyModelConfig,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        apply_env(env)
+        from hpref.plugins import load_plugins
+
+        component = load_plugins().get("engine", name)
+        if not isinstance(config, component.config):
+            config = component.config.model_validate(config or {})
+        self.engine = component.build(config, policy=policy, model=model, env=env)
+
+    def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.engine.generate(*args, **kwargs)
+
+    def begin_update(self, version: int) -> None:
+        self.engine.begin_update(version)
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        self.engine.load_weights(state)
+
+    def commit_update(self) -> int:
+        return self.engine.commit_update()
+
+    def abort_update(self) -> None:
+        self.engine.abort_update()
+
+    def get_version(self) -> int:
+        return self.engine.get_version()

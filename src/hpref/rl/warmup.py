@@ -31,7 +31,7 @@ from typing import Any
 
 from loguru import logger
 
-from hpref.rl.config import PolicyModelConfig, WarmupConfig
+from hpref.recipe_rl import PolicyModelConfig, WarmupConfig
 
 WARMUP_FORMAT = 1  # bump when the warm-up's data or training changes, so caches are not reused
 META_FILE = "hpref_warmup.json"
@@ -62,8 +62,8 @@ def sft_examples(tokenizer: Any, warmup: WarmupConfig) -> list[tuple[list[int], 
     Prompts are encoded exactly as the engine encodes a rollout's prompt (`encode_prompt`), so the
     policy learns to answer in the position it will be sampled from.
     """
-    from hpref.data.synthetic import generate_battles
-    from hpref.rl.actors import encode_prompt
+    from hpref.arena import generate_battles
+    from hpref.rl.policy import encode_prompt
 
     out = []
     for battle in generate_battles(
@@ -93,8 +93,8 @@ def train_warmup(model_config: PolicyModelConfig, warmup: WarmupConfig, folder: 
     """Fine-tune the tiny model of `model_config` on arena answers; save a transformers folder."""
     import torch
 
-    from hpref.rl.actors import build_policy_model, pad_batch
     from hpref.rl.algorithms import sequence_logprobs
+    from hpref.rl.policy import build_policy_model, pad_batch
 
     if warmup.threads:
         torch.set_num_threads(warmup.threads)

@@ -43,63 +43,36 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.runfolder import integrity
+from hpref.runfolder.checkpoints import (
+    CHECKPOINTS,
+    LATEST,
+    TMP_PREFIX,
+    TRAIN_STATE,
+    checkpoint_name,
+    complete_checkpoints,
+    find_latest,
+    is_complete,
+    step_of,
+)
 from hpref.runfolder.files import fsync_dir, write_json_atomic, write_text_atomic
 from hpref.runfolder.safe_load import CheckpointError, UnsafeCheckpointError, dcp_load
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError"]  # re-exported: callers catch them from here
-
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-TMP_PREFIX = ".tmp-"
-TRAIN_STATE = "train_state.json"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:06d}"
+# Re-exported: callers catch the errors from here, and find the layout names beside the writer.
+__all__ = [
+    "CHECKPOINTS",
+    "LATEST",
+    "TMP_PREFIX",
+    "TRAIN_STATE",
+    "CheckpointError",
+    "UnsafeCheckpointError",
+    "checkpoint_name",
+    "complete_checkpoints",
+    "find_latest",
+]
 
 
 def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.json"
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / ".metadata").is_file() and (folder / TRAIN_STATE).is_file()
-
-
-def _step_of(folder: Path) -> int:
-    return int(folder.name.removeprefix("step-"))
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and _is_complete(p)]
-    return sorted(found, key=_step_of)
-
-
-def find_latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or None. Partial ones (`.tmp-*`, or a `step-*` folder missing
-    its metadata) are ignored with a warning; a `latest` pointer to a missing folder is not trusted."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return None
-    for p in sorted(root.iterdir()):
-        if p.is_dir() and (
-            p.name.startswith(TMP_PREFIX) or (p.name.startswith("step-") and not _is_complete(p))
-        ):
-            logger.warning(f"ignoring partial checkpoint {p} (a save that did not finish)")
-    complete = complete_checkpoints(run_dir)
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in complete:
-            return named
-        logger.warning(
-            f"{pointer} names '{named.name}', which is not a complete checkpoint; scanning instead"
-        )
-    return complete[-1] if complete else None
 
 
 def _problems(folder: Path) -> list[str]:
@@ -151,14 +124,14 @@ def resolve_resume(run_dir: Path, resume: str | Path | None) -> Path | None:
             logger.warning(f"--resume auto: resuming from {found.name}, the newest checkpoint that verifies")
         return found
     path = Path(resume)
-    if path.is_dir() and not _is_complete(path) and (path / CHECKPOINTS).is_dir():
+    if path.is_dir() and not is_complete(path) and (path / CHECKPOINTS).is_dir():
         if not complete_checkpoints(path):
             raise UserError(f"--resume {path}: the run folder has no complete checkpoint")
         found = _newest_verified(path, f"--resume {path}")
         if found is None:
             raise CheckpointError(f"--resume {path}: no checkpoint of the run folder verifies")
         return found
-    if not path.is_dir() or not _is_complete(path):
+    if not path.is_dir() or not is_complete(path):
         raise UserError(
             f"--resume {path}: not a complete checkpoint folder (expected .metadata and {TRAIN_STATE})"
         )
@@ -252,7 +225,7 @@ def save_checkpoint(
         write_text_atomic(root / LATEST, final.name + "\n")
         # keep the newest `keep` by step number, counting the one just written: a checkpoint with a
         # higher step than this one is never the thing to delete
-        older = [p for p in complete_checkpoints(run_dir) if _step_of(p) < step]
+        older = [p for p in complete_checkpoints(run_dir) if step_of(p) < step]
         for old in older[: max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info(f"checkpoint {final}")

@@ -376,7 +376,8 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
         )
         interval.pause(time.perf_counter() - t)
 
-    from hpref.evaluate.export import check_save_trigger_all_ranks, clear_heartbeat, write_heartbeat
+    from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
+    from hpref.runfolder.save_trigger import check_save_trigger_all_ranks
 
     def _train_epochs() -> None:
         nonlocal interval

@@ -26,6 +26,8 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
+from hpref.runfolder.start import log_file as run_log_file
+from hpref.runfolder.start import write_resolved_recipe
 from hpref.train.watchdog import LAUNCHER_PID_ENV, die_with_parent, start_heartbeat
 
 
@@ -76,7 +78,7 @@ def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Pa
     Returns the log file and the handler ids, which the worker removes when it ends."""
     from hpref.logs import CONSOLE_FORMAT, add_log_file
 
-    log_file = run_dir / "logs" / f"rank{rank}.log"
+    log_file = run_log_file(run_dir, f"rank{rank}")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     logger.configure(extra={"rank": rank})
     handlers = [add_log_file(log_file)]
@@ -233,7 +235,7 @@ def run_worker(
         info = init_distributed(recipe.launch.backend, recipe.launch.collective_timeout_s)
         seed_everything(recipe.run.seed, info.rank)
         if info.rank == 0:
-            recipe.write(run_dir)
+            write_resolved_recipe(recipe, run_dir)
         logger.info(
             f"rank {info.rank}/{info.world_size} on {info.device} ({info.backend}); run folder {run_dir}"
         )

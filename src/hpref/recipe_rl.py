@@ -1,4 +1,4 @@
-"""The `[rl]` recipe section of `hpref rl`.
+"""The `[rl]` section of a recipe (`hpref rl`): typed, like every other section.
 
     [rl]
     num_rollouts = 40            # rollouts the leader runs; followers run until it ends
@@ -42,14 +42,13 @@ and raises `RecipeError` with one line naming the dotted key.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpref.errors import RecipeError, UserError, did_you_mean
-from hpref.recipe import LoraSection
+from hpref.recipe_schema import LoraSection, describe_error, resolve_component
 
 POLICY_ID = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
@@ -272,47 +271,20 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _owner(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    current: type[BaseModel] | None = model
-    for part in loc[:-1]:
-        if current is None or part not in current.model_fields:
-            return None
-        ann = current.model_fields[part].annotation
-        current = next(
-            (
-                c
-                for c in (ann, *getattr(ann, "__args__", ()))
-                if isinstance(c, type) and issubclass(c, BaseModel)
-            ),
-            None,
-        )
-    return current
-
-
-def describe_error(exc: ValidationError, model: type[BaseModel], prefix: str) -> str:
-    """One line for the first error: `rl.policies.a.lr: Input should be greater than 0, got -1`."""
-    err = exc.errors()[0]
-    loc = tuple(err["loc"])
-    key = ".".join([prefix, *(str(p) for p in loc)])
-    if err["type"] == "extra_forbidden":
-        owner = _owner(model, loc)
-        internal = ("reward_config", "engine_config")
-        fields = [f for f in (owner.model_fields if owner else {}) if f not in internal]
-        return f"{key}: unknown key{did_you_mean(str(loc[-1]), fields)}; valid keys: {', '.join(fields)}"
-    if err["type"] == "missing":
-        return f"{key}: required key is missing"
-    got = err.get("input")
-    got_text = "a table" if isinstance(got, dict) else json.dumps(got, default=str)
-    if len(got_text) > 60:
-        got_text = got_text[:57] + "..."
-    msg = err["msg"].rstrip(".").removeprefix("Value error, ")
-    return f"{key}: {msg}, got {got_text}" if loc else f"{key}: {msg}"
+def _describe(exc: ValidationError, model: type[BaseModel], prefix: str) -> str:
+    """`hpref.recipe_schema.describe_error` for a table under the dotted `prefix`."""
+    return describe_error(exc, model, tuple(prefix.split(".")), plain_value_errors=True)
 
 
 def parse_rl_section(
-    data: dict[str, Any] | None, where: str = "recipe", *, lora: LoraSection | dict[str, Any] | None = None
+    data: dict[str, Any] | None,
+    where: str = "recipe",
+    *,
+    lora: LoraSection | dict[str, Any] | None = None,
+    resolve: bool = True,
 ) -> RLConfig:
-    """Validate the `[rl]` table (policy tables merged over `[rl.defaults]`) and its reward component.
+    """Validate the `[rl]` table (policy tables merged over `[rl.defaults]`) and, with `resolve`, its
+    reward and engine components against the plugin registry (`resolve_rl_components`).
 
     `lora`: the recipe's top-level `[lora]` section, every policy's default adapter settings (as if
     it were `[rl.defaults.lora]`, under that table). Every error is a `RecipeError` of one line:
@@ -320,6 +292,8 @@ def parse_rl_section(
     """
     if not data:
         raise RecipeError(f"{where}: rl: hpref rl needs an [rl] section with at least one [rl.policies.<id>]")
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: rl: expected a table")
     data = dict(data)
     defaults = data.pop("defaults", {}) or {}
     if not isinstance(defaults, dict):
@@ -331,7 +305,7 @@ def parse_rl_section(
     try:
         PolicyConfig.model_validate(defaults)
     except ValidationError as exc:
-        raise RecipeError(f"{where}: {describe_error(exc, PolicyConfig, 'rl.defaults')}") from None
+        raise RecipeError(f"{where}: {_describe(exc, PolicyConfig, 'rl.defaults')}") from None
     policies_raw = data.get("policies")
     if not isinstance(policies_raw, dict) or not policies_raw:
         raise RecipeError(f"{where}: rl.policies: declare at least one policy as [rl.policies.<id>]")
@@ -347,7 +321,7 @@ def parse_rl_section(
         try:
             policies[pid] = PolicyConfig.model_validate(_merge(defaults, table))
         except ValidationError as exc:
-            raise RecipeError(f"{where}: {describe_error(exc, PolicyConfig, f'rl.policies.{pid}')}") from None
+            raise RecipeError(f"{where}: {_describe(exc, PolicyConfig, f'rl.policies.{pid}')}") from None
     data["policies"] = policies
     for internal, public in (("reward_config", "reward"), ("engine_config", "engine")):
         if internal in data:
@@ -355,32 +329,25 @@ def parse_rl_section(
     try:
         config = RLConfig.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(f"{where}: {describe_error(exc, RLConfig, 'rl')}") from None
-    config.reward_config = resolve_reward(config.reward, where)
-    config.engine_config = resolve_engine(config.engine, where)
+        raise RecipeError(f"{where}: {_describe(exc, RLConfig, 'rl')}") from None
+    if resolve:
+        resolve_rl_components(config, where)
     return config
-
-
-def _resolve_component(kind: str, section: BaseModel, key: str, where: str) -> BaseModel:
-    """A component's validated config (its parameters are the keys beside `name`)."""
-    from hpref.plugins import load_plugins
-
-    registry = load_plugins()
-    try:
-        component = registry.get(kind, section.name)  # type: ignore[attr-defined]
-    except UserError as exc:
-        raise RecipeError(f"{where}: {key}.name: {exc}") from None
-    try:
-        return component.config.model_validate(dict(section.model_extra or {}))
-    except ValidationError as exc:
-        raise RecipeError(f"{where}: {describe_error(exc, component.config, key)}") from None
 
 
 def resolve_reward(section: RewardSection, where: str = "recipe") -> BaseModel:
     """The reward component's validated config."""
-    return _resolve_component("reward", section, "rl.reward", where)
+    params = dict(section.model_extra or {})
+    return resolve_component("reward", section.name, params, "rl.reward", where, plain_value_errors=True)
 
 
 def resolve_engine(section: EngineSection, where: str = "recipe") -> BaseModel:
     """The engine component's validated config."""
-    return _resolve_component("engine", section, "rl.engine", where)
+    params = dict(section.model_extra or {})
+    return resolve_component("engine", section.name, params, "rl.engine", where, plain_value_errors=True)
+
+
+def resolve_rl_components(config: RLConfig, where: str = "recipe") -> None:
+    """Validate the reward and engine parameters against their registered components (in place)."""
+    config.reward_config = resolve_reward(config.reward, where)
+    config.engine_config = resolve_engine(config.engine, where)

@@ -1,0 +1,65 @@
+"""`hpref rl` and `hpref rl-warmup` from the command line: the checks before a run, then the run.
+
+Everything a user can get wrong is refused before the run folder is touched: a recipe without
+`[rl]`, an unknown policy id, a fresh start on a folder that holds another run's record. Only then
+does the run folder get its resolved recipe and log (`hpref.runfolder.start`), and the driver start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def policy_ids(text: str) -> list[str]:
+    """`--policies a, b` -> ["a", "b"] (the first leads)."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _rl_recipe(recipe_path: Path, overrides: list[str]) -> Any:
+    from hpref.errors import RecipeError
+    from hpref.recipe import load_recipe
+
+    loaded = load_recipe(recipe_path, overrides)
+    if loaded.rl is None:
+        raise RecipeError(f"{recipe_path}: rl: the recipe has no [rl] section")
+    return loaded
+
+
+def rl_command(
+    recipe_path: Path, overrides: list[str], policies: str, ray_address: str | None, resume: str | None
+) -> int:
+    """`hpref rl`: check, start the run folder, run (`hpref.rl.run_rl`); returns the exit code."""
+    import hpref.rl
+    from hpref.rl.launch import resume_source
+    from hpref.runfolder.start import start_run_folder
+
+    loaded = _rl_recipe(recipe_path, overrides)
+    ids = policy_ids(policies)
+    loaded.rl.select(ids)  # an unknown policy id is a user error before the run folder is touched
+    # A fresh start on a folder that holds another run's record is refused before anything is written.
+    resume_source(loaded.run.run_dir, resume)
+    start_run_folder(loaded, "rl")
+    return hpref.rl.run_rl(loaded, ids, ray_address, resume)
+
+
+def warmup_lines(recipe_path: Path, overrides: list[str], policies: str | None) -> Iterator[str]:
+    """`hpref rl-warmup`: build (or find in the cache) each policy's warm-up checkpoint; yields one
+    line per policy: its id, a tab, the checkpoint folder (or its own `model.path`)."""
+    from hpref.errors import RecipeError
+    from hpref.rl.policy import policy_tokenizer
+    from hpref.rl.warmup import warmup_checkpoint
+
+    loaded = _rl_recipe(recipe_path, overrides)
+    config = loaded.rl
+    if config.warmup is None:
+        raise RecipeError(f"{recipe_path}: rl.warmup: the recipe has no [rl.warmup] section to build")
+    ids = policy_ids(policies) if policies else sorted(config.policies)
+    for p in config.select(ids):
+        model = config.policies[p].model
+        if model.path is not None:
+            yield f"{p}\t{model.path}\t(model.path: no warm-up)"
+            continue
+        policy_tokenizer(model)
+        yield f"{p}\t{warmup_checkpoint(model, config.warmup)}"

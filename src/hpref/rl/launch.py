@@ -1,0 +1,267 @@
+"""`run_rl`: one `hpref rl` run on Ray, from the typed `[rl]` section to `rl_summary.json`.
+
+    run_rl(recipe, ["a", "b"], ray_address=None, resume=None)
+
+The Ray shell around the driver (`hpref.rl.driver.drive`): the resume source and its checks, the
+policies' tokenizers and warm-ups, `rl.json`, the cluster (`hpref.rl.ray_cluster`), the actors
+(engines, rollout executor, trainers; created in that order and torn down in reverse, also when a
+policy fails or the user presses Ctrl-C), the restore, the drive, and the run's summary. An actor
+that dies is named in one line with where `--resume auto` would continue from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from hpref.errors import RecipeError, UserError
+from hpref.recipe_rl import RLConfig
+from hpref.rl.driver import DriveResult, Handles, drive, restore
+from hpref.rl.metrics import MetricsWriter
+from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
+from hpref.rl.record import ResumeError, check_record_leader, read_record
+from hpref.runfolder.files import write_json_atomic
+from hpref.runfolder.layout import RL_JSON, RL_SUMMARY
+
+ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
+FORWARDED_ENV = ("HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME")
+
+
+class Teardown:
+    """Callbacks run in reverse order of registration; each failure is logged, none stops the rest."""
+
+    def __init__(self) -> None:
+        self._steps: list[tuple[str, Callable[[], Any]]] = []
+
+    def add(self, name: str, fn: Callable[[], Any]) -> None:
+        self._steps.append((name, fn))
+
+    def close(self) -> list[str]:
+        done = []
+        while self._steps:
+            name, fn = self._steps.pop()
+            try:
+                fn()
+            except Exception as exc:  # teardown must reach every component
+                logger.warning(f"teardown of {name} failed: {exc}")
+            done.append(name)
+        return done
+
+
+def _actor_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+
+
+def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) -> Handles:
+    """Engines, then the executor, then trainers; each registered for teardown as it is created."""
+    import ray
+
+    from hpref.rl.engines import EngineHost
+    from hpref.rl.rollouts import RolloutExecutor
+    from hpref.rl.trainer import TrainerActor
+
+    opts = {"num_cpus": ACTOR_CPUS}
+    env = _actor_env()
+
+    def kill(handle: Any) -> Callable[[], None]:
+        return lambda: ray.kill(handle, no_restart=True)
+
+    engine_config = config.engine_config
+    if engine_config is None:
+        from hpref.recipe_rl import resolve_engine
+
+        engine_config = resolve_engine(config.engine)
+    engine_opts = {
+        "num_cpus": float(getattr(engine_config, "num_cpus", ACTOR_CPUS)),
+        "num_gpus": float(getattr(engine_config, "num_gpus", 0)),
+    }
+    engines = {}
+    for p in order:
+        engines[p] = (
+            ray.remote(EngineHost)
+            .options(**engine_opts)
+            .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env)
+        )
+        teardown.add(f"engine '{p}'", kill(engines[p]))
+    executor = ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines, env=env)
+    teardown.add("rollout executor", kill(executor))
+    trainers = {}
+    for p in order:
+        trainers[p] = (
+            ray.remote(TrainerActor)
+            .options(**opts)
+            .remote(p, config.policies[p], config.update_weights_interval, env=env)
+        )
+        teardown.add(f"trainer '{p}'", kill(trainers[p]))
+    return Handles(executor, engines, trainers)
+
+
+def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
+    """The typed `[rl]` section of a Recipe (`hpref.recipe_rl`: validated once, when the recipe
+    loaded, with the recipe's `[lora]` as every policy's default) and its run folder."""
+    if recipe.rl is None:
+        where = str(getattr(recipe, "_source", None) or "recipe")
+        raise RecipeError(f"{where}: rl: the recipe has no [rl] section")
+    return recipe.rl, Path(recipe.run.run_dir)
+
+
+def resume_source(run_dir: Path, resume: str | None) -> Path | None:
+    """Where to restore from: None (fresh), the run folder (`auto`), or a given run folder.
+
+    A fresh start refuses a run folder that already holds a record: it would silently mix two runs'
+    checkpoints and metrics.
+    """
+    if resume is None:
+        if read_record(run_dir) is not None:
+            raise ResumeError(
+                f"{run_dir} already holds a checkpoint record: pass --resume auto to continue it, "
+                "or set run.name to start another run"
+            )
+        return None
+    if resume == "auto":
+        return run_dir if read_record(run_dir) is not None else None
+    source = Path(resume)
+    if read_record(source) is None:
+        raise ResumeError(f"--resume {resume}: no record.json there")
+    return source
+
+
+def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
+    """Point every policy without `model.path` at its warm-up checkpoint (trained now or cached).
+
+    Returns {policy: checkpoint folder}. Without `[rl.warmup]` policies keep their model settings.
+    The folders are content-addressed by the model and warm-up settings, so a resumed run starts
+    from exactly the checkpoint its first run started from.
+    """
+    if config.warmup is None:
+        return {}
+    from hpref.rl.warmup import warmup_checkpoint
+
+    out = {}
+    for p in order:
+        model = config.policies[p].model
+        if model.path is not None:
+            continue
+        folder = warmup_checkpoint(model, config.warmup)
+        config.policies[p].model = model.model_copy(update={"path": str(folder)})
+        out[p] = str(folder)
+    return out
+
+
+def run_rl(
+    recipe: Any, policies: list[str], ray_address: str | None = None, resume: str | None = None
+) -> int:
+    """`hpref rl`: train `policies` (the first is the leader) as the recipe's `[rl]` section says.
+
+    `ray_address`: an existing cluster (`ray start --head`); None starts a local one (or reuses the
+    Ray session already initialised in this process). `resume`: None, `auto` or a run folder.
+    Returns the exit code (0; 130 after Ctrl-C). User mistakes raise `UserError`.
+    """
+    started = time.perf_counter()
+    config, run_dir = _rl_config(recipe)
+    order = config.select(list(policies))
+    if any(config.policies[p].lora is not None for p in order):
+        from hpref.rl.policy import check_policy_lora
+
+        # a wrong target name is one line here, not an actor that dies while it is being built
+        check_policy_lora(config, order, str(getattr(recipe, "_source", None) or "recipe"))
+    source = resume_source(run_dir, resume)
+    if source is not None:
+        record = read_record(source)
+        assert record is not None
+        check_record_leader(record, order[0], order)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from hpref.rl.policy import policy_tokenizer
+
+    for p in order:  # train/cache tokenizers once here, not once per actor in parallel
+        policy_tokenizer(config.policies[p].model)
+    warm_started = apply_warmup(config, order)
+    write_json_atomic(
+        run_dir / RL_JSON,
+        {"policies": order, "warmup_checkpoints": warm_started, "config": config.model_dump(mode="json")},
+        indent=2,
+    )
+    setup_s = time.perf_counter() - started
+
+    teardown = Teardown()
+    if connect_ray(ray_address):
+        import ray
+
+        teardown.add("ray", ray.shutdown)
+    actors: dict[str, str] = {}
+    try:
+        handles = create_ray_actors(config, order, teardown)
+        actors = actor_names(handles)
+        teardown_executor = handles.executor
+        metrics = MetricsWriter(run_dir)
+
+        async def main() -> DriveResult:
+            try:
+                if config.eval_interval:  # before restore: the engines still serve the start
+                    start_utility = await handles.executor.record_start.remote(order)
+                    if start_utility:
+                        logger.info(
+                            "start: "
+                            + ", ".join(f"{p} true utility {u:.3f}" for p, u in start_utility.items())
+                        )
+                starts, _record = await restore(handles, order, source)
+                for p in order:
+                    metrics.truncate(p, starts[p])
+                return await drive(config, order, handles, run_dir, starts, metrics)
+            finally:
+                try:  # stop prefetching; a dead executor must not mask the run's own error
+                    await asyncio.shield(teardown_executor.shutdown.remote())
+                except Exception as exc:
+                    logger.debug(f"rollout executor shutdown: {exc}")
+
+        result = asyncio.run(main())
+    except KeyboardInterrupt:
+        logger.warning("interrupted: tearing every component down")
+        return 130
+    except UserError:
+        raise
+    except Exception as exc:
+        cause = ray_cause(exc)
+        if isinstance(cause, UserError):
+            raise cause from None
+        lost = lost_actor(exc, actors)
+        if lost is None:
+            raise
+        record = read_record(run_dir)
+        where = (
+            f"--resume auto continues from {record.save_dir} ({run_dir / 'record.json'})"
+            if record is not None
+            else "no save was recorded yet, so a new run starts from the beginning"
+        )
+        logger.opt(exception=exc).debug("actor lost")
+        logger.error(f"{lost} died ({type(actor_death(exc)).__name__}); the run stopped; {where}")
+        return 1
+    finally:
+        teardown.close()
+    write_json_atomic(
+        run_dir / RL_SUMMARY,
+        {
+            "positions": result.positions,
+            "saves": result.saves,
+            "debug_exit": result.debug_exit,
+            "timed_out": result.timed_out,
+            "evals": [{k: v for k, v in e.items() if k != "battles"} for e in result.evals],
+            "leaderboard": result.leaderboard(order),
+            "warmup_checkpoints": warm_started,
+            "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
+            "drive_s": result.seconds,  # the policies' loops: what concurrency speeds up
+            "wall_s": time.perf_counter() - started,
+        },
+        indent=2,
+        sort_keys=True,
+    )
+    from hpref.rl.leaderboard import plot_metrics
+
+    plot_metrics(run_dir, order)
+    return 0

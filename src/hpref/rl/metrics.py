@@ -1,0 +1,71 @@
+"""The metrics of an `hpref rl` run: one row per policy and rollout (and per eval), one JSON line each.
+
+`<run_dir>/metrics/<policy>.jsonl` is appended as the run goes; a resume first drops the rows written
+after the save it starts from (`MetricsWriter.truncate`, `keep_row`), so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from hpref.runfolder.layout import RL_METRICS
+
+
+class MetricsWriter:
+    """`<run_dir>/metrics/<policy>.jsonl`, one JSON object per line, appended (resumes continue it)."""
+
+    def __init__(self, run_dir: Path | None) -> None:
+        self.folder = None if run_dir is None else run_dir / RL_METRICS
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+
+    def truncate(self, policy: str, start: int) -> int:
+        """Drop rows of rollouts at or after `start` (written after the save a resume starts from,
+        so they would be counted twice); returns how many were dropped."""
+        if self.folder is None or not (self.folder / f"{policy}.jsonl").is_file():
+            return 0
+        path = self.folder / f"{policy}.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines()
+        kept = [line for line in lines if keep_row(json.loads(line), start)]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        return len(lines) - len(kept)
+
+    def write(self, policy: str, row: dict[str, Any]) -> None:
+        self.rows.setdefault(policy, []).append(row)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(self.folder / f"{policy}.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def keep_row(row: dict[str, Any], start: int) -> bool:
+    """Whether a metrics row survives a resume at `start`: training rows of earlier rollouts, and
+    eval rows taken at or before the resumed position."""
+    return row["rollout"] <= start if row.get("eval") else row["rollout"] < start
+
+
+def rollout_metrics(rollout: dict[str, Any], stats: dict[str, float], version: int | None) -> dict[str, Any]:
+    """The metrics row of one policy's rollout: reward and true utility, throughput, versions."""
+    rewards = rollout["rewards"]
+    mean = sum(rewards) / len(rewards)
+    row: dict[str, Any] = {
+        "rollout": rollout["rollout_id"],
+        "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        "data_version": rollout["version"],
+        "weight_version": version,
+        "gen_tokens": rollout["tokens"],
+        "gen_tokens_per_s": rollout["tokens"] / max(rollout["seconds"], 1e-9),
+        "opponent_tokens": rollout.get("opponent_tokens", 0),
+        "stale_regenerated": bool(rollout.get("stale_regenerated", False)),
+    }
+    truth = rollout.get("true_utility")
+    if truth:
+        row["true_utility"] = sum(truth) / len(truth)
+    row.update(stats)
+    return row

@@ -1,0 +1,76 @@
+"""The seams of `hpref rl` as `typing.Protocol`s: what a reward and an engine component must be.
+
+A plugin's `register_rewards` / `register_engines` (`hpref.hookspecs`) registers a `build` that
+returns such an object; the rollout executor and the engine's Ray actor call nothing else. The
+protocols are runtime-checkable, so a test (tests/rl/test_protocols.py) checks the built-ins
+against them, and a plugin author can check theirs the same way: `isinstance(obj, Engine)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+Prompt = tuple[str, ...]  # the user turns of one prompt
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Scores GRPO groups of answers (`[rl.reward]`)."""
+
+    #: True when `score_groups` wants `opponents` (other policies' answers to the same prompts)
+    wants_opponents: bool
+    #: how many answers per prompt each other policy lends as opponents
+    opponent_answers: int
+
+    def score_groups(
+        self,
+        prompts: Sequence[Prompt],
+        groups: Sequence[Sequence[str]],
+        opponents: Sequence[Sequence[str]] | None = None,
+    ) -> list[list[float]]:
+        """One reward per answer: `groups[i]` are one policy's answers to `prompts[i]`; the result
+        has the same shape. `opponents[i]`, when wanted, are the other policies' answers to it."""
+        ...
+
+
+@runtime_checkable
+class GroundTruthReward(Reward, Protocol):
+    """A reward that also knows the truth (the synthetic arena), for the metrics that reveal reward
+    hacking (`true_utility` in every rollout's row, the evals and the leaderboard)."""
+
+    def true_utility(self, prompt: Prompt, answer: str) -> float: ...
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Generation for one policy, with versioned weights (`[rl.engine]`).
+
+    A weight update is three steps, so a failed transfer never leaves half-loaded weights serving:
+    `begin_update(version)`, `load_weights(state)`, then `commit_update()` (or `abort_update()`).
+    """
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int = 0,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> dict[str, Any]:
+        """`group_size` answers per prompt: `prompt_ids`, `completions` (token ids, eos included),
+        `logprobs` (per completion token, at `temperature`), `texts`, `version`, `tokens`,
+        `seconds`."""
+        ...
+
+    def begin_update(self, version: int) -> None: ...
+
+    def load_weights(self, state: dict[str, Any]) -> None: ...
+
+    def commit_update(self) -> int: ...
+
+    def abort_update(self) -> None: ...
+
+    def get_version(self) -> int: ...

@@ -1,0 +1,174 @@
+"""Starting or joining the Ray cluster `hpref rl` runs its actors on, listening on loopback only.
+
+A local cluster is started addressed as 127.0.0.1 (Ray's default listens on every interface and
+runs any code sent to it); a cluster given by `--ray-address` is joined with the token Ray finds,
+and one that cannot be reached, or refuses the token, is a one-line `UserError`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+from typing import Any
+
+from loguru import logger
+
+from hpref.errors import UserError
+
+#: Ray resolves a node address of 127.0.0.1 to the machine's network address (so that other nodes
+#: could reach it) unless this is 0, and its GCS, raylet and workers listen on every interface
+#: unless the node address is exactly 127.0.0.1. One switch gives a cluster that listens on loopback.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@contextmanager
+def _loopback_ray():
+    """Ray on this node addressed (and listening) as 127.0.0.1, for a `ray.init` in the block.
+
+    The switch is read from the environment when Ray's constants are first imported, and the GCS
+    and raylet this process starts inherit it; a Ray imported before us has read it already, so its
+    constant is set for the block too.
+    """
+    import ray._private.ray_constants as ray_constants
+
+    old_env, old_flag = os.environ.get(RAY_LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[RAY_LOOPBACK_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(RAY_LOOPBACK_ENV, None)
+        else:
+            os.environ[RAY_LOOPBACK_ENV] = old_env
+
+
+@contextmanager
+def _stderr_to_log():
+    """File descriptor 2 into the debug log for the block.
+
+    Ray's C++ client retries a refused token or a missing head once a second for ~20 s and warns on
+    the process's stderr each time, before Python logging is set up (RAY_BACKEND_LOG_LEVEL does not
+    reach it): twenty lines ahead of the one that says what is wrong.
+    """
+    import sys
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", "replace").strip()
+            if text:
+                logger.debug(f"ray.init said:\n{text}")
+
+
+def connect_ray(address: str | None) -> bool:
+    """Start a local Ray cluster listening on loopback only, or join the one at `address`.
+
+    Returns whether this call connected (False: Ray was already initialised in this process, whose
+    owner shuts it down). Joining: a cluster started with token authentication (Ray's default when
+    `~/.ray/auth_token` exists) gets the token Ray finds (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`,
+    `~/.ray/auth_token`); Ray itself only does this for address "auto". A loopback address is joined
+    as a loopback node, which is what a head started on loopback (README) expects. A cluster that
+    cannot be reached, or refuses the token, is a `UserError`.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if not address:
+        with _loopback_ray():
+            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False)
+        return True
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise UserError(
+            f"--ray-address {address}: expected HOST:PORT of a Ray head (ray start --head --port)"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise UserError(
+            f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
+            "with `ray start --head` (see README) or leave --ray-address out for a local one"
+        ) from None
+    try:
+        with _stderr_to_log():
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+            if host in LOOPBACK_HOSTS:
+                with _loopback_ray():
+                    ray.init(address=address, log_to_driver=False)
+            else:
+                ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as exc:
+        raise UserError(
+            f"--ray-address {address}: could not join the Ray cluster: {str(exc).splitlines()[0]}; "
+            "if it uses token authentication, give this process the same token (RAY_AUTH_TOKEN or "
+            "~/.ray/auth_token); a head on this machine must be started as the README says "
+            "(its node address 127.0.0.1)"
+        ) from None
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# naming an actor that died
+
+
+def ray_cause(exc: BaseException) -> BaseException:
+    """The user's error inside a Ray task error (Ray wraps the actor's exception)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def actor_names(handles: Any) -> dict[str, str]:
+    """Ray actor id (hex) -> what it is, for naming an actor that died."""
+    names = {}
+    for p, engine in handles.engines.items():
+        names[engine._actor_id.hex()] = f"policy '{p}': engine actor"
+    for p, trainer in handles.trainers.items():
+        names[trainer._actor_id.hex()] = f"policy '{p}': trainer actor"
+    names[handles.executor._actor_id.hex()] = "the rollout executor actor (shared by all policies)"
+    return names
+
+
+def actor_death(exc: BaseException | None) -> BaseException | None:
+    """The `RayActorError` (a dead or unreachable actor) in `exc`'s chain of Ray wrappers, if any.
+
+    The innermost one is the actor that actually died: an engine killed under the executor reaches
+    the driver as the executor's task error wrapping the engine's death.
+    """
+    from ray.exceptions import RayActorError
+
+    found = None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RayActorError) and getattr(exc, "actor_id", None):
+            found = exc
+        cause = getattr(exc, "cause", None)
+        exc = cause if isinstance(cause, BaseException) else exc.__cause__
+    return found
+
+
+def lost_actor(exc: BaseException, names: dict[str, str]) -> str | None:
+    """`policy 'b': trainer actor` when `exc` says one of this run's actors died, else None."""
+    death = actor_death(exc)
+    if death is None:
+        return None
+    return names.get(death.actor_id, f"Ray actor {death.actor_id}")

@@ -1,0 +1,322 @@
+"""Rollouts of `hpref rl`: the prompts, the executor that serves them, and the staleness policy.
+
+Every policy answers the same prompts at the same rollout id (`rollout_prompts`: prompt i of the
+stream depends only on (seed, i)), sampled with a seed of (policy, rollout) (`sample_seed`), so a
+restored position regenerates exactly what was lost. `staleness_decision` says whether buffered
+data is still fresh enough for the trainer; the `RolloutExecutor` holds the buffers and the reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any, Literal
+
+from hpref.recipe_rl import RLConfig, RolloutConfig
+from hpref.rl.evaluation import eval_report
+from hpref.rl.policy import apply_env
+
+
+def _rng(*parts: object) -> random.Random:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "little"))
+
+
+def rollout_prompts(rollout: RolloutConfig, rollout_id: int, *, salt: str = "rl") -> list[tuple[str, ...]]:
+    """The prompts of rollout `rollout_id`: prompt i of the stream depends only on (seed, i), so every
+    policy answers the same prompts at the same rollout id and a restored position replays nothing."""
+    from hpref.arena import generate_prompt
+
+    first = rollout_id * rollout.prompts_per_rollout
+    return [
+        generate_prompt(_rng(salt, rollout.seed, i), turns=1, families=rollout.families)
+        for i in range(first, first + rollout.prompts_per_rollout)
+    ]
+
+
+def sample_seed(seed: int, policy: str, rollout_id: int) -> int:
+    """The sampling seed of one policy's rollout: regenerating it gives the same answers."""
+    return _rng("sample", seed, policy, rollout_id).getrandbits(62)
+
+
+Decision = Literal["use", "regenerate"]
+
+
+class StaleWeightsError(RuntimeError):
+    """An engine is further behind its trainer than the staleness limit allows."""
+
+
+def expected_version(rollout_id: int, update_interval: int) -> int:
+    """The trainer's weight version when it starts rollout `rollout_id` (one publish per interval)."""
+    return rollout_id // update_interval
+
+
+def staleness_decision(
+    policy: str,
+    rollout_id: int,
+    data_version: int | None,
+    engine_version: int,
+    update_interval: int,
+    limit: int,
+) -> Decision:
+    """Serve buffered data, regenerate it, or fail.
+
+    Data of rollout `r` is fresh enough when its weights are at most `limit` versions behind the
+    trainer's. Stale data is regenerated if the engine now has fresh enough weights; if the engine
+    itself is too far behind, the trainer did not publish a new version in time: an error, because
+    waiting would deadlock (the trainer waits for this very rollout).
+    """
+    needed = expected_version(rollout_id, update_interval) - limit
+    if data_version is not None and data_version >= needed:
+        return "use"
+    if engine_version >= needed:
+        return "regenerate"
+    raise StaleWeightsError(
+        f"policy '{policy}': rollout {rollout_id} needs weights of version >= {needed} but the engine "
+        f"serves version {engine_version}: no weight update was published in time"
+    )
+
+
+class RolloutExecutor:
+    """Prompts, per-policy groups of answers, rewards, and a bounded buffer per policy.
+
+    `get(rollout_id, policy)` serves rollouts strictly in order per policy (each policy drains only
+    its own buffer) and then prefetches the next ones up to `max_buffered`, so generation of rollout
+    r + 1 overlaps training on r. The data position (each policy's next rollout id) is what `save`
+    writes and `load` restores.
+    """
+
+    def __init__(
+        self,
+        config: RLConfig | dict[str, Any],
+        policies: list[str],
+        engines: dict[str, Any],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        apply_env(env)
+        from hpref.plugins import load_plugins
+
+        self.config = config if isinstance(config, RLConfig) else RLConfig.model_validate(config)
+        if self.config.reward_config is None:
+            from hpref.recipe_rl import resolve_reward
+
+            self.config.reward_config = resolve_reward(self.config.reward)
+        component = load_plugins().get("reward", self.config.reward.name)
+        self.reward = component.build(self.config.reward_config)
+        self.policies = list(policies)
+        self.engines = engines
+        self.positions = {p: 0 for p in self.policies}
+        self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
+        # each policy's answers per rollout id, for judging the other policies against them
+        self._answers: dict[tuple[str, int], list[list[str]]] = {}
+        self._start_answers: dict[str, list[str]] = {}
+
+    def _wants_opponents(self) -> bool:
+        return len(self.policies) > 1 and bool(getattr(self.reward, "wants_opponents", False))
+
+    async def _opponents(
+        self, policy: str, rollout_id: int, prompts: list[tuple[str, ...]]
+    ) -> tuple[list[list[str]], int]:
+        """Other policies' answers to this rollout's prompts: (answers per prompt, tokens generated).
+
+        Every policy answers the same prompts at the same rollout id, so an opponent that already
+        produced this rollout lends its own answers (free); otherwise its engine samples
+        `opponent_answers` per prompt now, seeded by (opponent, policy, rollout), at its current
+        weights. Which of the two happens depends on how far each policy has got, so cross-policy
+        rewards, unlike within-group ones, are not replayed bit for bit after a resume.
+        """
+        k = int(getattr(self.reward, "opponent_answers", 1))
+        per_prompt: list[list[str]] = [[] for _ in prompts]
+        generated = 0
+        for q in self.policies:
+            if q == policy:
+                continue
+            cached = self._answers.get((q, rollout_id))
+            if cached is None:
+                rollout = self.config.policy_rollout(q)
+                out = await self.engines[q].generate.remote(
+                    prompts,
+                    k,
+                    rollout.max_new_tokens,
+                    rollout.temperature,
+                    rollout.top_k,
+                    sample_seed(rollout.seed, f"{q}>{policy}", rollout_id),
+                )
+                generated += out["tokens"]
+                cached = [out["texts"][i * k : (i + 1) * k] for i in range(len(prompts))]
+            for i, answers in enumerate(cached):
+                per_prompt[i].extend(answers[:k])
+        return per_prompt, generated
+
+    def _forget_answers(self) -> None:
+        """Keep only answers of rollouts some policy may still produce (bounded memory)."""
+        oldest = min(self.positions.values()) - 1
+        for key in [key for key in self._answers if key[1] < oldest]:
+            del self._answers[key]
+
+    async def _produce(self, policy: str, rollout_id: int) -> dict[str, Any]:
+        rollout = self.config.policy_rollout(policy)
+        prompts = rollout_prompts(rollout, rollout_id)
+        out = await self.engines[policy].generate.remote(
+            prompts,
+            rollout.group_size,
+            rollout.max_new_tokens,
+            rollout.temperature,
+            rollout.top_k,
+            sample_seed(rollout.seed, policy, rollout_id),
+        )
+        g = rollout.group_size
+        groups = [out["texts"][i * g : (i + 1) * g] for i in range(len(prompts))]
+        if self._wants_opponents():
+            self._answers[(policy, rollout_id)] = groups
+            opponents, opponent_tokens = await self._opponents(policy, rollout_id, prompts)
+            # a judge model's forward pass would block the event loop that serves every policy's get()
+            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups, opponents)
+        else:
+            opponent_tokens = 0
+            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups)
+        truth = getattr(self.reward, "true_utility", None)
+        out.update(
+            rollout_id=rollout_id,
+            policy=policy,
+            group_size=g,
+            temperature=rollout.temperature,
+            opponent_tokens=opponent_tokens,
+            rewards=[float(s) for group in scores for s in group],
+            true_utility=[truth(p, a) for p, group in zip(prompts, groups, strict=True) for a in group]
+            if truth
+            else None,
+        )
+        return out
+
+    def _prefetch(self, policy: str, after: int) -> None:
+        buffer = self._buffer[policy]
+        for r in range(after + 1, after + 1 + self.config.rollout.max_buffered):
+            if r not in buffer:
+                buffer[r] = asyncio.ensure_future(self._produce(policy, r))
+
+    async def get(self, rollout_id: int, policy: str) -> dict[str, Any]:
+        if policy not in self.positions:
+            raise KeyError(f"rollout executor: unknown policy '{policy}'")
+        if rollout_id != self.positions[policy]:
+            raise RuntimeError(
+                f"policy '{policy}' asked for rollout {rollout_id} but its next rollout is "
+                f"{self.positions[policy]}: each policy drains its own buffer in order"
+            )
+        task = self._buffer[policy].pop(rollout_id, None)
+        data = await task if task is not None else None
+        engine_version = await self.engines[policy].get_version.remote()
+        decision = staleness_decision(
+            policy,
+            rollout_id,
+            None if data is None else data["version"],
+            engine_version,
+            self.config.update_weights_interval,
+            self.config.staleness_limit,
+        )
+        if decision == "regenerate":
+            data = await self._produce(policy, rollout_id)
+        assert data is not None
+        data["stale_regenerated"] = task is not None and decision == "regenerate"
+        self.positions[policy] = rollout_id + 1
+        self._forget_answers()
+        self._prefetch(policy, rollout_id)
+        return data
+
+    def _drop_buffers(self) -> None:
+        for buffer in self._buffer.values():
+            for task in buffer.values():
+                task.cancel()
+            buffer.clear()
+
+    def _eval_prompts(self) -> list[tuple[str, ...]]:
+        rollout = self.config.rollout
+        eval_cfg = rollout.model_copy(update={"prompts_per_rollout": rollout.eval_prompts})
+        return rollout_prompts(eval_cfg, 0, salt="eval")
+
+    async def _greedy_answers(self, policy: str, prompts: list[tuple[str, ...]]) -> list[str]:
+        max_new = self.config.policy_rollout(policy).max_new_tokens
+        gen = await self.engines[policy].generate.remote(prompts, 1, max_new, 1.0, 0, 0, True)
+        return list(gen["texts"])
+
+    async def record_start(self, policies: list[str]) -> dict[str, float]:
+        """Greedy eval answers of each policy's starting checkpoint; returns their true utility.
+
+        Called while every engine still serves the weights it was built with (version 0: the
+        warm-up checkpoint, the policy's model folder, or its seeded init), before a resume pushes
+        restored weights, so `win_rate_vs_start` always compares against the true start.
+        """
+        truth = getattr(self.reward, "true_utility", None)
+        prompts = self._eval_prompts()
+        if truth is None or not prompts:
+            return {}
+        out = {}
+        for p in policies:
+            version = await self.engines[p].get_version.remote()
+            if version != 0:
+                raise RuntimeError(f"record_start: engine '{p}' already serves version {version}, not 0")
+            self._start_answers[p] = await self._greedy_answers(p, prompts)
+            utilities = [truth(q, a) for q, a in zip(prompts, self._start_answers[p], strict=True)]
+            out[p] = sum(utilities) / len(utilities)
+        return out
+
+    async def evaluate(self, policies: list[str]) -> dict[str, Any]:
+        """Greedy answers of every policy on fixed eval prompts, judged by the ground truth.
+
+        Returns `true_utility` (mean per policy), `win_rate_vs_start` (per policy: the mean over
+        prompts of P(win) + P(tie) / 2 of its answer against its starting checkpoint's, from the
+        arena judge's outcome probabilities; 0.5 = no better than where it began) and `battles`: one
+        `(p, q, expected score of p)` per prompt and pair of players, the players being the policies
+        and their starting checkpoints (`<id>@start`) — the input of the Bradley-Terry leaderboard.
+        Empty when the reward knows no ground truth. (`hpref.rl.evaluation` does the numbers.)
+        """
+        prompts = self._eval_prompts()
+        truth = getattr(self.reward, "true_utility", None)
+        if truth is None or not prompts:
+            return {"true_utility": {}, "win_rate_vs_start": {}, "battles": []}
+        utilities: dict[str, list[float]] = {}
+        for p in policies:
+            answers = await self._greedy_answers(p, prompts)
+            utilities[p] = [truth(q, a) for q, a in zip(prompts, answers, strict=True)]
+        for p in policies:
+            if p in self._start_answers:
+                start = self._start_answers[p]
+                utilities[f"{p}@start"] = [truth(q, a) for q, a in zip(prompts, start, strict=True)]
+        return eval_report(utilities, policies)
+
+    async def save(self, folder: str) -> None:
+        """Write the data position. Prefetched data is not saved: it is regenerated identically
+        (seeded by policy and rollout id) from the restored weights."""
+        from hpref.runfolder import integrity
+        from hpref.runfolder.files import write_json_atomic
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path / "executor.json", {"positions": self.positions}, sort_keys=True)
+        integrity.write_manifest(path)
+
+    async def load(self, folder: str) -> dict[str, int]:
+        """Restore the data position of the policies saved in `folder`; returns it."""
+        path = Path(folder) / "executor.json"
+        self._drop_buffers()
+        self._answers.clear()
+        saved: dict[str, int] = {}
+        if path.is_file():
+            from hpref.runfolder import integrity
+            from hpref.runfolder.safe_load import CheckpointError
+
+            integrity.require_verified(path.parent)
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))["positions"]
+                saved = {str(p): int(n) for p, n in saved.items()}
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
+        for p in self.policies:
+            self.positions[p] = int(saved.get(p, 0))
+        return {p: self.positions[p] for p in self.policies if p in saved}
+
+    async def shutdown(self) -> None:
+        self._drop_buffers()

@@ -1,0 +1,287 @@
+"""The trainer of one `hpref rl` policy: a GRPO step per rollout, weights for its engine, save and load.
+
+The numbers of the step (advantages, the clipped loss, the k3 KL) are `hpref.rl.algorithms`; the
+padding maths is `hpref.rl.policy.pad_batch`. A save is the trainer's state (`trainer.pt`, read back
+only through the run folder's restricted reader) with the checksums of every file beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hpref.errors import UserError
+from hpref.recipe_rl import PolicyConfig
+from hpref.rl.policy import apply_env, build_policy_model, completion_logprobs, pad_batch
+from hpref.rl.rollouts import expected_version
+
+TRAINER_STATE = "trainer.pt"
+
+
+class TrainerActor:
+    """GRPO for one policy: a step per rollout, weights for the engine, save and load."""
+
+    def __init__(
+        self,
+        policy: str,
+        config: PolicyConfig | dict[str, Any],
+        update_interval: int,
+        threads: int = 1,
+        env: dict[str, str] | None = None,
+    ):
+        apply_env(env)
+        import torch
+
+        torch.set_num_threads(threads)
+        self.policy = policy
+        self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
+        self.update_interval = update_interval
+        self.model, self.tokenizer = build_policy_model(self.config.model)
+        self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
+        if self.config.lora is not None:
+            from hpref.models.adapters import apply_lora_to_causal_lm
+
+            try:
+                self.lora = apply_lora_to_causal_lm(self.model, self.config.lora, seed=self.config.model.seed)
+            except UserError as exc:
+                raise UserError(f"rl.policies.{policy}.{exc}") from None
+            from loguru import logger
+
+            from hpref.models.adapters import count_parameters
+
+            trainable, total = count_parameters(self.model)
+            logger.info(
+                f"policy '{policy}': LoRA r={self.config.lora.r} on "
+                f"{', '.join(sorted(self.lora.peft_config['default'].target_modules))}: "
+                f"{trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
+            )
+        self.model.train()
+        self.reference = None
+        self.wants_reference = self.config.kl_coef > 0 or self.config.measure_kl
+        if self.wants_reference and self.lora is None:  # the frozen starting policy
+            # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.trainable,
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+        self.rollouts_done = 0
+        self.version = 0
+
+    def train(self, rollout: dict[str, Any]) -> dict[str, float]:
+        """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics."""
+        import torch
+
+        from hpref.rl.algorithms import group_advantages, policy_loss
+
+        if rollout["rollout_id"] != self.rollouts_done:
+            raise RuntimeError(
+                f"trainer '{self.policy}' got rollout {rollout['rollout_id']}, expected {self.rollouts_done}"
+            )
+        start = time.perf_counter()
+        cfg = self.config
+        rewards = torch.tensor(rollout["rewards"], dtype=torch.float32)
+        adv = group_advantages(rewards, rollout["group_size"], scale_by_std=cfg.scale_by_std)
+        batch = pad_batch(rollout["prompt_ids"], rollout["completions"], self.tokenizer.pad_token_id)
+        mask = batch["mask"]
+        old = torch.zeros_like(mask)
+        for i, lp in enumerate(rollout["logprobs"]):  # the engine's (behaviour) log-probs
+            start_col = len(rollout["prompt_ids"][i]) - 1
+            old[i, start_col : start_col + len(lp)] = torch.tensor(lp)
+        ref = self._reference_logprobs(batch, rollout["temperature"])
+        stats: dict[str, float] = {}
+        for epoch in range(cfg.epochs_per_rollout):
+            logp = completion_logprobs(self.model, batch, rollout["temperature"])
+            out = policy_loss(
+                logp,
+                old,
+                adv,
+                mask,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                ref_logprobs=ref,
+                kl_coef=cfg.kl_coef,
+                aggregation=cfg.aggregation,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            grad_norm = (
+                torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
+                if cfg.grad_clip
+                else torch.tensor(0.0)
+            )
+            self.optimizer.step()
+            if epoch == 0:
+                mismatch = ((logp.detach() - old).abs() * mask).sum() / mask.sum().clamp(min=1)
+                stats["engine_trainer_logprob_diff"] = float(mismatch)
+            stats.update(
+                loss=float(out.loss.detach()),
+                kl=float(out.kl),
+                clip_fraction=float(out.clip_fraction),
+                ratio_mean=float(out.ratio_mean),
+                grad_norm=float(grad_norm),
+            )
+        self.rollouts_done += 1
+        tokens = float(mask.sum())
+        seconds = time.perf_counter() - start
+        stats.update(
+            train_tokens=tokens, train_tokens_per_s=tokens * cfg.epochs_per_rollout / max(seconds, 1e-9)
+        )
+        return stats
+
+    def _reference_logprobs(self, batch: dict[str, Any], temperature: float) -> Any:
+        """Log-probs under the frozen starting policy, or None when no KL is asked for."""
+        import torch
+
+        if not self.wants_reference:
+            return None
+        with torch.no_grad():
+            if self.lora is not None:
+                # LoRA's B starts at zero and the base never steps, so the base alone is the start
+                with self.lora.disable_adapter():
+                    return completion_logprobs(self.model, batch, temperature)
+            return completion_logprobs(self.reference, batch, temperature)
+
+    def update_weights(self) -> tuple[int, dict[str, Any]]:
+        """Publish the current weights: (the new version, a CPU state dict for the engine).
+
+        With LoRA the engine gets merged weights (base + B A alpha/r, under the plain LM's keys), not
+        the adapter: it then loads a plain transformers state dict whether or not the policy has
+        adapters, so no engine (nor an engine plugin such as vLLM) has to know PEFT, hold the base
+        separately, or pay for the adapter's extra matmuls while generating. The price is a full
+        state dict per sync, the same as without LoRA."""
+        self.version = expected_version(self.rollouts_done, self.update_interval)
+        if self.lora is not None:
+            from hpref.models.adapters import merged_lm_state
+
+            return self.version, merged_lm_state(self.model)
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return self.version, state
+
+    def save(self, folder: str) -> None:
+        """The model as a transformers folder (a usable starting checkpoint), optimizer and counters.
+
+        With LoRA only what trains: PEFT's adapter folder (`adapter/`, loadable by `peft`), the
+        optimizer state of the adapters, the counters, and `policy_base.json`, which names the frozen
+        base (the policy's `model` settings) and the adapter settings that resume must match."""
+        import torch
+
+        from hpref.runfolder import integrity
+        from hpref.runfolder.files import write_bytes_atomic, write_json_atomic
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.lora is not None:
+            from hpref.models.adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE
+
+            self.lora.save_pretrained(
+                str(path / POLICY_ADAPTER_DIR), safe_serialization=True, save_embedding_layers=False
+            )
+            write_json_atomic(path / POLICY_BASE_FILE, self._base_description(), indent=2, sort_keys=True)
+        else:
+            self.model.save_pretrained(path / "model")
+            self.tokenizer.save_pretrained(path / "model")
+        buffer = io.BytesIO()
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "rollouts_done": self.rollouts_done,
+                "version": self.version,
+            },
+            buffer,
+        )
+        write_bytes_atomic(path / TRAINER_STATE, buffer.getvalue())
+        integrity.write_manifest(path)  # sizes and SHA-256 of every file, verified by `load`
+
+    def load(self, folder: str) -> int:
+        """Restore from `folder`; returns the rollout id to start at (0 when there is nothing there)."""
+        from safetensors.torch import load_file
+
+        from hpref.models.adapters import POLICY_BASE_FILE
+        from hpref.runfolder import integrity
+        from hpref.runfolder.safe_load import CheckpointError, load_torch_file
+
+        path = Path(folder)
+        if not (path / TRAINER_STATE).is_file():
+            return 0
+        integrity.require_verified(path)
+        if self.lora is not None:
+            self._load_adapter(path)
+        else:
+            weights_file = path / "model" / "model.safetensors"
+            if not weights_file.is_file() and (path / POLICY_BASE_FILE).is_file():
+                raise CheckpointError(
+                    f"{path}: holds a LoRA adapter, but policy '{self.policy}' has no [lora] now; "
+                    "resume with the adapter settings it was saved with"
+                )
+            try:
+                weights = load_file(str(weights_file))
+                self.model.load_state_dict(weights, strict=True)
+            except Exception as exc:  # safetensors' header errors and shape mismatches
+                raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
+        state = load_torch_file(path / TRAINER_STATE)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.rollouts_done = int(state["rollouts_done"])
+            self.version = int(state["version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path / TRAINER_STATE}: damaged ({type(exc).__name__}: {exc})") from None
+        return self.rollouts_done
+
+    def _base_description(self) -> dict[str, Any]:
+        """What a LoRA save leaves out and resume must find again: the base and the adapter shape."""
+        assert self.config.lora is not None
+        return {
+            "format": 1,
+            "base": self.config.model.model_dump(mode="json"),
+            "lora": self.config.lora.model_dump(mode="json"),
+        }
+
+    def _load_adapter(self, path: Path) -> None:
+        """The adapter of a LoRA save into this trainer, after checking it adapts this very base."""
+        from safetensors.torch import load_file
+
+        from hpref.models.adapters import (
+            PEFT_WEIGHTS_FILE,
+            POLICY_ADAPTER_DIR,
+            POLICY_BASE_FILE,
+            load_lm_adapter_state,
+        )
+        from hpref.runfolder.safe_load import CheckpointError
+
+        described = path / POLICY_BASE_FILE
+        if not described.is_file():
+            raise CheckpointError(
+                f"{path}: holds full weights (no {POLICY_BASE_FILE}), but policy '{self.policy}' has "
+                "[lora] now; resume without it, or start a new run"
+            )
+        try:
+            saved = json.loads(described.read_text(encoding="utf-8"))
+            saved_base, saved_lora = dict(saved["base"]), dict(saved["lora"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{described}: damaged ({type(exc).__name__}: {exc})") from None
+        want = self._base_description()
+        for part, have in (("base", saved_base), ("lora", saved_lora)):
+            if have != want[part]:
+                diff = sorted(k for k in set(have) | set(want[part]) if have.get(k) != want[part].get(k))
+                key = "model" if part == "base" else "lora"
+                raise CheckpointError(
+                    f"{described}: the adapter was trained with other {key} settings than policy "
+                    f"'{self.policy}' has now ({key}.{diff[0]}: saved {have.get(diff[0])!r}, now "
+                    f"{want[part].get(diff[0])!r}); an adapter only fits the base it was trained on"
+                )
+        weights_file = path / POLICY_ADAPTER_DIR / PEFT_WEIGHTS_FILE
+        try:
+            load_lm_adapter_state(self.lora, load_file(str(weights_file)), source=str(weights_file))
+        except ValueError as exc:
+            raise CheckpointError(str(exc).splitlines()[0]) from None
+        except Exception as exc:  # safetensors' header errors
+            raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None

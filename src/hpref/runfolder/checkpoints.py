@@ -1,0 +1,187 @@
+"""Finding and checking the saves in a run folder, before anything reads a tensor from them.
+
+A training run keeps DCP checkpoints as `checkpoints/step-NNNNNN/` (written by
+`hpref.train.checkpoint`): a folder of that name is complete by construction (it is renamed into
+place after every rank wrote its part), `.tmp-*` folders are saves that did not finish, and
+`checkpoints/latest` names the newest. An `hpref rl` run keeps its global saves as
+`checkpoints/rollout-NNNNNN/`, one sub-folder per trainer plus the executor's, and the newest
+complete one is the folder its `record.json` names (`hpref.runfolder.record`).
+
+Here is every question asked of those folders: which saves are complete (`complete_checkpoints`,
+`complete_saves`), which is the newest (`find_latest`), which one a user means
+(`resolve_checkpoint`), and whether one is safe to read (`validate_checkpoint`: checksums, the index
+through the one restricted reader of `hpref.runfolder.safe_load`, shard sizes, tensor shapes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from hpref.errors import UserError
+from hpref.runfolder.integrity import require_verified
+from hpref.runfolder.layout import CHECKPOINT_INDEX, CHECKPOINTS
+from hpref.runfolder.record import read_record
+from hpref.runfolder.safe_load import CheckpointError, read_dcp_index
+
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+TRAIN_STATE = "train_state.json"
+STEP_PREFIX = "step-"
+ROLLOUT_PREFIX = "rollout-"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def is_complete(folder: Path) -> bool:
+    """A training checkpoint folder holding its DCP index and its train state."""
+    return (folder / CHECKPOINT_INDEX).is_file() and (folder / TRAIN_STATE).is_file()
+
+
+def step_of(folder: Path) -> int:
+    return int(folder.name.removeprefix(STEP_PREFIX))
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete training checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX) and is_complete(p)]
+    return sorted(found, key=step_of)
+
+
+def recorded_rl_save(run_dir: Path) -> Path | None:
+    """The newest complete global save of an `hpref rl` run (the one its record names), or None."""
+    record = read_record(Path(run_dir))
+    if record is None or not record.save_dir:
+        return None
+    folder = Path(run_dir) / record.save_dir
+    return folder if folder.is_dir() else None
+
+
+def complete_saves(run_dir: Path) -> list[Path]:
+    """Every complete save of a run, oldest first: the `step-*` checkpoints of a training run, or the
+    `rollout-*` save an `hpref rl` run's record names (a record names only its newest save)."""
+    saves = complete_checkpoints(run_dir)
+    recorded = recorded_rl_save(run_dir)
+    if recorded is not None:
+        saves.append(recorded)
+    return saves
+
+
+def find_latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None. Partial ones (`.tmp-*`, or a `step-*` folder missing
+    its metadata) are ignored with a warning; a `latest` pointer to a missing folder is not trusted."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and (
+            p.name.startswith(TMP_PREFIX) or (p.name.startswith(STEP_PREFIX) and not is_complete(p))
+        ):
+            logger.warning(f"ignoring partial checkpoint {p} (a save that did not finish)")
+    complete = complete_checkpoints(run_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in complete:
+            return named
+        logger.warning(
+            f"{pointer} names '{named.name}', which is not a complete checkpoint; scanning instead"
+        )
+    return complete[-1] if complete else None
+
+
+def _rl_save_error(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: an hpref rl save (its policies' causal LMs and the rollout position), not a "
+        "preference-model checkpoint; only checkpoints of hpref train export"
+    )
+
+
+def resolve_checkpoint(path: str | Path, step: str | int | None = "latest") -> Path:
+    """A checkpoint folder from a run folder (`step` = "latest" or a step number) or a checkpoint
+    folder itself (`step` ignored)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run or checkpoint folder")
+    if (path / CHECKPOINT_INDEX).exists() or path.name.startswith((STEP_PREFIX, TMP_PREFIX)):
+        return path
+    if path.name.startswith(ROLLOUT_PREFIX) and path.parent.name == CHECKPOINTS:
+        raise _rl_save_error(path)
+    if not (path / CHECKPOINTS).is_dir():
+        raise CheckpointError(f"{path}: neither a run folder (no {CHECKPOINTS}/) nor a checkpoint folder")
+    if step in (None, "latest"):
+        found = find_latest(path)
+        if found is None:
+            recorded = recorded_rl_save(path)
+            if recorded is not None:
+                raise _rl_save_error(recorded)
+            raise CheckpointError(f"{path}: the run has no complete checkpoint yet")
+        return found
+    try:
+        number = int(step)
+    except ValueError:
+        raise UserError(f"--step {step!r}: expected a step number or 'latest'") from None
+    folder = path / CHECKPOINTS / checkpoint_name(number)
+    if not folder.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint for step {number} ({folder} does not exist)")
+    return folder
+
+
+def validate_checkpoint(path: Path, expected: dict[str, Any] | None = None, prefix: str = "model.") -> Any:
+    """Check a training checkpoint before reading a tensor; returns its DCP index.
+
+    Refused: a partial save, files that do not match the checksums recorded at save time, an index
+    that names anything outside the exact allow-list (`safe_load`), a missing or truncated shard, and
+    (with `expected`, model keys without `prefix` -> tensors of the wanted shapes) a checkpoint of
+    another model.
+    """
+    path = Path(path)
+    if path.name.startswith(TMP_PREFIX):
+        raise CheckpointError(
+            f"{path}: a partial checkpoint (a save that did not finish); use a step-* folder"
+        )
+    if not (path / TRAIN_STATE).is_file():
+        raise CheckpointError(
+            f"{path}: no {TRAIN_STATE}, so the save did not finish; refusing a partial checkpoint"
+        )
+    require_verified(path)
+    index = read_dcp_index(path)
+    sizes: dict[str, int] = {}
+    for info in (getattr(index, "storage_data", None) or {}).values():
+        # checkpoints of older hpref versions have no checksums: at least refuse missing or
+        # truncated shard files before DCP reads past their end
+        name = str(info.relative_path)
+        if name not in sizes:
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{path}: shard file {name} is missing; refusing a partial checkpoint")
+            sizes[name] = file.stat().st_size
+        if info.offset + info.length > sizes[name]:
+            raise CheckpointError(
+                f"{path}: shard file {name} is truncated ({sizes[name]} bytes, the index needs "
+                f"{info.offset + info.length}); refusing a corrupt checkpoint"
+            )
+    if expected is not None:
+        stored = index.state_dict_metadata
+        missing = [k for k in expected if prefix + k not in stored]
+        if missing:
+            raise CheckpointError(
+                f"{path}: {len(missing)} model tensors are not in the checkpoint (first: {missing[0]}); "
+                "was it written for a different model?"
+            )
+        for key, tensor in expected.items():
+            meta = stored[prefix + key]
+            shape = tuple(getattr(meta, "size", ()))
+            if shape != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"{path}: tensor {key} has shape {list(shape)} in the checkpoint and "
+                    f"{list(tensor.shape)} in the recipe's model; was it written for a different model?"
+                )
+    return index

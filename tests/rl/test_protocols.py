@@ -1,0 +1,87 @@
+"""The built-in rewards and engines against the seams they plug into (`hpref.rl.protocols`).
+
+Wrong if a built-in lost a method the rollout executor or the engine's Ray actor calls, or took it
+with other parameter names than the protocol (a plugin written against the protocol would break).
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pytest
+
+from hpref.plugins import load_plugins
+from hpref.rl.protocols import Engine, GroundTruthReward, Reward
+
+
+def _protocol_methods(protocol: type) -> dict[str, inspect.Signature]:
+    """The methods a protocol asks for (its own and its protocol bases'), with their signatures."""
+    methods = {}
+    for klass in reversed(protocol.__mro__):
+        if klass in (typing.Protocol, typing.Generic, object) or not getattr(klass, "_is_protocol", False):
+            continue
+        for name, value in vars(klass).items():
+            if inspect.isfunction(value) and not name.startswith("_"):
+                methods[name] = inspect.signature(value)
+    return methods
+
+
+def _check_class(cls: type, protocol: type) -> None:
+    """Every method of `protocol` on `cls`, with the same parameters (a forwarder taking `*args,
+    **kwargs`, like the engine's Ray host, takes anything)."""
+    for name, wanted in _protocol_methods(protocol).items():
+        impl = getattr(cls, name, None)
+        assert callable(impl), f"{cls.__name__} has no {name}() ({protocol.__name__})"
+        have = inspect.signature(impl).parameters
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in have.values()):
+            continue
+        assert list(have) == list(wanted.parameters), (cls.__name__, name, list(have))
+
+
+def test_the_protocols_ask_for_what_the_rollout_executor_calls():
+    assert set(_protocol_methods(Reward)) == {"score_groups"}
+    assert set(_protocol_methods(GroundTruthReward)) == {"score_groups", "true_utility"}
+    assert set(_protocol_methods(Engine)) == {
+        "generate",
+        "begin_update",
+        "load_weights",
+        "commit_update",
+        "abort_update",
+        "get_version",
+    }
+
+
+def test_builtin_rewards_are_rewards():
+    from hpref.builtin.rewards import JudgeReward, RuleReward
+
+    registry = load_plugins()
+    rule = registry.get("reward", "rule")
+    for mode in ("utility", "pairwise"):
+        reward = rule.build(rule.config.model_validate({"mode": mode}))
+        assert isinstance(reward, Reward) and isinstance(reward, GroundTruthReward)
+    _check_class(RuleReward, GroundTruthReward)
+    _check_class(JudgeReward, GroundTruthReward)  # building one needs an exported judge model
+    assert {c.name for c in registry.components["reward"].values()} >= {"rule", "judge"}
+
+
+def test_builtin_engines_are_engines():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hpref.recipe_rl import PolicyModelConfig
+    from hpref.rl.engines import EngineActor, EngineHost
+    from tests.rl.tiny import TINY
+
+    component = load_plugins().get("engine", "transformers")
+    engine = component.build(component.config(), policy="a", model=PolicyModelConfig(**TINY))
+    assert isinstance(engine, Engine)
+    _check_class(EngineActor, Engine)
+    _check_class(EngineHost, Engine)  # the Ray actor around any engine forwards each method
+
+
+def test_an_object_without_the_weight_updates_is_not_an_engine():
+    class GenerateOnly:
+        def generate(self, prompts, group_size, max_new_tokens, temperature, top_k=0, seed=0, greedy=False):
+            return {}
+
+    assert not isinstance(GenerateOnly(), Engine)

@@ -1,0 +1,136 @@
+"""`hpref save RUN --now` against a live `hpref rl` run: a real run of two tiny policies on the local
+Ray cluster that `hpref rl` starts, and the command from another process.
+
+The run saves only at its end (`save_interval = 0`) and runs for `time_limit_s`, so a `rollout-*`
+save in the middle can only come from the trigger. If the command says "not alive", the rl driver
+writes no heartbeat; if it times out, the leader does not read the trigger, or the command waits
+for `step-*` folders while rl writes `rollout-*`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("torch")
+
+from hpref.runfolder.record import read_record  # noqa: E402
+from tests.rl.tiny import TINY  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+HPREF = [sys.executable, "-m", "hpref"]
+RUN_SECONDS = 60  # the policies' loops; the save is asked for within the first few
+
+
+def _recipe(folder: Path) -> Path:
+    model = ", ".join(f"{k} = {v}" for k, v in TINY.items())
+    path = folder / "live.toml"
+    path.write_text(
+        textwrap.dedent(f"""
+        [run]
+        name = "live"
+        output_dir = "{(folder / "runs").as_posix()}"
+
+        [rl]
+        num_rollouts = 100000
+        time_limit_s = {RUN_SECONDS}
+        save_interval = 0
+        eval_interval = 0
+
+        [rl.rollout]
+        group_size = 2
+        prompts_per_rollout = 2
+        max_new_tokens = 4
+
+        [rl.reward]
+        name = "rule"
+
+        [rl.defaults]
+        lr = 1e-3
+        model = {{ {model} }}
+
+        [rl.policies.a]
+
+        [rl.policies.b]
+        model = {{ seed = 1 }}
+        """)
+    )
+    return path
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HPREF_HOME=str(tmp_path / "home"), HPREF_CACHE=str(tmp_path / "cache"))
+    return env
+
+
+def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path):
+    recipe = _recipe(tmp_path)
+    run_dir = tmp_path / "runs" / "live"
+    env = _env(tmp_path)
+    log = tmp_path / "rl.stderr"  # a file, not a pipe: a full pipe would stall the run
+    with open(log, "w") as stderr:
+        rl = subprocess.Popen(
+            [*HPREF, "rl", str(recipe), "--policies", "a,b"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "heartbeat.json").exists():
+            assert rl.poll() is None, f"hpref rl ended before it was asked: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "no heartbeat from the live rl run"
+            time.sleep(0.5)
+        assert read_record(run_dir) is None  # nothing saved yet: the next save is the trigger's
+        saved = subprocess.run(
+            [*HPREF, "save", str(run_dir), "--now", "--timeout", "120"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert saved.returncode == 0, saved.stderr
+        path = Path(saved.stdout.strip().splitlines()[-1])
+        assert path.is_dir() and path.parent == run_dir / "checkpoints", saved.stdout
+        assert path.name.startswith("rollout-")
+        assert sorted(p.name for p in path.iterdir()) == ["a", "b", "executor"]  # every part saved
+        record = read_record(run_dir)
+        assert record is not None and record.save_dir == f"checkpoints/{path.name}"
+        assert not (run_dir / "SAVE_NOW").exists()  # the leader consumed the trigger
+        assert rl.poll() is None  # the run goes on after the save
+
+        rl.wait(timeout=RUN_SECONDS + 180)
+        assert rl.returncode == 0, log.read_text()[-3000:]
+    finally:
+        if rl.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(rl.pid, signal.SIGTERM)
+            rl.wait(timeout=60)
+    summary = json.loads((run_dir / "rl_summary.json").read_text())
+    assert summary["saves"] == 2 and summary["timed_out"]  # the trigger's save, then the final one
+    assert path.is_dir()  # keep_last = 0: the requested save stays beside the final one
+    assert not (run_dir / "heartbeat.json").exists()  # the run is over: no longer "alive"
+
+    # an rl save holds policies, not a preference model: exporting it is one line and exit 2
+    export = subprocess.run(
+        [*HPREF, "save", str(run_dir), "--to", str(tmp_path / "export")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert export.returncode == 2, export.stderr
+    assert "an hpref rl save" in export.stderr and not (tmp_path / "export").exists()
