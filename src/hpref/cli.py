@@ -105,7 +105,9 @@ def plugins_command(
 
 @app.command("components")
 def components_command(
-    kind: str | None = typer.Argument(None, help="model, dataset, scheduler, formatter, reward or engine."),
+    kind: str | None = typer.Argument(
+        None, help="model, dataset, scheduler, optimizer, formatter, reward or engine."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """List registered components with their parameters (name, type, default) from their config schema."""
@@ -612,12 +614,12 @@ def data_stats_command(
         )
     recipe = None
     if is_recipe or recipe_for_tokens is not None:
-        from hpref.plugins import load_plugins
+        from hpref.components import Components
         from hpref.recipe import load_recipe
 
         recipe_path = path if is_recipe else resolve_recipe_path(recipe_for_tokens)
         recipe = load_recipe(recipe_path, overrides)
-        registry = load_plugins()
+        parts = Components(recipe)
     elif overrides:
         raise RecipeError("--set needs a recipe (the source or --recipe)")
     if is_recipe:
@@ -626,17 +628,14 @@ def data_stats_command(
         section = getattr(recipe.dataset, split)
         if section is None:
             raise RecipeError(f"{path}: dataset.{split}: the recipe has no such section")
-        data = registry.get("dataset", section.name).build(section.config, seed=recipe.run.seed)
+        data = parts.source(split)
     else:
         data = open_data_file(path, seed=0, on_error=on_error)
     formatter = None
     if tokens:
         if recipe.model is None:
             raise RecipeError(f"{recipe_path}: --tokens needs a [model] section (for its tokenizer)")
-        model = registry.get("model", recipe.model.name).build(recipe.model.config, meta=True)
-        formatter = registry.get("formatter", recipe.formatter.name).build(
-            recipe.formatter.config, model.tokenizer, recipe.train.max_length
-        )
+        formatter = parts.formatter(parts.model(meta=True, adapters=False).tokenizer)
     stats = data_stats(data, formatter, ceilings=ceilings)
     if as_json:
         typer.echo(json.dumps(stats, indent=2, default=str))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from hpref.data.records import Battle
+from hpref.prediction.metrics import log_loss
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,6 @@ def cheap_baselines(
         bow_loss = log_loss(predict_logistic(w_bow, xb_eval), y_eval)
     shares = tuple(float(s) for s in y_eval.mean(axis=0))
     return CheapBaselines(len(train), len(evaluation), prior, length, bow_loss, shares)  # type: ignore[arg-type]
-
-
-def log_loss(probs: np.ndarray, labels: np.ndarray) -> float:
-    """Mean cross-entropy of predicted distributions against (hard or soft) labels."""
-    return float(-(labels * np.log(np.clip(probs, 1e-12, 1.0))).sum(axis=1).mean())
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

@@ -51,8 +51,9 @@ import numpy as np
 from pydantic import Field, field_validator
 
 from hpref.data.base import BattleSource, DatasetConfig
-from hpref.data.baselines import cheap_baselines, labels_of, log_loss
+from hpref.data.baselines import cheap_baselines, labels_of
 from hpref.data.records import Battle, Probs
+from hpref.prediction.metrics import log_loss
 
 GENERATOR_VERSION = "1"  # bump when generated battles change, so token caches are not reused
 
