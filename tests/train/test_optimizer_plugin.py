@@ -83,6 +83,9 @@ def test_plugin_optimizer_selected_by_name_trains(tmp_path, optimizer_plugin):
     overrides = [
         "optimizer.name=counting-sgd",
         "optimizer.lr=0.05",
+        # with momentum the optimizer has state after its first step; a stateless one is also stepped
+        # (with zero gradients) by DCP's optimizer-state initialisation at every checkpoint
+        "optimizer.momentum=0.9",
         "train.max_steps=3",
         "train.eval_interval=0",
     ]
@@ -95,4 +98,4 @@ def test_plugin_optimizer_selected_by_name_trains(tmp_path, optimizer_plugin):
     assert sorted(losses) == [1, 2, 3]
     resolved = load_recipe(run_dir / "recipe.toml")
     assert resolved.optimizer.name == "counting-sgd"
-    assert resolved.optimizer.config.lr == 0.05 and resolved.optimizer.config.momentum == 0.0
+    assert resolved.optimizer.config.lr == 0.05 and resolved.optimizer.config.momentum == 0.9
