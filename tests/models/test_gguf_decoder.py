@@ -195,7 +195,7 @@ def test_packed_scores_match_transformers_padded_batch(smollm2_folder):
     from transformers import AutoModel
 
     from hpref.data.formatting import AnswersConfig, AnswersFormatter
-    from hpref.models.preference import davidson_logits
+    from hpref.models.heads import davidson_logits
 
     model = smollm2(head="reward")
     with torch.no_grad():  # a head that is not the seeded one, a tie parameter that is not 0
