@@ -137,21 +137,19 @@ def _recipe(
 # ------------------------------------------------------------------------------------- shared data
 def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) -> dict:
     """hpref's own model, tokenizer and formatter -> the exact token ids the baselines train on."""
+    from hpref.components import Components
     from hpref.data.cache import tokenize_dataset
-    from hpref.plugins import load_plugins
     from hpref.recipe import load_recipe
     from hpref.train.data import tokenize
     from hpref.train.sharding import resolve_precision
 
-    recipe = load_recipe(recipe_path, [])
-    registry = load_plugins()
-    model = registry.get("model", recipe.model.name).build(recipe.model.config, num_labels=3, device="cpu")
+    recipe = load_recipe(recipe_path, ["run.seed=0"])  # the sources' seed, as the baselines use
+    parts = Components(recipe)
+    model = parts.model(device="cpu", adapters=False)
     tok = model.tokenizer
-    formatter = registry.get("formatter", recipe.formatter.name).build(
-        recipe.formatter.config, tok, recipe.train.max_length
-    )
-    train_src = registry.get("dataset", recipe.dataset.train.name).build(recipe.dataset.train.config, 0)
-    eval_src = registry.get("dataset", recipe.dataset.eval.name).build(recipe.dataset.eval.config, 0)
+    formatter = parts.formatter(tok)
+    train_src = parts.source("train")
+    eval_src = parts.source("eval")
     train = tokenize_dataset(train_src, formatter, swap=recipe.train.swap)
     evald = tokenize(eval_src.battles(), formatter, both_views=False, name="eval")
     fpt = model.flops_per_token
@@ -204,10 +202,10 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
         "tokenizer_dir": str(tok_dir),
         "pad_token_id": int(tok.pad_token_id if tok.pad_token_id is not None else 0),
         "data": str(work / "data.pt"),
-        "lr": recipe.optimizer.lr,
-        "head_lr": recipe.optimizer.head_lr,
-        "weight_decay": recipe.optimizer.weight_decay,
-        "betas": list(recipe.optimizer.betas),
+        "lr": recipe.optimizer.config.lr,
+        "head_lr": recipe.optimizer.config.head_lr,
+        "weight_decay": recipe.optimizer.config.weight_decay,
+        "betas": list(recipe.optimizer.config.betas),
         "warmup_fraction": 0.1,
         "epochs": recipe.train.epochs,
         # hpref's batch_size counts battles; with swap = "full" a step holds both views of each

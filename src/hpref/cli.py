@@ -105,7 +105,9 @@ def plugins_command(
 
 @app.command("components")
 def components_command(
-    kind: str | None = typer.Argument(None, help="model, dataset, scheduler, formatter, reward or engine."),
+    kind: str | None = typer.Argument(
+        None, help="model, dataset, scheduler, optimizer, formatter, reward or engine."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """List registered components with their parameters (name, type, default) from their config schema."""

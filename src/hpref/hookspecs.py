@@ -78,6 +78,20 @@ def register_schedulers(register) -> None:
 
 
 @hookspec
+def register_optimizers(register) -> None:
+    """Register optimizers (`[optimizer]`, default `adamw`).
+
+    `build(config, model)` returns a `torch.optim.Optimizer` (see `hpref.protocols.Optimizer`) over
+    `model`'s trainable parameters (`requires_grad`: with LoRA only the adapters, the head and what
+    else trains). It is called after sharding, so the parameters are FSDP2 DTensor shards, and its
+    param groups' `lr` are the base rates the `[scheduler]` multiplies. Its `state_dict()` goes into
+    every checkpoint and `load_state_dict()` restores it on resume. Example: a Kahan-summation AdamW
+    for pure-bf16 weights; `hpref.builtin.optimizers.param_groups` gives the built-in grouping (head
+    learning rate, no decay on biases and norms).
+    """
+
+
+@hookspec
 def register_formatters(register) -> None:
     """Register prompt formatters (`[formatter]`).
 

@@ -33,6 +33,7 @@ KINDS: dict[str, str] = {
     "model": "register_models",
     "dataset": "register_datasets",
     "scheduler": "register_schedulers",
+    "optimizer": "register_optimizers",
     "formatter": "register_formatters",
     "reward": "register_rewards",
     "engine": "register_engines",
@@ -40,6 +41,7 @@ KINDS: dict[str, str] = {
 
 BUILTIN_PLUGINS = (
     "hpref.builtin.schedulers",
+    "hpref.builtin.optimizers",
     "hpref.builtin.datasets",
     "hpref.builtin.formatters",
     "hpref.builtin.models",

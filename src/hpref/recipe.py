@@ -73,13 +73,10 @@ class DatasetSection(Section):
     eval: ComponentSection | None = Field(None, description="evaluation data")
 
 
-class OptimizerSection(Section):
-    name: Literal["adamw"] = Field("adamw", description="optimizer (AdamW, fused/foreach where available)")
-    lr: float = Field(1e-4, gt=0, description="base learning rate")
-    head_lr: float | None = Field(None, gt=0, description="learning rate of the new head (default: lr)")
-    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas")
-    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+class OptimizerSection(ComponentSection):
+    """`[optimizer]`: a registered optimizer component (built-in: `adamw`) and its parameters."""
+
+    name: str = Field("adamw", description="registered optimizer name (see `hpref components`)")
 
 
 class TrainSection(Section):
@@ -156,6 +153,7 @@ class Recipe(Section):
             if sec is not None:
                 found.append((f"dataset.{split}", "dataset", sec))
         found.append(("formatter", "formatter", self.formatter))
+        found.append(("optimizer", "optimizer", self.optimizer))
         found.append(("scheduler", "scheduler", self.scheduler))
         return found
 

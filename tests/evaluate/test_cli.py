@@ -12,8 +12,8 @@ from hpref.arena import generate_battles
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
 from hpref.errors import UserError
 from hpref.evaluate.cli import eval_command, save_command
-from hpref.evaluate.metrics import log_loss
-from hpref.evaluate.predictions import read_predictions
+from hpref.prediction.files import read_predictions
+from hpref.prediction.metrics import log_loss
 
 from .conftest import make_run
 

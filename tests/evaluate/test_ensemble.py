@@ -11,8 +11,8 @@ from hpref.arena import generate_battles
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
 from hpref.errors import DataError, UserError
 from hpref.evaluate import ensemble as ens
-from hpref.evaluate.metrics import log_loss
-from hpref.evaluate.predictions import Predictions, read_predictions, write_predictions
+from hpref.prediction.files import Predictions, read_predictions, write_predictions
+from hpref.prediction.metrics import log_loss
 
 
 def _preds(ids, probs, source):

@@ -15,7 +15,7 @@ import torch
 from hpref.arena import generate_battles
 from hpref.errors import UserError
 from hpref.evaluate import export
-from hpref.evaluate.runner import build_formatter, load_model, predict
+from hpref.evaluate.runner import formatter_for, load_model, predict_battles
 
 from .conftest import TINY_MODEL, make_run, write_recipe
 
@@ -36,7 +36,9 @@ def run(tmp_path_factory):
 
 
 def _predict(model, recipe, battles):
-    return predict(model, battles, build_formatter(recipe, model.tokenizer), micro_batch_tokens=1024).probs
+    return predict_battles(
+        model, battles, formatter_for(recipe, model.tokenizer), micro_batch_tokens=1024
+    ).probs
 
 
 def test_export_round_trip_gives_identical_predictions(run, tmp_path):

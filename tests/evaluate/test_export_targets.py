@@ -15,7 +15,7 @@ from hpref.data.readers import write_arena_file
 from hpref.errors import UserError
 from hpref.evaluate import export
 from hpref.evaluate.cli import eval_command
-from hpref.evaluate.predictions import write_predictions
+from hpref.prediction.files import write_predictions
 from tests.durable import DurableWrites
 
 from .conftest import make_run

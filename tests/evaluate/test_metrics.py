@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from hpref.evaluate import metrics as m
 from hpref.evaluate.plots import PNG_SIGNATURE, matplotlib_available, reliability_diagram
+from hpref.prediction import metrics as m
 
 HARD = np.array([[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0]], dtype=float)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hpref.errors import DataError
-from hpref.evaluate.predictions import Predictions, read_predictions, write_predictions
+from hpref.prediction.files import Predictions, read_predictions, write_predictions
 
 IDS = ["b7", "a1", "0042", "x y"]  # not sorted, a leading zero and a space: ids are text, kept as given
 PROBS = np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [1 / 3, 1 / 3, 1 / 3], [0.25, 0.7, 0.05]])

@@ -1,4 +1,7 @@
-"""Swap TTA with a deliberately position-biased fake judge: the bias must cancel."""
+"""Swap TTA with a deliberately position-biased fake judge: the bias must cancel.
+
+TTA is the shared `hpref.prediction.predict` over both views of each battle
+(`hpref.data.cache.encode_views(..., both_views=True)`), the path `hpref eval --tta swap` takes."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from hpref.data.cache import encode_views
 from hpref.data.records import Battle
-from hpref.evaluate.metrics import log_loss
-from hpref.evaluate.tta import combine_views, predict_with_swap_tta, unswap
+from hpref.prediction.metrics import log_loss
+from hpref.prediction.predict import combine_views, predict, unswap
 
 BIAS = 0.8  # the fake judge adds this to the logit of whichever answer is shown first
 NU = 0.8
@@ -33,21 +37,29 @@ def make_battles(n, seed=0):
     return battles
 
 
-def encode(battle):
+class UtilityFormatter:
     """[first answer's utility, second answer's utility, a separator] as token ids."""
-    return [int(battle.response_a[0][2:]) + 10, int(battle.response_b[0][2:]) + 10, 3]
+
+    def encode(self, battle):
+        return [int(battle.response_a[0][2:]) + 10, int(battle.response_b[0][2:]) + 10, 3]
 
 
-def biased_scorer(batch):
+class BiasedJudge(torch.nn.Module):
     """Reads each packed sequence's two utilities and favours the first answer by BIAS."""
-    out = []
-    ids = batch.input_ids
-    for start, end in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True):
-        if end - start < 2:  # a filler
-            out.append([1 / 3, 1 / 3, 1 / 3])
-            continue
-        out.append(davidson(int(ids[start]) - 10, int(ids[start + 1]) - 10, BIAS))
-    return torch.tensor(np.array(out), dtype=torch.float32)
+
+    def forward(self, input_ids, cu_seqlens, position_ids, *, max_seqlen=None):
+        out = []
+        for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+            if end - start < 2:  # a filler
+                out.append([1 / 3, 1 / 3, 1 / 3])
+                continue
+            out.append(davidson(int(input_ids[start]) - 10, int(input_ids[start + 1]) - 10, BIAS))
+        return torch.log(torch.tensor(np.array(out), dtype=torch.float32))  # logits whose softmax is out
+
+
+def predict_with_swap_tta(battles, *, tta):
+    examples = encode_views(battles, UtilityFormatter(), both_views=tta).examples()
+    return predict(BiasedJudge(), examples, n_rows=len(battles), micro_batch_tokens=64).probs
 
 
 def test_unswap_exchanges_a_and_b():
@@ -65,8 +77,8 @@ def test_combine_views_averages_mapped_views_and_refuses_lost_rows():
 
 def test_swap_tta_removes_the_position_bias_and_lowers_log_loss():
     battles = make_battles(600)
-    plain = predict_with_swap_tta(battles, encode, biased_scorer, micro_batch_tokens=64, tta=False)
-    tta = predict_with_swap_tta(battles, encode, biased_scorer, micro_batch_tokens=64, tta=True)
+    plain = predict_with_swap_tta(battles, tta=False)
+    tta = predict_with_swap_tta(battles, tta=True)
     labels = np.array([b.label for b in battles])
     equal = [i for i, b in enumerate(battles) if b.response_a == b.response_b]
     assert len(equal) > 50

@@ -183,7 +183,7 @@ def test_bf16_training_policy_keeps_the_head_in_fp32():
     values (ties in rankings, a calibration floor in log loss) or the head silently runs in bf16."""
     import torch.distributed as dist
 
-    from hpref.train.sharding import parallelize
+    from hpref.models.parallelize import parallelize
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")

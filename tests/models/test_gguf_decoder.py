@@ -195,7 +195,7 @@ def test_packed_scores_match_transformers_padded_batch(smollm2_folder):
     from transformers import AutoModel
 
     from hpref.data.formatting import AnswersConfig, AnswersFormatter
-    from hpref.models.preference import davidson_logits
+    from hpref.models.heads import davidson_logits
 
     model = smollm2(head="reward")
     with torch.no_grad():  # a head that is not the seeded one, a tie parameter that is not 0
@@ -242,9 +242,9 @@ def test_smollm2_reward_recipe_trains_and_exports_a_transformers_reward_model(sm
 
     from hpref.data.formatting import AnswersConfig, AnswersFormatter
     from hpref.evaluate.cli import save_command
-    from hpref.evaluate.predictions import read_predictions
     from hpref.models import PreferenceModel
     from hpref.plugins import load_plugins
+    from hpref.prediction.files import read_predictions
     from hpref.recipe import load_recipe
     from hpref.train import run_train
     from hpref.train.metrics import read_metrics

@@ -12,7 +12,7 @@ import torch
 
 from hpref.builtin import models as builtin_models
 from hpref.errors import UserError
-from hpref.models.preference import davidson_logits
+from hpref.models.heads import davidson_logits
 
 from .conftest import model_from_config, packed_batch, tiny_bert_config, tiny_roberta_config
 from .test_components import TINY, builtin_models_texts

@@ -244,7 +244,7 @@ def test_merged_and_adapter_exports_give_the_in_training_predictions(lora_run, t
     predictions the 2-rank run wrote at its last eval (to the CSV's 6 decimals; merging adds B A
     into W in fp32, a ~1e-7 change). If not, an export is a different model from the one trained."""
     from hpref.evaluate.cli import eval_command, save_command
-    from hpref.evaluate.predictions import read_predictions
+    from hpref.prediction.files import read_predictions
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     assert save_command(lora_run, to=merged) == 0

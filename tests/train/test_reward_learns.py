@@ -112,7 +112,7 @@ def test_hpref_eval_scores_it_and_swap_tta_changes_nothing(reward_run, tmp_path,
     """`hpref eval` on the run folder gives the training eval's numbers; `--tta swap` is a no-op (a
     reward model is symmetric by construction), said in one log line, not twice the compute."""
     from hpref.evaluate.cli import eval_command
-    from hpref.evaluate.predictions import read_predictions
+    from hpref.prediction.files import read_predictions
 
     recipe = reward_run / "recipe.toml"
     assert eval_command(recipe, checkpoint=reward_run, out=tmp_path / "a.csv") == 0
@@ -134,8 +134,8 @@ def test_saved_reward_model_is_a_transformers_sequence_classifier(reward_run, tm
 
     from hpref.data.formatting import AnswersConfig, AnswersFormatter
     from hpref.evaluate.cli import save_command
-    from hpref.evaluate.predictions import read_predictions
     from hpref.plugins import load_plugins
+    from hpref.prediction.files import read_predictions
     from hpref.recipe import load_recipe
 
     export = tmp_path / "export"

@@ -59,7 +59,7 @@ def test_loss_weighting_is_the_step_mean_whatever_the_packing():
     """One micro-batch of 4, or 3 uneven micro-batches plus a filler, sum to the same step loss. If
     not, fillers are counted or a sequence is lost between micro-batches."""
     from hpref.data.packing import collate
-    from hpref.train.loop import soft_cross_entropy
+    from hpref.models.loss import soft_cross_entropy
 
     whole, _ = _step([(0, 1, 2, 3)])
     split, _ = _step([(3,), (0, 2), (1, -1)])
@@ -75,7 +75,7 @@ def test_gradients_match_between_packings():
     """The gradient of the step equals the mean-loss gradient: if not, micro-batches are weighted
     by count instead of by sequences (a short micro-batch would weigh as much as a long one)."""
     from hpref.data.packing import collate, filler
-    from hpref.train.loop import soft_cross_entropy
+    from hpref.models.loss import soft_cross_entropy
 
     def grads(split):
         model = ToyModel()
@@ -93,7 +93,7 @@ def test_gradients_match_between_packings():
 
 
 def test_soft_cross_entropy_matches_torch_for_hard_and_soft_labels():
-    from hpref.train.loop import soft_cross_entropy
+    from hpref.models.loss import soft_cross_entropy
 
     logits = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]])
     labels = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
@@ -102,13 +102,14 @@ def test_soft_cross_entropy_matches_torch_for_hard_and_soft_labels():
 
 
 def test_eval_metrics():
+    """The trainer's eval scores with the one metrics module (`hpref.prediction.metrics`)."""
     import numpy as np
 
-    from hpref.train.loop import eval_metrics
+    from hpref.prediction import metrics
 
     probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])
     labels = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    log_loss, accuracy = eval_metrics(probs, labels)
+    log_loss, accuracy = metrics.log_loss(probs, labels), metrics.accuracy(probs, labels)
     assert log_loss == pytest.approx(-(np.log(0.7) + np.log(0.1)) / 2)
     assert accuracy == 0.5
 
@@ -166,8 +167,7 @@ def test_rng_state_round_trips_through_json():
 
 
 def test_optimizer_groups_give_the_head_its_own_lr():
-    from hpref.recipe import OptimizerSection
-    from hpref.train.loop import build_optimizer
+    from hpref.builtin.optimizers import AdamWConfig, build_adamw
 
     class WithHead(torch.nn.Module):
         def __init__(self):
@@ -175,9 +175,7 @@ def test_optimizer_groups_give_the_head_its_own_lr():
             self.backbone = torch.nn.Linear(4, 4)
             self.head = torch.nn.Linear(4, 3)
 
-    opt = build_optimizer(
-        WithHead(), OptimizerSection(lr=1e-4, head_lr=1e-3, weight_decay=0.1), torch.device("cpu")
-    )
+    opt = build_adamw(AdamWConfig(lr=1e-4, head_lr=1e-3, weight_decay=0.1), WithHead())
     by_lr = {(g["lr"], g["weight_decay"]): sum(p.numel() for p in g["params"]) for g in opt.param_groups}
     assert by_lr == {(1e-4, 0.1): 16, (1e-4, 0.0): 4, (1e-3, 0.1): 12, (1e-3, 0.0): 3}
 

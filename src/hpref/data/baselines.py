@@ -18,11 +18,15 @@ import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from hpref.data.records import Battle
+from hpref.prediction.metrics import log_loss
+
+if TYPE_CHECKING:
+    import torch  # imported where used: `hpref --help` loads this module and must not load torch
 
 
 @dataclass(frozen=True)
@@ -71,11 +75,6 @@ def cheap_baselines(
     return CheapBaselines(len(train), len(evaluation), prior, length, bow_loss, shares)  # type: ignore[arg-type]
 
 
-def log_loss(probs: np.ndarray, labels: np.ndarray) -> float:
-    """Mean cross-entropy of predicted distributions against (hard or soft) labels."""
-    return float(-(labels * np.log(np.clip(probs, 1e-12, 1.0))).sum(axis=1).mean())
-
-
 def _softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(axis=1, keepdims=True)
     e = np.exp(z)
@@ -86,6 +85,8 @@ def _with_bias(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     """The design matrix with a column of ones. Bag-of-words designs stay sparse (COO): a battle
     uses a few hundred words of a vocabulary of thousands, and dense, each pass streamed 22 MB (6 s
     of fits after a real HH run); sparse, the fits take a fraction of that."""
+    import torch
+
     if isinstance(x, torch.Tensor) and x.is_sparse:
         coo = x.coalesce()
         n, d = x.shape
@@ -98,6 +99,8 @@ def _with_bias(x: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    import torch
+
     if x.is_sparse:
         return x.index_select(0, torch.arange(start, stop)).coalesce()
     return x[start:stop]
@@ -109,6 +112,8 @@ def fit_logistic(x: np.ndarray | torch.Tensor, y: np.ndarray, l2: float, steps: 
     problem solved to convergence, so the baseline is a number, not an artefact of the optimiser
     (full-batch Adam stopped early moved the HH bag-of-words figure by ±0.005 nats with the
     summation order). torch, since scikit-learn is not a dependency."""
+    import torch
+
     xb = _with_bias(x).double()
     xt = xb.t().coalesce() if xb.is_sparse else xb.t().contiguous()
     if xb.is_sparse:
@@ -143,11 +148,15 @@ def fit_logistic(x: np.ndarray | torch.Tensor, y: np.ndarray, l2: float, steps: 
 
 
 def predict_logistic(w: np.ndarray, x: np.ndarray | torch.Tensor) -> np.ndarray:
+    import torch
+
     return torch.softmax(_with_bias(x).double() @ torch.as_tensor(w, dtype=torch.float64), dim=1).numpy()
 
 
 def fit_select(x_train: np.ndarray | torch.Tensor, y_train: np.ndarray, l2s: Iterable[float]) -> np.ndarray:
     """Pick l2 on a held-out fifth of the train split, then refit on all of it."""
+    import torch
+
     n = len(y_train)
     cut = max(1, n // 5)
     if not isinstance(x_train, torch.Tensor):
@@ -166,6 +175,8 @@ def fit_select(x_train: np.ndarray | torch.Tensor, y_train: np.ndarray, l2s: Ite
 @contextlib.contextmanager
 def single_thread():
     """Small matrices: threads only contend (5x slower on a busy 2-core box)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -196,6 +207,8 @@ def _bow(turns: Sequence[str]) -> Counter[str]:
 
 def _bow_features(battles: Sequence[Battle], vocab: dict[str, int]) -> torch.Tensor:
     """[n, 2 x vocab], sparse: per word, A's count minus B's, then its absolute value."""
+    import torch
+
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
@@ -214,5 +227,7 @@ def _bow_features(battles: Sequence[Battle], vocab: dict[str, int]) -> torch.Ten
 
 
 def _sparse(index: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    import torch
+
     # built from our own valid indices: torch's invariant checks would only cost time
     return torch.sparse_coo_tensor(index, values, shape, check_invariants=False).coalesce()

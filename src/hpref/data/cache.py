@@ -6,6 +6,8 @@ the A/B and the B/A view are stored, the plan picks per epoch). `formatter` may 
 formats per battle (e.g. pab and papb), all views of a battle sharing its row, so "full" puts them
 in one step and "random" draws one of them per epoch. The first call formats and tokenizes;
 later calls — a second run, every later epoch, every rank after the first — load the arrays.
+`encode_views(battles, formatter, both_views=...)` is the encoding itself, without the cache: eval
+data and `hpref eval` call it directly.
 
 The key is a hash of everything that changes the ids:
   data       `dataset.fingerprint()`: the file's bytes (blake2b) or the generator's seed and version,
@@ -29,7 +31,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from loguru import logger
 
 from hpref.data.formatting import encode_battles
 from hpref.data.packing import TokenizedExample
+from hpref.data.records import Battle
 
 CACHE_ENV = "HPREF_CACHE"
 # 2: pairwise folds no longer depend on the run seed (same key, other rows)
@@ -132,7 +135,14 @@ def cache_key(dataset: Any, formatter: Any, views: int, key_parts: Mapping[str, 
     }
 
 
-def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
+def encode_views(battles: Iterable[Battle], formatter: Any, *, both_views: bool) -> TokenArrays:
+    """Every view of `battles` formatted and tokenized: hpref's one tokenization entry point.
+
+    Row i is the i-th battle; with `both_views` its swapped copy (B/A, label swapped) follows it.
+    `formatter` may be a list (several formats per battle, all views of a battle sharing its row).
+    Training data reaches it through the cache (`tokenize_arrays`), eval data and `hpref eval`
+    directly (they keep the battles, whose ids the predictions need)."""
+    views = 2 if both_views else 1
     formatters = _formatters(formatter)
     chunks: list[np.ndarray] = []
     lengths: list[int] = []
@@ -145,8 +155,8 @@ def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
     pending: list[tuple[int, bool, Any]] = []
 
     def flush() -> None:
-        battles = [b for _, _, b in pending]
-        per_formatter = [encode_battles(f, battles) for f in formatters]
+        shown = [b for _, _, b in pending]
+        per_formatter = [encode_battles(f, shown) for f in formatters]
         # Views of one battle stay adjacent: for each battle, each formatter's A/B (then B/A) view.
         ordered = [
             (pending[k], per_formatter[j][k])
@@ -165,16 +175,15 @@ def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
             splits.append(encoded.split)
         pending.clear()
 
-    for row, battle in enumerate(dataset.battles()):
+    for row, battle in enumerate(battles):
         pending.append((row, False, battle))
-        if views == 2:
+        if both_views:
             pending.append((row, True, battle.swapped()))
         if len(pending) >= _ENCODE_CHUNK:
             flush()
     flush()
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    summary = dataset.summary.as_dict() if hasattr(getattr(dataset, "summary", None), "as_dict") else {}
     return TokenArrays(
         ids=np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32),
         offsets=offsets,
@@ -184,8 +193,14 @@ def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
         truncated=np.array(truncated, dtype=np.bool_),
         full_lengths=np.array(full, dtype=np.int64),
         splits=np.array(splits, dtype=np.int64),
-        summary=summary,
     )
+
+
+def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
+    arrays = encode_views(dataset.battles(), formatter, both_views=views == 2)
+    summary = getattr(dataset, "summary", None)
+    arrays.summary = summary.as_dict() if hasattr(summary, "as_dict") else {}
+    return arrays
 
 
 _FIELDS = ("ids", "offsets", "labels", "rows", "swapped", "truncated", "full_lengths", "splits")

@@ -225,12 +225,12 @@ def stats_command(
         )
     recipe = None
     if is_recipe or recipe_for_tokens is not None:
-        from hpref.plugins import load_plugins
+        from hpref.components import Components
         from hpref.recipe import load_recipe
 
         recipe_path = path if is_recipe else resolve_recipe_path(recipe_for_tokens)  # type: ignore[arg-type]
         recipe = load_recipe(recipe_path, overrides)
-        registry = load_plugins()
+        parts = Components(recipe)
     elif overrides:
         raise RecipeError("--set needs a recipe (the source or --recipe)")
     if is_recipe:
@@ -239,15 +239,12 @@ def stats_command(
         section = getattr(recipe.dataset, split)
         if section is None:
             raise RecipeError(f"{path}: dataset.{split}: the recipe has no such section")
-        data = registry.get("dataset", section.name).build(section.config, seed=recipe.run.seed)
+        data = parts.source(split)
     else:
         data = open_data_file(path, seed=0, on_error=on_error)
     formatter = None
     if tokens:
         if recipe.model is None:
             raise RecipeError(f"{recipe_path}: --tokens needs a [model] section (for its tokenizer)")
-        model = registry.get("model", recipe.model.name).build(recipe.model.config, meta=True)
-        formatter = registry.get("formatter", recipe.formatter.name).build(
-            recipe.formatter.config, model.tokenizer, recipe.train.max_length
-        )
+        formatter = parts.formatter(parts.model(meta=True, adapters=False).tokenizer)
     return data_stats(data, formatter, ceilings=ceilings)

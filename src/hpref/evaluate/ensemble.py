@@ -26,8 +26,8 @@ from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import DataError, UserError
-from hpref.evaluate.metrics import EPS, log_loss
-from hpref.evaluate.predictions import Predictions
+from hpref.prediction.files import Predictions
+from hpref.prediction.metrics import EPS, log_loss
 
 FitMethod = Literal["auto", "scipy", "eg"]
 

@@ -126,18 +126,11 @@ def load_model_from_checkpoint(
     checkpoint_dir: Path, recipe: Any = None, device: str = "cpu"
 ) -> LoadedCheckpoint:
     """Build the recipe's model on one CPU process and fill it from the checkpoint."""
-    from hpref.plugins import load_plugins
+    from hpref.components import Components
 
     checkpoint_dir = Path(checkpoint_dir)
     recipe = recipe if recipe is not None else recipe_of_run(checkpoint_dir)
-    if recipe.model is None:
-        raise UserError("the recipe has no [model] section")
-    component = load_plugins().get("model", recipe.model.name)
-    model = component.build(recipe.model.config, num_labels=3, device="cpu", meta=False)
-    if recipe.lora is not None:
-        from hpref.models.adapters import apply_lora
-
-        apply_lora(model, recipe.lora)
+    model = Components(recipe).model(device="cpu")  # with the recipe's LoRA adapters, as trained
     state = load_model_state(checkpoint_dir, model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - frozen_keys(model):

@@ -11,7 +11,7 @@ import io
 from pathlib import Path
 
 from hpref.errors import UserError
-from hpref.evaluate.metrics import EvalMetrics
+from hpref.prediction.metrics import EvalMetrics
 from hpref.runfolder.files import write_bytes_atomic
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,13 +1,15 @@
-"""Inference: a model (export folder, checkpoint or run folder) + battles -> probabilities per battle id.
+"""The body of `hpref eval` on one process (or one rank of several): predict, write, score.
 
-Flow: battles -> views (each battle, and its swap with TTA) -> token ids (the recipe's formatter at
-the recipe's max_length, exactly as in training) -> the eval planner's packed micro-batches, longest
-first, under a token budget -> softmax of the model's logits under `torch.inference_mode` -> views
-combined per battle (`tta.combine_views`).
+A model (export folder, adapter export, checkpoint or run folder) + battles -> views (each battle,
+and its swap with `--tta swap`) tokenized by the recipe's formatter at the recipe's max_length,
+exactly as in training (`hpref.data.cache.encode_views`) -> probabilities per battle from the shared
+`hpref.prediction.predict` (packed micro-batches, all_gather over ranks when a process group is up,
+swapped views mapped back and averaged). Or an ensemble: prediction files blended by id. Then rank
+0 writes the predictions, the optional soft-label file, and, for labelled battles, `metrics.json`,
+the table and the reliability diagram (`hpref.prediction.metrics`).
 
-Several processes: when a process group is initialised (torchrun), each rank scores its share of the
-eval plan and the (row, swapped, probs) triples are all-gathered, as the trainer's eval does; every
-rank returns the full result. Without one, it is a single process.
+`hpref.evaluate.cli.eval_command` calls `run_eval` in its own process, or starts N ranks through
+`hpref.evaluate.launch`, each of which (`hpref.evaluate.worker`) calls `run_eval`.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
-from hpref.evaluate.tta import combine_views, score_views, view_examples
 
 
 @dataclass
@@ -49,7 +49,7 @@ def is_export_folder(path: Path) -> bool:
     return (Path(path) / EXPORT_JSON).is_file()
 
 
-def load_model(source: str | Path, recipe: Any = None, *, device: str | torch.device = "cpu") -> Any:
+def load_model(source: str | Path, recipe: Any = None, *, device: Any = "cpu") -> Any:
     """An export folder (`hpref save` output), a checkpoint folder or a run folder (latest checkpoint)."""
     from hpref.evaluate.export import load_model_from_checkpoint, resolve_checkpoint
     from hpref.models.preference import PreferenceModel
@@ -63,87 +63,206 @@ def load_model(source: str | Path, recipe: Any = None, *, device: str | torch.de
     return model
 
 
-def build_formatter(recipe: Any, tokenizer: Any, max_length: int | None = None) -> Any:
+def formatter_for(recipe: Any, tokenizer: Any, max_length: int | None = None) -> Any:
     """The recipe's formatter at the recipe's (or the given) max_length; `pab` without a recipe."""
-    from hpref.plugins import load_plugins
+    from hpref.components import Components, default_formatter
 
-    registry = load_plugins()
-    if recipe is not None:
-        component, config = registry.get("formatter", recipe.formatter.name), recipe.formatter.config
-    else:
-        component = registry.get("formatter", "pab")
-        config = component.config()
-    length = max_length or (recipe.train.max_length if recipe is not None else 1024)
-    return component.build(config, tokenizer, length)
+    if recipe is None:
+        return default_formatter(tokenizer, max_length)
+    return Components(recipe).formatter(tokenizer, max_length)
 
 
-def model_scorer(model: Any, device: torch.device | str):
-    """`PackedBatch -> probabilities [n, 3]` for the model, on `device`, without autograd state."""
-
-    def score(batch: Any) -> torch.Tensor:
-        batch = batch.to(device)
-        logits = model(batch.input_ids, batch.cu_seqlens, batch.position_ids, max_seqlen=batch.max_seqlen)
-        return torch.softmax(logits.float(), dim=-1)
-
-    return score
-
-
-def predict(
+def predict_battles(
     model: Any,
     battles: Sequence[Battle],
     formatter: Any,
     *,
     micro_batch_tokens: int = 8192,
     tta: bool = False,
-    device: torch.device | str = "cpu",
+    device: Any = "cpu",
 ) -> PredictResult:
     """Probabilities for every battle (ids in `battles` order); see the module docstring."""
-    import torch.distributed as dist
+    from hpref.data.cache import encode_views
+    from hpref.data.formatting import check_pairing
+    from hpref.prediction.predict import predict
 
     if not battles:
         raise UserError("nothing to predict: the data has no battles")
-    from hpref.data.formatting import check_pairing
-
     check_pairing(formatter, model)
     if tta and getattr(model, "paired", False):
         # a reward model scores A and B alone: the swapped view is this one mirrored, exactly
         logger.info("--tta swap: a reward model is symmetric in A and B; scoring each battle once")
         tta = False
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     start = time.perf_counter()
-    examples = view_examples(battles, formatter=formatter, tta=tta)
+    examples = encode_views(battles, formatter, both_views=tta).examples()
     tokenized = time.perf_counter()
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            rows, flags, probs, tokens = score_views(
-                examples,
-                model_scorer(model, device),
-                micro_batch_tokens=micro_batch_tokens,
-                rank=rank,
-                world_size=world,
-                filler_token_id=int(pad) if pad is not None else 0,
-            )
-    finally:
-        model.train(was_training)
-    if distributed:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (rows, flags, probs.tolist(), tokens))
-        rows = [r for part in gathered for r in part[0]]
-        flags = [f for part in gathered for f in part[1]]
-        probs = np.array([p for part in gathered for p in part[2]], dtype=np.float64).reshape(-1, 3)
-        tokens = sum(part[3] for part in gathered)
-    combined = combine_views(rows, flags, probs, len(battles))
+    prediction = predict(
+        model,
+        examples,
+        n_rows=len(battles),
+        micro_batch_tokens=micro_batch_tokens,
+        device=device,
+        filler_token_id=int(pad) if pad is not None else 0,
+    )
     end = time.perf_counter()
     return PredictResult(
         ids=[b.id for b in battles],
-        probs=combined,
+        probs=prediction.probs,
         seconds=end - start,
-        sequences=len(examples),
-        tokens=int(tokens),
-        world_size=world,
+        sequences=prediction.sequences,
+        tokens=prediction.tokens,
+        world_size=prediction.world_size,
         timings={"tokenize_s": tokenized - start, "score_s": end - tokenized},
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# hpref eval
+
+
+def run_eval(
+    recipe: str | Path | None,
+    *,
+    checkpoint: str | Path | None = None,
+    data: str | Path | None = None,
+    out: str | Path | None = None,
+    tta: str = "none",
+    ensemble: list[str | Path] | None = None,
+    weights: str | None = None,
+    fit_weights: bool = False,
+    soft_labels: str | Path | None = None,
+    overrides: list[str] | None = None,
+    micro_batch_tokens: int | None = None,
+    plot: bool = True,
+    device: str = "cpu",
+) -> int:
+    """Predictions for every battle (model or ensemble), metrics when labelled; the exit code.
+
+    Collective for a model under a process group: every rank predicts its share, rank 0 writes."""
+    from hpref.evaluate.ensemble import blend, labels_for, parse_weights, read_battles, write_soft_labels
+    from hpref.evaluate.ensemble import fit_weights as fit
+    from hpref.prediction.files import read_predictions, write_predictions
+
+    battles = read_battles(data) if data is not None else None
+    source = str(data) if data is not None else "dataset.eval"
+    extra: dict[str, Any] = {}
+
+    if ensemble:
+        if checkpoint is not None:
+            raise UserError("--ensemble blends prediction files; it cannot be combined with --checkpoint")
+        members = [read_predictions(p) for p in ensemble]
+        if fit_weights:
+            if battles is None:
+                raise UserError("--fit-weights needs labelled --data to fit on")
+            labels, _ = labels_for(members[0], battles, source=source)
+            w = fit(members, labels)
+        else:
+            w = parse_weights(weights, len(members))
+        preds = blend(members, w)
+        extra["weights"] = [float(v) for v in w]
+        out_path = Path(out) if out is not None else Path("blend.csv")
+    else:
+        if recipe is None or checkpoint is None:
+            raise UserError("hpref eval needs a RECIPE and --checkpoint (or --ensemble FILES)")
+        preds, out_path, battles, extra = _predict_with_model(
+            recipe,
+            checkpoint,
+            battles,
+            out,
+            tta=tta,
+            overrides=overrides,
+            mbt=micro_batch_tokens,
+            device=device,
+        )
+        if _rank() != 0:  # every rank holds the gathered predictions; one writes them
+            return 0
+    write_predictions(out_path, preds.ids, preds.probs)
+    logger.info(f"predictions for {len(preds):,} battles written to {out_path}")
+    if soft_labels is not None:
+        if battles is None:
+            raise UserError("--soft-labels needs the battles the predictions are for (--data)")
+        path = write_soft_labels(soft_labels, preds, battles, source=source)
+        logger.info(f"soft-label training file written to {path}")
+    _report(preds, battles, out_path, source=source, extra=extra, plot=plot)
+    if "rows_per_s" in extra:
+        print(f"eval throughput: {extra['rows_per_s']:,.1f} rows/s ({extra['sequences']:,} sequences)")
+    return 0
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides, mbt, device):
+    from hpref.components import Components
+    from hpref.models.adapters import is_adapter_export, load_adapter_export
+    from hpref.prediction.files import Predictions
+    from hpref.recipe import load_recipe
+
+    recipe = load_recipe(recipe_arg, overrides)
+    if battles is None:
+        source = Components(recipe).source("eval")
+        if source is None:
+            raise UserError("no --data and the recipe has no [dataset.eval] section: nothing to evaluate")
+        battles = list(source.battles())
+    if is_adapter_export(checkpoint):  # `hpref save --adapter`: base + PEFT adapter + head
+        model = load_adapter_export(checkpoint, device=device)
+    else:
+        model = load_model(checkpoint, recipe, device=device)
+    result = predict_battles(
+        model,
+        battles,
+        formatter_for(recipe, model.tokenizer),
+        micro_batch_tokens=mbt or recipe.train.micro_batch_tokens,
+        tta=tta == "swap",
+        device=device,
+    )
+    out_path = Path(out) if out is not None else recipe.run.run_dir / "eval" / "predictions.csv"
+    extra = {
+        "checkpoint": str(checkpoint),
+        "tta": tta,
+        "rows_per_s": result.rows_per_s,
+        "sequences": result.sequences,
+        "tokens": result.tokens,
+        "eval_seconds": result.seconds,
+        "world_size": result.world_size,
+    }
+    return Predictions(result.ids, result.probs, source=str(checkpoint)), out_path, battles, extra
+
+
+def _print(renderable: Any) -> None:
+    from rich.console import Console
+
+    Console().print(renderable)
+
+
+def _report(
+    preds: Any, battles: list[Any] | None, out_path: Path, *, source: str, extra: dict[str, Any], plot: bool
+):
+    """Score `preds` against labelled `battles` (when labelled): the table, and the metrics JSON and
+    reliability PNG named after the predictions file (`layout.side_files`)."""
+    from hpref.evaluate.ensemble import labels_for
+    from hpref.prediction.metrics import compute_metrics, metrics_table, write_metrics_json
+    from hpref.runfolder.layout import side_files
+
+    if battles is None or not battles or any(b.label is None for b in battles):
+        return None
+    labels, truth = labels_for(preds, battles, source=source)
+    metrics = compute_metrics(preds.probs, labels, truth)
+    metrics.extra.update(extra)
+    metrics_path, png_path = side_files(out_path)
+    path = write_metrics_json(metrics_path, metrics)
+    _print(metrics_table(metrics, title=f"hpref eval: {source}"))
+    logger.info(f"metrics written to {path}")
+    if plot:
+        from hpref.evaluate.plots import reliability_diagram
+
+        try:
+            png = reliability_diagram(metrics, png_path, title=source)
+            logger.info(f"reliability diagram written to {png}")
+        except UserError as exc:  # a missing plot must not fail an evaluation
+            logger.warning(str(exc))
+    return metrics

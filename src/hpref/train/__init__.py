@@ -2,9 +2,10 @@
 
 launch      validate the recipe, run one process in-process or N through torchrun (`run_train`,
             `run_init`)
-worker      one rank: process group, logging, components, data, then the loop
-sharding    activation checkpointing -> FSDP2 per block and root -> weights loaded after sharding
-loop        optimizer and scheduler builders, the train step, evaluation, `fit`
+worker      one rank: process group, logging, the recipe's parts (`hpref.components`), data, the loop
+sharding    the compute precision, and the weights loaded after sharding (`hpref.models.parallelize`)
+loop        the train step, the in-training eval (`hpref.prediction`), `fit`
+summary     what a finished run reports: summary.json and the table, with the cheap baselines
 checkpoint  DCP checkpoints written to a temporary folder and renamed when complete; resume
 metrics     tokens/s, MFU against a stated peak, memory, metrics.jsonl, the summary table
 data        battles -> tokenized examples (both A/B views for training)

@@ -12,12 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hpref.data.formatting import encode_battles
+from hpref.data.cache import encode_views, tokenize_dataset
 from hpref.data.packing import TokenizedExample
 from hpref.data.records import Battle
 from hpref.errors import DataError
-
-_CHUNK = 256  # battles per tokenizer call
 
 
 @dataclass
@@ -41,8 +39,6 @@ def tokenize_cached(source: Any, formatter: Any, *, swap: str, name: str) -> Tok
     group is up)."""
     import torch.distributed as dist
 
-    from hpref.data.cache import tokenize_dataset
-
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     examples: list[TokenizedExample] = []
     if not distributed or dist.get_rank() == 0:
@@ -57,23 +53,12 @@ def tokenize_cached(source: Any, formatter: Any, *, swap: str, name: str) -> Tok
 
 
 def tokenize(battles: Iterable[Battle], formatter: Any, *, both_views: bool, name: str) -> Tokenized:
-    """Encode each battle (and, with `both_views`, its swapped copy) with the formatter."""
+    """Encode each battle (and, with `both_views`, its swapped copy) with the formatter, keeping the
+    battles (`hpref.data.cache.encode_views`, uncached)."""
     kept = list(battles)
     if not kept:
         raise DataError(f"{name}: the dataset yielded no battles")
-    examples: list[TokenizedExample] = []
-    for start in range(0, len(kept), _CHUNK):
-        chunk = kept[start : start + _CHUNK]
-        views: list[tuple[int, bool, Battle]] = [(start + i, False, b) for i, b in enumerate(chunk)]
-        if both_views:
-            views += [(start + i, True, b.swapped()) for i, b in enumerate(chunk)]
-        encoded = encode_battles(formatter, [b for _, _, b in views])
-        for (row, swapped, battle), e in zip(views, encoded, strict=True):
-            examples.append(
-                TokenizedExample(ids=list(e.ids), label=battle.label, row=row, swapped=swapped, split=e.split)
-            )
-    examples.sort(key=lambda e: (e.row, e.swapped))
-    return Tokenized(examples=examples, battles=kept)
+    return Tokenized(examples=encode_views(kept, formatter, both_views=both_views).examples(), battles=kept)
 
 
 def require_labels(data: Tokenized, name: str) -> None:

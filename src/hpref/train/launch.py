@@ -334,15 +334,14 @@ def run_init(recipe_path: str | Path, overrides: list[str] | None = None) -> Pat
 
     `hpref train` with the same run folder starts from these weights. Returns the folder.
     """
-    from hpref.plugins import load_plugins
+    from hpref.components import Components
     from hpref.train.sharding import INIT_FOLDER
 
     recipe = load_recipe(recipe_path, list(overrides or []))
     if recipe.model is None:
         raise UserError(f"{recipe_path}: the recipe has no [model] section")
-    model = (
-        load_plugins().get("model", recipe.model.name).build(recipe.model.config, num_labels=3, device="cpu")
-    )
+    # the plain layout, without adapters: a LoRA run applies its own to these weights
+    model = Components(recipe).model(device="cpu", adapters=False)
     folder = recipe.run.run_dir / INIT_FOLDER
     model.save_pretrained(folder)
     recipe.write(recipe.run.run_dir)

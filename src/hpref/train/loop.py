@@ -6,17 +6,20 @@ the world size because FSDP averages gradients over ranks; so the gradient is th
 and a 1-rank and an N-rank run with the same global batch follow the same curve. Gradients are
 reduced once per step (`set_requires_gradient_sync(False)` on all but the last micro-batch) and the
 loss is all-reduced once per step, for logging.
+
+The model, optimizer, scheduler and loss come from the worker (`hpref.components.Components`); eval
+is the shared `hpref.prediction.predict`, scored by `hpref.prediction.metrics`, exactly what
+`hpref eval` computes.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,13 +29,17 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from hpref.data.packing import PackedBatch, StepSampler, plan_eval
-from hpref.data.records import LABELS
-from hpref.recipe import OptimizerSection, Recipe
+from hpref.data.packing import PackedBatch, StepSampler
+from hpref.models.loss import soft_cross_entropy
+from hpref.prediction.files import write_predictions
+from hpref.prediction.metrics import accuracy, log_loss
+from hpref.prediction.predict import predict
+from hpref.recipe import Recipe
 from hpref.train import checkpoint
 from hpref.train.data import Tokenized
 from hpref.train.memory import release_freed_memory
 from hpref.train.metrics import MetricsFile, Peak, peak_memory_gib, summary_table
+from hpref.train.summary import summarise, summary_rows
 
 #: Test hooks: make one rank raise at its first step / make every rank stop after step k.
 FAIL_RANK_ENV = "HPREF_DEBUG_FAIL_RANK"
@@ -44,39 +51,7 @@ class SimulatedCrash(RuntimeError):
 
 
 # --------------------------------------------------------------------------------------------------
-# builders
-
-
-def soft_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-sequence cross-entropy against label distributions `[n, C]` (one-hot for hard labels)."""
-    return -(labels * torch.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
-
-
-def build_optimizer(
-    model: torch.nn.Module, config: OptimizerSection, device: torch.device
-) -> torch.optim.AdamW:
-    """AdamW with up to four groups: {backbone, head (`head_lr`)} x {decayed matrices, undecayed
-    biases and norms}. The fused kernel where torch has one for the device (CUDA, and CPU since torch
-    2.4: on the 2-core box 3.1 ms a step against 8.7 ms foreach and 18 ms per-tensor, for 0.9M
-    FSDP2 parameters), else foreach."""
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            groups.setdefault((name.startswith("head."), param.ndim >= 2), []).append(param)
-    param_groups = [
-        {
-            "params": params,
-            "lr": (config.head_lr or config.lr) if is_head else config.lr,
-            "weight_decay": config.weight_decay if decayed else 0.0,
-        }
-        for (is_head, decayed), params in sorted(groups.items())
-    ]
-    kwargs = dict(lr=config.lr, betas=tuple(config.betas), eps=config.eps)
-    try:
-        return torch.optim.AdamW(param_groups, fused=True, **kwargs)
-    except (RuntimeError, ValueError) as exc:  # no fused kernel for this device / dtype
-        logger.info(f"fused AdamW unavailable ({exc}); using foreach")
-        return torch.optim.AdamW(param_groups, foreach=True, **kwargs)
+# a new head
 
 
 def prior_logits(labels: np.ndarray, floor: float = 1e-4) -> torch.Tensor:
@@ -106,15 +81,6 @@ def init_head_to_prior(model: torch.nn.Module, data: Tokenized) -> torch.Tensor 
     return bias
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe, total_steps: int):
-    """The recipe's scheduler component (a multiplier of each group's base LR) as a LambdaLR."""
-    from hpref.plugins import load_plugins
-
-    component = load_plugins().get("scheduler", recipe.scheduler.name)
-    multiplier = component.build(recipe.scheduler.config, total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
-
-
 # --------------------------------------------------------------------------------------------------
 # one step
 
@@ -138,15 +104,17 @@ def train_step(
     world_size: int,
     grad_clip: float | None,
     device: torch.device,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward every micro-batch of this rank, clip, step. Returns (this rank's summed
-    per-sequence loss, detached; the global grad norm before clipping)."""
+    """Forward/backward every micro-batch of this rank, clip, step. `loss(logits, labels)` is per
+    sequence (the recipe's, `Components.loss`). Returns (this rank's summed per-sequence loss,
+    detached; the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=device)
     scale = world_size / step_sequences
     for k, batch in enumerate(batches):
         _set_gradient_sync(model, k == len(batches) - 1)
         batch = batch.to(device, non_blocking=True)
-        per_sequence = soft_cross_entropy(_forward(model, batch), batch.labels) * batch.weights
+        per_sequence = loss(_forward(model, batch), batch.labels) * batch.weights
         (per_sequence.sum() * scale).backward()
         loss_sum += per_sequence.detach().sum()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
@@ -169,57 +137,32 @@ class EvalResult:
     accuracy: float
 
 
-def eval_metrics(probs: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-    """(log loss, accuracy): mean cross-entropy against hard or soft labels; argmax agreement."""
-    log_loss = float(-(labels * np.log(np.clip(probs, 1e-15, 1.0))).sum(axis=1).mean())
-    accuracy = float((probs.argmax(axis=1) == labels.argmax(axis=1)).mean())
-    return log_loss, accuracy
-
-
 def evaluate(
     model: torch.nn.Module,
     data: Tokenized,
     *,
-    rank: int,
-    world_size: int,
     micro_batch_tokens: int,
     device: torch.device,
     filler_token_id: int,
 ) -> EvalResult:
-    """Score every eval example once over all ranks, gather probabilities, drop fillers and repeats."""
-    plan = plan_eval(data.lengths, world_size=world_size, micro_batch_tokens=micro_batch_tokens)
-    local: list[tuple[int, list[float]]] = []
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for batch in plan.batches(rank, data.examples, filler_token_id):
-            batch = batch.to(device)
-            probs = torch.softmax(_forward(model, batch).float(), dim=-1).cpu().tolist()
-            local.extend((row, p) for row, p in zip(batch.rows.tolist(), probs, strict=True) if row >= 0)
-    model.train(was_training)
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, local)
-    by_row = {row: p for part in gathered for row, p in part}
-    missing = set(range(len(data.battles))) - set(by_row)
-    if missing:
-        raise RuntimeError(f"evaluation lost {len(missing)} battles (first: {sorted(missing)[:5]})")
-    probs = np.array([by_row[i] for i in range(len(data.battles))], dtype=np.float64)
+    """Score every eval battle once over all ranks (`hpref.prediction.predict`, collective) and
+    score the probabilities against the battles' labels (`hpref.prediction.metrics`)."""
+    assert data.battles is not None
+    prediction = predict(
+        model,
+        data.examples,
+        n_rows=len(data.battles),
+        micro_batch_tokens=micro_batch_tokens,
+        device=device,
+        filler_token_id=filler_token_id,
+    )
     labels = np.array([b.label for b in data.battles], dtype=np.float64)
-    log_loss, accuracy = eval_metrics(probs, labels)
-    return EvalResult(probs=probs, labels=labels, log_loss=log_loss, accuracy=accuracy)
-
-
-def write_predictions(path: Path, battles: Sequence[Any], probs: np.ndarray) -> Path:
-    """Kaggle-style CSV: id, winner_model_a, winner_model_b, winner_tie."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["id", *LABELS])
-        for battle, p in zip(battles, probs, strict=True):
-            writer.writerow([battle.id, *(f"{x:.6f}" for x in p)])
-    os.replace(tmp, path)
-    return path
+    return EvalResult(
+        probs=prediction.probs,
+        labels=labels,
+        log_loss=log_loss(prediction.probs, labels),
+        accuracy=accuracy(prediction.probs, labels),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,6 +190,7 @@ class TrainSetup:
     eval_source: Any = None
     backbone_flops: Any = None  # flops_per_token(seq_len)
     train_source: Any = None  # for the cheap baselines the summary prints on real data
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy
 
 
 @dataclass
@@ -396,6 +340,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                         world_size=world,
                         grad_clip=train_cfg.grad_clip,
                         device=setup.device,
+                        loss=setup.loss,
                     )
                     if setup.device.type == "cpu":
                         release_freed_memory()  # see hpref.train.memory: flat RSS across step lengths
@@ -465,9 +410,9 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
             clear_heartbeat(setup.run_dir)
     if train_cfg.eval_interval and stats.eval_step != stats.step:
         do_eval(setup.sampler.epoch)
-    summary = _summary(setup, stats, time.perf_counter() - run_start)
+    summary = summarise(setup, stats, time.perf_counter() - run_start)
     if rank == 0:
-        rows = _summary_rows(setup, summary)  # adds the baselines to the summary
+        rows = summary_rows(setup, summary)  # adds the baselines to the summary
         from hpref.runfolder.files import write_text_atomic
 
         write_text_atomic(setup.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -537,16 +482,18 @@ def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: Metri
     result = evaluate(
         setup.model,
         setup.eval_data,
-        rank=setup.rank,
-        world_size=setup.world_size,
         micro_batch_tokens=setup.recipe.train.micro_batch_tokens,
         device=setup.device,
         filler_token_id=setup.filler_token_id,
     )
     battles = setup.eval_data.battles
     if setup.rank == 0:
-        write_predictions(setup.run_dir / "predictions" / f"step-{step:06d}.csv", battles, result.probs)
-        write_predictions(setup.run_dir / "predictions.csv", battles, result.probs)
+        ids = [b.id for b in battles]
+        for path in (
+            setup.run_dir / "predictions" / f"step-{step:06d}.csv",
+            setup.run_dir / "predictions.csv",
+        ):
+            write_predictions(path, ids, result.probs, unique_ids=False)
     seconds = time.perf_counter() - t
     metrics.write(
         {
@@ -564,107 +511,3 @@ def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: Metri
         f"({len(battles)} battles, {seconds:.1f}s)"
     )
     return result
-
-
-def _summary(setup: TrainSetup, stats: RunStats, wall: float) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "steps": stats.step,
-        "total_steps": setup.total_steps,
-        "world_size": setup.world_size,
-        "wall_s": wall,
-        "train_loss": stats.last_loss,
-        "tokens_per_s": stats.tokens / stats.seconds if stats.seconds else None,
-        "mfu": stats.flops / stats.seconds / setup.world_size / setup.peak.flops if stats.seconds else None,
-        "peak": str(setup.peak),
-        "peak_memory_gib": peak_memory_gib(setup.device),
-    }
-    from hpref.models.adapters import count_parameters
-
-    out["trainable_params"], out["params"] = count_parameters(setup.model)
-    if stats.eval is not None:
-        out.update(
-            eval_log_loss=stats.eval.log_loss, eval_accuracy=stats.eval.accuracy, eval_step=stats.eval_step
-        )
-    return out
-
-
-def _summary_rows(setup: TrainSetup, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    rows = [
-        ("steps", f"{summary['steps']} of {summary['total_steps']} on {summary['world_size']} rank(s)"),
-        ("wall time", f"{summary['wall_s']:.1f} s"),
-        ("train loss (last log)", f"{summary['train_loss']:.4f}"),
-    ]
-    if summary.get("tokens_per_s"):
-        rows.append(("tokens/s (all ranks)", f"{summary['tokens_per_s']:,.0f}"))
-        rows.append(("MFU", f"{summary['mfu']:.2%} of {summary['peak']}"))
-    rows.append(("peak memory (rank 0)", f"{summary['peak_memory_gib']:.2f} GiB"))
-    if summary["trainable_params"] != summary["params"]:
-        share = summary["trainable_params"] / summary["params"]
-        rows.append(
-            (
-                "trainable parameters",
-                f"{summary['trainable_params']:,} of {summary['params']:,} ({share:.2%})",
-            )
-        )
-    if "eval_log_loss" in summary:
-        rows.append(("eval log loss", f"{summary['eval_log_loss']:.4f}"))
-        rows.append(("eval accuracy", f"{summary['eval_accuracy']:.3f}"))
-        report = _baselines(setup)
-        if report is None:
-            rows += _cheap_baseline_rows(setup, summary)
-        else:
-            summary["baselines"] = report.as_dict()
-            summary["gap_closed"] = report.closed(summary["eval_log_loss"])
-            rows += [
-                ("uniform", f"{report.uniform:.4f}"),
-                ("length-only baseline", f"{report.length_baseline:.4f}"),
-                ("bag-of-words baseline", f"{report.bow_baseline:.4f}"),
-                ("Bayes floor", f"{report.bayes_floor:.4f}"),
-                ("gap closed (uniform -> floor)", f"{summary['gap_closed']:.0%}"),
-            ]
-    return rows
-
-
-# bag-of-words features are a dense [n, 2 x vocab] matrix: past this many train battles only the
-# label prior and the length baseline are fitted (the Kaggle LMSYS train set has 57k)
-BOW_BASELINE_MAX_BATTLES = 20_000
-
-
-def _cheap_baseline_rows(setup: TrainSetup, summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """On data without a known floor (real arena votes, chosen/rejected pairs): the eval log loss
-    beside what the train split's label prior, answer lengths and word counts alone reach, fitted
-    on the train split and scored on the same eval battles. A model that does not beat these has
-    learned nothing about the answers."""
-    if setup.train_source is None or setup.eval_source is None:
-        return []
-    from hpref.data.baselines import cheap_baselines
-
-    try:
-        train = [b for b in setup.train_source.battles() if b.label is not None]
-        evaluation = [b for b in setup.eval_source.battles() if b.label is not None]
-        cheap = cheap_baselines(train, evaluation, bow=len(train) <= BOW_BASELINE_MAX_BATTLES)
-    except Exception as exc:  # a baseline is a nicety; never fail a finished run over it
-        logger.warning(f"could not compute the eval baselines: {exc}")
-        return []
-    summary["baselines"] = cheap.as_dict()
-    rows = [
-        ("label-prior baseline", f"{cheap.prior:.4f}"),
-        ("length-only baseline", f"{cheap.length:.4f}"),
-    ]
-    if cheap.bow is not None:
-        rows.append(("bag-of-words baseline", f"{cheap.bow:.4f}"))
-    best = min(v for v in (cheap.prior, cheap.length, cheap.bow) if v is not None)
-    rows.append(("vs best cheap baseline", f"{summary['eval_log_loss'] - best:+.4f} nats"))
-    return rows
-
-
-def _baselines(setup: TrainSetup) -> Any:
-    """The eval source's floor and cheap baselines, when it can compute them (the synthetic arena)."""
-    report = getattr(setup.eval_source, "report", None)
-    if report is None:
-        return None
-    try:
-        return report()
-    except Exception as exc:  # a report is a nicety; never fail a finished run over it
-        logger.warning(f"could not compute the eval baselines: {exc}")
-        return None

@@ -99,46 +99,35 @@ def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Pa
 
 
 def build_setup(recipe: Recipe, info: DistInfo):
-    """Components -> tokenized data -> (LoRA adapters) -> sharded model -> optimizer (what trains),
-    sampler, scheduler."""
+    """The recipe's parts (`hpref.components.Components`): model (+ LoRA adapters) -> formatter ->
+    tokenized data -> sharded model -> optimizer (what trains), sampler, scheduler, loss."""
+    from hpref.components import Components
     from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
-    from hpref.plugins import load_plugins
     from hpref.recipe_checks import check_train
     from hpref.train.data import require_labels, tokenize, tokenize_cached
-    from hpref.train.loop import TrainSetup, build_lr_scheduler, build_optimizer
+    from hpref.train.loop import TrainSetup
     from hpref.train.metrics import peak_flops
-    from hpref.train.sharding import init_weights_folder, load_initial_weights, parallelize, resolve_precision
+    from hpref.train.sharding import init_weights_folder, load_initial_weights, resolve_precision
 
-    registry = load_plugins()
+    parts = Components(recipe)
     train_cfg = recipe.train
     check_train(recipe, machine=False)  # a worker started without the launcher gets the same checks
-    model = registry.get("model", recipe.model.name).build(
-        recipe.model.config, num_labels=3, device=info.device, meta=True
-    )
-    if recipe.lora is not None:
-        from hpref.models.adapters import apply_lora
-
-        apply_lora(model, recipe.lora)  # before sharding: FSDP2 must see which weights are frozen
+    model = parts.model(device=info.device, meta=True)
     if train_cfg.max_length > model.max_position_embeddings:
         raise UserError(
             f"train.max_length {train_cfg.max_length} exceeds the model's "
             f"{model.max_position_embeddings} positions"
         )
-    formatter = registry.get("formatter", recipe.formatter.name).build(
-        recipe.formatter.config, model.tokenizer, train_cfg.max_length
-    )
+    formatter = parts.formatter(model.tokenizer)
     check_pairing(formatter, model)
 
-    seed = recipe.run.seed
-    train_source = registry.get("dataset", recipe.dataset.train.name).build(recipe.dataset.train.config, seed)
+    train_source = parts.source("train")
     train_data = tokenize_cached(train_source, formatter, swap=train_cfg.swap, name="dataset.train")
     require_labels(train_data, "dataset.train")
-    eval_source = eval_data = None
-    if recipe.dataset.eval is not None:
-        eval_source = registry.get("dataset", recipe.dataset.eval.name).build(
-            recipe.dataset.eval.config, seed
-        )
+    eval_source = parts.source("eval")
+    eval_data = None
+    if eval_source is not None:
         eval_data = tokenize(eval_source.battles(), formatter, both_views=False, name="dataset.eval")
         require_labels(eval_data, "dataset.eval")
     logger.info(
@@ -150,9 +139,9 @@ def build_setup(recipe: Recipe, info: DistInfo):
 
     hidden = getattr(getattr(model, "backbone_config", None), "hidden_size", None)
     dtype = resolve_precision(train_cfg.precision, info.device, hidden)
-    parallelize(model, param_dtype=dtype, activation_checkpointing=train_cfg.activation_checkpointing)
+    parts.parallelize(model, param_dtype=dtype, activation_checkpointing=train_cfg.activation_checkpointing)
     load_initial_weights(model, device=info.device, init_folder=init_weights_folder(recipe.run.run_dir))
-    optimizer = build_optimizer(model, recipe.optimizer, info.device)
+    optimizer = parts.optimizer(model)
 
     sampler = StepSampler(
         lengths=train_data.lengths,
@@ -161,13 +150,13 @@ def build_setup(recipe: Recipe, info: DistInfo):
         batch_size=train_cfg.batch_size,
         world_size=info.world_size,
         micro_batch_tokens=train_cfg.micro_batch_tokens,
-        seed=seed,
+        seed=recipe.run.seed,
         swap=train_cfg.swap,
     )
     total_steps = sampler.steps_per_epoch() * train_cfg.epochs
     if train_cfg.max_steps is not None:
         total_steps = min(total_steps, train_cfg.max_steps)
-    scheduler = build_lr_scheduler(optimizer, recipe, total_steps)
+    scheduler = parts.scheduler(optimizer, total_steps)
     peak = peak_flops(info.device, dtype)
     logger.info(
         f"{total_steps} steps ({sampler.steps_per_epoch()} per epoch x {train_cfg.epochs}), "
@@ -192,6 +181,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
         eval_source=eval_source,
         train_source=train_source,
         backbone_flops=model.flops_per_token,
+        loss=parts.loss,
     )
 
 

@@ -1,10 +1,10 @@
-"""Train-step speed of fp32 against bf16 on this machine: `python -m hpref.train.bench`.
+"""Train-step speed of fp32 against bf16 on this machine: `python -m benchmarks.precision_step`.
 
 It runs the real `train_step` (FSDP2 on a one-rank group, `MixedPrecisionPolicy` for bf16) on a
 Llama-shaped `tiny-llama` with random packed micro-batches, alternating the two precisions so a
 noisy, shared machine treats both alike, and prints the best round's tokens/s of each (on a shared
 machine the best round is the one least disturbed; the median is printed too). `precision =
-"auto"` is chosen from these numbers (see `sharding.resolve_precision`).
+"auto"` is chosen from these numbers (see `hpref.train.sharding.resolve_precision`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 
 def _model(args: argparse.Namespace, dtype: torch.dtype):
+    from hpref.models.parallelize import parallelize
     from hpref.plugins import load_plugins
-    from hpref.train.sharding import parallelize
 
     component = load_plugins().get("model", "tiny-llama")
     config = component.config(
@@ -57,8 +57,8 @@ def _batches(vocab: int, seq_len: int, tokens: int, count: int):
 def main(argv: list[str] | None = None) -> None:
     from loguru import logger
 
-    from hpref.recipe import OptimizerSection
-    from hpref.train.loop import build_optimizer, train_step
+    from hpref.builtin.optimizers import AdamWConfig, build_adamw
+    from hpref.train.loop import train_step
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     setups = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = _model(args, dtype)
-        optimizer = build_optimizer(model, OptimizerSection(lr=1e-5), device)
+        optimizer = build_adamw(AdamWConfig(lr=1e-5), model)
         vocab = len(model.tokenizer)
         setups[name] = (model, optimizer, _batches(vocab, args.seq_len, args.tokens, args.steps + 1))
     rates: dict[str, list[float]] = {name: [] for name in setups}

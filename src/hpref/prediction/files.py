@@ -57,14 +57,19 @@ class Predictions:
         return Predictions(list(ids), self.probs[[where[i] for i in ids]], self.source)
 
 
-def write_predictions(path: str | Path, ids: Sequence[str], probs: Any, fmt: str = "auto") -> Path:
-    """Write a submission file (format by extension: .csv, .parquet, .jsonl), atomically."""
+def write_predictions(
+    path: str | Path, ids: Sequence[str], probs: Any, fmt: str = "auto", *, unique_ids: bool = True
+) -> Path:
+    """Write a submission file (format by extension: .csv, .parquet, .jsonl), atomically.
+
+    A repeated id is refused unless `unique_ids=False` (the trainer's eval, where a data set with
+    repeated ids must not fail a finished run; `hpref data stats` reports them)."""
     import pandas as pd
 
     path = Path(path)
     kind = detect_format(path, fmt)  # type: ignore[arg-type]
     preds = Predictions([str(i) for i in ids], probs)
-    if len(set(preds.ids)) != len(preds.ids):
+    if unique_ids and len(set(preds.ids)) != len(preds.ids):
         seen: set[str] = set()
         dup = next(i for i in preds.ids if i in seen or seen.add(i))  # type: ignore[func-returns-value]
         raise DataError(f"{path}: refusing to write duplicate id {dup!r}")

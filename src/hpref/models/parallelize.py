@@ -1,0 +1,72 @@
+"""Parallelism, applied in one fixed order to a model built on the meta device:
+
+    activation checkpointing (per block)  ->  fully_shard per block  ->  fully_shard(root)
+
+then the trainer materialises and loads the weights (`hpref.train.sharding.load_initial_weights`).
+
+FSDP2 keeps fp32 master weights of what trains; with bf16 precision its `MixedPrecisionPolicy`
+all-gathers bf16 copies for compute and reduce-scatters gradients in fp32. The classification head
+is the exception: it is its own FSDP unit computing in fp32 (on the bf16 pooled state cast up),
+because bf16 keeps only ~3 significant digits and logits rounded that coarsely put many predictions
+on the same few values (ties in a ranking, a calibration floor in log loss) for a cost of two tiny
+matmuls.
+
+With LoRA (`hpref.models.adapters`) the frozen base weights are stored in the compute dtype: they
+never step, so an fp32 master copy would only double their memory, and FSDP2 casts them to that
+dtype for every forward anyway (the same numbers). The adapters, the head and anything else that
+trains keep fp32 master weights.
+
+FSDP2 works on CPU with gloo (a "cpu" DeviceMesh) in torch >= 2.6, so there is no second code path
+for CPU or for a single process: the same sharded model runs everywhere (world size 1 simply holds
+every shard). The model side of the contract is `blocks()`, `head` and
+`set_activation_checkpointing` (`hpref.protocols.PreferenceModel`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+
+def parallelize(
+    model: torch.nn.Module,
+    *,
+    param_dtype: torch.dtype,
+    activation_checkpointing: bool,
+) -> torch.nn.Module:
+    """Activation checkpointing, then FSDP2 per block and on the root (see the module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize needs a process group (the worker creates one, even for 1 rank)")
+    if activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype == torch.float32 else param_dtype, reduce_dtype=torch.float32
+    )
+    frozen = 0
+    if param_dtype != torch.float32:  # LoRA: the frozen base needs no fp32 master weights
+        from hpref.models.adapters import freeze_dtype
+
+        frozen = freeze_dtype(model, param_dtype)
+    blocks = model.blocks()
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    head = getattr(model, "head", None)
+    fp32_head = isinstance(head, torch.nn.Module) and param_dtype != torch.float32
+    if fp32_head:  # see the module docstring; the policy casts the pooled bf16 input up
+        fp32 = torch.float32
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32))
+    fully_shard(model, mp_policy=policy)
+    logger.info(
+        f"FSDP2: {len(blocks)} blocks + root over {dist.get_world_size()} rank(s), "
+        f"compute {_name(param_dtype)}{' (head fp32)' if fp32_head else ''}, reduce fp32, "
+        f"activation checkpointing {'on' if activation_checkpointing else 'off'}"
+        + (f"; {frozen:,} frozen parameters stored in {_name(param_dtype)}" if frozen else "")
+    )
+    return model
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))

@@ -1,0 +1,17 @@
+"""Predictions: computing them, scoring them, storing them. One of each, shared by every caller.
+
+predict   a model + tokenized views -> probabilities per battle row: the eval planner's packed
+          micro-batches, this rank's share scored, all_gather over ranks, swapped views mapped back
+          and averaged (torch). Used by the train loop's eval, `hpref eval` (with or without swap
+          TTA) and anything else that scores a model.
+metrics   log loss, accuracy, per-class calibration (ECE), confusion matrix, Bayes floor and gap
+          closed; `metrics.json` and the printed table (numpy only). The one log loss of hpref:
+          training eval, `hpref eval`, ensembles, the cheap baselines and the synthetic arena's
+          report all call it.
+files     prediction files (`id, winner_model_a, winner_model_b, winner_tie`) written as CSV /
+          Parquet / JSONL and read back with strict checks.
+
+It sits beside `hpref.data` and `hpref.models`: it imports them (and core modules), never the command
+packages (`train`, `evaluate`, `rl`) or the plugin layer. Importing the package is cheap; only
+`predict` imports torch.
+"""

@@ -1,0 +1,123 @@
+"""The seams between hpref and its components, as `typing.Protocol`s (structural: no base class to
+inherit, a plugin only has to have the members).
+
+Each Protocol is what one component kind's `build(...)` returns (`hpref.hookspecs` says how each is
+built). They are `runtime_checkable`, so `isinstance(obj, Formatter)` checks that the members exist;
+`tests/test_protocols.py` checks every built-in component against its Protocol, signatures included.
+
+    model      [model]          PreferenceModel   scores packed micro-batches
+    dataset    [dataset.*]      BattleSource      streams `Battle` records
+    formatter  [formatter]      Formatter         one battle (one view) -> token ids
+    optimizer  [optimizer]      Optimizer         steps the trainable parameters
+
+Reward and engine components (`hpref rl`) have theirs beside the RL code that calls them.
+This module imports nothing of hpref's, so any layer may name these types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PreferenceModel(Protocol):
+    """What a model component builds (`hpref.models.PreferenceModel` for every built-in): a
+    `torch.nn.Module` that scores one packed, padding-free micro-batch.
+
+    Attributes: `tokenizer` (a Hugging Face fast tokenizer), `backbone_config` (its HF config, with
+    `hidden_size`), `max_position_embeddings`, and `paired` (True for a reward model, which reads
+    two sequences per battle)."""
+
+    tokenizer: Any
+    backbone_config: Any
+
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+    def forward(
+        self, input_ids: Any, cu_seqlens: Any, position_ids: Any, *, max_seqlen: int | None = None
+    ) -> Any:
+        """Logits `[n, num_labels]` (float32) for the n sequences (or pairs) packed in one row;
+        positions restart at 0 per sequence."""
+        ...
+
+    def blocks(self) -> Sequence[Any]:
+        """The transformer blocks: FSDP2 and activation checkpointing wrap each one."""
+        ...
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> None: ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of a sequence of `seq_len` tokens (for MFU)."""
+        ...
+
+    def pretrained_state_dict(self) -> dict[str, Any]:
+        """The full initial state dict on CPU (`backbone.<HF key>`, `head.*`)."""
+        ...
+
+    def load_pretrained_weights(self, *, device: Any = None, broadcast_from_rank0: bool = False) -> None:
+        """Materialise a meta-built (possibly sharded) model and fill its initial weights."""
+        ...
+
+    def save_pretrained(self, folder: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
+        """An HF-style folder that `PreferenceModel.from_pretrained` reads back."""
+        ...
+
+
+@runtime_checkable
+class BattleSource(Protocol):
+    """What a dataset component builds: a re-iterable stream of battles in a fixed order.
+
+    `summary` counts rows read / used / skipped once `battles()` is exhausted. Optional:
+    `fingerprint() -> str`, the stream's identity, which the token cache keys on (a source without
+    one is tokenized every time)."""
+
+    summary: Any
+
+    def battles(self) -> Iterator[Any]:
+        """Stream the selected `hpref.data.Battle` records."""
+        ...
+
+
+@runtime_checkable
+class Formatter(Protocol):
+    """What a formatter component builds: one view of a battle -> at most `max_length` token ids,
+    ending where a judge gives its verdict. Callers encode `battle.swapped()` for the B/A view.
+
+    Optional, used when present: `encode_many(battles)` (batched; objects with `ids`, `truncated`,
+    `full_length`, `split`), `fingerprint() -> str` (the token cache key) and `paired = True` (a
+    reward model's formatter: `split` cuts each battle into A's and B's sequence)."""
+
+    tokenizer: Any
+    max_length: int
+
+    def encode(self, battle: Any) -> list[int]: ...
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    """What an optimizer component builds: a `torch.optim.Optimizer` (or anything with its members)
+    over the model's trainable parameters. `param_groups[i]["lr"]` is the base rate the scheduler
+    multiplies; the state dict goes into every checkpoint."""
+
+    param_groups: list[dict[str, Any]]
+
+    def step(self, closure: Any = None) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+#: component kind -> the Protocol of what its `build` returns (the kinds of `hpref.plugins.KINDS`
+#: that this module covers).
+PROTOCOLS: dict[str, type] = {
+    "model": PreferenceModel,
+    "dataset": BattleSource,
+    "formatter": Formatter,
+    "optimizer": Optimizer,
+}
