@@ -436,7 +436,8 @@ def data_stats_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     """Rows read/used/skipped, label shares, turns, token lengths; the Bayes floor for synthetic data."""
-    from hpref.data.stats import format_stats, stats_command
+    from hpref.data.stats import format_stats
+    from hpref.data_command import stats_command
 
     stats = stats_command(
         source,

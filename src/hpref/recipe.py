@@ -306,3 +306,23 @@ def dump_toml(data: dict[str, Any], _prefix: str = "") -> str:
     for k, v in tables.items():
         lines.append(dump_toml(v, f"{_prefix}.{_toml_key(k)}" if _prefix else _toml_key(k)))
     return "\n".join(lines)
+
+
+REMOTE_CODE_KEY = "trust_remote_code"
+
+
+def remote_code_keys(data: Any, prefix: str = "") -> list[str]:
+    """Dotted keys under which `data` (a recipe as a dict) turns on `trust_remote_code`, at any depth
+    (`model`, a policy's model, a plugin component's table)."""
+    found: list[str] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            dotted = f"{prefix}{key}"
+            if key == REMOTE_CODE_KEY and value not in (False, None, 0, "", "false"):
+                found.append(dotted)
+            else:
+                found += remote_code_keys(value, dotted + ".")
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found += remote_code_keys(value, f"{prefix}{i}.")
+    return found

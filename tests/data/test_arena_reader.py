@@ -196,7 +196,7 @@ def test_files_are_streamed_not_loaded(tmp_path, monkeypatch):
     """Reading must stream: the first battle arrives after reading a small prefix of the file, and a
     full pass opens the file once (plus one header read at construction). A reader that loaded the
     whole file (or read it twice per pass) would fail the prefix or the open count."""
-    import hpref.data.readers as readers
+    import hpref.data.tables as tables
 
     def noise(i: int, side: str) -> str:  # incompressible text, so the .gz file is not tiny
         return hashlib.sha256(f"{side}{i}".encode()).hexdigest() * 3
@@ -207,14 +207,14 @@ def test_files_are_streamed_not_loaded(tmp_path, monkeypatch):
     for name in ("big.csv", "big.jsonl", "big.csv.gz"):
         path = write_arena_file(tmp_path / name, battles)
         opened = []
-        real_open = readers._open_text
+        real_open = tables._open_text
 
         def counting_open(p, newline=None, _real=real_open, _opened=opened):
             f = _real(p, newline=newline)
             _opened.append(f)
             return f
 
-        monkeypatch.setattr(readers, "_open_text", counting_open)
+        monkeypatch.setattr(tables, "_open_text", counting_open)
         reader = ArenaReader(ArenaConfig(path=str(path)), seed=0)
         stream = reader.battles()
         assert next(stream).id == "0"
@@ -223,7 +223,7 @@ def test_files_are_streamed_not_loaded(tmp_path, monkeypatch):
         assert position < path.stat().st_size / 10, (name, position, path.stat().st_size)
         assert sum(1 for _ in stream) == 3999
         assert len(opened) == 2, name  # header at construction + one streaming pass
-        monkeypatch.setattr(readers, "_open_text", real_open)
+        monkeypatch.setattr(tables, "_open_text", real_open)
 
 
 def test_jsonl_row_missing_a_key_and_broken_line(tmp_path):

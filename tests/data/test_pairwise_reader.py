@@ -9,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hpref.data.readers import PairwiseConfig, PairwiseReader, parse_hh_transcript, to_turns
+from hpref.data.readers import PairwiseConfig, PairwiseReader
+from hpref.data.transcripts import parse_hh_transcript, to_turns
 from hpref.errors import DataError
 
 SHARED_HH = Path(__file__).resolve().parents[3] / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"

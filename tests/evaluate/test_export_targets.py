@@ -16,6 +16,7 @@ from hpref.errors import UserError
 from hpref.evaluate import export
 from hpref.evaluate.cli import eval_command
 from hpref.prediction.files import write_predictions
+from hpref.recipe import remote_code_keys
 from tests.durable import DurableWrites
 
 from .conftest import make_run
@@ -193,7 +194,7 @@ def test_remote_code_is_found_at_any_depth():
         "rl": {"policies": {"a": {"model": {"trust_remote_code": True}}, "b": {"model": {}}}},
         "x": [{"trust_remote_code": "true"}, {"trust_remote_code": False}],
     }
-    assert export.remote_code_keys(data) == ["rl.policies.a.model.trust_remote_code", "x.0.trust_remote_code"]
+    assert remote_code_keys(data) == ["rl.policies.a.model.trust_remote_code", "x.0.trust_remote_code"]
 
 
 # --------------------------------------------------------------------------------------------------

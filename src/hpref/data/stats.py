@@ -24,8 +24,8 @@ from hpref.data.readers import (
     ArenaReader,
     PairwiseConfig,
     PairwiseReader,
-    TableFile,
 )
+from hpref.data.tables import TableFile
 from hpref.errors import DataError
 
 DUPLICATE_EXAMPLES = 5
@@ -191,60 +191,3 @@ def format_stats(stats: dict[str, Any]) -> str:
             head = "ceilings     " if i == 0 else "             "
             lines.append(f"{head}{skills:<45} {value:.4f} ({(r['uniform'] - value) / gap:.0%} of the gap)")
     return "\n".join(lines)
-
-
-def stats_command(
-    source: str,
-    *,
-    split: str = "train",
-    tokens: bool = False,
-    recipe_for_tokens: str | None = None,
-    on_error: str = "raise",
-    ceilings: bool = False,
-    overrides: list[str] | None = None,
-) -> dict[str, Any]:
-    """`hpref data stats`: the statistics of a data file, or of a recipe's dataset section.
-
-    `source` is a data file or a recipe (a path or a shipped recipe's name); with `tokens` the
-    battles are also formatted and tokenized, by the recipe's model and formatter (a data file takes
-    them from `recipe_for_tokens`). Every misuse of the options is a `RecipeError` of one line.
-    """
-    from hpref.errors import RecipeError
-    from hpref.recipe_catalog import resolve_recipe_path
-
-    overrides = list(overrides or [])
-    path = resolve_recipe_path(source)
-    is_recipe = path.suffix == ".toml"
-    if is_recipe and (recipe_for_tokens is not None or on_error != "raise"):
-        raise RecipeError("--recipe and --on-error are for a data file; a recipe brings its own")
-    if on_error not in ("raise", "skip"):
-        raise RecipeError(f"--on-error {on_error!r}: expected raise or skip")
-    if tokens and not is_recipe and recipe_for_tokens is None:
-        raise RecipeError(
-            "--tokens on a data file needs --recipe RECIPE (the model whose tokenizer, and the formatter)"
-        )
-    recipe = None
-    if is_recipe or recipe_for_tokens is not None:
-        from hpref.components import Components
-        from hpref.recipe import load_recipe
-
-        recipe_path = path if is_recipe else resolve_recipe_path(recipe_for_tokens)  # type: ignore[arg-type]
-        recipe = load_recipe(recipe_path, overrides)
-        parts = Components(recipe)
-    elif overrides:
-        raise RecipeError("--set needs a recipe (the source or --recipe)")
-    if is_recipe:
-        if split not in ("train", "eval"):
-            raise RecipeError(f"--split {split!r}: expected train or eval")
-        section = getattr(recipe.dataset, split)
-        if section is None:
-            raise RecipeError(f"{path}: dataset.{split}: the recipe has no such section")
-        data = parts.source(split)
-    else:
-        data = open_data_file(path, seed=0, on_error=on_error)
-    formatter = None
-    if tokens:
-        if recipe.model is None:
-            raise RecipeError(f"{recipe_path}: --tokens needs a [model] section (for its tokenizer)")
-        formatter = parts.formatter(parts.model(meta=True, adapters=False).tokenizer)
-    return data_stats(data, formatter, ceilings=ceilings)

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from loguru import logger
 
 from hpref.errors import UserError
+from hpref.recipe import remote_code_keys
 from hpref.runfolder.checkpoints import TRAIN_STATE, resolve_checkpoint, validate_checkpoint
 from hpref.runfolder.safe_load import CheckpointError, dcp_load
 
@@ -55,26 +56,6 @@ def load_model_state(path: Path, model: Any) -> dict[str, Any]:
     state = {"model": template}
     dcp_load(state, path, no_dist=True)
     return state["model"]
-
-
-REMOTE_CODE_KEY = "trust_remote_code"
-
-
-def remote_code_keys(data: Any, prefix: str = "") -> list[str]:
-    """Dotted keys under which `data` (a recipe as a dict) turns on `trust_remote_code`, at any depth
-    (`model`, a policy's model, a plugin component's table)."""
-    found: list[str] = []
-    if isinstance(data, dict):
-        for key, value in data.items():
-            dotted = f"{prefix}{key}"
-            if key == REMOTE_CODE_KEY and value not in (False, None, 0, "", "false"):
-                found.append(dotted)
-            else:
-                found += remote_code_keys(value, dotted + ".")
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            found += remote_code_keys(value, f"{prefix}{i}.")
-    return found
 
 
 def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):

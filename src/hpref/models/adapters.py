@@ -390,8 +390,8 @@ def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu
     with the folder, so it may not turn on remote code (as for a run folder's recipe)."""
     from safetensors.torch import load_file
 
-    from hpref.evaluate.export import remote_code_keys
     from hpref.plugins import load_plugins
+    from hpref.recipe import remote_code_keys
 
     require_peft()
     from peft import PeftModel

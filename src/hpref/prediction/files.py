@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from hpref.data.readers import LABEL_SUM_TOLERANCE, TableFile, detect_format
+from hpref.data.readers import LABEL_SUM_TOLERANCE
 from hpref.data.records import LABELS
+from hpref.data.tables import TableFile, detect_format
 from hpref.errors import DataError
 from hpref.runfolder.files import write_bytes_atomic
 
