@@ -34,6 +34,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests plugins benchmarks
+	$(BIN)/lint-imports
 	$(BIN)/ruff format --check src tests plugins benchmarks
 
 clean:
