@@ -33,7 +33,8 @@ def _check_class(cls: type, protocol: type) -> None:
     for name, wanted in _protocol_methods(protocol).items():
         impl = getattr(cls, name, None)
         assert callable(impl), f"{cls.__name__} has no {name}() ({protocol.__name__})"
-        have = inspect.signature(impl).parameters
+        # `ray.remote(cls)` adds a `_ray_trace_ctx` keyword to the methods of the class it wraps
+        have = {k: p for k, p in inspect.signature(impl).parameters.items() if k != "_ray_trace_ctx"}
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in have.values()):
             continue
         assert list(have) == list(wanted.parameters), (cls.__name__, name, list(have))
