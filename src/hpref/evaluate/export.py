@@ -206,7 +206,7 @@ def model_card(
         files,
         "- load: `hpref eval RECIPE --checkpoint folder`, or in Python "
         + (
-            "`hpref.models.adapters.load_adapter_export(folder)`"
+            "`hpref.evaluate.adapter_export.load_adapter_export(folder)`"
             if adapter
             else "`hpref.models.PreferenceModel.from_pretrained(folder)`"
         ),

@@ -198,7 +198,7 @@ def _rank() -> int:
 
 def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides, mbt, device):
     from hpref.components import Components
-    from hpref.models.adapters import is_adapter_export, load_adapter_export
+    from hpref.evaluate.adapter_export import is_adapter_export, load_adapter_export
     from hpref.prediction.files import Predictions
     from hpref.recipe import load_recipe
 

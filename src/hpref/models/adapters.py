@@ -27,7 +27,7 @@ plain `PreferenceModel` again, and `save_pretrained` writes today's format. `sav
 PEFT's own adapter folder (`adapter_config.json`, `adapter_model.safetensors`: loadable by
 `peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base), folder)`) plus hpref's head and
 `hpref_adapter.json`, which names the base model (the recipe's `[model]` section) so that
-`load_adapter_export` can rebuild base + adapter + head.
+`hpref.evaluate.adapter_export.load_adapter_export` rebuilds base + adapter + head.
 
 RL policies. An `hpref rl` policy is a plain transformers causal LM: `apply_lora_to_causal_lm`
 adapts it in place (default targets: every linear layer in its decoder blocks), `merged_lm_state`
@@ -111,7 +111,7 @@ def quantize_problem(settings: LoraSection, *, on_cuda: bool | None = None) -> s
 
 
 @contextlib.contextmanager
-def _quiet_peft() -> Iterator[None]:
+def quiet_peft() -> Iterator[None]:
     """PEFT asks transformers v5 models `is_gradient_checkpointing`, which warns that it is renamed:
     a FutureWarning on every build that says nothing to an hpref user."""
     with warnings.catch_warnings():
@@ -210,7 +210,7 @@ def apply_lora(model: Any, settings: LoraSection) -> LoraState:
     meta = any(p.is_meta for p in backbone.parameters())
     config = lora_config(model, settings)
     try:
-        with torch.random.fork_rng(devices=[]), _quiet_peft():  # PEFT draws its init from the global RNG
+        with torch.random.fork_rng(devices=[]), quiet_peft():  # PEFT draws its init from the global RNG
             peft_model = get_peft_model(backbone, config, low_cpu_mem_usage=meta)
     except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
         linear = sorted(
@@ -378,79 +378,18 @@ def save_adapter(model: Any, folder: Path, *, base: dict[str, Any], dtype: torch
     (folder / ADAPTER_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def is_adapter_export(folder: str | Path) -> bool:
-    return (Path(folder) / ADAPTER_JSON).is_file()
-
-
-def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
-    """Rebuild base + adapter + head from a folder written by `save_adapter` (`hpref save --adapter`).
-
-    The base is the `[model]` section recorded in `hpref_adapter.json`, built as training built it;
-    PEFT loads the adapter into it (`PeftModel.from_pretrained`, safetensors only). That section came
-    with the folder, so it may not turn on remote code (as for a run folder's recipe)."""
-    from safetensors.torch import load_file
-
-    from hpref.plugins import load_plugins
-    from hpref.recipe import remote_code_keys
-
-    require_peft()
-    from peft import PeftModel
-
-    folder = Path(folder)
-    try:
-        meta = json.loads((folder / ADAPTER_JSON).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{folder / ADAPTER_JSON}: unreadable ({exc})") from None
-    if (
-        not isinstance(meta, dict)
-        or meta.get("format") != ADAPTER_FORMAT
-        or not isinstance(meta.get("base"), dict)
-    ):
-        raise UserError(
-            f"{folder / ADAPTER_JSON}: not an hpref adapter description (format {ADAPTER_FORMAT})"
-        )
-    for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, "head.safetensors"):
-        if not (folder / name).is_file():
-            raise UserError(f"{folder}: no {name}; not a complete adapter export")
-    base = dict(meta["base"])
-    if remote_code_keys(base):
-        raise UserError(
-            f"{folder / ADAPTER_JSON}: base.trust_remote_code = true: a folder being loaded may not enable "
-            "remote code"
-        )
-    registry = load_plugins()
-    name = base.pop("name", None)
-    component = registry.get("model", str(name))
-    try:
-        config = component.config.model_validate(base)
-    except Exception as exc:
-        raise UserError(f"{folder / ADAPTER_JSON}: base: {str(exc).splitlines()[0]}") from None
-    model = component.build(config, num_labels=int(meta.get("num_labels", 3)), device="cpu", meta=False)
-    try:
-        with _quiet_peft():
-            peft_model = PeftModel.from_pretrained(model.backbone, str(folder), is_trainable=False)
-    except (ValueError, RuntimeError, KeyError) as exc:
-        raise UserError(
-            f"{folder}: the adapter does not fit its base model ({str(exc).splitlines()[0]})"
-        ) from None
-    model.__dict__[_STATE_ATTR] = LoraState(
+def attach_adapter(model: Any, peft_model: Any, settings: dict[str, Any]) -> LoraState:
+    """Record a loaded (not trained) PEFT adapter on `model`, as `apply_lora` records a new one:
+    merging, saving and the state-dict layout then treat it alike."""
+    state = LoraState(
         peft=peft_model,
         plain_backbone_state=model._backbone_state,
-        settings=dict(meta.get("lora", {})),
+        settings=dict(settings),
         initial={},  # loaded, not trained: nothing to initialise
         backbone_keys=list(model.backbone.state_dict()),
     )
-    head = {k.removeprefix("head."): v for k, v in load_file(str(folder / "head.safetensors")).items()}
-    try:
-        model.head.load_state_dict({k: v.float() for k, v in head.items()}, strict=True)
-    except RuntimeError as exc:
-        raise UserError(
-            f"{folder / 'head.safetensors'}: does not fit the base's head ({str(exc).splitlines()[0]})"
-        ) from None
-    model.to(torch.float32).to(device)
-    model.eval()
-    logger.info(f"loaded {component.name} + LoRA adapter from {folder}")
-    return model
+    model.__dict__[_STATE_ATTR] = state
+    return state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -517,7 +456,7 @@ def apply_lora_to_causal_lm(lm: nn.Module, settings: LoraSection, *, seed: int =
     meta = any(p.is_meta for p in lm.parameters())
     config = causal_lm_lora_config(lm, settings)
     try:
-        with torch.random.fork_rng(devices=[]), _quiet_peft():
+        with torch.random.fork_rng(devices=[]), quiet_peft():
             torch.manual_seed(seed)
             peft_model = get_peft_model(lm, config, low_cpu_mem_usage=meta)
     except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"

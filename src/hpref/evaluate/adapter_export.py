@@ -1,0 +1,95 @@
+"""Reading an adapter export back (`hpref save --adapter`): the base model its folder names, PEFT's
+adapter loaded into it, hpref's head. `hpref eval --checkpoint FOLDER` and Python callers use it.
+
+The folder is written by `hpref.models.adapters.save_adapter`; this side needs the component registry
+(the base is a `[model]` section) and the export's remote-code check, so it lives with evaluation,
+not with the models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+
+from hpref.errors import UserError
+from hpref.models.adapters import (
+    ADAPTER_FORMAT,
+    ADAPTER_JSON,
+    PEFT_CONFIG_FILE,
+    PEFT_WEIGHTS_FILE,
+    attach_adapter,
+    quiet_peft,
+    require_peft,
+)
+from hpref.plugins import load_plugins
+from hpref.recipe import remote_code_keys
+
+
+def is_adapter_export(folder: str | Path) -> bool:
+    return (Path(folder) / ADAPTER_JSON).is_file()
+
+
+def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
+    """Rebuild base + adapter + head from a folder written by `save_adapter` (`hpref save --adapter`).
+
+    The base is the `[model]` section recorded in `hpref_adapter.json`, built as training built it;
+    PEFT loads the adapter into it (`PeftModel.from_pretrained`, safetensors only). That section came
+    with the folder, so it may not turn on remote code (as for a run folder's recipe)."""
+    from safetensors.torch import load_file
+
+    require_peft()
+    from peft import PeftModel
+
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / ADAPTER_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{folder / ADAPTER_JSON}: unreadable ({exc})") from None
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != ADAPTER_FORMAT
+        or not isinstance(meta.get("base"), dict)
+    ):
+        raise UserError(
+            f"{folder / ADAPTER_JSON}: not an hpref adapter description (format {ADAPTER_FORMAT})"
+        )
+    for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, "head.safetensors"):
+        if not (folder / name).is_file():
+            raise UserError(f"{folder}: no {name}; not a complete adapter export")
+    base = dict(meta["base"])
+    if remote_code_keys(base):
+        raise UserError(
+            f"{folder / ADAPTER_JSON}: base.trust_remote_code = true: a folder being loaded may not enable "
+            "remote code"
+        )
+    registry = load_plugins()
+    name = base.pop("name", None)
+    component = registry.get("model", str(name))
+    try:
+        config = component.config.model_validate(base)
+    except Exception as exc:
+        raise UserError(f"{folder / ADAPTER_JSON}: base: {str(exc).splitlines()[0]}") from None
+    model = component.build(config, num_labels=int(meta.get("num_labels", 3)), device="cpu", meta=False)
+    try:
+        with quiet_peft():
+            peft_model = PeftModel.from_pretrained(model.backbone, str(folder), is_trainable=False)
+    except (ValueError, RuntimeError, KeyError) as exc:
+        raise UserError(
+            f"{folder}: the adapter does not fit its base model ({str(exc).splitlines()[0]})"
+        ) from None
+    attach_adapter(model, peft_model, meta.get("lora", {}))
+    head = {k.removeprefix("head."): v for k, v in load_file(str(folder / "head.safetensors")).items()}
+    try:
+        model.head.load_state_dict({k: v.float() for k, v in head.items()}, strict=True)
+    except RuntimeError as exc:
+        raise UserError(
+            f"{folder / 'head.safetensors'}: does not fit the base's head ({str(exc).splitlines()[0]})"
+        ) from None
+    model.to(torch.float32).to(device)
+    model.eval()
+    logger.info(f"loaded {component.name} + LoRA adapter from {folder}")
+    return model
