@@ -94,7 +94,7 @@ class PolicyRolloutOverrides(_Section):
 
 
 class PolicyLoraSection(LoraSection):
-    """A policy's `[lora]`: the recipe section's keys, for a causal LM (`hpref.models.adapters`
+    """A policy's `[lora]`: the recipe section's keys, for a causal LM (`hpref.models.lm_adapters`
     `apply_lora_to_causal_lm`)."""
 
     @field_validator("quantize_base")

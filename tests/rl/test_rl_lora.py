@@ -437,7 +437,7 @@ def test_merged_weights_cover_embedding_and_lm_head_adapters():
     # embedding while the trainer uses the adapted one. Random adapters, so every delta is non-zero.
     from transformers import LlamaForCausalLM
 
-    from hpref.models.adapters import apply_lora_to_causal_lm, merged_lm_state
+    from hpref.models.lm_adapters import apply_lora_to_causal_lm, merged_lm_state
     from hpref.recipe import LoraSection
     from hpref.recipe_rl import PolicyModelConfig
     from hpref.rl.policy import tiny_policy_config

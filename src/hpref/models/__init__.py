@@ -8,6 +8,9 @@
 """
 
 from hpref.models.attention import ATTENTION_NAME, BACKENDS, register_varlen_attention
-from hpref.models.preference import PreferenceModel
+from hpref.models.hf import load_exported
+from hpref.models.preference import PreferenceModel, set_export_loader
+
+set_export_loader(load_exported)  # PreferenceModel.from_pretrained reads exports through hf.py
 
 __all__ = ["ATTENTION_NAME", "BACKENDS", "PreferenceModel", "register_varlen_attention"]

@@ -464,11 +464,22 @@ class PreferenceModel(nn.Module):
         trust_remote_code: bool = False,
     ) -> PreferenceModel:
         """Load a folder written by `save_pretrained` (backbone and trained head)."""
-        from hpref.models.hf import load_exported
-
-        return load_exported(
+        if _export_loader is None:  # pragma: no cover - hpref.models installs it on import
+            raise RuntimeError("hpref.models.hf has not installed the export loader")
+        return _export_loader(
             Path(folder), device=device, meta=meta, attention=attention, trust_remote_code=trust_remote_code
         )
+
+
+#: What `PreferenceModel.from_pretrained` reads an export with: `hpref.models.hf.load_exported`,
+#: installed by `hpref.models` (whose `__init__` runs before this module is reachable). A hook, not an
+#: import, because hf.py builds PreferenceModels and so sits above this module (docs/architecture.md).
+_export_loader: Callable[..., PreferenceModel] | None = None
+
+
+def set_export_loader(loader: Callable[..., PreferenceModel]) -> None:
+    global _export_loader
+    _export_loader = loader
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

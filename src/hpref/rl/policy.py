@@ -106,7 +106,7 @@ def check_policy_lora(config: RLConfig, policies: list[str], where: str, *, skip
     `target_modules` name linear layers it has). A `RecipeError` of one line naming the policy.
     `skip_paths`: leave out policies whose model is a local folder (a check for another machine)."""
     from hpref.errors import RecipeError
-    from hpref.models.adapters import apply_lora_to_causal_lm
+    from hpref.models.lm_adapters import apply_lora_to_causal_lm
 
     for p in policies:
         policy = config.policies[p]

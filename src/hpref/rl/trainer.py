@@ -43,7 +43,7 @@ class TrainerActor:
         self.model, self.tokenizer = build_policy_model(self.config.model)
         self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
         if self.config.lora is not None:
-            from hpref.models.adapters import apply_lora_to_causal_lm
+            from hpref.models.lm_adapters import apply_lora_to_causal_lm
 
             try:
                 self.lora = apply_lora_to_causal_lm(self.model, self.config.lora, seed=self.config.model.seed)
@@ -160,7 +160,7 @@ class TrainerActor:
         state dict per sync, the same as without LoRA."""
         self.version = expected_version(self.rollouts_done, self.update_interval)
         if self.lora is not None:
-            from hpref.models.adapters import merged_lm_state
+            from hpref.models.lm_adapters import merged_lm_state
 
             return self.version, merged_lm_state(self.model)
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -180,7 +180,7 @@ class TrainerActor:
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
-            from hpref.models.adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE
+            from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE
 
             self.lora.save_pretrained(
                 str(path / POLICY_ADAPTER_DIR), safe_serialization=True, save_embedding_layers=False
@@ -205,7 +205,7 @@ class TrainerActor:
         """Restore from `folder`; returns the rollout id to start at (0 when there is nothing there)."""
         from safetensors.torch import load_file
 
-        from hpref.models.adapters import POLICY_BASE_FILE
+        from hpref.models.lm_adapters import POLICY_BASE_FILE
         from hpref.runfolder import integrity
         from hpref.runfolder.safe_load import CheckpointError, load_torch_file
 
@@ -249,12 +249,8 @@ class TrainerActor:
         """The adapter of a LoRA save into this trainer, after checking it adapts this very base."""
         from safetensors.torch import load_file
 
-        from hpref.models.adapters import (
-            PEFT_WEIGHTS_FILE,
-            POLICY_ADAPTER_DIR,
-            POLICY_BASE_FILE,
-            load_lm_adapter_state,
-        )
+        from hpref.models.adapters import PEFT_WEIGHTS_FILE
+        from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE, load_lm_adapter_state
         from hpref.runfolder.safe_load import CheckpointError
 
         described = path / POLICY_BASE_FILE

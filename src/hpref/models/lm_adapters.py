@@ -1,0 +1,149 @@
+"""LoRA on `hpref rl` policies: plain transformers causal LMs, not `PreferenceModel`s.
+
+PEFT adapts the LM itself, in place, and the trainer keeps the `PeftModel` beside it (as
+`hpref.models.adapters.apply_lora` does for preference models). The policy's engine holds no
+adapters: it is sent `merged_lm_state` (see `hpref.rl.trainer.TrainerActor.update_weights`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hpref.errors import UserError, did_you_mean
+from hpref.models.adapters import ADAPTER, plain_key, quiet_peft, require_peft
+
+if TYPE_CHECKING:
+    from hpref.recipe import LoraSection
+
+
+POLICY_BASE_FILE = "policy_base.json"  # beside an rl trainer's adapter: which base it adapts
+POLICY_ADAPTER_DIR = "adapter"  # PEFT's adapter folder inside an rl trainer save
+
+
+def decoder_blocks(lm: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a transformers causal LM: the ModuleList as long as the config's
+    `num_hidden_layers` (Llama, Qwen, Mistral `model.layers`; GPT-2 `transformer.h`)."""
+    layers = getattr(getattr(lm, "config", None), "num_hidden_layers", None)
+    for module in lm.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == layers:
+            return module
+    raise RuntimeError(f"could not find the decoder blocks of {type(lm).__name__}")
+
+
+def causal_lm_lora_config(lm: nn.Module, settings: LoraSection) -> Any:
+    """PEFT's `LoraConfig` for a policy LM: by default every linear layer inside its decoder blocks
+    (attention and MLP projections), never the embeddings or the LM head."""
+    from peft import LoraConfig
+
+    targets = settings.target_modules
+    if targets is None:
+        targets = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in decoder_blocks(lm).named_modules()
+                if isinstance(module, nn.Linear)
+            }
+        )
+    return LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.scale_alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora_to_causal_lm(lm: nn.Module, settings: LoraSection, *, seed: int = 0) -> Any:
+    """Inject LoRA adapters into `lm` in place and freeze its base weights; returns the `PeftModel`.
+
+    `lm` stays the object every forward pass calls (PEFT wraps it, it does not replace it). The
+    adapters start as PEFT's init (`lora_B` zeros), so the adapted LM computes exactly what the base
+    does until its first step; they are drawn under `seed` so every build of a policy starts alike.
+    A user error (exit 2) when peft is missing, `quantize_base` is set, or `target_modules` names
+    nothing in the LM."""
+    require_peft()
+    if settings.quantize_base != "none":
+        raise UserError(
+            f"lora.quantize_base: '{settings.quantize_base}' (QLoRA) is not supported for hpref rl "
+            'policies; set lora.quantize_base = "none"'
+        )
+    from peft import get_peft_model
+
+    meta = any(p.is_meta for p in lm.parameters())
+    config = causal_lm_lora_config(lm, settings)
+    try:
+        with torch.random.fork_rng(devices=[]), quiet_peft():
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(lm, config, low_cpu_mem_usage=meta)
+    except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)})
+        first = str(exc).strip().splitlines()[0]
+        wrong = next((t for t in config.target_modules if t not in linear), "")
+        hint = did_you_mean(wrong, linear) if wrong else ""
+        raise UserError(
+            f"lora.target_modules: {first}{hint}; the policy's linear layers are: {', '.join(linear)}"
+        ) from None
+    if peft_model.base_model.model is not lm:
+        raise RuntimeError("peft did not adapt the policy in place")
+    return peft_model
+
+
+def merged_lm_state(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapted LM's weights with the adapters folded in, under the plain LM's keys: what the LM
+    would hold after PEFT's `merge_and_unload`, computed without touching it (merging and unmerging
+    in place would leave rounding error in the frozen base). Each adapted weight is
+    `base + get_delta_weight` (PEFT's `B @ A * alpha / r`); every other tensor is copied."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, module in lm.named_modules():
+            # linear layers hold their adapter in lora_A, embeddings in lora_embedding_A
+            if isinstance(module, LoraLayer) and (
+                ADAPTER in module.lora_A or ADAPTER in module.lora_embedding_A
+            ):
+                deltas[f"{name}.weight"] = module.get_delta_weight(ADAPTER)
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in lm.state_dict().items():
+            if ".lora_" in key:  # lora_A / lora_B (and PEFT's other per-adapter parameters)
+                continue
+            plain = plain_key(key)
+            value = tensor.detach()
+            delta = deltas.get(plain)
+            out[plain] = (value + delta.to(value.dtype)) if delta is not None else value.clone()
+    return out
+
+
+def lm_adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under PEFT's saved names (`get_peft_model_state_dict`)."""
+    from peft.utils import get_peft_model_state_dict
+
+    # the base embeddings never train here: "auto" would look the base up (on the Hub) to decide
+    return get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+
+
+def load_lm_adapter_state(peft_model: Any, state: dict[str, torch.Tensor], *, source: str) -> None:
+    """Put saved adapter tensors (PEFT's names, e.g. read from `adapter_model.safetensors`) into
+    `peft_model`: exactly the adapter's keys and shapes, else a `ValueError` naming `source` and the
+    first difference."""
+    from peft.utils import set_peft_model_state_dict
+
+    want = lm_adapter_state(peft_model)
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or extra:
+        first = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise ValueError(
+            f"{source}: the adapter's tensors do not fit the policy ({first}; {len(missing)} missing, "
+            f"{len(extra)} unexpected)"
+        )
+    for key, tensor in state.items():
+        if tensor.shape != want[key].shape:
+            raise ValueError(
+                f"{source}: {key} has shape {tuple(tensor.shape)}, the policy's adapter "
+                f"{tuple(want[key].shape)} (another lora.r or target_modules?)"
+            )
+    set_peft_model_state_dict(peft_model, state)
