@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from tests.rl.tiny import TINY  # noqa: E402
+from tests.rl.tiny import write_rl_recipe  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -75,41 +75,6 @@ def _listening(pids: set[int]) -> list[str]:
 def _beyond_loopback(lines: list[str]) -> list[str]:
     ok = ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]")
     return [line for line in lines if line.split()[3].rpartition(":")[0] not in ok]
-
-
-def write_rl_recipe(folder: Path, name: str, num_rollouts: int = 2) -> Path:
-    model = ", ".join(f"{k} = {v}" for k, v in TINY.items())
-    path = folder / f"{name}.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [run]
-        name = "{name}"
-        output_dir = "{(folder / "runs").as_posix()}"
-
-        [rl]
-        num_rollouts = {num_rollouts}
-        save_interval = 1
-        eval_interval = 0
-
-        [rl.rollout]
-        group_size = 2
-        prompts_per_rollout = 2
-        max_new_tokens = 4
-
-        [rl.reward]
-        name = "rule"
-
-        [rl.defaults]
-        lr = 1e-3
-        model = {{ {model} }}
-
-        [rl.policies.a]
-
-        [rl.policies.b]
-        model = {{ seed = 1 }}
-        """)
-    )
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ pytest.importorskip("ray")
 pytest.importorskip("torch")
 
 from hpref.runfolder.record import read_record  # noqa: E402
-from tests.rl.tiny import TINY  # noqa: E402
+from tests.rl.tiny import write_rl_recipe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -34,39 +33,7 @@ RUN_SECONDS = 60  # the policies' loops; the save is asked for within the first 
 
 
 def _recipe(folder: Path) -> Path:
-    model = ", ".join(f"{k} = {v}" for k, v in TINY.items())
-    path = folder / "live.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [run]
-        name = "live"
-        output_dir = "{(folder / "runs").as_posix()}"
-
-        [rl]
-        num_rollouts = 100000
-        time_limit_s = {RUN_SECONDS}
-        save_interval = 0
-        eval_interval = 0
-
-        [rl.rollout]
-        group_size = 2
-        prompts_per_rollout = 2
-        max_new_tokens = 4
-
-        [rl.reward]
-        name = "rule"
-
-        [rl.defaults]
-        lr = 1e-3
-        model = {{ {model} }}
-
-        [rl.policies.a]
-
-        [rl.policies.b]
-        model = {{ seed = 1 }}
-        """)
-    )
-    return path
+    return write_rl_recipe(folder, "live", num_rollouts=100000, save_interval=0, time_limit_s=RUN_SECONDS)
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
