@@ -193,6 +193,31 @@ def has_lora(model: Any) -> bool:
     return lora_state(model) is not None
 
 
+def inject_lora(module: nn.Module, config: Any, *, what: str, seed: int | None = None) -> Any:
+    """PEFT's `get_peft_model` on `module`, in place (PEFT wraps it; every forward still calls it),
+    under a forked RNG (PEFT draws its init from the global one; `seed` makes it reproducible); a
+    `target_modules` entry that matches nothing is one `UserError` listing `what`'s linear layers."""
+    from peft import get_peft_model
+
+    meta = any(p.is_meta for p in module.parameters())
+    try:
+        with torch.random.fork_rng(devices=[]), quiet_peft():
+            if seed is not None:
+                torch.manual_seed(seed)
+            peft_model = get_peft_model(module, config, low_cpu_mem_usage=meta)
+    except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, nn.Linear)})
+        first = str(exc).strip().splitlines()[0]
+        wrong = next((t for t in config.target_modules if t not in linear), "")
+        hint = did_you_mean(wrong, linear) if wrong else ""
+        raise UserError(
+            f"lora.target_modules: {first}{hint}; the {what}'s linear layers are: {', '.join(linear)}"
+        ) from None
+    if peft_model.base_model.model is not module:
+        raise RuntimeError(f"peft did not adapt the {what} in place")
+    return peft_model
+
+
 def apply_lora(model: Any, settings: LoraSection) -> LoraState:
     """Inject LoRA adapters into `model.backbone` in place (meta or materialised) and freeze the base.
 
@@ -202,28 +227,11 @@ def apply_lora(model: Any, settings: LoraSection) -> LoraState:
     problem = quantize_problem(settings)
     if problem is not None:
         raise UserError(f"lora.quantize_base: {problem}")
-    from peft import get_peft_model
-
     if has_lora(model):
         raise RuntimeError("the model already has LoRA adapters")
     backbone = model.backbone
-    meta = any(p.is_meta for p in backbone.parameters())
     config = lora_config(model, settings)
-    try:
-        with torch.random.fork_rng(devices=[]), quiet_peft():  # PEFT draws its init from the global RNG
-            peft_model = get_peft_model(backbone, config, low_cpu_mem_usage=meta)
-    except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
-        linear = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in backbone.named_modules() if isinstance(m, nn.Linear)}
-        )
-        first = str(exc).strip().splitlines()[0]
-        wrong = next((t for t in config.target_modules if t not in linear), "")
-        hint = did_you_mean(wrong, linear) if wrong else ""
-        raise UserError(
-            f"lora.target_modules: {first}{hint}; the backbone's linear layers are: {', '.join(linear)}"
-        ) from None
-    if peft_model.base_model.model is not backbone:
-        raise RuntimeError("peft did not adapt the backbone in place")
+    peft_model = inject_lora(backbone, config, what="backbone")
     state = LoraState(
         peft=peft_model,
         plain_backbone_state=model._backbone_state,

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hpref.errors import UserError, did_you_mean
-from hpref.models.adapters import ADAPTER, plain_key, quiet_peft, require_peft
+from hpref.errors import UserError
+from hpref.models.adapters import ADAPTER, inject_lora, plain_key, require_peft
 
 if TYPE_CHECKING:
     from hpref.recipe import LoraSection
@@ -71,25 +71,7 @@ def apply_lora_to_causal_lm(lm: nn.Module, settings: LoraSection, *, seed: int =
             f"lora.quantize_base: '{settings.quantize_base}' (QLoRA) is not supported for hpref rl "
             'policies; set lora.quantize_base = "none"'
         )
-    from peft import get_peft_model
-
-    meta = any(p.is_meta for p in lm.parameters())
-    config = causal_lm_lora_config(lm, settings)
-    try:
-        with torch.random.fork_rng(devices=[]), quiet_peft():
-            torch.manual_seed(seed)
-            peft_model = get_peft_model(lm, config, low_cpu_mem_usage=meta)
-    except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear)})
-        first = str(exc).strip().splitlines()[0]
-        wrong = next((t for t in config.target_modules if t not in linear), "")
-        hint = did_you_mean(wrong, linear) if wrong else ""
-        raise UserError(
-            f"lora.target_modules: {first}{hint}; the policy's linear layers are: {', '.join(linear)}"
-        ) from None
-    if peft_model.base_model.model is not lm:
-        raise RuntimeError("peft did not adapt the policy in place")
-    return peft_model
+    return inject_lora(lm, causal_lm_lora_config(lm, settings), what="policy", seed=seed)
 
 
 def merged_lm_state(lm: nn.Module) -> dict[str, torch.Tensor]:
