@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from hpref.recipe import recipe_from_dict
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY = {
     "name": "tiny-llama",
@@ -20,11 +16,6 @@ TINY = {
     "vocab_size": 400,
     "tokenizer_texts": 300,
 }
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
 
 
 def _recipe(**sections):
