@@ -55,9 +55,10 @@ class ModelParallel:
 
 
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> ModelParallel:
-    """megatron's parallel state over the existing process group (a one-process gloo group on an
-    in-memory store when there is none: `hpref save` and `hpref eval` build the model alone).
-    A process that is alone builds the model unsplit (tensor-parallel size 1)."""
+    """megatron's parallel state over the existing process group. A process that is alone
+    (`hpref save`, `hpref eval`) builds the model unsplit (tensor-parallel size 1), on a one-process
+    gloo group on an in-memory store that it creates when there is none and leaves in place:
+    megatron's layers hold its tensor-parallel group for as long as the model lives."""
     from megatron.core import parallel_state
 
     if pipeline_parallel != 1:
