@@ -122,3 +122,37 @@ def test_lora_with_megatron_is_refused(alone):
     )
     with pytest.raises(UserError, match=r"\[lora\] is not supported with model 'megatron-gpt'"):
         Components(recipe).model()
+
+
+def test_tensor_parallel_model_is_built_unsplit_alone_but_not_trained_alone(alone):
+    """One process (`hpref save`, `hpref eval`) builds a tensor_parallel = 2 model unsplit, with the
+    vocabulary padded as the 2-rank run padded it (so its checkpoint fits); training it alone is a
+    one-line error. If this fails, either a TP = 2 run cannot be exported on one process, or a
+    recipe asking for TP = 2 on one rank silently trains something else."""
+    import torch
+
+    model = build(tiny_llama=TINY, tensor_parallel=2)
+    assert model.parallel.tp_size == 1
+    vocab = len(model.tokenizer)
+    rows = model.backbone.gpt.embedding.word_embeddings.weight.shape[0]
+    assert rows == vocab + vocab % 2
+    with pytest.raises(UserError, match="model.tensor_parallel = 2 needs a multiple of that many ranks"):
+        model.parallelize_self(param_dtype=torch.float32, activation_checkpointing=False)
+
+
+def test_load_plain_state_reads_what_save_pretrained_wrote(alone, tmp_path):
+    """`hpref init` writes a megatron-gpt model's transformers-layout folder, and `hpref train`
+    starts from it through `load_plain_state`: the model that loads it gives the saved model's
+    logits. If this fails, a run started after `hpref init` would train from other weights."""
+    from hpref.train.sharding import read_init_weights
+
+    saved = build(tiny_llama=TINY, seed=1)
+    with torch.no_grad():
+        for param in saved.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    saved.save_pretrained(tmp_path / "init")
+    fresh = build(tiny_llama=TINY, seed=2)
+    fresh.load_plain_state(read_init_weights(tmp_path / "init"))
+    ids, cu, positions = packed_row()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids, cu, positions), saved(ids, cu, positions))

@@ -52,6 +52,7 @@ class ModelParallel:
     tp_rank: int
     tp_size: int
     data: DataParallel
+    requested_tp: int = 1  # the recipe's; a process alone builds the model unsplit (tp_size 1)
 
 
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> ModelParallel:
@@ -82,7 +83,7 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> Mod
         size=parallel_state.get_data_parallel_world_size(),
         group=parallel_state.get_data_parallel_group() if world > 1 else None,
     )
-    return ModelParallel(parallel_state.get_tensor_model_parallel_rank(), tp, data)
+    return ModelParallel(parallel_state.get_tensor_model_parallel_rank(), tp, data, tensor_parallel)
 
 
 #: Why pipeline_parallel > 1 is refused (see the module docstring of hpref.builtin.megatron).
@@ -130,6 +131,30 @@ class MegatronPreferenceModel(PreferenceModel):
             )
         self.to(device if device is not None else getattr(self, "target_device", "cpu"))
 
+    def load_plain_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict in the transformers layout (`backbone.*` transformers keys,
+        `head.*`: what `save_pretrained` and `hpref init` write), this rank's shard of it."""
+        from hpref.models.megatron import hf_to_megatron
+
+        backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        ours = hf_to_megatron(
+            backbone,
+            self.backbone.shape,
+            tp_rank=self.parallel.tp_rank,
+            tp_size=self.parallel.tp_size,
+            vocab_multiple=self.backbone.vocab_multiple,
+        )
+        ours = {f"backbone.{k}": v for k, v in ours.items()}
+        ours.update({k: v for k, v in state.items() if k.startswith("head.")})
+        device = next(self.parameters()).device
+        with torch.no_grad():
+            params = dict(self.named_parameters())
+            missing = set(params) - set(ours)
+            if missing:
+                raise ValueError(f"the state dict has no {sorted(missing)[:3]}")
+            for key, param in params.items():
+                param.copy_(ours[key].to(device))
+
     def save_pretrained(self, folder, state_dict: dict[str, torch.Tensor] | None = None):
         """A plain transformers folder (see `PreferenceModel.save_pretrained`): the backbone's
         megatron state (one unsplit process: `hpref save`) converted back to transformers keys."""
@@ -150,6 +175,11 @@ class MegatronPreferenceModel(PreferenceModel):
     def parallelize_self(self, *, param_dtype: torch.dtype, activation_checkpointing: bool) -> nn.Module:
         """The trainer's parallelise step for this model (see the module docstring): fp32 master
         weights, `param_dtype` by autocast, the data-parallel group for gradients."""
+        if self.parallel.requested_tp != self.parallel.tp_size:  # training alone with tp > 1
+            raise UserError(
+                f"model.tensor_parallel = {self.parallel.requested_tp} needs a multiple of that many ranks "
+                "to train on; this run has 1 (set launch.nproc)"
+            )
         if activation_checkpointing:
             self.set_activation_checkpointing(True)
         self.autocast_dtype = None if param_dtype == torch.float32 else param_dtype
