@@ -80,3 +80,52 @@ print('lora', f\"{s['trainable_params']:,} of {s['params']:,} trainable, {s['tok
 #   --set train.max_length=2048 --set train.micro_batch_tokens=16384 --set train.max_steps=20 \
 #   --set train.eval_interval=0 --set dataset.train.num_battles=4000 \
 #   --set lora.r=16 --set 'lora.quantize_base="4bit"'
+
+# 5. The megatron-core backend (`megatron-gpt`, #15; pip install -e '.[gpu,megatron]'). Not run yet.
+#    a) Correctness on CUDA: megatron-gpt built from tiny-llama's settings gives tiny-llama's logits
+#       on a packed row (fp32; on CUDA megatron's own RoPE path runs, the CPU seam is off, and
+#       attention goes through hpref's flash / torch varlen kernels in THD).
+"$PY" - <<'PYEOF' || echo "megatron: correctness check failed"
+import torch
+from hpref.plugins import load_plugins
+
+plugins = load_plugins()
+tiny = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+            intermediate_size=512, vocab_size=2048, tokenizer_texts=2000)
+ref = plugins.get("model", "tiny-llama")
+ref = ref.build(ref.config(**tiny, head_dropout=0.0), device="cuda").eval()
+meg = plugins.get("model", "megatron-gpt")
+meg = meg.build(meg.config(tiny_llama=tiny, head_dropout=0.0), device="cuda").eval()
+lengths = [37, 128, 5, 300, 64]
+gen = torch.Generator().manual_seed(0)
+ids = torch.randint(3, 1000, (sum(lengths),), generator=gen).cuda()
+cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])
+with torch.inference_mode():
+    for backend in ("sdpa_segments", "torch_varlen", "flash_varlen"):
+        ref.attention = meg.attention = backend
+        try:
+            err = (meg(ids, cu, pos) - ref(ids, cu, pos)).abs().max().item()
+        except Exception as exc:
+            print(f"megatron {backend}: unavailable ({exc})")
+            continue
+        print(f"megatron {backend}: max |megatron - transformers| logit {err:.2e} -> {'OK' if err < 1e-3 else 'FAIL'}")
+PYEOF
+
+#    b) Speed: the ~1B decoder of section 2 on megatron-gpt, TP = 1 on one GPU (compare with the
+#       FSDP2 numbers above), and TP = 2 over two GPUs where they exist (tensor-parallel over nccl).
+MEGATRON_1B=(--set run.output_dir="$OUT" \
+  --set model.tiny_llama.hidden_size=2048 --set model.tiny_llama.num_hidden_layers=16 \
+  --set model.tiny_llama.num_attention_heads=16 --set model.tiny_llama.num_key_value_heads=4 \
+  --set model.tiny_llama.intermediate_size=8192 --set model.attention=flash_varlen \
+  --set train.precision=bf16 --set train.max_length=2048 --set train.micro_batch_tokens=16384 \
+  --set train.max_steps=20 --set train.log_interval=5 --set train.eval_interval=0 \
+  --set dataset.train.num_battles=4000)
+GPUS=$(nvidia-smi --list-gpus | wc -l)
+for tp in 1 2; do
+  if [ "$tp" -gt "$GPUS" ]; then echo "megatron tp=$tp: needs $tp GPUs, this machine has $GPUS"; continue; fi
+  "$PY" -m hpref train recipes/megatron-quickstart.toml "${MEGATRON_1B[@]}" --set run.name="1b-megatron-tp$tp" \
+    --set model.tensor_parallel=$tp --set launch.nproc=$tp || { echo "megatron tp=$tp: hpref train failed"; continue; }
+  "$PY" -c "import json; s=json.load(open('$OUT/1b-megatron-tp$tp/summary.json')); \
+print('megatron tp=$tp', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%} of {s['peak']}, peak mem {s['peak_memory_gib']:.1f} GiB\")"
+done

@@ -54,6 +54,12 @@ class Components:
         if adapters and self.recipe.lora is not None:
             from hpref.models.adapters import apply_lora
 
+            if not getattr(model, "supports_lora", True):
+                raise UserError(
+                    f"[lora] is not supported with model '{section.name}' (its layers are not "
+                    "transformers modules PEFT can wrap); remove [lora] to fine-tune it fully"
+                )
+
             apply_lora(model, self.recipe.lora)
         return model
 
@@ -92,10 +98,16 @@ class Components:
 
     @property
     def parallelize(self) -> Callable[..., Any]:
-        """`parallelize(model, *, param_dtype, activation_checkpointing)`: FSDP2 in hpref's order."""
+        """`parallelize(model, *, param_dtype, activation_checkpointing)`: FSDP2 in hpref's order,
+        or the model's own `parallelize_self` when it has one (megatron-gpt: tensor parallel inside,
+        data parallel by gradient all-reduce)."""
         from hpref.models.parallelize import parallelize
 
-        return parallelize
+        def apply(model: Any, **kwargs: Any) -> Any:
+            own = getattr(model, "parallelize_self", None)
+            return own(**kwargs) if own is not None else parallelize(model, **kwargs)
+
+        return apply
 
 
 def default_formatter(tokenizer: Any, max_length: int | None = None, registry: Registry | None = None) -> Any:

@@ -45,6 +45,7 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.datasets",
     "hpref.builtin.formatters",
     "hpref.builtin.models",
+    "hpref.builtin.megatron",
     "hpref.builtin.rewards",
     "hpref.rl.engines",
 )

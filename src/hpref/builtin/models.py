@@ -107,7 +107,10 @@ class SmolLM2Config(PretrainedConfig):
     )
 
 
-class TinyLlamaConfig(HeadConfig):
+class TinyLlamaArchitecture(_Config):
+    """The tiny Llama's shape, initialisation and tokenizer (`tiny-llama`, and `megatron-gpt`'s
+    `tiny_llama`); `seed` (the head's config) also seeds its backbone."""
+
     hidden_size: int = Field(128, ge=8, description="model width")
     num_hidden_layers: int = Field(4, ge=1, description="number of decoder blocks")
     num_attention_heads: int = Field(4, ge=1, description="query heads")
@@ -125,12 +128,9 @@ class TinyLlamaConfig(HeadConfig):
     tokenizer_texts: int = Field(20000, ge=10, description="texts the tokenizer is trained on")
     tokenizer_min_frequency: int = Field(2, ge=1, description="minimum pair count for a BPE merge")
     tokenizer_seed: int = Field(0, description="seed of the tokenizer's training text")
-    pooling: Literal["last", "mean"] = Field(
-        "last", description="token read by the head (last = the verdict token)"
-    )
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> TinyLlamaConfig:
+    def _heads_divide(self) -> TinyLlamaArchitecture:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -138,7 +138,13 @@ class TinyLlamaConfig(HeadConfig):
         return self
 
 
-def _head_kwargs(config: HeadConfig) -> dict[str, Any]:
+class TinyLlamaConfig(HeadConfig, TinyLlamaArchitecture):
+    pooling: Literal["last", "mean"] = Field(
+        "last", description="token read by the head (last = the verdict token)"
+    )
+
+
+def head_kwargs(config: HeadConfig) -> dict[str, Any]:
     return dict(
         head=config.head,
         attention=config.attention,
@@ -180,7 +186,7 @@ def build_hf_classifier(
         provenance={"component": "hf-classifier", "config": config.model_dump(mode="json")},
         backbone_config=config.backbone_config,
         backbone_dropout=config.backbone_dropout,
-        **_head_kwargs(config),
+        **head_kwargs(config),
     )
 
 
@@ -200,7 +206,7 @@ def build_minilm(
         provenance={"component": "minilm", "config": config.model_dump(mode="json")},
         backbone_config=config.backbone_config,
         backbone_dropout=config.backbone_dropout,
-        **_head_kwargs(config),
+        **head_kwargs(config),
     )
 
 
@@ -221,11 +227,11 @@ def build_smollm2(
         provenance={"component": "smollm2", "config": config.model_dump(mode="json")},
         backbone_config=config.backbone_config,
         backbone_dropout=config.backbone_dropout,
-        **_head_kwargs(config),
+        **head_kwargs(config),
     )
 
 
-def tiny_llama_backbone_config(config: TinyLlamaConfig, tokenizer: Any) -> Any:
+def tiny_llama_backbone_config(config: TinyLlamaArchitecture, tokenizer: Any) -> Any:
     """The `LlamaConfig` for these settings, sized to the trained tokenizer's vocabulary."""
     from transformers import LlamaConfig
 
@@ -282,7 +288,7 @@ def build_tiny_llama(
         meta=meta,
         pooling=config.pooling,
         provenance={"component": "tiny-llama", "config": config.model_dump(mode="json")},
-        **_head_kwargs(config),
+        **head_kwargs(config),
     )
 
 

@@ -47,15 +47,18 @@ def load_model_state(path: Path, model: Any) -> dict[str, Any]:
     import torch
 
     from hpref.models.adapters import frozen_state_keys
+    from hpref.models.parallelize import checkpoint_layout
 
     frozen = frozen_state_keys(model)
     template = {
-        k: torch.empty_like(v, device="cpu") for k, v in model.state_dict().items() if k not in frozen
+        k: torch.empty_like(v, device="cpu")
+        for k, v in model.state_dict().items()
+        if k not in frozen and not k.endswith("_extra_state")
     }
-    validate_checkpoint(path, template)
-    state = {"model": template}
-    dcp_load(state, path, no_dist=True)
-    return state["model"]
+    stored = checkpoint_layout(model, template)  # views of the template, in the checkpoint's layout
+    validate_checkpoint(path, stored["model"])
+    dcp_load(stored, path, no_dist=True)
+    return template
 
 
 def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
@@ -114,6 +117,7 @@ def load_model_from_checkpoint(
     model = Components(recipe).model(device="cpu")  # with the recipe's LoRA adapters, as trained
     state = load_model_state(checkpoint_dir, model)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]  # megatron's, never stored
     if unexpected or set(missing) - frozen_keys(model):
         raise CheckpointError(
             f"{checkpoint_dir}: does not fit the recipe's model (missing {sorted(missing)[:3]}, "

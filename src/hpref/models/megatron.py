@@ -235,7 +235,21 @@ class MegatronBackbone(nn.Module):
     """A megatron-core `GPTModel` without its output layer, plus the final RMSNorm, called like a
     transformers backbone by `PreferenceModel` (see the module docstring)."""
 
-    def __init__(self, shape: MegatronShape, *, tp_size: int = 1, params_dtype: torch.dtype = torch.float32):
+    #: attention goes through hpref's varlen kernels, so packed sequences never attend to each other
+    _supports_attention_backend = True
+
+    def __init__(
+        self,
+        shape: MegatronShape,
+        *,
+        tp_size: int = 1,
+        params_dtype: torch.dtype = torch.float32,
+        hf_config: Any = None,
+        vocab_multiple: int | None = None,
+    ):
+        """`hf_config` (the transformers config the shape was read from) becomes `config`, which
+        `PreferenceModel` reads; `vocab_multiple` pads the vocabulary to a multiple other than
+        `tp_size` (a one-process model that loads a tensor-parallel run's checkpoint)."""
         super().__init__()
         require_megatron()
         with warnings.catch_warnings():
@@ -247,13 +261,17 @@ class MegatronBackbone(nn.Module):
         spec.submodules.self_attention.submodules.core_attention = _core_attention_class()
         self.shape = shape
         self.tp_size = tp_size
-        self.config = transformer_config(shape, tp_size=tp_size, params_dtype=params_dtype)
+        self.vocab_multiple = vocab_multiple or tp_size
+        if self.vocab_multiple % tp_size:
+            raise ValueError(f"vocab_multiple {self.vocab_multiple} is not a multiple of tp_size {tp_size}")
+        self.config = hf_config
+        self.transformer_config = transformer_config(shape, tp_size=tp_size, params_dtype=params_dtype)
         # post_process=False: no vocabulary projection (the preference head reads hidden states);
         # megatron then also leaves out the final norm, which `norm` below is
         self.gpt = GPTModel(
-            config=self.config,
+            config=self.transformer_config,
             transformer_layer_spec=spec,
-            vocab_size=shape.padded_vocab(tp_size),
+            vocab_size=shape.padded_vocab(self.vocab_multiple),
             max_sequence_length=shape.max_position_embeddings,
             pre_process=True,
             post_process=False,
@@ -292,9 +310,27 @@ class MegatronBackbone(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.gpt.decoder.layers)
 
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each decoder layer in backward (torch's non-reentrant checkpoint; megatron's own
+        recompute forks its CUDA RNG tracker, see the module docstring)."""
+        from torch.utils.checkpoint import checkpoint
+
+        kwargs = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
+        for layer in self.blocks():
+            if "forward" in layer.__dict__:
+                continue
+            plain = layer.forward
+            layer.forward = lambda *a, _f=plain, **kw: checkpoint(_f, *a, **kwargs, **kw)
+
+    def activation_checkpointing_disable(self) -> None:
+        for layer in self.blocks():
+            layer.__dict__.pop("forward", None)
+
     def load_hf_state(self, hf_state: dict[str, torch.Tensor], tp_rank: int = 0) -> None:
         """Load a transformers state dict (this rank's tensor-parallel shard of it); strict."""
-        ours = hf_to_megatron(hf_state, self.shape, tp_rank=tp_rank, tp_size=self.tp_size)
+        ours = hf_to_megatron(
+            hf_state, self.shape, tp_rank=tp_rank, tp_size=self.tp_size, vocab_multiple=self.vocab_multiple
+        )
         missing, unexpected = self.load_state_dict(ours, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -348,13 +384,19 @@ def _split_qkv(fused: torch.Tensor, shape: MegatronShape) -> tuple[torch.Tensor,
 
 
 def hf_to_megatron(
-    hf_state: dict[str, torch.Tensor], shape: MegatronShape, *, tp_rank: int = 0, tp_size: int = 1
+    hf_state: dict[str, torch.Tensor],
+    shape: MegatronShape,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    vocab_multiple: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """transformers keys -> this tensor-parallel rank's `MegatronBackbone` state dict."""
+    """transformers keys -> this tensor-parallel rank's `MegatronBackbone` state dict (the vocabulary
+    padded to a multiple of `vocab_multiple`, by default `tp_size`)."""
     hf = _strip(hf_state)
     out: dict[str, torch.Tensor] = {}
     embed = hf["embed_tokens.weight"]
-    pad = shape.padded_vocab(tp_size) - embed.shape[0]
+    pad = shape.padded_vocab(vocab_multiple or tp_size) - embed.shape[0]
     if pad:  # rows no token id reaches, so the vocab splits evenly over the ranks
         embed = torch.cat([embed, embed.new_zeros(pad, embed.shape[1])])
     out["gpt.embedding.word_embeddings.weight"] = _rows(embed, tp_rank, tp_size)

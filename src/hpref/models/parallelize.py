@@ -24,6 +24,8 @@ every shard). The model side of the contract is `blocks()`, `head` and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from loguru import logger
@@ -70,3 +72,29 @@ def parallelize(
 
 def _name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def checkpoint_layout(
+    model: torch.nn.Module, model_state: dict[str, Any], optim_state: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`{"model": ..., "optim": ...}` as DCP stores them. A model with a `checkpoint_view(key,
+    tensor)` (megatron-gpt: its tensor-parallel shards as DTensor shards of the full tensors) gives
+    each tensor as a view of it, so that a load into the result fills `model_state` and
+    `optim_state` in place; other models' state is stored as it is."""
+    view = getattr(model, "checkpoint_view", None)
+    state: dict[str, Any] = {"model": model_state}
+    if optim_state is not None:
+        state["optim"] = optim_state
+    if view is None:
+        return state
+    # megatron's `_extra_state` entries are None (its local layers keep no FP8 metadata)
+    state["model"] = {k: view(k, v) for k, v in model_state.items() if v is not None}
+    if optim_state is not None:
+        state["optim"] = {
+            **optim_state,
+            "state": {
+                key: {name: view(key, value) for name, value in per_param.items()}
+                for key, per_param in optim_state["state"].items()
+            },
+        }
+    return state

@@ -83,14 +83,20 @@ def predict(
     micro_batch_tokens: int,
     device: torch.device | str = "cpu",
     filler_token_id: int = 0,
+    data_parallel: Any = None,
 ) -> Prediction:
     """Probabilities for rows `0 .. n_rows - 1` of `examples` (see the module docstring).
 
     `model(input_ids, cu_seqlens, position_ids, max_seqlen=...)` returns logits [n, 3] for one
     packed micro-batch (`hpref.protocols.PreferenceModel`). Collective when a process group is up:
     every rank must call it with the same examples. The model's train/eval mode is restored after.
+    `data_parallel` (`rank`, `size`, `group`) splits the views over a data-parallel group instead of
+    all ranks: a tensor-parallel model's ranks score the same micro-batches together.
     """
     rank, world, distributed = _process_group()
+    group = None
+    if data_parallel is not None and distributed:
+        rank, world, group = data_parallel.rank, data_parallel.size, data_parallel.group
     plan = plan_eval([len(e) for e in examples], world_size=world, micro_batch_tokens=micro_batch_tokens)
     rows: list[int] = []
     flags: list[bool] = []
@@ -118,7 +124,7 @@ def predict(
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (rows, flags, local_probs.tolist(), tokens))
+        dist.all_gather_object(gathered, (rows, flags, local_probs.tolist(), tokens), group=group)
         rows = [r for part in gathered for r in part[0]]
         flags = [f for part in gathered for f in part[1]]
         local_probs = np.array([p for part in gathered for p in part[2]], dtype=np.float64).reshape(-1, 3)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from hpref.errors import UserError
+from hpref.models.parallelize import checkpoint_layout
 from hpref.runfolder import integrity
 from hpref.runfolder.checkpoints import (
     CHECKPOINTS,
@@ -209,7 +210,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
-    save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    save(checkpoint_layout(model, model_state, optim_state), checkpoint_id=str(tmp))
     write_json_atomic(tmp / _rank_file(rank), {"rank": rank, "rng": rng_state()})
     if rank == 0:
         write_json_atomic(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": world})
@@ -282,8 +283,8 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
             "resume with the same number of processes"
         )
     model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
+    dcp_load(checkpoint_layout(model, model_state, optim_state), path)  # in place: views share storage
     state = {"model": model_state, "optim": optim_state}
-    dcp_load(state, path)
     # frozen weights (a LoRA base) are not in the checkpoint: the model already holds them
     frozen = any(not p.requires_grad for p in model.parameters())
     set_state_dict(

@@ -37,6 +37,7 @@ from hpref.prediction.predict import predict
 from hpref.recipe import Recipe
 from hpref.train import checkpoint
 from hpref.train.data import Tokenized
+from hpref.train.head_prior import init_head_to_prior, prior_logits  # noqa: F401 (re-exported)
 from hpref.train.memory import release_freed_memory
 from hpref.train.metrics import MetricsFile, Peak, peak_memory_gib, summary_table
 from hpref.train.summary import summarise, summary_rows
@@ -48,37 +49,6 @@ CRASH_AFTER_ENV = "HPREF_DEBUG_CRASH_AFTER_STEP"
 
 class SimulatedCrash(RuntimeError):
     """Raised by the HPREF_DEBUG_* hooks (tests of failure handling and resume)."""
-
-
-# --------------------------------------------------------------------------------------------------
-# a new head
-
-
-def prior_logits(labels: np.ndarray, floor: float = 1e-4) -> torch.Tensor:
-    """Log of the mean label distribution (each class at least `floor`), centred: the logits of a
-    head that predicts the label prior whatever its input."""
-    prior = np.clip(np.asarray(labels, dtype=np.float64).mean(axis=0), floor, None)
-    logits = np.log(prior / prior.sum())
-    return torch.tensor(logits - logits.mean(), dtype=torch.float32)
-
-
-def init_head_to_prior(model: torch.nn.Module, data: Tokenized) -> torch.Tensor | None:
-    """Start a new head at the training labels' prior: its output bias = their log prior.
-
-    On chosen/rejected data the tie class never occurs, and a zero bias makes the first steps
-    spend themselves pushing P(tie) from 1/3 towards 0 (loss ln 3 -> ln 2) through the head's
-    weights and the backbone before any A-vs-B signal is learnt (issue #12); on arena data the prior
-    is nearly uniform and this changes little. A trained head (an export) is left alone. Collective:
-    every rank holds the same labels and calls it."""
-    if not getattr(model, "fresh_head", False) or not hasattr(model, "set_output_bias"):
-        return None
-    labels = np.array([e.label for e in data.examples if e.label is not None], dtype=np.float64)
-    if labels.size == 0:
-        return None
-    bias = prior_logits(labels)
-    model.set_output_bias(bias)
-    logger.info(f"head output bias set to the training labels' log prior {bias.tolist()}")
-    return bias
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,14 +80,20 @@ def train_step(
     sequence (the recipe's, `Components.loss`). Returns (this rank's summed per-sequence loss,
     detached; the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=device)
-    scale = world_size / step_sequences
+    scale = world_size / step_sequences  # world_size: the ranks the data is split over
     for k, batch in enumerate(batches):
         _set_gradient_sync(model, k == len(batches) - 1)
         batch = batch.to(device, non_blocking=True)
         per_sequence = loss(_forward(model, batch), batch.labels) * batch.weights
         (per_sequence.sum() * scale).backward()
         loss_sum += per_sequence.detach().sum()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+    # a model that reduces its own gradients (megatron-gpt: over its data-parallel group, with a
+    # norm over tensor-parallel shards) clips them too; FSDP2 has reduced them during backward
+    own_reduction = getattr(model, "reduce_and_clip_gradients", None)
+    if own_reduction is not None:
+        grad_norm = own_reduction(grad_clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
@@ -144,6 +120,7 @@ def evaluate(
     micro_batch_tokens: int,
     device: torch.device,
     filler_token_id: int,
+    data_parallel: Any = None,
 ) -> EvalResult:
     """Score every eval battle once over all ranks (`hpref.prediction.predict`, collective) and
     score the probabilities against the battles' labels (`hpref.prediction.metrics`)."""
@@ -155,6 +132,7 @@ def evaluate(
         micro_batch_tokens=micro_batch_tokens,
         device=device,
         filler_token_id=filler_token_id,
+        data_parallel=data_parallel,
     )
     labels = np.array([b.label for b in data.battles], dtype=np.float64)
     return EvalResult(
@@ -191,6 +169,16 @@ class TrainSetup:
     backbone_flops: Any = None  # flops_per_token(seq_len)
     train_source: Any = None  # for the cheap baselines the summary prints on real data
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy
+    #: `rank`, `size`, `group` of the data-parallel split when it is not every rank (tensor parallel)
+    data_parallel: Any = None
+
+    @property
+    def data_rank_and_size(self) -> tuple[int, int, Any]:
+        """Which share of each step's micro-batches this rank trains on, of how many, and the group
+        that sums the loss (None: every rank)."""
+        if self.data_parallel is None:
+            return self.rank, self.world_size, None
+        return self.data_parallel.rank, self.data_parallel.size, self.data_parallel.group
 
 
 @dataclass
@@ -279,7 +267,8 @@ def _progress(enabled: bool, total: int, completed: int):
 def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     """Train to `total_steps`, evaluating, logging and checkpointing on the way; returns the summary."""
     train_cfg = setup.recipe.train
-    rank, world = setup.rank, setup.world_size
+    rank = setup.rank
+    data_rank, data_world, data_group = setup.data_rank_and_size
     metrics = MetricsFile(setup.run_dir / "metrics.jsonl" if rank == 0 else None)
     stats = RunStats()
     if resume_from is not None:
@@ -335,9 +324,9 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                     loss_sum, grad_norm = train_step(
                         setup.model,
                         setup.optimizer,
-                        plan.batches(rank, setup.train_data.examples, setup.filler_token_id),
+                        plan.batches(data_rank, setup.train_data.examples, setup.filler_token_id),
                         step_sequences=plan.num_sequences,
-                        world_size=world,
+                        world_size=data_world,
                         grad_clip=train_cfg.grad_clip,
                         device=setup.device,
                         loss=setup.loss,
@@ -346,7 +335,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                         release_freed_memory()  # see hpref.train.memory: flat RSS across step lengths
                     lr = setup.scheduler.get_last_lr()[0]
                     setup.scheduler.step()
-                    dist.all_reduce(loss_sum)  # the one loss reduction of the step
+                    dist.all_reduce(loss_sum, group=data_group)  # the one loss reduction of the step
                     stats.step += 1
                     # every rank sees the same summed loss and global grad norm, so all stop together,
                     # before this step's weights can reach a checkpoint
@@ -485,6 +474,7 @@ def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: Metri
         micro_batch_tokens=setup.recipe.train.micro_batch_tokens,
         device=setup.device,
         filler_token_id=setup.filler_token_id,
+        data_parallel=setup.data_parallel,
     )
     battles = setup.eval_data.battles
     if setup.rank == 0:

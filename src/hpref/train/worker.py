@@ -142,13 +142,15 @@ def build_setup(recipe: Recipe, info: DistInfo):
     parts.parallelize(model, param_dtype=dtype, activation_checkpointing=train_cfg.activation_checkpointing)
     load_initial_weights(model, device=info.device, init_folder=init_weights_folder(recipe.run.run_dir))
     optimizer = parts.optimizer(model)
+    # a tensor-parallel model's ranks share micro-batches: data is split over its data-parallel group
+    data_parallel = getattr(model, "data_parallel", None)
 
     sampler = StepSampler(
         lengths=train_data.lengths,
         rows=[e.row for e in train_data.examples],
         swapped=[e.swapped for e in train_data.examples],
         batch_size=train_cfg.batch_size,
-        world_size=info.world_size,
+        world_size=data_parallel.size if data_parallel is not None else info.world_size,
         micro_batch_tokens=train_cfg.micro_batch_tokens,
         seed=recipe.run.seed,
         swap=train_cfg.swap,
@@ -182,6 +184,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
         train_source=train_source,
         backbone_flops=model.flops_per_token,
         loss=parts.loss,
+        data_parallel=data_parallel,
     )
 
 

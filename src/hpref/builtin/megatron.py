@@ -1,0 +1,151 @@
+"""The built-in `megatron-gpt` model component: a Llama / Mistral / Qwen2 judge on megatron-core.
+
+    [model]
+    name = "megatron-gpt"
+    path = "/models/my-llama"        # a transformers folder (config.json, safetensors, tokenizer)
+    tensor_parallel = 2              # data parallel takes the rest of the ranks
+
+or, instead of `path`, `[model.tiny_llama]` (the `tiny-llama` component's settings): the same
+random-init tiny Llama and tokenizer `tiny-llama` builds, made in memory, nothing downloaded
+(`recipes/megatron-quickstart.toml`).
+
+What is refused, in one line each: pipeline_parallel > 1 (`hpref.models.megatron_preference.
+PIPELINE_REFUSAL`), sequence_parallel (megatron splits the packed row's tokens over the
+tensor-parallel ranks, so every row would have to be padded to a multiple of them, and hpref's rows
+are unpadded), LoRA (`hpref.models.adapters` wraps transformers modules; megatron's fused
+tensor-parallel linears are not among PEFT's targets), a world size tensor_parallel does not divide.
+megatron-core is the optional extra `pip install 'hpref[megatron]'`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, model_validator
+
+from hpref.builtin.models import HeadConfig, TinyLlamaArchitecture, head_kwargs
+from hpref.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from hpref.models.megatron_preference import MegatronPreferenceModel
+
+#: What the refusal of `sequence_parallel = true` says (see the module docstring).
+SEQUENCE_PARALLEL_REFUSAL = (
+    "model.sequence_parallel = true is not supported: megatron splits a row's tokens over the "
+    "tensor-parallel ranks, and hpref's packed rows are not padded to a multiple of them"
+)
+
+
+class MegatronGPTConfig(HeadConfig):
+    path: str | None = Field(
+        None, description="local transformers folder of a Llama, Mistral or Qwen2 model (or tiny_llama)"
+    )
+    tiny_llama: TinyLlamaArchitecture | None = Field(
+        None, description="instead of path: the random-init tiny Llama of the tiny-llama component"
+    )
+    tensor_parallel: int = Field(
+        1, ge=1, description="tensor-parallel ranks per model copy (must divide the key/value heads)"
+    )
+    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages (only 1 is supported)")
+    sequence_parallel: bool = Field(False, description="megatron's sequence parallelism (not supported)")
+    pooling: Literal["last"] = Field("last", description="token read by the head (a decoder's last)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MegatronGPTConfig:
+        if (self.path is None) == (self.tiny_llama is None):
+            raise ValueError("give exactly one of path and tiny_llama")
+        return self
+
+
+def _refuse_unsupported(config: MegatronGPTConfig) -> None:
+    from hpref.errors import UserError
+    from hpref.models.megatron_preference import PIPELINE_REFUSAL
+
+    if config.pipeline_parallel > 1:
+        raise UserError(PIPELINE_REFUSAL)
+    if config.sequence_parallel:
+        raise UserError(SEQUENCE_PARALLEL_REFUSAL)
+
+
+def _tiny_llama_parts(config: MegatronGPTConfig) -> tuple[Any, Any, Any]:
+    """`tiny-llama`'s config, tokenizer and seeded weights, for the same model on megatron."""
+    from hpref.builtin.models import tiny_llama_backbone_config
+    from hpref.models.tokenizer import load_or_train_tokenizer
+
+    tiny = config.tiny_llama
+    assert tiny is not None
+    tokenizer = load_or_train_tokenizer(
+        vocab_size=tiny.vocab_size,
+        min_frequency=tiny.tokenizer_min_frequency,
+        num_texts=tiny.tokenizer_texts,
+        seed=tiny.tokenizer_seed,
+    )
+    hf_config = tiny_llama_backbone_config(tiny, tokenizer)
+
+    def seeded_state() -> dict[str, Any]:
+        import torch
+        from transformers import AutoModel
+
+        with torch.random.fork_rng(devices=[]):  # as hpref.models.hf.build_from_config seeds it
+            torch.manual_seed(config.seed)
+            return AutoModel.from_config(hf_config, dtype=torch.float32).state_dict()
+
+    return hf_config, tokenizer, seeded_state
+
+
+def _folder_parts(config: MegatronGPTConfig) -> tuple[Any, Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hpref.errors import UserError
+    from hpref.models.hf import resolve_backbone_path
+
+    folder = resolve_backbone_path(str(config.path))
+    hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{folder}: no *.safetensors weights (the megatron backend reads safetensors)")
+
+    def state() -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        out: dict[str, Any] = {}
+        for file in files:
+            out.update(load_file(str(file)))
+        return out
+
+    return hf_config, tokenizer, state
+
+
+def build_megatron_gpt(
+    config: MegatronGPTConfig, *, num_labels: int = 3, device: Any = "cpu", meta: bool = False
+) -> MegatronPreferenceModel:
+    """A judge (or reward model) whose backbone is a megatron-core GPTModel, tensor parallel over
+    megatron's groups (set up here from the process group, see hpref.models.megatron_preference)."""
+    from hpref.models.megatron import require_megatron
+
+    _refuse_unsupported(config)
+    require_megatron()
+    from hpref.models.megatron_preference import build_megatron_model
+
+    parts = _tiny_llama_parts(config) if config.tiny_llama is not None else _folder_parts(config)
+    hf_config, tokenizer, hf_state = parts
+    return build_megatron_model(
+        hf_config,
+        tokenizer,
+        hf_state,
+        tensor_parallel=config.tensor_parallel,
+        pipeline_parallel=config.pipeline_parallel,
+        num_labels=num_labels,
+        device=device,
+        meta=meta,
+        head_kwargs=head_kwargs(config),
+        provenance={"component": "megatron-gpt", "config": config.model_dump(mode="json")},
+    )
+
+
+@hookimpl
+def register_models(register):
+    register(name="megatron-gpt", config=MegatronGPTConfig, build=build_megatron_gpt)

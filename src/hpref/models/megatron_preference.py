@@ -1,0 +1,311 @@
+"""`MegatronPreferenceModel`: hpref's `PreferenceModel` over a megatron-core `MegatronBackbone`.
+
+Pooling and heads are `PreferenceModel`'s; what differs is what a tensor-parallel backbone needs
+from the trainer, and each is a method the trainer looks for (`hpref.train`):
+
+- parallel state: `init_model_parallel` sets up megatron's groups over the process group hpref
+  already created (tensor-parallel groups of consecutive ranks, data parallel over the rest) before
+  the backbone is built, because megatron's layers read their tensor-parallel size at construction;
+- `parallelize_self`: no FSDP2 (it would turn megatron's tensor-parallel shards into DTensors megatron's
+  layers do not expect); gradients are averaged over the data-parallel group by
+  `reduce_and_clip_gradients`, one flat all-reduce per step after the last micro-batch (what
+  megatron's own `finalize_model_grads` does), which also computes the global gradient norm across
+  tensor-parallel shards before clipping;
+- `data_parallel`: the rank, size and group the sampler, the loss and evaluation split data over
+  (the tensor-parallel ranks of one group see the same micro-batches);
+- `checkpoint_view`: the layout a distributed checkpoint stores a tensor in: a tensor-parallel shard
+  becomes a DTensor shard of the full tensor (DCP writes each shard once, replicas once), and the
+  fused gate/up weight `[2 * ffn / tp, h]` is viewed as `[2, ffn / tp, h]`, so the stored tensor is
+  the same whatever the tensor-parallel size (a one-process `hpref save` reads a TP = 2 run);
+- `save_pretrained`: converts back to transformers keys (`megatron_to_hf`), so an export is a plain
+  transformers folder that `hpref eval` reads through the transformers path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from torch import nn
+
+from hpref.errors import UserError
+from hpref.models.megatron import MegatronBackbone, megatron_to_hf, shape_of
+from hpref.models.preference import PreferenceModel
+
+FC1 = "mlp.linear_fc1."
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Where this rank sits in data parallelism: the data is split over `size` ranks."""
+
+    rank: int
+    size: int
+    group: Any = None  # None: the default (world) group
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    tp_rank: int
+    tp_size: int
+    data: DataParallel
+    requested_tp: int = 1  # the recipe's; a process alone builds the model unsplit (tp_size 1)
+
+
+def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> ModelParallel:
+    """megatron's parallel state over the existing process group. A process that is alone
+    (`hpref save`, `hpref eval`) builds the model unsplit (tensor-parallel size 1), on a one-process
+    gloo group on an in-memory store that it creates when there is none and leaves in place:
+    megatron's layers hold its tensor-parallel group for as long as the model lives."""
+    from megatron.core import parallel_state
+
+    if pipeline_parallel != 1:
+        raise UserError(PIPELINE_REFUSAL)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()
+    tp = tensor_parallel if world > 1 else 1
+    if world % tp:
+        raise UserError(
+            f"model.tensor_parallel = {tp} must divide the number of ranks ({world}); data parallel "
+            "takes the rest"
+        )
+    initialized = parallel_state.model_parallel_is_initialized()
+    if initialized and parallel_state.get_tensor_model_parallel_world_size() != tp:
+        parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    data = DataParallel(
+        rank=parallel_state.get_data_parallel_rank(),
+        size=parallel_state.get_data_parallel_world_size(),
+        group=parallel_state.get_data_parallel_group() if world > 1 else None,
+    )
+    return ModelParallel(parallel_state.get_tensor_model_parallel_rank(), tp, data, tensor_parallel)
+
+
+#: Why pipeline_parallel > 1 is refused (see the module docstring of hpref.builtin.megatron).
+PIPELINE_REFUSAL = (
+    "model.pipeline_parallel > 1 is not supported yet: megatron's pipeline schedules send fixed-shape "
+    "activations between stages, and hpref's packed micro-batches change length every step (and the "
+    "preference head sits on the last stage, which the loss and evaluation would have to follow)"
+)
+
+
+class MegatronPreferenceModel(PreferenceModel):
+    """A `PreferenceModel` whose backbone is tensor parallel (see the module docstring)."""
+
+    #: hpref's LoRA wraps transformers modules; megatron's fused parallel linears are not among them
+    supports_lora = False
+
+    def __init__(self, backbone: MegatronBackbone, tokenizer: Any, *, parallel: ModelParallel, **kwargs: Any):
+        super().__init__(backbone, tokenizer, **kwargs)
+        self.parallel = parallel
+        self.data_parallel = parallel.data
+        self.autocast_dtype: torch.dtype | None = None
+        self._tp_mesh: Any = None
+        # megatron's vocab-parallel embedding is no nn.Embedding: leave its table out of the FLOPs
+        self._flops_params -= sum(p.numel() for p in backbone.gpt.embedding.parameters())
+
+    # ------------------------------------------------------------------------------------- forward
+    def forward(self, input_ids, cu_seqlens, position_ids, *, max_seqlen=None):
+        if self.autocast_dtype is None:
+            return super().forward(input_ids, cu_seqlens, position_ids, max_seqlen=max_seqlen)
+        with torch.autocast(input_ids.device.type, dtype=self.autocast_dtype):
+            return super().forward(input_ids, cu_seqlens, position_ids, max_seqlen=max_seqlen)
+
+    # ------------------------------------------------------------------------------------- weights
+    def load_pretrained_weights(
+        self, *, device: str | torch.device | None = None, broadcast_from_rank0: bool = False
+    ) -> None:
+        """Every rank converts the transformers weights and keeps its own tensor-parallel shard
+        (a broadcast from rank 0 would give every rank rank 0's shard)."""
+        state = self.pretrained_state_dict()
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(
+                f"megatron weights do not fit: missing {missing[:4]}, unexpected {unexpected[:4]}"
+            )
+        self.to(device if device is not None else getattr(self, "target_device", "cpu"))
+
+    def load_plain_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict in the transformers layout (`backbone.*` transformers keys,
+        `head.*`: what `save_pretrained` and `hpref init` write), this rank's shard of it."""
+        from hpref.models.megatron import hf_to_megatron
+
+        backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        ours = hf_to_megatron(
+            backbone,
+            self.backbone.shape,
+            tp_rank=self.parallel.tp_rank,
+            tp_size=self.parallel.tp_size,
+            vocab_multiple=self.backbone.vocab_multiple,
+        )
+        ours = {f"backbone.{k}": v for k, v in ours.items()}
+        ours.update({k: v for k, v in state.items() if k.startswith("head.")})
+        device = next(self.parameters()).device
+        with torch.no_grad():
+            params = dict(self.named_parameters())
+            missing = set(params) - set(ours)
+            if missing:
+                raise ValueError(f"the state dict has no {sorted(missing)[:3]}")
+            for key, param in params.items():
+                param.copy_(ours[key].to(device))
+
+    def save_pretrained(self, folder, state_dict: dict[str, torch.Tensor] | None = None):
+        """A plain transformers folder (see `PreferenceModel.save_pretrained`): the backbone's
+        megatron state (one unsplit process: `hpref save`) converted back to transformers keys."""
+        if self.parallel.tp_size != 1:
+            raise ValueError("save_pretrained needs the unsplit model (hpref save builds it on one process)")
+        state = state_dict if state_dict is not None else self.state_dict()
+        backbone = {
+            k.removeprefix("backbone."): v
+            for k, v in state.items()
+            if k.startswith("backbone.") and not k.endswith("_extra_state")
+        }
+        hf = megatron_to_hf([backbone], self.backbone.shape)
+        plain = {f"backbone.{k}": v for k, v in hf.items()}
+        plain.update({k: v for k, v in state.items() if k.startswith("head.")})
+        return super().save_pretrained(folder, state_dict=plain)
+
+    # --------------------------------------------------------------------------------- parallelism
+    def parallelize_self(self, *, param_dtype: torch.dtype, activation_checkpointing: bool) -> nn.Module:
+        """The trainer's parallelise step for this model (see the module docstring): fp32 master
+        weights, `param_dtype` by autocast, the data-parallel group for gradients."""
+        if self.parallel.requested_tp != self.parallel.tp_size:  # training alone with tp > 1
+            raise UserError(
+                f"model.tensor_parallel = {self.parallel.requested_tp} needs a multiple of that many ranks "
+                "to train on; this run has 1 (set launch.nproc)"
+            )
+        if activation_checkpointing:
+            self.set_activation_checkpointing(True)
+        self.autocast_dtype = None if param_dtype == torch.float32 else param_dtype
+        tp, data = self.parallel.tp_size, self.data_parallel
+        if tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+            mesh = init_device_mesh(device, (data.size, tp), mesh_dim_names=("dp", "tp"))
+            self._tp_mesh = mesh["tp"]
+        logger.info(
+            f"megatron-core: tensor parallel {tp} x data parallel {data.size}, compute "
+            f"{'fp32' if self.autocast_dtype is None else str(param_dtype).removeprefix('torch.')} "
+            f"(fp32 weights), gradients all-reduced over data parallel, activation checkpointing "
+            f"{'on' if activation_checkpointing else 'off'}"
+        )
+        return self
+
+    def _sharded(self, param: torch.Tensor) -> bool:
+        return self.parallel.tp_size > 1 and bool(getattr(param, "tensor_model_parallel", False))
+
+    def reduce_and_clip_gradients(self, max_norm: float | None) -> torch.Tensor:
+        """Average the gradients over the data-parallel group (one flat all-reduce), then clip them
+        to `max_norm` by their global norm over every tensor-parallel shard; returns that norm."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        data = self.data_parallel
+        if data.size > 1 and params:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=data.group)
+            flat /= data.size
+            offset = 0
+            for p in params:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        device = params[0].grad.device if params else torch.device("cpu")
+        sharded = torch.zeros((), device=device, dtype=torch.float32)
+        replicated = torch.zeros((), device=device, dtype=torch.float32)
+        for p in params:
+            square = p.grad.float().pow(2).sum()
+            if self._sharded(p):
+                sharded += square
+            else:
+                replicated += square
+        if self.parallel.tp_size > 1:
+            from megatron.core import parallel_state
+
+            dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        norm = (sharded + replicated).sqrt()
+        if max_norm:
+            coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coefficient.to(p.grad.dtype))
+        return norm
+
+    # --------------------------------------------------------------------------------- checkpoints
+    def checkpoint_view(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """How a distributed checkpoint stores `key`'s tensor (a parameter, or optimizer state of
+        the parameter's shape): a view, so that loading into it in place fills the parameter."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return tensor
+        param = self._params_by_key().get(key)
+        if param is None or tensor.shape != param.shape:
+            return tensor
+        dim = getattr(param, "partition_dim", 0)
+        if FC1 in key and key.endswith("weight"):
+            tensor, dim = tensor.view(2, tensor.shape[0] // 2, *tensor.shape[1:]), 1
+        if not self._sharded(param):
+            return tensor
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(tensor, self._tp_mesh, [Shard(dim)], run_check=False)
+
+    def _params_by_key(self) -> dict[str, torch.Tensor]:
+        cached = getattr(self, "_param_keys", None)
+        if cached is None:
+            cached = dict(self.named_parameters())
+            self._param_keys = cached
+        return cached
+
+
+def build_megatron_model(
+    hf_config: Any,
+    tokenizer: Any,
+    hf_state: Any,
+    *,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    num_labels: int,
+    device: Any,
+    meta: bool,
+    head_kwargs: dict[str, Any],
+    provenance: dict[str, Any],
+) -> MegatronPreferenceModel:
+    """A `MegatronPreferenceModel` over `hf_config`'s architecture; `hf_state()` gives the full
+    transformers state dict, read when the weights are loaded (at once unless `meta`: the trainer
+    loads them after parallelising)."""
+    parallel = init_model_parallel(tensor_parallel, pipeline_parallel)
+    shape = shape_of(hf_config)
+    backbone = MegatronBackbone(
+        shape, tp_size=parallel.tp_size, hf_config=hf_config, vocab_multiple=tensor_parallel
+    )
+
+    def backbone_state() -> dict[str, torch.Tensor]:
+        from hpref.models.megatron import hf_to_megatron
+
+        return hf_to_megatron(
+            hf_state(),
+            shape,
+            tp_rank=parallel.tp_rank,
+            tp_size=parallel.tp_size,
+            vocab_multiple=tensor_parallel,
+        )
+
+    model = MegatronPreferenceModel(
+        backbone,
+        tokenizer,
+        parallel=parallel,
+        num_labels=num_labels,
+        pooling="last",
+        backbone_state=backbone_state,
+        provenance=provenance,
+        **head_kwargs,
+    )
+    model.eval()
+    model.target_device = torch.device(device)
+    if not meta:
+        model.load_pretrained_weights(device=device)
+    return model

@@ -1,0 +1,158 @@
+"""The `megatron-gpt` model component (issue #15): registered like every model, the same model as
+`tiny-llama` from the same settings, a transformers export, one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is the optional [megatron] extra")
+
+from hpref.errors import UserError  # noqa: E402
+
+TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=400,
+    tokenizer_texts=300,
+)
+
+
+@pytest.fixture
+def alone():
+    """The component sets up a one-process group and megatron's parallel state; tear both down."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def packed_row():
+    generator = torch.Generator().manual_seed(3)
+    lengths = [7, 12, 4]
+    ids = torch.randint(5, 300, (sum(lengths),), generator=generator)
+    cu = torch.tensor([0, 7, 19, 23], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return ids, cu, positions
+
+
+def build(**config):
+    from hpref.plugins import load_plugins
+
+    component = load_plugins().get("model", "megatron-gpt")
+    return component.build(component.config(**config))
+
+
+def test_megatron_gpt_is_the_tiny_llama_model_on_megatron(alone):
+    """From the same `tiny_llama` settings and seed, megatron-gpt's logits on a packed row equal
+    the tiny-llama component's (transformers) logits: same tokenizer, same initial weights converted,
+    same head. If this fails, the megatron quickstart would not start from the quickstart's model
+    (a different seed or init order), or the conversion / pooling differs."""
+    from hpref.builtin.models import TinyLlamaConfig, build_tiny_llama
+
+    ours = build(tiny_llama=TINY, seed=5)
+    theirs = build_tiny_llama(TinyLlamaConfig(**TINY, seed=5))
+    assert type(ours).__name__ == "MegatronPreferenceModel"
+    ids, cu, positions = packed_row()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, cu, positions), theirs(ids, cu, positions), atol=1e-5, rtol=1e-5)
+
+
+def test_save_pretrained_writes_a_transformers_folder_hpref_reloads(alone, tmp_path):
+    """`save_pretrained` of a megatron-gpt model converts back to transformers keys: the folder
+    loads with transformers' AutoModel (strict) and through hpref's export loader gives the same
+    logits. If this fails, `hpref save` of a megatron run writes megatron's layout or loses a weight."""
+    from transformers import AutoModel
+
+    from hpref.models import PreferenceModel
+
+    model = build(tiny_llama=TINY)
+    with torch.no_grad():  # a trained-looking model: the conversion of every tensor shows
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(tmp_path / "export")
+    AutoModel.from_pretrained(tmp_path / "export")
+    reloaded = PreferenceModel.from_pretrained(tmp_path / "export").eval()
+    assert type(reloaded) is PreferenceModel
+    ids, cu, positions = packed_row()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(ids, cu, positions), model(ids, cu, positions), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_unsupported_settings_are_refused_in_one_line(alone):
+    """Pipeline and sequence parallelism, and a recipe naming both or neither weight source, are one
+    line each, before anything is built. If this fails, a recipe asking for them would train
+    something else than it says (or fail deep inside megatron)."""
+    from pydantic import ValidationError
+
+    with pytest.raises(UserError, match="pipeline_parallel > 1 is not supported yet"):
+        build(tiny_llama=TINY, pipeline_parallel=2)
+    with pytest.raises(UserError, match="sequence_parallel = true is not supported"):
+        build(tiny_llama=TINY, sequence_parallel=True)
+    with pytest.raises(ValidationError, match="exactly one of path and tiny_llama"):
+        build()
+    with pytest.raises(ValidationError, match="exactly one of path and tiny_llama"):
+        build(tiny_llama=TINY, path="/somewhere")
+
+
+def test_lora_with_megatron_is_refused(alone):
+    """[lora] with megatron-gpt is a one-line error: PEFT cannot wrap megatron's fused
+    tensor-parallel linears, and training would silently fine-tune every weight instead."""
+    from hpref.components import Components
+    from hpref.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict(
+        {
+            "run": {"name": "t"},
+            "model": {"name": "megatron-gpt", "tiny_llama": TINY},
+            "dataset": {"train": {"name": "synthetic-arena", "num_battles": 10}},
+            "lora": {"r": 4},
+        }
+    )
+    with pytest.raises(UserError, match=r"\[lora\] is not supported with model 'megatron-gpt'"):
+        Components(recipe).model()
+
+
+def test_tensor_parallel_model_is_built_unsplit_alone_but_not_trained_alone(alone):
+    """One process (`hpref save`, `hpref eval`) builds a tensor_parallel = 2 model unsplit, with the
+    vocabulary padded as the 2-rank run padded it (so its checkpoint fits); training it alone is a
+    one-line error. If this fails, either a TP = 2 run cannot be exported on one process, or a
+    recipe asking for TP = 2 on one rank silently trains something else."""
+    import torch
+
+    model = build(tiny_llama=TINY, tensor_parallel=2)
+    assert model.parallel.tp_size == 1
+    vocab = len(model.tokenizer)
+    rows = model.backbone.gpt.embedding.word_embeddings.weight.shape[0]
+    assert rows == vocab + vocab % 2
+    with pytest.raises(UserError, match="model.tensor_parallel = 2 needs a multiple of that many ranks"):
+        model.parallelize_self(param_dtype=torch.float32, activation_checkpointing=False)
+
+
+def test_load_plain_state_reads_what_save_pretrained_wrote(alone, tmp_path):
+    """`hpref init` writes a megatron-gpt model's transformers-layout folder, and `hpref train`
+    starts from it through `load_plain_state`: the model that loads it gives the saved model's
+    logits. If this fails, a run started after `hpref init` would train from other weights."""
+    from hpref.train.sharding import read_init_weights
+
+    saved = build(tiny_llama=TINY, seed=1)
+    with torch.no_grad():
+        for param in saved.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    saved.save_pretrained(tmp_path / "init")
+    fresh = build(tiny_llama=TINY, seed=2)
+    fresh.load_plain_state(read_init_weights(tmp_path / "init"))
+    ids, cu, positions = packed_row()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids, cu, positions), saved(ids, cu, positions))
