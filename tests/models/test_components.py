@@ -112,7 +112,12 @@ def test_tiny_llama_chat_writes_the_assistant_role_as_one_token(tmp_path, monkey
 
     monkeypatch.setenv("HPREF_CACHE", str(tmp_path))
     tokenizer = load_or_train_tokenizer(
-        texts=builtin_models_texts, source="test-builtin", vocab_size=400, min_frequency=2, num_texts=300, seed=0
+        texts=builtin_models_texts,
+        source="test-builtin",
+        vocab_size=400,
+        min_frequency=2,
+        num_texts=300,
+        seed=0,
     )
     chat = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
     assert tokenizer.apply_chat_template(chat, tokenize=False) == "<|bos|><|user|>Hi?<|assistant_a|>Hello."
