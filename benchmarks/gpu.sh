@@ -47,7 +47,7 @@ with torch.inference_mode():
 PYEOF
 
 for backend in flash_varlen torch_varlen; do
-  "$PY" -m hpref train recipes/quickstart.toml \
+  "$PY" -m hpref train recipes/quickstart-judge.toml \
     --set run.output_dir="$OUT" --set run.name="1b-$backend" \
     --set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
     --set model.num_key_value_heads=4 --set model.intermediate_size=8192 --set model.attention=$backend \
@@ -61,7 +61,7 @@ done
 # 3. LoRA under FSDP2 on GPU (#13): the same ~1B decoder with `--set lora.r=16`: adapters and head in
 #    fp32 master weights, the frozen base stored in bf16, nccl; trainable parameters, tokens/s and
 #    peak memory against the full fine-tuning run above.
-"$PY" -m hpref train recipes/quickstart.toml \
+"$PY" -m hpref train recipes/quickstart-judge.toml \
   --set run.output_dir="$OUT" --set run.name="1b-lora" \
   --set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
   --set model.num_key_value_heads=4 --set model.intermediate_size=8192 \
@@ -74,7 +74,7 @@ print('lora', f\"{s['trainable_params']:,} of {s['params']:,} trainable, {s['tok
 # 4. QLoRA (lora.quantize_base = "4bit", needs `pip install -e '.[gpu]'` for bitsandbytes): hpref
 #    refuses it today with one line even on a GPU, because the 4-bit base is not yet sharded by its
 #    FSDP2 trainer. Its first run, once it is (expect a smaller peak memory than section 3):
-# "$PY" -m hpref train recipes/quickstart.toml --set run.output_dir="$OUT" --set run.name="1b-qlora" \
+# "$PY" -m hpref train recipes/quickstart-judge.toml --set run.output_dir="$OUT" --set run.name="1b-qlora" \
 #   --set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
 #   --set model.num_key_value_heads=4 --set model.intermediate_size=8192 --set train.precision=bf16 \
 #   --set train.max_length=2048 --set train.micro_batch_tokens=16384 --set train.max_steps=20 \

@@ -101,6 +101,36 @@ def test_tiny_llama_tokenizer_is_trained_once_and_has_chat_tokens(tmp_path, monk
     assert len(calls) == 2 and len(other) >= len(first)  # a different setting is a different cache entry
 
 
+def test_tiny_llama_chat_writes_the_assistant_role_as_one_token(tmp_path, monkeypatch):
+    """The reward model's `answers` formatter renders each side as a user/assistant chat. The tiny
+    tokenizer has no `<|assistant|>` token: the role is written as `<|assistant_a|>` (what an RL
+    policy's answers follow too). If this fails, every reward-model sequence spells the marker out
+    as text pieces, about a third of a single-turn quickstart sequence."""
+    from hpref.arena import generate_battle
+    from hpref.data.formatting import AnswersConfig, AnswersFormatter
+    from hpref.models.tokenizer import load_or_train_tokenizer
+
+    monkeypatch.setenv("HPREF_CACHE", str(tmp_path))
+    tokenizer = load_or_train_tokenizer(
+        texts=builtin_models_texts,
+        source="test-builtin",
+        vocab_size=400,
+        min_frequency=2,
+        num_texts=300,
+        seed=0,
+    )
+    chat = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == "<|bos|><|user|>Hi?<|assistant_a|>Hello."
+    battle = generate_battle(0, 0, max_turns=1)
+    encoded = AnswersFormatter(AnswersConfig(), tokenizer, 256).encode_with_info(battle)
+    side_a, side_b = encoded.ids[: encoded.split], encoded.ids[encoded.split :]
+    marker = tokenizer.convert_tokens_to_ids("<|assistant_a|>")
+    for side, answer in ((side_a, battle.response_a[0]), (side_b, battle.response_b[0])):
+        assert side[:2] == [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("<|user|>")]
+        assert side.count(marker) == 1
+        assert tokenizer.decode(side[side.index(marker) + 1 :]) == answer
+
+
 def test_tiny_llama_is_seeded_and_sized_to_its_tokenizer():
     a, b = tiny_llama(), tiny_llama()
     c = tiny_llama(seed=1)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 CACHE_ENV = "HPREF_CACHE"
-TOKENIZER_FORMAT = 2  # bump when training changes in a way that must not reuse old caches
+TOKENIZER_FORMAT = 3  # bump when training or the saved chat template changes: old caches must not be reused
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 CHAT_ROLES = ("user", "assistant_a", "assistant_b", "verdict")
@@ -32,10 +32,15 @@ ROLE_TOKENS = tuple(f"<|{role}|>" for role in CHAT_ROLES)
 SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)  # pad is id 0
 
 #: `apply_chat_template` for a battle: bos, then `<|role|>content` per message; the generation prompt
-#: is the verdict marker, the token whose last hidden state a decoder's head reads.
+#: is the verdict marker, the token whose last hidden state a decoder's head reads. The plain chat
+#: role "assistant" (a reward model's `answers` formatter, an RL policy's answer) is written as
+#: `<|assistant_a|>`: there is no `<|assistant|>` token, and rendering one would spell it out as
+#: nine text pieces in every sequence, about a third of a short single-turn one.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{% endfor %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant_a|>{% else %}<|{{ message['role'] }}|>{% endif %}"
+    "{{ message['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<|verdict|>{% endif %}"
 )
 
