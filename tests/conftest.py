@@ -71,3 +71,15 @@ def run_hpref(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
         cwd=cwd or REPO,
         timeout=timeout,
     )
+
+
+#: the tiny-llama settings of the unit tests that build a model in-process (a 2-layer, 32-wide Llama)
+TINY_LLAMA = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    vocab_size=400,
+    tokenizer_texts=300,
+)

@@ -18,18 +18,9 @@ import pytest
 from hpref import protocols
 from hpref.data.records import LABELS
 from hpref.plugins import KINDS, load_plugins, reset_plugins
+from tests.conftest import TINY_LLAMA
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-TINY_LLAMA = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    vocab_size=400,
-    tokenizer_texts=300,
-)
 
 
 @pytest.fixture(autouse=True)

@@ -13,18 +13,9 @@ from pydantic import ValidationError
 
 from hpref.builtin import models as builtin_models
 from hpref.errors import UserError
+from tests.conftest import TINY_LLAMA as TINY
 
 from .conftest import model_from_config, packed_batch, reference_backbone, tiny_bert_config, tiny_llama_config
-
-TINY = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    vocab_size=400,
-    tokenizer_texts=300,
-)
 
 
 def _counting_source(calls):

@@ -9,16 +9,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is the optional [megatron] extra")
 
 from hpref.errors import UserError  # noqa: E402
-
-TINY = dict(
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    vocab_size=400,
-    tokenizer_texts=300,
-)
+from tests.conftest import TINY_LLAMA as TINY  # noqa: E402
 
 
 @pytest.fixture

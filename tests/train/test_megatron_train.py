@@ -29,20 +29,12 @@ tokenizer_texts = 500
 head_dropout = 0.0  # dropout draws differ by rank: a 1-rank and a 2-rank run would differ
 """
 
-MEGATRON_MODEL = """[model]
-name = "megatron-gpt"
-tensor_parallel = {tp}
-head_dropout = 0.0
-
-[model.tiny_llama]
-hidden_size = 32
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-intermediate_size = 64
-vocab_size = 512
-tokenizer_texts = 500
-"""
+#: the same tiny Llama as a megatron-gpt model: TINY_MODEL's shape lines under [model.tiny_llama]
+_SHAPE = TINY_MODEL.split('name = "tiny-llama"\n')[1].split("head_dropout")[0]
+MEGATRON_MODEL = (
+    '[model]\nname = "megatron-gpt"\ntensor_parallel = {tp}\nhead_dropout = 0.0\n\n[model.tiny_llama]\n'
+    + _SHAPE
+)
 
 
 def write_megatron_recipe(folder: Path, name: str, tp: int) -> Path:
