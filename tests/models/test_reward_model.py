@@ -140,7 +140,7 @@ def test_the_tie_parameter_starts_at_the_label_prior():
     instead of a third; arena labels give their own tie rate when the scores are equal."""
     import numpy as np
 
-    from hpref.train.loop import prior_logits
+    from hpref.train.head_prior import prior_logits
 
     model = tiny_bert_reward()
     model.set_output_bias(prior_logits(np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]] * 5)))

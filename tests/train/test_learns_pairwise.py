@@ -122,7 +122,7 @@ def test_a_fresh_head_starts_at_the_label_prior():
     import numpy as np
     import torch
 
-    from hpref.train.loop import prior_logits
+    from hpref.train.head_prior import prior_logits
 
     pairwise = np.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]] * 5)
     probs = torch.softmax(prior_logits(pairwise), dim=0)

@@ -37,7 +37,7 @@ from hpref.prediction.predict import predict
 from hpref.recipe import Recipe
 from hpref.train import checkpoint
 from hpref.train.data import Tokenized
-from hpref.train.head_prior import init_head_to_prior, prior_logits  # noqa: F401 (re-exported)
+from hpref.train.head_prior import init_head_to_prior
 from hpref.train.memory import release_freed_memory
 from hpref.train.metrics import MetricsFile, Peak, peak_memory_gib, summary_table
 from hpref.train.summary import summarise, summary_rows
