@@ -17,17 +17,8 @@ from tests.train.conftest import RECIPE, TOTAL_STEPS, train_losses
 pytest.importorskip("megatron.core", reason="megatron-core is the optional [megatron] extra")
 pytestmark = pytest.mark.slow
 
-TINY_MODEL = """[model]
-name = "tiny-llama"
-hidden_size = 32
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-intermediate_size = 64
-vocab_size = 512
-tokenizer_texts = 500
-head_dropout = 0.0  # dropout draws differ by rank: a 1-rank and a 2-rank run would differ
-"""
+#: the FSDP test recipe's [model] section (tests/train/conftest.py), replaced by MEGATRON_MODEL below
+TINY_MODEL = "[model]" + RECIPE.split("[model]", 1)[1].split("\n\n[", 1)[0] + "\n"
 
 #: the same tiny Llama as a megatron-gpt model: TINY_MODEL's shape lines under [model.tiny_llama]
 _SHAPE = TINY_MODEL.split('name = "tiny-llama"\n')[1].split("head_dropout")[0]
@@ -38,7 +29,6 @@ MEGATRON_MODEL = (
 
 
 def write_megatron_recipe(folder: Path, name: str, tp: int) -> Path:
-    assert TINY_MODEL in RECIPE, "tests/train/conftest.py's recipe changed: update TINY_MODEL"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.toml"
     text = RECIPE.replace(TINY_MODEL, MEGATRON_MODEL.format(tp=tp))
