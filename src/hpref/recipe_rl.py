@@ -31,6 +31,8 @@
     kl_coef = 0.05
     rollout = { temperature = 0.7 }   # only the keys in POLICY_ROLLOUT_OVERRIDES
     lora = { r = 8 }             # LoRA: only this policy's adapter trains (hpref.recipe.LoraSection)
+    [rl.policies.c]
+    trainer_backend = "megatron" # the trainer on megatron-core (hpref.rl.megatron_policy)
 
 The recipe's top-level `[lora]` section gives every policy adapters: it is read as if written in
 `[rl.defaults.lora]`, below it (`rl.defaults.lora` and `rl.policies.<id>.lora` change its keys). A
@@ -139,6 +141,30 @@ class PolicyConfig(_Section):
         description="LoRA adapters through PEFT: only they train, the base stays frozen (absent: all "
         "weights train); the recipe's [lora] section is every policy's default",
     )
+    trainer_backend: Literal["transformers", "megatron"] = Field(
+        "transformers",
+        description="what the trainer runs the policy on: transformers, or a megatron-core GPTModel "
+        "(weights sent to the engine converted back to the transformers layout; no LoRA)",
+    )
+    trainer_tensor_parallel: int = Field(
+        1, ge=1, description="megatron trainer: tensor-parallel ranks (an rl trainer is one process: only 1)"
+    )
+
+    @model_validator(mode="after")
+    def _backend_combinations(self) -> PolicyConfig:
+        # one line each, before any actor starts (hpref.rl.megatron_policy says why)
+        if self.trainer_backend == "megatron" and self.lora is not None:
+            raise ValueError(
+                'trainer_backend = "megatron" cannot train LoRA adapters (PEFT wraps transformers '
+                "linears, not megatron's fused ones); drop lora for this policy or use the transformers "
+                "backend"
+            )
+        if self.trainer_tensor_parallel != 1:
+            raise ValueError(
+                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: an rl trainer is one process, "
+                "so only 1 is supported"
+            )
+        return self
 
 
 class WarmupConfig(_Section):

@@ -171,6 +171,10 @@ def run_rl(
 
         # a wrong target name is one line here, not an actor that dies while it is being built
         check_policy_lora(config, order, str(getattr(recipe, "_source", None) or "recipe"))
+    if any(config.policies[p].trainer_backend == "megatron" for p in order):
+        from hpref.rl.megatron_policy import check_megatron_policies
+
+        check_megatron_policies(config, order, str(getattr(recipe, "_source", None) or "recipe"))
     source = resume_source(run_dir, resume)
     if source is not None:
         record = read_record(source)

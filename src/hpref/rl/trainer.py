@@ -40,7 +40,8 @@ class TrainerActor:
         self.policy = policy
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         self.update_interval = update_interval
-        self.model, self.tokenizer = build_policy_model(self.config.model)
+        self.megatron = self.config.trainer_backend == "megatron"  # hpref.rl.megatron_policy
+        self.model, self.tokenizer = self._build_model()
         self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
         if self.config.lora is not None:
             from hpref.models.lm_adapters import apply_lora_to_causal_lm
@@ -63,8 +64,10 @@ class TrainerActor:
         self.reference = None
         self.wants_reference = self.config.kl_coef > 0 or self.config.measure_kl
         if self.wants_reference and self.lora is None:  # the frozen starting policy
-            # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off;
+            # a megatron model is built again, its modules hold process groups deepcopy cannot copy)
+            start = self._build_model()[0] if self.megatron else copy.deepcopy(self.model)
+            self.reference = start.eval().requires_grad_(False)
         # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -75,6 +78,22 @@ class TrainerActor:
         )
         self.rollouts_done = 0
         self.version = 0
+
+    def _build_model(self) -> tuple[Any, Any]:
+        """(causal LM, tokenizer) on the policy's trainer backend."""
+        if self.megatron:
+            from hpref.rl.megatron_policy import build_megatron_policy
+
+            return build_megatron_policy(self.config.model)
+        return build_policy_model(self.config.model)
+
+    def close(self) -> None:
+        """Release what the trainer set up beyond its memory: megatron's parallel state and the
+        one-rank process group made for it (a Ray actor that is killed has nothing else to free)."""
+        if self.megatron:
+            from hpref.rl.megatron_policy import release_model_parallel
+
+            release_model_parallel(self.model.created_group)
 
     def train(self, rollout: dict[str, Any]) -> dict[str, float]:
         """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics."""
@@ -163,6 +182,8 @@ class TrainerActor:
             from hpref.models.lm_adapters import merged_lm_state
 
             return self.version, merged_lm_state(self.model)
+        if self.megatron:  # un-fused back to the transformers layout the engine loads
+            return self.version, self.model.hf_state_dict()
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return self.version, state
 
@@ -186,7 +207,7 @@ class TrainerActor:
                 str(path / POLICY_ADAPTER_DIR), safe_serialization=True, save_embedding_layers=False
             )
             write_json_atomic(path / POLICY_BASE_FILE, self._base_description(), indent=2, sort_keys=True)
-        else:
+        else:  # a megatron model writes the transformers layout too
             self.model.save_pretrained(path / "model")
             self.tokenizer.save_pretrained(path / "model")
         buffer = io.BytesIO()
@@ -195,6 +216,7 @@ class TrainerActor:
                 "optimizer": self.optimizer.state_dict(),
                 "rollouts_done": self.rollouts_done,
                 "version": self.version,
+                "backend": self.config.trainer_backend,
             },
             buffer,
         )
@@ -213,6 +235,15 @@ class TrainerActor:
         if not (path / TRAINER_STATE).is_file():
             return 0
         integrity.require_verified(path)
+        state = load_torch_file(path / TRAINER_STATE)
+        saved_backend = state.get("backend", "transformers") if isinstance(state, dict) else None
+        if saved_backend not in (None, self.config.trainer_backend):
+            # the optimizer's moments are per parameter, and the two backends' parameters differ
+            raise CheckpointError(
+                f"{path / TRAINER_STATE}: saved by a {saved_backend} trainer, but policy '{self.policy}' "
+                f"has trainer_backend = {self.config.trainer_backend!r} now; resume with the backend it "
+                "was saved with"
+            )
         if self.lora is not None:
             self._load_adapter(path)
         else:
@@ -224,10 +255,12 @@ class TrainerActor:
                 )
             try:
                 weights = load_file(str(weights_file))
-                self.model.load_state_dict(weights, strict=True)
+                if self.megatron:
+                    self.model.load_hf_state(weights)
+                else:
+                    self.model.load_state_dict(weights, strict=True)
             except Exception as exc:  # safetensors' header errors and shape mismatches
                 raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
-        state = load_torch_file(path / TRAINER_STATE)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
             self.rollouts_done = int(state["rollouts_done"])
