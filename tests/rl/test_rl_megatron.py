@@ -304,6 +304,34 @@ def test_refusals_are_one_line_naming_the_key(tmp_path, monkeypatch):
     assert not (tmp_path / "r").exists()  # refused before the run folder was made
 
 
+def test_close_releases_the_process_group_the_trainer_made(world):
+    # Wrong if a megatron trainer left megatron's parallel state or its one-rank process group behind
+    # (a later megatron model in the process would find another's groups), or if it destroyed a
+    # process group it did not make. Runs last among the in-process tests: it tears the groups down.
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from hpref.rl.megatron_policy import release_model_parallel
+
+    _cfg, rollouts = world
+    assert dist.is_initialized()  # the fixture's trainers made one ...
+    release_model_parallel(created_group=True)  # ... gone, as in a fresh actor process
+    t = trainer("megatron")
+    assert t.model.created_group and dist.get_world_size() == 1
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+    t.train(rollouts[0])
+    t.close()
+    assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        other = trainer("megatron")
+        assert not other.model.created_group  # the process group was there: not the trainer's
+        other.close()
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_hpref_rl_with_a_megatron_trainer_on_ray(tmp_path):
     # Wrong if the backend switch did not reach the trainer actor on Ray, if megatron's parallel

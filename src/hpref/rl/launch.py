@@ -30,6 +30,7 @@ from hpref.runfolder.files import write_json_atomic
 from hpref.runfolder.layout import RL_JSON, RL_SUMMARY
 
 ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
+CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
 FORWARDED_ENV = ("HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME")
 
 
@@ -98,8 +99,26 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) ->
             .options(**opts)
             .remote(p, config.policies[p], config.update_weights_interval, env=env)
         )
-        teardown.add(f"trainer '{p}'", kill(trainers[p]))
+        if config.policies[p].trainer_backend == "megatron":  # its parallel state and process group
+            teardown.add(f"trainer '{p}'", close_then_kill(trainers[p]))
+        else:
+            teardown.add(f"trainer '{p}'", kill(trainers[p]))
     return Handles(executor, engines, trainers)
+
+
+def close_then_kill(handle: Any) -> Callable[[], None]:
+    """A teardown step that asks the actor to `close()` (bounded wait; a dead or stuck actor is
+    only logged) and then kills it."""
+    import ray
+
+    def step() -> None:
+        try:
+            ray.get(handle.close.remote(), timeout=CLOSE_TIMEOUT_S)
+        except Exception as exc:  # the kill below still ends it
+            logger.debug(f"close before kill: {exc}")
+        ray.kill(handle, no_restart=True)
+
+    return step
 
 
 def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
