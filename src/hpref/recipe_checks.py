@@ -35,6 +35,8 @@ def check_train(recipe: Recipe, where: str | Path | None = None, *, machine: boo
     if recipe.rl is not None and recipe.model is None:
         # an `hpref rl` recipe: its [rl] section was checked when it loaded; it trains no judge
         _check_rl_lora(recipe, where, machine)
+        if machine:
+            _check_rl_megatron(recipe, where)
         return
     _check_recipe(recipe, where)
     if machine:
@@ -147,6 +149,18 @@ def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:
     from hpref.rl.policy import check_policy_lora
 
     check_policy_lora(config, with_lora, where, skip_paths=not machine)
+
+
+def _check_rl_megatron(recipe: Recipe, where: str) -> None:
+    """`hpref rl` policies with `trainer_backend = "megatron"`: megatron-core installed here, and an
+    architecture it maps (`hpref.rl.megatron_policy.check_megatron_policies`)."""
+    config = recipe.rl
+    assert config is not None
+    on_megatron = sorted(p for p, policy in config.policies.items() if policy.trainer_backend == "megatron")
+    if on_megatron:
+        from hpref.rl.megatron_policy import check_megatron_policies
+
+        check_megatron_policies(config, on_megatron, where)
 
 
 def _check_lora_machine(recipe: Recipe, where: str) -> None:

@@ -23,6 +23,7 @@ from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  
 from hpref.rl.rollouts import RolloutExecutor  # noqa: E402
 from hpref.rl.trainer import TrainerActor  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
+from tests.conftest import run_hpref  # noqa: E402
 from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
@@ -368,3 +369,27 @@ def test_hpref_rl_with_a_megatron_trainer_on_ray(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics" / "m.jsonl").read_text().splitlines()]
     assert [(row["rollout"], row["weight_version"]) for row in rows] == [(0, 1), (1, 2), (2, 3)]
     assert max(row["engine_trainer_logprob_diff"] for row in rows) < 1e-4
+
+
+def test_recipes_check_refuses_lora_on_a_megatron_policy_in_one_line(tmp_path):
+    # Wrong if `hpref recipes check` (and so `hpref rl`, exit 2) accepted a megatron policy with the
+    # recipe's [lora], which would then die inside a trainer actor, or refused a plain megatron one.
+    path = tmp_path / "rl-megatron.toml"
+    text = """
+[rl]
+num_rollouts = 2
+[rl.defaults]
+model = { hidden_size = 32, num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 1 }
+[rl.policies.a]
+trainer_backend = "megatron"
+[rl.policies.b]
+"""
+    path.write_text(text)
+    ok = run_hpref("recipes", "check", str(path))
+    assert ok.returncode == 0, ok.stderr
+    path.write_text(text + "\n[lora]\nr = 4\n")
+    bad = run_hpref("recipes", "check", str(path))
+    assert bad.returncode == 2
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, bad.stderr
+    assert 'rl.policies.a: trainer_backend = "megatron" cannot train LoRA adapters' in lines[0]
