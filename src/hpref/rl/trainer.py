@@ -1,8 +1,11 @@
 """The trainer of one `hpref rl` policy: a GRPO step per rollout, weights for its engine, save and load.
 
 The numbers of the step (advantages, the clipped loss, the k3 KL) are `hpref.rl.algorithms`; the
-padding maths is `hpref.rl.policy.pad_batch`. A save is the trainer's state (`trainer.pt`, read back
-only through the run folder's restricted reader) with the checksums of every file beside it.
+padding maths is `hpref.rl.policy.pad_batch`. The policy's model is a transformers causal LM, or with
+`trainer_backend = "megatron"` a megatron-core GPTModel (`hpref.rl.megatron_policy`) that computes
+the same log-probs and hands the engine, and a save, the transformers layout. A save is the
+trainer's state (`trainer.pt`, read back only through the run folder's restricted reader) with the
+checksums of every file beside it.
 """
 
 from __future__ import annotations
