@@ -305,6 +305,21 @@ def test_refusals_are_one_line_naming_the_key(tmp_path, monkeypatch):
     assert not (tmp_path / "r").exists()  # refused before the run folder was made
 
 
+def test_the_megatron_trainer_stays_on_the_cpu_where_cuda_is_visible(world, monkeypatch):
+    # Wrong if megatron's RoPE moved its table to `torch.cuda.current_device()` (what it does when
+    # CUDA is visible; hpref's preference-model seam only swaps it when CUDA is absent): an rl trainer's
+    # weights are on the CPU, so on a GPU host its first forward would mix devices and fail.
+    _cfg, rollouts = world
+
+    def touched_cuda(*_args, **_kwargs):
+        raise AssertionError("the CPU trainer asked for a CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", touched_cuda)
+    t = trainer("megatron")
+    assert t.train(rollouts[0])["grad_norm"] > 0
+
+
 def test_close_releases_the_process_group_the_trainer_made(world):
     # Wrong if a megatron trainer left megatron's parallel state or its one-rank process group behind
     # (a later megatron model in the process would find another's groups), or if it destroyed a
