@@ -16,11 +16,13 @@ version 0 still needs no transfer. Everything GRPO needs goes through the transf
 - `load_hf_state(state)` is the way in, from a save or a transformers folder.
 
 One process, tensor-parallel size 1: megatron's parallel state is set up on a one-rank gloo group
-(`init_model_parallel`, which creates it when the actor has no process group); `release_model_parallel`
-destroys what this module created. Refused in one line each: LoRA (PEFT wraps transformers linears,
-not megatron's fused ones) and trainer_tensor_parallel > 1 when the recipe is read (`PolicyConfig`);
-an architecture megatron does not map (`hpref.models.megatron.shape_of`) and megatron-core missing
-before any actor starts (`check_megatron_policies`).
+(`init_single_process_parallel`, which creates it when the actor has no process group);
+`release_model_parallel` destroys what this module created (`TrainerActor.close`).
+
+Refused in one line each: LoRA (PEFT wraps transformers linears, not megatron's fused ones) and
+trainer_tensor_parallel > 1 when the recipe is read (`PolicyConfig`); an architecture megatron does
+not map (`hpref.models.megatron.shape_of`) and megatron-core missing before any actor starts
+(`check_megatron_policies`).
 """
 
 from __future__ import annotations
