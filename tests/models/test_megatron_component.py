@@ -147,3 +147,69 @@ def test_load_plain_state_reads_what_save_pretrained_wrote(alone, tmp_path):
     ids, cu, positions = packed_row()
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids, cu, positions), saved(ids, cu, positions))
+
+
+def _training_steps(num_steps: int, vocab: int):
+    """`num_steps` steps of 2 micro-batches of 3 judge rows each (20-90 tokens, soft labels)."""
+    from hpref.data.packing import TokenizedExample, collate
+
+    generator = torch.Generator().manual_seed(11)
+
+    def example(row: int) -> TokenizedExample:
+        length = int(torch.randint(20, 90, (), generator=generator))
+        label = torch.softmax(torch.randn(3, generator=generator) * 2, -1).tolist()
+        ids = torch.randint(5, vocab, (length,), generator=generator).tolist()
+        return TokenizedExample(ids=ids, label=tuple(label), row=row)
+
+    return [[collate([example(r) for r in range(3)]) for _ in range(2)] for _ in range(num_steps)]
+
+
+def test_megatron_gpt_takes_tiny_llamas_optimizer_steps_at_the_quickstart_settings(alone, monkeypatch):
+    """megatron-gpt and tiny-llama built from the same settings and trained side by side through the
+    trainer's `train_step` with the quickstart recipes' optimizer (the adamw component: lr 3e-3,
+    betas (0.9, 0.99), weight decay 0.01 on matrices only) and a gradient clip that engages, in
+    float64, keep the same loss (1e-9), gradient norm and every weight (megatron's mapped to
+    transformers names; 1e-6) over 8 steps. float64 because in float32 Adam turns the rounding of
+    near-zero gradient entries (each backend sums in its own order) into updates of up to the
+    learning rate, so two float32 runs part after a step whatever the code; in float64 what is left
+    is megatron-gpt's float32 gradient norm (a clip coefficient ~1e-8 off, ~1e-7 in the weights).
+    If this fails, megatron-quickstart does not train the model quickstart-judge trains (issue #15's
+    parity): a parameter grouped for weight decay differently, a gradient scaled or clipped by
+    another norm, a weight the optimizer does not hold, or a forward that differs."""
+    import transformers.models.llama.modeling_llama as llama
+
+    from hpref.builtin.models import TinyLlamaConfig, build_tiny_llama
+    from hpref.builtin.optimizers import AdamWConfig, build_adamw
+    from hpref.models.megatron import megatron_to_hf
+    from hpref.train.loop import train_step
+
+    def rms_norm_in_input_dtype(self, hidden):  # transformers' computes in float32 whatever the input
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
+    megatron = build(tiny_llama=TINY, seed=3).double().train()
+    reference = build_tiny_llama(TinyLlamaConfig(**TINY, seed=3)).double().train()
+    optimizer = AdamWConfig(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.01)
+    optimizers = {id(m): build_adamw(optimizer, m) for m in (megatron, reference)}
+
+    def as_transformers(model) -> dict[str, torch.Tensor]:
+        state = {k: v.detach() for k, v in model.named_parameters()}
+        backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
+        out = {f"backbone.{k}": v for k, v in megatron_to_hf([backbone], model.backbone.shape).items()}
+        return out | {k: v for k, v in state.items() if k.startswith("head.")}
+
+    clipped = 0
+    for k, batches in enumerate(_training_steps(8, vocab=reference.backbone.config.vocab_size)):
+        step = dict(step_sequences=6, world_size=1, grad_clip=0.2, device=torch.device("cpu"))
+        loss, norm = train_step(megatron, optimizers[id(megatron)], batches, **step)
+        ref_loss, ref_norm = train_step(reference, optimizers[id(reference)], batches, **step)
+        assert float(loss) == pytest.approx(float(ref_loss), abs=1e-9), f"step {k}"
+        # megatron-gpt sums the squares in float32 (reduce_and_clip_gradients): float32's norm
+        assert float(norm) == pytest.approx(float(ref_norm), rel=1e-6), f"step {k}"
+        clipped += float(ref_norm) > 0.2
+        ours, theirs = as_transformers(megatron), dict(reference.named_parameters())
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            torch.testing.assert_close(ours[key], value.detach(), atol=1e-6, rtol=0, msg=f"step {k}: {key}")
+    assert clipped, "the gradient clip never engaged: raise the learning rate or lower grad_clip"
