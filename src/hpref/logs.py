@@ -116,4 +116,5 @@ def route_transformers_logs() -> None:
     hf_logging.disable_default_handler()
     hf_logging.disable_progress_bar()
     hf_logging.add_handler(_LoguruHandler())
+    route_stdlib_logs("bitsandbytes")  # transformers and peft import it when it is installed
     _ROUTED = True

@@ -107,6 +107,10 @@ def _linear_4bit(bnb: Any, linear: nn.Linear, device: torch.device) -> nn.Module
     )
     if linear.bias is not None:
         quantized.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    # On an AVX512-BF16 CPU bitsandbytes repacks the weight in place for its first inference
+    # forward, with bf16 scales: evaluation would then score with another base than training did
+    # (and the repacking fails for layers narrower than its 64-wide blocks). hpref keeps one format.
+    quantized.support_avx512bf16_for_cpu = False
     return quantized.to(device)  # Params4bit quantises on its first move to a device
 
 
