@@ -29,6 +29,10 @@ PEFT's own adapter folder (`adapter_config.json`, `adapter_model.safetensors`: l
 `hpref_adapter.json`, which names the base model (the recipe's `[model]` section) so that
 `hpref.evaluate.adapter_export.load_adapter_export` rebuilds base + adapter + head.
 
+QLoRA. With `quantize_base = "4bit"` the targeted block linears are quantised to bitsandbytes NF4
+before PEFT wraps them (`hpref.models.quantize`), on a materialised model; merged exports fold the
+adapters into the full-precision base instead (`Components.model(quantize=False)`).
+
 RL policies. An `hpref rl` policy is a plain transformers causal LM: `apply_lora_to_causal_lm`
 adapts it in place (default targets: every linear layer in its decoder blocks), `merged_lm_state`
 gives the merged weights its engine loads, and `lm_adapter_state` / `load_lm_adapter_state` are the
@@ -331,7 +335,7 @@ def frozen_state_keys(model: nn.Module) -> set[str]:
     from hpref.models.quantize import quantized_state_keys
 
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    return frozen | quantized_state_keys(model, model.state_dict().keys())
+    return frozen | quantized_state_keys(model)
 
 
 def freeze_dtype(model: nn.Module, dtype: torch.dtype) -> int:

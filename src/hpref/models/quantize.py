@@ -146,12 +146,14 @@ def quantized_params(model: nn.Module) -> set[nn.Parameter]:
     return {m.weight for m in quantized_modules(model).values()}
 
 
-def quantized_state_keys(model: nn.Module, keys: Any) -> set[str]:
-    """Those of the state-dict `keys` that belong to a 4-bit weight: the packed weight and
-    bitsandbytes' quantisation state (`weight.absmax`, `weight.quant_map`, ...)."""
+def quantized_state_keys(model: nn.Module, keys: Any = None) -> set[str]:
+    """Those of the state-dict `keys` (default: the model's own) that belong to a 4-bit weight: the
+    packed weight and bitsandbytes' quantisation state (`weight.absmax`, `weight.quant_map`, ...)."""
     weights = {f"{name}.weight" for name in quantized_modules(model)}
     if not weights:
         return set()
+    if keys is None:
+        keys = model.state_dict().keys()
     dotted = tuple(w + "." for w in weights)
     return {k for k in keys if k in weights or k.startswith(dotted)}
 
