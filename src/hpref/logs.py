@@ -91,6 +91,16 @@ class _LoguruHandler(logging.Handler):
 _ROUTED = False
 
 
+def route_stdlib_logs(name: str) -> None:
+    """Send a library's stdlib logger `name` (and its children) to hpref's log files at DEBUG
+    instead of Python's last-resort stderr handler; idempotent. For bitsandbytes, whose CPU backend
+    warns on import about an optional kernel package an hpref user has no use for."""
+    library = logging.getLogger(name)
+    if not any(isinstance(h, _LoguruHandler) for h in library.handlers):
+        library.addHandler(_LoguruHandler())
+    library.propagate = False
+
+
 def route_transformers_logs() -> None:
     """Send transformers' own output (the per-model weight LOAD REPORT tables, warnings, the
     "Loading weights" progress bar) to hpref's log files instead of the user's console.
@@ -106,4 +116,5 @@ def route_transformers_logs() -> None:
     hf_logging.disable_default_handler()
     hf_logging.disable_progress_bar()
     hf_logging.add_handler(_LoguruHandler())
+    route_stdlib_logs("bitsandbytes")  # transformers and peft import it when it is installed
     _ROUTED = True

@@ -11,7 +11,7 @@ Two kinds of check:
 - about the recipe alone (the same answer on every machine): a `[model]` and `[dataset.train]`
   section, `train.max_length` within the model's positions where the model config states them;
 - about this machine (`machine=True`): CUDA for `launch.backend = 'nccl'` and the CUDA-only
-  attention kernels, the packages those kernels need, peft for `[lora]` and a CUDA GPU with
+  attention kernels, the packages those kernels need, peft for `[lora]` and
   bitsandbytes for `lora.quantize_base = '4bit'`, `run.output_dir` not a file, and every
   dataset section buildable (its file there, readable, with the right columns). `hpref recipes
   check --portable` skips these, for a recipe written here for another machine (the GPU references).
@@ -164,19 +164,16 @@ def _check_rl_megatron(recipe: Recipe, where: str) -> None:
 
 
 def _check_lora_machine(recipe: Recipe, where: str) -> None:
-    """peft installed; QLoRA's 4-bit base only where its CUDA kernels run (the worker's device rule)."""
+    """peft installed; bitsandbytes too for QLoRA's 4-bit base (it runs on CUDA and on CPU)."""
     import importlib.util
 
     assert recipe.lora is not None
     if importlib.util.find_spec("peft") is None:
         raise RecipeError(f"{where}: lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
     if recipe.lora.quantize_base != "none":
-        import torch
+        from hpref.models.quantize import bitsandbytes_problem
 
-        from hpref.models.adapters import quantize_problem
-
-        on_cuda = torch.cuda.is_available() and recipe.launch.backend != "gloo"
-        problem = quantize_problem(recipe.lora, on_cuda=on_cuda)
+        problem = bitsandbytes_problem(recipe.lora.quantize_base)
         if problem is not None:
             raise RecipeError(f"{where}: lora.quantize_base: {problem}")
 

@@ -65,7 +65,11 @@ class LoraSection(Section):
         ),
     )
     quantize_base: Literal["none", "4bit"] = Field(
-        "none", description="4bit = QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, a CUDA GPU)"
+        "none",
+        description=(
+            "4bit = QLoRA: the frozen block projections in 4-bit NF4 (bitsandbytes, hpref[qlora]; "
+            "CUDA or CPU)"
+        ),
     )
 
     @property

@@ -21,6 +21,7 @@ from hpref.models.adapters import (
     ADAPTER_JSON,
     PEFT_CONFIG_FILE,
     PEFT_WEIGHTS_FILE,
+    QUANTIZE_KEY,
     attach_adapter,
     quiet_peft,
     require_peft,
@@ -37,7 +38,8 @@ def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu
     """Rebuild base + adapter + head from a folder written by `save_adapter` (`hpref save --adapter`).
 
     The base is the `[model]` section recorded in `hpref_adapter.json`, built as training built it;
-    PEFT loads the adapter into it (`PeftModel.from_pretrained`, safetensors only). That section came
+    PEFT loads the adapter into it (`PeftModel.from_pretrained`, safetensors only); a QLoRA adapter's
+    base (`quantize_base = "4bit"` in the pointer) is quantised first, as in training. That section came
     with the folder, so it may not turn on remote code (as for a run folder's recipe)."""
     from safetensors.torch import load_file
 
@@ -66,6 +68,7 @@ def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu
             f"{folder / ADAPTER_JSON}: base.trust_remote_code = true: a folder being loaded may not enable "
             "remote code"
         )
+    quantize_base = str(base.pop(QUANTIZE_KEY, "none"))
     registry = load_plugins()
     name = base.pop("name", None)
     component = registry.get("model", str(name))
@@ -74,6 +77,10 @@ def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu
     except Exception as exc:
         raise UserError(f"{folder / ADAPTER_JSON}: base: {str(exc).splitlines()[0]}") from None
     model = component.build(config, num_labels=int(meta.get("num_labels", 3)), device="cpu", meta=False)
+    if quantize_base == "4bit":  # QLoRA: the adapter was trained on the 4-bit base, rebuilt the same way
+        _quantize_for_adapter(model, folder)
+    elif quantize_base != "none":
+        raise UserError(f"{folder / ADAPTER_JSON}: base.{QUANTIZE_KEY} = {quantize_base!r}: unknown")
     try:
         with quiet_peft():
             peft_model = PeftModel.from_pretrained(model.backbone, str(folder), is_trainable=False)
@@ -93,3 +100,15 @@ def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu
     model.eval()
     logger.info(f"loaded {component.name} + LoRA adapter from {folder}")
     return model
+
+
+def _quantize_for_adapter(model: Any, folder: Path) -> None:
+    """Quantise the base's block linears that the adapter targets (its `adapter_config.json`) to
+    NF4, as `apply_lora` did for training (`hpref.models.quantize`)."""
+    from peft import PeftConfig
+
+    from hpref.models.quantize import quantize_block_linears
+
+    targets = PeftConfig.from_pretrained(str(folder)).target_modules
+    targets = [targets] if isinstance(targets, str) else sorted(targets)
+    quantize_block_linears(model, targets, device="cpu")

@@ -107,14 +107,16 @@ class LoadedCheckpoint:
 
 
 def load_model_from_checkpoint(
-    checkpoint_dir: Path, recipe: Any = None, device: str = "cpu"
+    checkpoint_dir: Path, recipe: Any = None, device: str = "cpu", *, quantize: bool = True
 ) -> LoadedCheckpoint:
-    """Build the recipe's model on one CPU process and fill it from the checkpoint."""
+    """Build the recipe's model on one CPU process and fill it from the checkpoint. A QLoRA run's
+    base is 4-bit as trained; `quantize=False` puts its adapters on the full-precision base instead."""
     from hpref.components import Components
 
     checkpoint_dir = Path(checkpoint_dir)
     recipe = recipe if recipe is not None else recipe_of_run(checkpoint_dir)
-    model = Components(recipe).model(device="cpu")  # with the recipe's LoRA adapters, as trained
+    # with the recipe's LoRA adapters, as trained
+    model = Components(recipe).model(device="cpu", quantize=quantize)
     state = load_model_state(checkpoint_dir, model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]  # megatron's, never stored
@@ -308,7 +310,9 @@ def save_export(
 
     A LoRA run (`[lora]` in its recipe) is exported merged (PEFT's `merge_and_unload`: the same
     transformers folder as a fully fine-tuned model), or with `adapter` as PEFT's adapter folder
-    beside hpref's head (`hpref.models.adapters.save_adapter`).
+    beside hpref's head (`hpref.models.adapters.save_adapter`). A QLoRA run merges into the
+    full-precision base it was quantised from: its predictions differ from the 4-bit model's by the
+    quantisation error of the base.
 
     `to` may be new, empty, or (with `overwrite`) an earlier export, and must not overlap the run or
     checkpoint it comes from. Every failure leaves the parent folder as it was (no temporary folder).
@@ -331,7 +335,9 @@ def save_export(
             f"--adapter: {checkpoint_dir} is a full fine-tuning run (its recipe has no [lora] section); "
             "export it without --adapter"
         )
-    loaded = load_model_from_checkpoint(checkpoint_dir, recipe)
+    # merged, a QLoRA run's adapters fold into the full-precision base (the standard QLoRA export:
+    # a plain transformers folder), not into its 4-bit copy, which would stay bitsandbytes-packed
+    loaded = load_model_from_checkpoint(checkpoint_dir, recipe, quantize=adapter)
     model = loaded.model
     from hpref.models import adapters
 

@@ -29,6 +29,10 @@ PEFT's own adapter folder (`adapter_config.json`, `adapter_model.safetensors`: l
 `hpref_adapter.json`, which names the base model (the recipe's `[model]` section) so that
 `hpref.evaluate.adapter_export.load_adapter_export` rebuilds base + adapter + head.
 
+QLoRA. With `quantize_base = "4bit"` the targeted block linears are quantised to bitsandbytes NF4
+before PEFT wraps them (`hpref.models.quantize`), on a materialised model; merged exports fold the
+adapters into the full-precision base instead (`Components.model(quantize=False)`).
+
 RL policies. An `hpref rl` policy is a plain transformers causal LM: `apply_lora_to_causal_lm`
 adapts it in place (default targets: every linear layer in its decoder blocks), `merged_lm_state`
 gives the merged weights its engine loads, and `lm_adapter_state` / `load_lm_adapter_state` are the
@@ -84,30 +88,21 @@ class LoraState:
 
 
 def require_peft() -> None:
+    """A one-line `UserError` when peft is missing. peft imports bitsandbytes when it is installed:
+    its import-time notes go to the log files, not the console (`hpref.logs.route_stdlib_logs`)."""
     if importlib.util.find_spec("peft") is None:
         raise UserError("lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
+    from hpref.logs import route_stdlib_logs
+
+    route_stdlib_logs("bitsandbytes")
 
 
-def quantize_problem(settings: LoraSection, *, on_cuda: bool | None = None) -> str | None:
-    """Why `quantize_base` cannot run here (None: nothing to say). QLoRA keeps the frozen base in
-    bitsandbytes' 4-bit NF4, whose kernels run only on CUDA."""
-    if settings.quantize_base == "none":
-        return None
-    if on_cuda is None:
-        on_cuda = torch.cuda.is_available()
-    if not on_cuda:
-        return (
-            f"'{settings.quantize_base}' (QLoRA) needs a CUDA GPU and bitsandbytes, and no CUDA GPU is "
-            'visible here; set lora.quantize_base = "none" for LoRA on a full-precision base'
-        )
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return f"'{settings.quantize_base}' (QLoRA) needs bitsandbytes: pip install 'hpref[gpu]'"
-    # The 4-bit base is not yet sharded by FSDP2 here (bitsandbytes' packed weights and their quant
-    # state are not DTensors): refuse rather than train an unquantised model under that name.
-    return (
-        f"'{settings.quantize_base}' (QLoRA) is not wired into hpref's FSDP2 trainer yet; its first GPU "
-        'run is in benchmarks/gpu.sh. Use lora.quantize_base = "none"'
-    )
+def quantize_problem(settings: LoraSection) -> str | None:
+    """Why `quantize_base` cannot run here (None: nothing to say): QLoRA's 4-bit base needs
+    bitsandbytes, which runs NF4 on CUDA and on CPU (`hpref.models.quantize`)."""
+    from hpref.models.quantize import bitsandbytes_problem
+
+    return bitsandbytes_problem(settings.quantize_base)
 
 
 @contextlib.contextmanager
@@ -218,10 +213,12 @@ def inject_lora(module: nn.Module, config: Any, *, what: str, seed: int | None =
     return peft_model
 
 
-def apply_lora(model: Any, settings: LoraSection) -> LoraState:
+def apply_lora(model: Any, settings: LoraSection, *, device: Any = None) -> LoraState:
     """Inject LoRA adapters into `model.backbone` in place (meta or materialised) and freeze the base.
 
-    A user error (exit 2) when peft is missing, `quantize_base` cannot run here, or
+    With `quantize_base = "4bit"` (QLoRA) the model must be materialised: the targeted block linears
+    are first quantised to NF4 on `device` (default: the model's target device), see
+    `hpref.models.quantize`. A user error (exit 2) when peft or bitsandbytes is missing, or
     `target_modules` names nothing in the backbone."""
     require_peft()
     problem = quantize_problem(settings)
@@ -231,6 +228,11 @@ def apply_lora(model: Any, settings: LoraSection) -> LoraState:
         raise RuntimeError("the model already has LoRA adapters")
     backbone = model.backbone
     config = lora_config(model, settings)
+    if settings.quantize_base == "4bit":
+        from hpref.models.quantize import quantize_block_linears
+
+        where = device if device is not None else getattr(model, "target_device", "cpu")
+        quantize_block_linears(model, sorted(config.target_modules), device=where)
     peft_model = inject_lora(backbone, config, what="backbone")
     state = LoraState(
         peft=peft_model,
@@ -315,14 +317,25 @@ def to_model_layout(model: Any, full: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, all) parameters; a `modules_to_save` module's frozen original counts in `all`."""
+    """(trainable, all) parameters; a `modules_to_save` module's frozen original counts in `all`, a
+    4-bit weight (QLoRA) as the weights it stands for, not its packed bytes."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    return sum(p.numel() for p in params if p.requires_grad), sum(_logical_numel(p) for p in params)
+
+
+def _logical_numel(param: torch.Tensor) -> int:
+    quant_state = getattr(param, "quant_state", None)  # bitsandbytes' Params4bit
+    shape = getattr(quant_state, "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else param.numel()
 
 
 def frozen_state_keys(model: nn.Module) -> set[str]:
-    """State-dict keys of frozen parameters: what a checkpoint leaves to the base weights."""
-    return {name for name, p in model.named_parameters() if not p.requires_grad}
+    """State-dict keys of frozen parameters: what a checkpoint leaves to the base weights (with
+    QLoRA also bitsandbytes' quantisation state of the 4-bit weights, which no parameter names)."""
+    from hpref.models.quantize import quantized_state_keys
+
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return frozen | quantized_state_keys(model)
 
 
 def freeze_dtype(model: nn.Module, dtype: torch.dtype) -> int:
@@ -353,10 +366,19 @@ def merge_lora(model: Any) -> None:
     model._backbone_state = state.plain_backbone_state
 
 
+#: the key `base_pointer` adds for a QLoRA base (not a `[model]` parameter: readers pop it)
+QUANTIZE_KEY = "quantize_base"
+
+
 def base_pointer(recipe: Any) -> dict[str, Any]:
     """What names the frozen base weights a LoRA checkpoint or adapter export leaves out: the
-    recipe's resolved `[model]` section (component and parameters)."""
-    return dict(recipe.to_dict()["model"])
+    recipe's resolved `[model]` section (component and parameters), plus `quantize_base` for a
+    QLoRA base (the same `[model]` quantised is another set of base weights)."""
+    pointer = dict(recipe.to_dict()["model"])
+    lora = getattr(recipe, "lora", None)
+    if lora is not None and lora.quantize_base != "none":
+        pointer[QUANTIZE_KEY] = lora.quantize_base
+    return pointer
 
 
 def save_adapter(model: Any, folder: Path, *, base: dict[str, Any], dtype: torch.dtype) -> None:

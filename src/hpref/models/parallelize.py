@@ -16,6 +16,10 @@ never step, so an fp32 master copy would only double their memory, and FSDP2 cas
 dtype for every forward anyway (the same numbers). The adapters, the head and anything else that
 trains keep fp32 master weights.
 
+With QLoRA (`hpref.models.quantize`) the targeted block linears hold bitsandbytes' packed 4-bit
+weights, which are not DTensors: they go to `fully_shard(..., ignored_params=...)`, so each rank
+keeps the whole 4-bit base (as QLoRA under DDP does), and their matmuls run in the compute dtype.
+
 FSDP2 works on CPU with gloo (a "cpu" DeviceMesh) in torch >= 2.6, so there is no second code path
 for CPU or for a single process: the same sharded model runs everywhere (world size 1 simply holds
 every shard). The model side of the contract is `blocks()`, `head` and
@@ -52,20 +56,27 @@ def parallelize(
         from hpref.models.adapters import freeze_dtype
 
         frozen = freeze_dtype(model, param_dtype)
+    # QLoRA: bitsandbytes' packed 4-bit weights stay whole on every rank (see the module docstring)
+    from hpref.models.quantize import quantized_params, set_compute_dtype
+
+    replicated = quantized_params(model)
+    extra: dict[str, Any] = {"ignored_params": replicated} if replicated else {}
+    set_compute_dtype(model, param_dtype)
     blocks = model.blocks()
     for block in blocks:
-        fully_shard(block, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, **extra)
     head = getattr(model, "head", None)
     fp32_head = isinstance(head, torch.nn.Module) and param_dtype != torch.float32
     if fp32_head:  # see the module docstring; the policy casts the pooled bf16 input up
         fp32 = torch.float32
         fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32))
-    fully_shard(model, mp_policy=policy)
+    fully_shard(model, mp_policy=policy, **extra)
     logger.info(
         f"FSDP2: {len(blocks)} blocks + root over {dist.get_world_size()} rank(s), "
         f"compute {_name(param_dtype)}{' (head fp32)' if fp32_head else ''}, reduce fp32, "
         f"activation checkpointing {'on' if activation_checkpointing else 'off'}"
         + (f"; {frozen:,} frozen parameters stored in {_name(param_dtype)}" if frozen else "")
+        + (f"; {len(replicated)} 4-bit base weights replicated on every rank" if replicated else "")
     )
     return model
 

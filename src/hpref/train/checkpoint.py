@@ -198,7 +198,6 @@ def save_checkpoint(
 ) -> Path:
     """Collective: every rank calls it. Returns the final `step-N` folder."""
     from torch.distributed.checkpoint import save
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank, world = _rank_and_world()
     root = Path(run_dir) / CHECKPOINTS
@@ -209,7 +208,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
+    model_state, optim_state = _trained_state(model, optimizer)
     save(checkpoint_layout(model, model_state, optim_state), checkpoint_id=str(tmp))
     write_json_atomic(tmp / _rank_file(rank), {"rank": rank, "rng": rng_state()})
     if rank == 0:
@@ -244,6 +243,20 @@ def _trained_only(strict: bool = True) -> Any:
     return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
+def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state of what trains (`_trained_only`). A QLoRA base's 4-bit weights are
+    frozen, but bitsandbytes' quantisation state beside them (`weight.absmax`, ...) is no parameter
+    that `ignore_frozen_params` knows: it is left out here, as the rest of the base."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hpref.models.quantize import quantized_state_keys
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
+    for key in quantized_state_keys(model, list(model_state)):
+        del model_state[key]
+    return model_state, optim_state
+
+
 @dataclass
 class Restored:
     path: Path
@@ -265,7 +278,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
     """Collective: load model, optimizer and this rank's RNG from a complete checkpoint in place,
     after its files verify against their checksums."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     rank, world = _rank_and_world()
     path = Path(path)
@@ -282,7 +295,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
             f"checkpoint {path} was written by {train_state.get('world_size')} ranks, this run has {world}; "
             "resume with the same number of processes"
         )
-    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
+    model_state, optim_state = _trained_state(model, optimizer)
     dcp_load(checkpoint_layout(model, model_state, optim_state), path)  # in place: views share storage
     state = {"model": model_state, "optim": optim_state}
     # frozen weights (a LoRA base) are not in the checkpoint: the model already holds them

@@ -79,6 +79,19 @@ def load_initial_weights(model: torch.nn.Module, *, device: torch.device, init_f
     others receive their shards by broadcast."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from hpref.models.quantize import is_quantized
+
+    if is_quantized(model):
+        # QLoRA: built materialised (its 4-bit base is quantised from the pretrained weights) with
+        # the same seeded head and adapters on every rank, so there is nothing to load or send
+        if init_folder is not None:
+            from hpref.errors import UserError
+
+            raise UserError(
+                f"lora.quantize_base: training from an `hpref init` folder ({init_folder}) is not "
+                'supported with a 4-bit base; remove the folder or set lora.quantize_base = "none"'
+            )
+        return
     broadcast = dist.get_world_size() > 1
     model.load_pretrained_weights(device=device, broadcast_from_rank0=broadcast)
     if init_folder is None:
