@@ -166,16 +166,17 @@ def _training_steps(num_steps: int, vocab: int):
 
 def test_megatron_gpt_takes_tiny_llamas_optimizer_steps_at_the_quickstart_settings(alone, monkeypatch):
     """megatron-gpt and tiny-llama built from the same settings and trained side by side through the
-    trainer's `train_step` with the quickstart recipes' optimizer (the adamw component: lr 3e-3,
+    trainer's `train_step` with the judge quickstart's optimizer (the adamw component: lr 3e-3,
     betas (0.9, 0.99), weight decay 0.01 on matrices only) and a gradient clip that engages, in
     float64, keep the same loss (1e-9), gradient norm and every weight (megatron's mapped to
     transformers names; 1e-6) over 8 steps. float64 because in float32 Adam turns the rounding of
     near-zero gradient entries (each backend sums in its own order) into updates of up to the
     learning rate, so two float32 runs part after a step whatever the code; in float64 what is left
     is megatron-gpt's float32 gradient norm (a clip coefficient ~1e-8 off, ~1e-7 in the weights).
-    If this fails, megatron-quickstart does not train the model quickstart-judge trains (issue #15's
-    parity): a parameter grouped for weight decay differently, a gradient scaled or clipped by
-    another norm, a weight the optimizer does not hold, or a forward that differs."""
+    If this fails, megatron-gpt does not train the model tiny-llama trains (issue #15's parity, which
+    megatron-quickstart shows against quickstart): a parameter grouped for weight decay differently,
+    a gradient scaled or clipped by another norm, a weight the optimizer does not hold, or a forward
+    that differs."""
     import transformers.models.llama.modeling_llama as llama
 
     from hpref.builtin.models import TinyLlamaConfig, build_tiny_llama
