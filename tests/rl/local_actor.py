@@ -40,3 +40,32 @@ class LocalActor:
                 return asyncio.to_thread(locked)
 
         return _Method()
+
+
+def length_scored_rollouts(
+    tmp_path_factory: Any, mp: Any, cfg: Any, reward_module: str, count: int = 4
+) -> tuple[Any, list[Any]]:
+    """(a local engine for policy 'a', `count` of its rollouts sampled from its start), scored by a
+    rule reward that prefers short answers, written as `reward_module` on the path `mp` patches.
+
+    A random tiny policy's answers all score alike under the arena rules, so every advantage would
+    be 0 (no gradient); answer length separates the answers of a group. The trainers that use these
+    rollouts take them off-policy, which is all a trainer-level test needs."""
+    from hpref.rl.engines import EngineActor
+    from hpref.rl.rollouts import RolloutExecutor
+
+    mp.setenv("HPREF_CACHE", str(tmp_path_factory.mktemp("hpref-cache")))
+    module = tmp_path_factory.mktemp("reward")
+    (module / f"{reward_module}.py").write_text(
+        "def score(prompt, answer):\n    return -float(len(answer))\n"
+    )
+    mp.syspath_prepend(str(module))
+    engine = LocalActor(EngineActor("a", cfg.policies["a"].model))
+
+    async def collect() -> list[Any]:
+        executor = RolloutExecutor(cfg, ["a"], {"a": engine})
+        out = [await executor.get(r, "a") for r in range(count)]
+        await executor.shutdown()
+        return out
+
+    return engine, asyncio.run(collect())

@@ -24,7 +24,7 @@ from hpref.rl.rollouts import RolloutExecutor  # noqa: E402
 from hpref.rl.trainer import TrainerActor  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
-from tests.rl.local_actor import LocalActor  # noqa: E402
+from tests.rl.local_actor import LocalActor, length_scored_rollouts  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 R = 4
@@ -52,24 +52,8 @@ def world(tmp_path_factory):
     """The config, a plain engine for policy 'a', and four of its rollouts (sampled from the start:
     the trainers below take them off-policy, which is all these tests need)."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("HPREF_CACHE", str(tmp_path_factory.mktemp("hpref-cache")))
-    # the arena judge scores a random policy's gibberish alike, so every advantage would be 0 (no
-    # gradient); answer length separates the answers of a group
-    module = tmp_path_factory.mktemp("reward")
-    (module / "rl_lora_length_reward.py").write_text(
-        "def score(prompt, answer):\n    return -float(len(answer))\n"
-    )
-    mp.syspath_prepend(str(module))
     cfg = rl_config()
-    engine = LocalActor(EngineActor("a", cfg.policies["a"].model))
-
-    async def collect():
-        ex = RolloutExecutor(cfg, ["a"], {"a": engine})
-        out = [await ex.get(r, "a") for r in range(4)]
-        await ex.shutdown()
-        return out
-
-    rollouts = asyncio.run(collect())
+    engine, rollouts = length_scored_rollouts(tmp_path_factory, mp, cfg, "rl_lora_length_reward")
     yield cfg, engine, rollouts
     mp.undo()
 

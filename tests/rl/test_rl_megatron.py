@@ -8,7 +8,6 @@ test builds."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -20,11 +19,10 @@ from hpref.errors import RecipeError  # noqa: E402
 from hpref.recipe_rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  # noqa: E402
-from hpref.rl.rollouts import RolloutExecutor  # noqa: E402
 from hpref.rl.trainer import TrainerActor  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
-from tests.rl.local_actor import LocalActor  # noqa: E402
+from tests.rl.local_actor import length_scored_rollouts  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 PROMPTS = [("What is the capital of Peru?",), ("Add 2 and 3.",)]
@@ -51,23 +49,8 @@ def world(tmp_path_factory):
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
     mp = pytest.MonkeyPatch()
-    mp.setenv("HPREF_CACHE", str(tmp_path_factory.mktemp("hpref-cache")))
-    # a random policy's answers all score alike under the arena rules: length separates a group's
-    module = tmp_path_factory.mktemp("reward")
-    (module / "rl_megatron_length_reward.py").write_text(
-        "def score(prompt, answer):\n    return -float(len(answer))\n"
-    )
-    mp.syspath_prepend(str(module))
     cfg = rl_config()
-    engine = LocalActor(EngineActor("a", cfg.policies["a"].model))
-
-    async def collect():
-        ex = RolloutExecutor(cfg, ["a"], {"a": engine})
-        out = [await ex.get(r, "a") for r in range(4)]
-        await ex.shutdown()
-        return out
-
-    rollouts = asyncio.run(collect())
+    _, rollouts = length_scored_rollouts(tmp_path_factory, mp, cfg, "rl_megatron_length_reward")
     yield cfg, rollouts
     from hpref.rl.megatron_policy import release_model_parallel
 
