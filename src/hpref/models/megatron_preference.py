@@ -88,9 +88,9 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> Mod
 
 #: Why pipeline_parallel > 1 is refused (see the module docstring of hpref.builtin.megatron).
 PIPELINE_REFUSAL = (
-    "model.pipeline_parallel > 1 is not supported yet: megatron's pipeline schedules send fixed-shape "
-    "activations between stages, and hpref's packed micro-batches change length every step (and the "
-    "preference head sits on the last stage, which the loss and evaluation would have to follow)"
+    "model.pipeline_parallel > 1 is not supported yet: hpref does not yet split the model into "
+    "pipeline stages (the preference head, loss and evaluation would sit on the last stage) nor drive "
+    "megatron's pipeline schedules; use tensor_parallel and data parallel"
 )
 
 
