@@ -206,9 +206,13 @@ def _core_attention_class():
     return VarlenCoreAttention
 
 
-def _cpu_rotary(model: nn.Module) -> None:
-    """Keep RoPE's frequency table on the CPU when there is no CUDA (see the module docstring)."""
-    if torch.cuda.is_available():
+def cpu_rotary(model: nn.Module, *, even_with_cuda: bool = False) -> None:
+    """Keep RoPE's frequency table on the CPU when there is no CUDA (see the module docstring).
+
+    megatron's `get_emb` moves the table to `torch.cuda.current_device()`. The preference model
+    moves to the GPU when there is one, so it keeps megatron's class then; `even_with_cuda` swaps it
+    anyway, for a model whose weights stay on the CPU on a machine with CUDA (an rl trainer)."""
+    if torch.cuda.is_available() and not even_with_cuda:
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
@@ -220,6 +224,18 @@ def _cpu_rotary(model: nn.Module) -> None:
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is not None:
         rotary.__class__ = _CpuRotaryEmbedding
+
+
+def varlen_layer_spec() -> Any:
+    """megatron's local (no Transformer Engine) Llama layer spec: RMSNorm, with hpref's varlen
+    attention in its `core_attention` slot (the packed THD path on CPU and CUDA)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron's import-time deprecation notes
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _core_attention_class()
+    return spec
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,13 +268,9 @@ class MegatronBackbone(nn.Module):
         `tp_size` (a one-process model that loads a tensor-parallel run's checkpoint)."""
         super().__init__()
         require_megatron()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.models.gpt import GPTModel
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = varlen_layer_spec()  # first: it imports megatron's gpt package with its notes silenced
+        from megatron.core.models.gpt import GPTModel
 
-            spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = _core_attention_class()
         self.shape = shape
         self.tp_size = tp_size
         self.vocab_multiple = vocab_multiple or tp_size
@@ -278,7 +290,7 @@ class MegatronBackbone(nn.Module):
             position_embedding_type="rope",
             rotary_base=shape.rope_theta,
         )
-        _cpu_rotary(self.gpt)
+        cpu_rotary(self.gpt)
         self.norm = nn.RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps, dtype=params_dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs: Any):

@@ -125,21 +125,6 @@ def megatron_causal_to_hf(state: dict[str, Any], shape: Any, *, tied: bool) -> d
 # the model
 
 
-def _rotary_on_the_cpu(gpt: nn.Module) -> None:
-    """RoPE's frequency table computed where its inverse frequencies are (the CPU: an rl trainer's
-    weights are there), also on a machine with CUDA. megatron's `get_emb` moves it to
-    `torch.cuda.current_device()`; `hpref.models.megatron._cpu_rotary` swaps it only when CUDA is
-    absent, since the preference model moves to the GPU when there is one."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    class _CpuRotaryEmbedding(RotaryEmbedding):
-        def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-            freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-            return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # not interleaved: HF's rotate_half
-
-    gpt.rotary_pos_emb.__class__ = _CpuRotaryEmbedding
-
-
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, L, V]
@@ -151,17 +136,11 @@ class MegatronCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any):
         super().__init__()
-        import warnings
+        from hpref.models.megatron import cpu_rotary, shape_of, transformer_config, varlen_layer_spec
 
-        from hpref.models.megatron import _core_attention_class, shape_of, transformer_config
+        spec = varlen_layer_spec()  # first: it imports megatron's gpt package with its notes silenced
+        from megatron.core.models.gpt import GPTModel
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.models.gpt import GPTModel
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-            spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = _core_attention_class()
         self.config = hf_config
         self.created_group = False
         self.shape = shape_of(hf_config)
@@ -177,7 +156,7 @@ class MegatronCausalLM(nn.Module):
             position_embedding_type="rope",
             rotary_base=self.shape.rope_theta,
         )
-        _rotary_on_the_cpu(self.gpt)
+        cpu_rotary(self.gpt, even_with_cuda=True)  # an rl trainer's weights stay on the CPU
 
     def forward(self, input_ids: Any, attention_mask: Any = None, **_: Any) -> CausalLMOutput:
         """Logits `[B, L, V]` of a right-padded batch (zeros at padding positions)."""
