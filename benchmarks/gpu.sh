@@ -46,14 +46,16 @@ with torch.inference_mode():
         print(f"{backend}: max |packed - alone| logit difference {err:.4f} -> {'OK' if err < 0.05 else 'FAIL'}")
 PYEOF
 
+# the ~1B decoder (tiny-llama's settings, random init) and the run shape sections 2-4 and 5b share
+DECODER_1B=(--set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
+  --set model.num_key_value_heads=4 --set model.intermediate_size=8192 \
+  --set train.precision=bf16 --set train.max_length=2048 --set train.micro_batch_tokens=16384 \
+  --set train.max_steps=20 --set train.log_interval=5 --set train.eval_interval=0 \
+  --set dataset.train.num_battles=4000)
 for backend in flash_varlen torch_varlen; do
   "$PY" -m hpref train recipes/quickstart-judge.toml \
     --set run.output_dir="$OUT" --set run.name="1b-$backend" \
-    --set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
-    --set model.num_key_value_heads=4 --set model.intermediate_size=8192 --set model.attention=$backend \
-    --set train.precision=bf16 --set train.max_length=2048 --set train.micro_batch_tokens=16384 \
-    --set train.max_steps=20 --set train.log_interval=5 --set train.eval_interval=0 \
-    --set dataset.train.num_battles=4000 || { echo "$backend: hpref train failed"; continue; }
+    "${DECODER_1B[@]}" --set model.attention=$backend || { echo "$backend: hpref train failed"; continue; }
   "$PY" -c "import json,sys; s=json.load(open('$OUT/1b-$backend/summary.json')); \
 print('$backend', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%} of {s['peak']}, peak mem {s['peak_memory_gib']:.1f} GiB\")"
 done
@@ -62,12 +64,7 @@ done
 #    fp32 master weights, the frozen base stored in bf16, nccl; trainable parameters, tokens/s and
 #    peak memory against the full fine-tuning run above.
 "$PY" -m hpref train recipes/quickstart-judge.toml \
-  --set run.output_dir="$OUT" --set run.name="1b-lora" \
-  --set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
-  --set model.num_key_value_heads=4 --set model.intermediate_size=8192 \
-  --set train.precision=bf16 --set train.max_length=2048 --set train.micro_batch_tokens=16384 \
-  --set train.max_steps=20 --set train.log_interval=5 --set train.eval_interval=0 \
-  --set dataset.train.num_battles=4000 --set lora.r=16 || echo "lora: hpref train failed"
+  --set run.output_dir="$OUT" --set run.name="1b-lora" "${DECODER_1B[@]}" --set lora.r=16 || echo "lora: hpref train failed"
 "$PY" -c "import json; s=json.load(open('$OUT/1b-lora/summary.json')); \
 print('lora', f\"{s['trainable_params']:,} of {s['params']:,} trainable, {s['tokens_per_s']:,.0f} tok/s, peak mem {s['peak_memory_gib']:.1f} GiB\")" || true
 
@@ -76,12 +73,7 @@ print('lora', f\"{s['trainable_params']:,} of {s['params']:,} trainable, {s['tok
 #    materialised on CPU first), replicated on every rank (FSDP2 ignored params), adapters and head
 #    sharded; trainable parameters, tokens/s and peak memory against section 3 (expect a smaller peak).
 "$PY" -m hpref train recipes/quickstart-judge.toml \
-  --set run.output_dir="$OUT" --set run.name="1b-qlora" \
-  --set model.hidden_size=2048 --set model.num_hidden_layers=16 --set model.num_attention_heads=16 \
-  --set model.num_key_value_heads=4 --set model.intermediate_size=8192 \
-  --set train.precision=bf16 --set train.max_length=2048 --set train.micro_batch_tokens=16384 \
-  --set train.max_steps=20 --set train.log_interval=5 --set train.eval_interval=0 \
-  --set dataset.train.num_battles=4000 --set lora.r=16 --set 'lora.quantize_base="4bit"' \
+  --set run.output_dir="$OUT" --set run.name="1b-qlora" "${DECODER_1B[@]}" --set lora.r=16 --set 'lora.quantize_base="4bit"' \
   || echo "qlora: hpref train failed"
 "$PY" -c "import json; s=json.load(open('$OUT/1b-qlora/summary.json')); \
 print('qlora', f\"{s['trainable_params']:,} of {s['params']:,} trainable, {s['tokens_per_s']:,.0f} tok/s, peak mem {s['peak_memory_gib']:.1f} GiB\")" || true
@@ -117,15 +109,16 @@ with torch.inference_mode():
         print(f"megatron {backend}: max |megatron - transformers| logit {err:.2e} -> {'OK' if err < 1e-3 else 'FAIL'}")
 PYEOF
 
-#    b) Speed: the ~1B decoder of section 2 on megatron-gpt, TP = 1 on one GPU (compare with the
-#       FSDP2 numbers above), and TP = 2 over two GPUs where they exist (tensor-parallel over nccl).
-MEGATRON_1B=(--set run.output_dir="$OUT" \
-  --set model.tiny_llama.hidden_size=2048 --set model.tiny_llama.num_hidden_layers=16 \
-  --set model.tiny_llama.num_attention_heads=16 --set model.tiny_llama.num_key_value_heads=4 \
-  --set model.tiny_llama.intermediate_size=8192 --set model.attention=flash_varlen \
-  --set train.precision=bf16 --set train.max_length=2048 --set train.micro_batch_tokens=16384 \
-  --set train.max_steps=20 --set train.log_interval=5 --set train.eval_interval=0 \
-  --set dataset.train.num_battles=4000)
+#    b) Speed: the ~1B decoder of section 2 as the quickstart's reward model (megatron-quickstart
+#       mirrors recipes/quickstart.toml), on FSDP2 (one GPU) and on megatron-gpt with TP = 1 on one
+#       GPU and TP = 2 over two GPUs where they exist (tensor-parallel over nccl): the same task, so
+#       the tokens/s compare.
+MEGATRON_1B=(--set run.output_dir="$OUT" "${DECODER_1B[@]/#model./model.tiny_llama.}" \
+  --set model.attention=flash_varlen)
+"$PY" -m hpref train recipes/quickstart.toml --set run.output_dir="$OUT" --set run.name="1b-fsdp-reward" \
+  "${DECODER_1B[@]}" --set model.attention=flash_varlen --set launch.nproc=1 || echo "fsdp reward: hpref train failed"
+"$PY" -c "import json; s=json.load(open('$OUT/1b-fsdp-reward/summary.json')); \
+print('fsdp2 reward', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%} of {s['peak']}, peak mem {s['peak_memory_gib']:.1f} GiB\")" || true
 GPUS=$(nvidia-smi --list-gpus | wc -l)
 for tp in 1 2; do
   if [ "$tp" -gt "$GPUS" ]; then echo "megatron tp=$tp: needs $tp GPUs, this machine has $GPUS"; continue; fi
