@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -150,6 +153,45 @@ def test_without_bitsandbytes_qlora_is_a_one_line_user_error(tmp_path, monkeypat
     assert str(info.value).endswith(expected) and "\n" not in str(info.value)
 
 
+#: run first in each child: every hub kernel request is recorded (and answered with an error)
+RECORD_KERNEL_FETCHES = """
+import kernels
+fetched = []
+def get_kernel(repo_id, *args, **kwargs):
+    fetched.append(repo_id)
+    raise RuntimeError("no hub kernels in this test")
+kernels.get_kernel = get_kernel
+"""
+
+
+def test_bitsandbytes_imported_through_hpref_fetches_no_hub_kernel():
+    """bitsandbytes' CPU backend asks the `kernels` package for a Hub kernel when it is imported on
+    an AVX512-BF16 CPU (online: downloaded code run in-process; offline: a warning on the console).
+    Plain `import peft` makes that request (else this CPU never would, and the test skips); after
+    hpref's `require_peft` it must not. If it did, an hpref run that uses LoRA would download and
+    run a stranger's code, and print a warning on every offline command."""
+    pytest.importorskip("kernels")
+
+    def fetched(code):
+        code = RECORD_KERNEL_FETCHES + code + "\nprint(fetched)"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    plain = fetched("import peft")
+    if plain == "[]":
+        pytest.skip("bitsandbytes asks for no hub kernel on this CPU (no AVX512-BF16)")
+    assert plain == "['kernels-community/quantization-bitsandbytes']"
+    through_hpref = (
+        "from hpref.models.adapters import require_peft\n"
+        "require_peft()\n"
+        "import bitsandbytes, peft, sys\n"
+        # hidden for bitsandbytes' import only: transformers' own `kernels` module is left in place
+        "assert sys.modules['kernels'] is kernels\n"
+    )
+    assert fetched(through_hpref) == "[]"
+
+
 @pytest.mark.slow
 def test_without_bitsandbytes_the_commands_exit_2_with_one_line(tmp_path):
     """The real commands in a Python where bitsandbytes cannot be imported (a `sitecustomize` masks
@@ -165,7 +207,6 @@ def test_without_bitsandbytes_the_commands_exit_2_with_one_line(tmp_path):
         )
     )
     path = write_qlora_recipe(tmp_path, "q")
-    import os
 
     env = {"PYTHONPATH": os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])}
     for command in (["recipes", "check"], ["train"]):

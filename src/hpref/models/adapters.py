@@ -88,13 +88,14 @@ class LoraState:
 
 
 def require_peft() -> None:
-    """A one-line `UserError` when peft is missing. peft imports bitsandbytes when it is installed:
-    its import-time notes go to the log files, not the console (`hpref.logs.route_stdlib_logs`)."""
+    """A one-line `UserError` when peft is missing; call it before importing peft. peft imports
+    bitsandbytes when it is installed: `load_bitsandbytes` imports it first, so that its import
+    fetches no code from the Hub and its notes go to the log files, not the console."""
     if importlib.util.find_spec("peft") is None:
         raise UserError("lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
-    from hpref.logs import route_stdlib_logs
+    from hpref.models.quantize import load_bitsandbytes
 
-    route_stdlib_logs("bitsandbytes")
+    load_bitsandbytes()
 
 
 def quantize_problem(settings: LoraSection) -> str | None:

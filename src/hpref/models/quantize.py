@@ -50,15 +50,40 @@ def bitsandbytes_problem(quantize_base: str) -> str | None:
 
 
 def import_bitsandbytes() -> Any:
-    """`bitsandbytes`, imported quietly; a one-line `UserError` (exit 2) when it is missing."""
+    """`bitsandbytes`, imported as `load_bitsandbytes` does; a one-line `UserError` (exit 2) when it
+    is missing."""
     problem = bitsandbytes_problem("4bit")
     if problem is not None:
         raise UserError(f"lora.quantize_base: {problem}")
+    return load_bitsandbytes()
+
+
+def load_bitsandbytes() -> Any | None:
+    """Import bitsandbytes when it is installed (None when not), never fetching code from the Hub;
+    idempotent. Call it before anything imports peft, which imports bitsandbytes.
+
+    Why: on a CPU with AVX512-BF16, bitsandbytes >= 0.50's CPU backend calls the `kernels` package at
+    import time (`get_kernel("kernels-community/quantization-bitsandbytes")`): online that downloads
+    compiled code from the Hugging Face Hub and runs it in this process, offline it prints a warning.
+    transformers >= 5.25 depends on `kernels`, so every install has it. With `kernels` hidden for the
+    import, bitsandbytes takes its own fallback (its built-in CPU kernels) and logs why; that note
+    and its other import-time notes go to hpref's log files (`hpref.logs.route_stdlib_logs`)."""
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
     from hpref.logs import route_stdlib_logs
 
-    route_stdlib_logs("bitsandbytes")  # its CPU backend's import-time note about optional kernels
-    import bitsandbytes
-
+    route_stdlib_logs("bitsandbytes")
+    kernels = sys.modules.get("kernels")
+    sys.modules["kernels"] = None  # type: ignore[assignment]  # `from kernels import ...` raises
+    try:
+        import bitsandbytes
+    finally:
+        if kernels is None:
+            del sys.modules["kernels"]
+        else:
+            sys.modules["kernels"] = kernels
     return bitsandbytes
 
 
