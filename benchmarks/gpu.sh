@@ -127,3 +127,12 @@ for tp in 1 2; do
   "$PY" -c "import json; s=json.load(open('$OUT/1b-megatron-tp$tp/summary.json')); \
 print('megatron tp=$tp', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%} of {s['peak']}, peak mem {s['peak_memory_gib']:.1f} GiB\")"
 done
+# TP = 2 with sequence parallelism (activations outside attention / MLP split by tokens): same
+# tokens/s or better, and lower peak memory than tp=2 above
+if [ "$GPUS" -ge 2 ]; then
+  "$PY" -m hpref train recipes/megatron-quickstart.toml "${MEGATRON_1B[@]}" --set run.name="1b-megatron-tp2-sp" \
+    --set model.tensor_parallel=2 --set model.sequence_parallel=true --set launch.nproc=2 \
+    && "$PY" -c "import json; s=json.load(open('$OUT/1b-megatron-tp2-sp/summary.json')); \
+print('megatron tp=2 + sequence parallel', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%}, peak mem {s['peak_memory_gib']:.1f} GiB\")" \
+    || echo "megatron tp=2 + sequence parallel: hpref train failed"
+fi

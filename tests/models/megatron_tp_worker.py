@@ -2,7 +2,8 @@
 
 Loads a transformers folder into a `MegatronBackbone` split over all ranks (TP = world size), runs
 a few plain SGD steps on a fixed packed batch and writes the loss curve and the gathered weights
-converted back to transformers keys (rank 0).
+converted back to transformers keys (rank 0). A third argument `sequence-parallel` turns megatron's
+sequence parallelism on (the 17-token row is then padded to an even length).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(folder: str, out: str) -> None:
+def main(folder: str, out: str, mode: str = "") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from megatron.core import parallel_state
@@ -24,10 +25,11 @@ def main(folder: str, out: str) -> None:
 
     from hpref.models.attention import CONTEXT_KWARG, VarlenContext
     from hpref.models.megatron import MegatronBackbone, megatron_to_hf, shape_of
+    from hpref.models.megatron_sequence_parallel import sum_partial_gradients
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     shape = shape_of(AutoConfig.from_pretrained(folder))
-    backbone = MegatronBackbone(shape, tp_size=world)
+    backbone = MegatronBackbone(shape, tp_size=world, sequence_parallel=mode == "sequence-parallel")
     backbone.load_hf_state(load_file(str(Path(folder) / "model.safetensors")), tp_rank=rank)
     generator = torch.Generator().manual_seed(0)
     lengths = [5, 9, 3]
@@ -42,6 +44,7 @@ def main(folder: str, out: str) -> None:
         loss = hidden[0, cu[1:].long() - 1].pow(2).mean()  # last-token states, as the head reads them
         optimizer.zero_grad()
         loss.backward()
+        sum_partial_gradients(list(backbone.parameters()))  # the norms' gradients, under sequence parallel
         optimizer.step()
         losses.append(loss.item())
     shards = [None] * world
@@ -58,4 +61,4 @@ def main(folder: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

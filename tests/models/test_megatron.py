@@ -150,7 +150,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_tp(folder: Path, out: Path, nproc: int) -> dict:
+def _run_tp(folder: Path, out: Path, nproc: int, *mode: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
@@ -160,23 +160,29 @@ def _run_tp(folder: Path, out: Path, nproc: int) -> dict:
         f"--master-port={_free_port()}",
         str(WORKER),
     ]
-    done = subprocess.run([*cmd, str(folder), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*cmd, str(folder), str(out), *mode], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 def test_tensor_parallel_over_two_gloo_ranks_equals_one_rank(tmp_path):
-    """TP = 2 on two CPU processes (gloo) gives the loss curve of TP = 1 over four SGD steps, and the
-    trained weights gathered back into transformers keys agree. If this fails, megatron's
-    tensor-parallel split of hpref's conversion (query groups, gate/up halves, row-parallel inputs,
-    padded vocab) or its collectives on gloo differ from the one-rank model."""
+    """TP = 2 on two CPU processes (gloo), without and with sequence parallelism, gives the loss curve
+    of TP = 1 over four SGD steps, and the trained weights gathered back into transformers keys
+    agree. If this fails, megatron's tensor-parallel split of hpref's conversion (query groups,
+    gate/up halves, row-parallel inputs, padded vocab) or its collectives on gloo differ from the
+    one-rank model; with sequence parallel, the padding of the odd-length row, the gather of the
+    output or the sum of the norms' partial gradients is wrong."""
     folder = tmp_path / "tiny-llama"
     hf_model(tiny_config()).save_pretrained(folder)
     one = _run_tp(folder, tmp_path / "tp1.json", 1)
     two = _run_tp(folder, tmp_path / "tp2.json", 2)
     assert one["losses"][-1] < one["losses"][0]  # the steps did train
-    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-6)
-    assert set(two["checksum"]) == set(one["checksum"])
-    for key, value in one["checksum"].items():
-        assert two["checksum"][key] == pytest.approx(value, rel=1e-4, abs=1e-4), key
+    sequence = _run_tp(folder, tmp_path / "sp2.json", 2, "sequence-parallel")
+    for run in (two, sequence):
+        assert run["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-6)
+        assert set(run["checksum"]) == set(one["checksum"])
+        for key, value in one["checksum"].items():
+            assert run["checksum"][key] == pytest.approx(value, rel=1e-4, abs=1e-4), key

@@ -82,15 +82,13 @@ def test_save_pretrained_writes_a_transformers_folder_hpref_reloads(alone, tmp_p
 
 
 def test_unsupported_settings_are_refused_in_one_line(alone):
-    """Pipeline and sequence parallelism, and a recipe naming both or neither weight source, are one
-    line each, before anything is built. If this fails, a recipe asking for them would train
-    something else than it says (or fail deep inside megatron)."""
+    """Pipeline parallelism, and a recipe naming both or neither weight source, are one line each,
+    before anything is built. If this fails, a recipe asking for them would train something else
+    than it says (or fail deep inside megatron)."""
     from pydantic import ValidationError
 
     with pytest.raises(UserError, match="pipeline_parallel > 1 is not supported yet"):
         build(tiny_llama=TINY, pipeline_parallel=2)
-    with pytest.raises(UserError, match="sequence_parallel = true is not supported"):
-        build(tiny_llama=TINY, sequence_parallel=True)
     with pytest.raises(ValidationError, match="exactly one of path and tiny_llama"):
         build()
     with pytest.raises(ValidationError, match="exactly one of path and tiny_llama"):
@@ -214,3 +212,21 @@ def test_megatron_gpt_takes_tiny_llamas_optimizer_steps_at_the_quickstart_settin
         for key, value in theirs.items():
             torch.testing.assert_close(ours[key], value.detach(), atol=1e-6, rtol=0, msg=f"step {k}: {key}")
     assert clipped, "the gradient clip never engaged: raise the learning rate or lower grad_clip"
+
+
+def test_sequence_parallel_pads_a_row_with_one_extra_sequence_only_when_needed():
+    """Sequence parallelism splits a packed row into equal parts per tensor-parallel rank: a row is
+    padded to a multiple of them by one extra sequence of its own (a new `cu_seqlens` bound), so no
+    real sequence's attention or last token changes; a row that already divides is left alone. If
+    this fails, padding would join a real sequence (its last token would move) or split unequally."""
+    from hpref.models.megatron_sequence_parallel import pad_packed_row
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    padded, bounds, longest = pad_packed_row(ids, cu, 3, multiple=4)
+    assert padded.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0]]
+    assert bounds.tolist() == [0, 2, 5, 8] and bounds.dtype == torch.int32
+    assert longest == 3
+    same = pad_packed_row(ids, cu, 3, multiple=5)
+    assert same[0] is ids and same[1] is cu and same[2] == 3
+    assert pad_packed_row(ids[:, :1], cu[:2] * 0 + torch.tensor([0, 1], dtype=torch.int32), 1, 8)[2] == 7

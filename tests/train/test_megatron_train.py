@@ -67,6 +67,27 @@ def test_tensor_parallel_2_and_1_follow_the_fsdp_loss_curve(tmp_path, tp2_run, t
         assert tp1[step] == pytest.approx(fsdp[step], abs=2e-5), f"step {step}"
 
 
+def test_sequence_parallel_follows_the_tensor_parallel_loss_curve(tmp_path, tp2_run):
+    """TP = 2 with megatron's sequence parallelism (rows padded to an even length, activations split
+    by tokens between the tensor-parallel regions) gives the TP = 2 run's losses step by step. If this
+    fails, the padding leaks into a real sequence, the gathered output feeds the head the wrong
+    tokens, or the norms' partial gradients are not summed over the tensor-parallel ranks."""
+    from hpref.train import run_train
+
+    recipe = write_megatron_recipe(tmp_path, "ref", tp=2)  # same name as the reference: same seeds
+    recipe.write_text(
+        recipe.read_text().replace("tensor_parallel = 2\n", "tensor_parallel = 2\nsequence_parallel = true\n")
+    )
+    assert "sequence_parallel = true" in recipe.read_text()
+    assert run_train(recipe, nproc_per_node=2) == 0
+    sequence, reference = train_losses(tmp_path / "runs" / "ref"), train_losses(tp2_run / "runs" / "ref")
+    assert sorted(sequence) == sorted(reference) == list(range(1, TOTAL_STEPS + 1))
+    for step in reference:
+        assert sequence[step] == pytest.approx(reference[step], abs=2e-5), f"step {step}"
+    log = (tmp_path / "runs" / "ref" / "logs" / "rank0.log").read_text()
+    assert "sequence parallel" in log
+
+
 def test_tensor_parallel_run_killed_mid_epoch_resumes_to_the_same_losses(tmp_path, tp2_run, monkeypatch):
     """TP = 2 run stopped after step 7 (latest checkpoint: step 6, mid-epoch), resumed with `--resume
     auto`: every later step has the uninterrupted run's loss. If this fails, a tensor-parallel shard

@@ -9,10 +9,12 @@ or, instead of `path`, `[model.tiny_llama]` (the `tiny-llama` component's settin
 random-init tiny Llama and tokenizer `tiny-llama` builds, made in memory, nothing downloaded
 (`recipes/megatron-quickstart.toml`).
 
+`sequence_parallel = true` (with tensor_parallel > 1) splits the activations between megatron's
+tensor-parallel regions by tokens (`hpref.models.megatron_sequence_parallel`); with
+tensor_parallel = 1 it changes nothing.
+
 What is refused, in one line each: pipeline_parallel > 1 (`hpref.models.megatron_preference.
-PIPELINE_REFUSAL`), sequence_parallel (megatron splits the packed row's tokens over the
-tensor-parallel ranks, so every row would have to be padded to a multiple of them, and hpref's rows
-are unpadded), LoRA (`hpref.models.adapters` wraps transformers modules; megatron's fused
+PIPELINE_REFUSAL`), LoRA (`hpref.models.adapters` wraps transformers modules; megatron's fused
 tensor-parallel linears are not among PEFT's targets), a world size tensor_parallel does not divide.
 megatron-core is the optional extra `pip install 'hpref[megatron]'`.
 """
@@ -29,12 +31,6 @@ from hpref.hookspecs import hookimpl
 if TYPE_CHECKING:
     from hpref.models.megatron_preference import MegatronPreferenceModel
 
-#: What the refusal of `sequence_parallel = true` says (see the module docstring).
-SEQUENCE_PARALLEL_REFUSAL = (
-    "model.sequence_parallel = true is not supported: megatron splits a row's tokens over the "
-    "tensor-parallel ranks, and hpref's packed rows are not padded to a multiple of them"
-)
-
 
 class MegatronGPTConfig(HeadConfig):
     path: str | None = Field(
@@ -47,7 +43,10 @@ class MegatronGPTConfig(HeadConfig):
         1, ge=1, description="tensor-parallel ranks per model copy (must divide the key/value heads)"
     )
     pipeline_parallel: int = Field(1, ge=1, description="pipeline stages (only 1 is supported)")
-    sequence_parallel: bool = Field(False, description="megatron's sequence parallelism (not supported)")
+    sequence_parallel: bool = Field(
+        False,
+        description="with tensor_parallel > 1: split the activations outside attention and MLP by tokens",
+    )
     pooling: Literal["last"] = Field("last", description="token read by the head (a decoder's last)")
 
     @model_validator(mode="after")
@@ -63,8 +62,6 @@ def _refuse_unsupported(config: MegatronGPTConfig) -> None:
 
     if config.pipeline_parallel > 1:
         raise UserError(PIPELINE_REFUSAL)
-    if config.sequence_parallel:
-        raise UserError(SEQUENCE_PARALLEL_REFUSAL)
 
 
 def _tiny_llama_parts(config: MegatronGPTConfig) -> tuple[Any, Any, Any]:
@@ -138,6 +135,7 @@ def build_megatron_gpt(
         hf_state,
         tensor_parallel=config.tensor_parallel,
         pipeline_parallel=config.pipeline_parallel,
+        sequence_parallel=config.sequence_parallel,
         num_labels=num_labels,
         device=device,
         meta=meta,

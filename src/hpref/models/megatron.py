@@ -130,8 +130,15 @@ def shape_of(hf_config: Any) -> MegatronShape:
     )
 
 
-def transformer_config(shape: MegatronShape, *, tp_size: int = 1, params_dtype: torch.dtype = torch.float32):
-    """megatron-core's `TransformerConfig` for `shape`, with every fused CUDA kernel off."""
+def transformer_config(
+    shape: MegatronShape,
+    *,
+    tp_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    sequence_parallel: bool = False,
+):
+    """megatron-core's `TransformerConfig` for `shape`, with every fused CUDA kernel off;
+    `sequence_parallel` applies only where `tp_size` > 1 (`hpref.models.megatron_sequence_parallel`)."""
     require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -156,6 +163,7 @@ def transformer_config(shape: MegatronShape, *, tp_size: int = 1, params_dtype: 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
+        sequence_parallel=sequence_parallel and tp_size > 1,
         use_cpu_initialization=True,
         params_dtype=params_dtype,
         bias_activation_fusion=False,
@@ -228,13 +236,19 @@ def cpu_rotary(model: nn.Module, *, even_with_cuda: bool = False) -> None:
 
 def varlen_layer_spec() -> Any:
     """megatron's local (no Transformer Engine) Llama layer spec: RMSNorm, with hpref's varlen
-    attention in its `core_attention` slot (the packed THD path on CPU and CUDA)."""
+    attention in its `core_attention` slot (the packed THD path on CPU and CUDA), and torch's RMSNorm
+    in the norm slots marked for sequence parallelism when it is on (`SequenceParallelRMSNorm`: the
+    same module megatron's spec builds without Apex, which refuses sequence parallelism)."""
+    from hpref.models.megatron_sequence_parallel import SequenceParallelRMSNorm
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's import-time deprecation notes
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = _core_attention_class()
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     return spec
 
 
@@ -262,10 +276,13 @@ class MegatronBackbone(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         hf_config: Any = None,
         vocab_multiple: int | None = None,
+        sequence_parallel: bool = False,
     ):
         """`hf_config` (the transformers config the shape was read from) becomes `config`, which
         `PreferenceModel` reads; `vocab_multiple` pads the vocabulary to a multiple other than
-        `tp_size` (a one-process model that loads a tensor-parallel run's checkpoint)."""
+        `tp_size` (a one-process model that loads a tensor-parallel run's checkpoint);
+        `sequence_parallel` (only with `tp_size` > 1) splits the row's tokens between the
+        tensor-parallel regions (`hpref.models.megatron_sequence_parallel`)."""
         super().__init__()
         require_megatron()
         spec = varlen_layer_spec()  # first: it imports megatron's gpt package with its notes silenced
@@ -277,7 +294,18 @@ class MegatronBackbone(nn.Module):
         if self.vocab_multiple % tp_size:
             raise ValueError(f"vocab_multiple {self.vocab_multiple} is not a multiple of tp_size {tp_size}")
         self.config = hf_config
-        self.transformer_config = transformer_config(shape, tp_size=tp_size, params_dtype=params_dtype)
+        self.transformer_config = transformer_config(
+            shape, tp_size=tp_size, params_dtype=params_dtype, sequence_parallel=sequence_parallel
+        )
+        self.sequence_parallel = self.transformer_config.sequence_parallel
+        if self.sequence_parallel:
+            from hpref.models.megatron_sequence_parallel import (
+                no_op_rng_tracker,
+                place_collective_buffers_on_cpu,
+            )
+
+            place_collective_buffers_on_cpu()
+            no_op_rng_tracker()
         # post_process=False: no vocabulary projection (the preference head reads hidden states);
         # megatron then also leaves out the final norm, which `norm` below is
         self.gpt = GPTModel(
@@ -305,6 +333,12 @@ class MegatronBackbone(nn.Module):
         if ctx is None:
             cu = torch.tensor([0, total], dtype=torch.int32, device=input_ids.device)
             ctx = VarlenContext(backend="auto", cu_seqlens=cu, max_seqlen=total)
+        if self.sequence_parallel:
+            from hpref.models.megatron_sequence_parallel import pad_packed_row
+
+            input_ids, cu, longest = pad_packed_row(input_ids, ctx.cu_seqlens, ctx.max_seqlen, self.tp_size)
+            ctx = VarlenContext(backend=ctx.backend, cu_seqlens=cu, max_seqlen=longest)
+            position_ids = None  # megatron reads THD positions from cu_seqlens
         packed = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=ctx.cu_seqlens,
@@ -317,6 +351,10 @@ class MegatronBackbone(nn.Module):
         hidden = self.gpt(
             input_ids=input_ids, position_ids=position_ids, attention_mask=None, packed_seq_params=packed
         )
+        if self.sequence_parallel:
+            from hpref.models.megatron_sequence_parallel import gather_tokens
+
+            hidden = gather_tokens(hidden)[:total]
         return BackboneOutput(last_hidden_state=self.norm(hidden.transpose(0, 1)))
 
     def blocks(self) -> list[nn.Module]:

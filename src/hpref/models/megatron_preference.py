@@ -191,7 +191,9 @@ class MegatronPreferenceModel(PreferenceModel):
             mesh = init_device_mesh(device, (data.size, tp), mesh_dim_names=("dp", "tp"))
             self._tp_mesh = mesh["tp"]
         logger.info(
-            f"megatron-core: tensor parallel {tp} x data parallel {data.size}, compute "
+            f"megatron-core: tensor parallel {tp}"
+            f"{' with sequence parallel' if self.backbone.sequence_parallel else ''} x data parallel "
+            f"{data.size}, compute "
             f"{'fp32' if self.autocast_dtype is None else str(param_dtype).removeprefix('torch.')} "
             f"(fp32 weights), gradients all-reduced over data parallel, activation checkpointing "
             f"{'on' if activation_checkpointing else 'off'}"
@@ -202,9 +204,14 @@ class MegatronPreferenceModel(PreferenceModel):
         return self.parallel.tp_size > 1 and bool(getattr(param, "tensor_model_parallel", False))
 
     def reduce_and_clip_gradients(self, max_norm: float | None) -> torch.Tensor:
-        """Average the gradients over the data-parallel group (one flat all-reduce), then clip them
-        to `max_norm` by their global norm over every tensor-parallel shard; returns that norm."""
+        """Sum the sequence-parallel norms' partial gradients over the tensor-parallel group, average
+        the gradients over the data-parallel group (one flat all-reduce each), then clip them to
+        `max_norm` by their global norm over every tensor-parallel shard; returns that norm."""
         params = [p for p in self.parameters() if p.grad is not None]
+        if self.backbone.sequence_parallel:
+            from hpref.models.megatron_sequence_parallel import sum_partial_gradients
+
+            sum_partial_gradients(params)
         data = self.data_parallel
         if data.size > 1 and params:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
@@ -269,6 +276,7 @@ def build_megatron_model(
     tensor_parallel: int,
     pipeline_parallel: int,
     num_labels: int,
+    sequence_parallel: bool = False,
     device: Any,
     meta: bool,
     head_kwargs: dict[str, Any],
@@ -280,7 +288,11 @@ def build_megatron_model(
     parallel = init_model_parallel(tensor_parallel, pipeline_parallel)
     shape = shape_of(hf_config)
     backbone = MegatronBackbone(
-        shape, tp_size=parallel.tp_size, hf_config=hf_config, vocab_multiple=tensor_parallel
+        shape,
+        tp_size=parallel.tp_size,
+        hf_config=hf_config,
+        vocab_multiple=tensor_parallel,
+        sequence_parallel=sequence_parallel,
     )
 
     def backbone_state() -> dict[str, torch.Tensor]:
