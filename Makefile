@@ -28,7 +28,7 @@ quickstart: $(STAMP)
 # pytest exits 5 when it collects no tests. make turns every failing command into its own exit 2,
 # so the reason is said here, where pytest's own code is still known: no tests is a failure, named.
 test: $(STAMP)
-	@$(BIN)/python -m pytest -q $(PYTEST_ARGS); status=$$?; \
+	@$(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing" >&2; fi; \
 	exit $$status
 

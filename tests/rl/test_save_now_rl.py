@@ -29,7 +29,7 @@ from tests.rl.tiny import write_rl_recipe  # noqa: E402
 pytestmark = pytest.mark.slow
 
 HPREF = [sys.executable, "-m", "hpref"]
-RUN_SECONDS = 60  # the policies' loops; the save is asked for within the first few
+RUN_SECONDS = 25  # the policies' loops; the save is asked for within the first few (heartbeat + ~5 s)
 
 
 def _recipe(folder: Path) -> Path:
