@@ -126,6 +126,43 @@ def test_weight_conversion_round_trips_exactly(tp_size):
         assert torch.equal(back[key], value), key
 
 
+def test_conversion_from_a_folder_reads_each_tensor_once_when_it_needs_it(tmp_path):
+    """A causal-LM folder split over two safetensors files (`model.`-prefixed keys, an LM head) is
+    converted from a `SafetensorsFolder` to the same shards as from the loaded state dict, reading
+    each backbone tensor exactly once and the LM head never. If this fails, converting a big model
+    would hold the whole checkpoint in memory on every rank (or read tensors twice, e.g. through
+    Mapping's default `in`)."""
+    from safetensors.torch import save_file
+
+    from hpref.models.safetensors_folder import SafetensorsFolder
+
+    config = tiny_config()
+    state = {f"model.{k}": v.contiguous() for k, v in hf_model(config).state_dict().items()}
+    state["lm_head.weight"] = torch.randn(config.vocab_size, config.hidden_size)
+    keys = sorted(state)
+    files = [tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"]
+    save_file({k: state[k] for k in keys[::2]}, str(files[0]))
+    save_file({k: state[k] for k in keys[1::2]}, str(files[1]))
+
+    reads: list[str] = []
+
+    class Counting(SafetensorsFolder):
+        def __getitem__(self, key):
+            reads.append(key)
+            return super().__getitem__(key)
+
+    folder = Counting(files)
+    assert set(folder) == set(state) and "lm_head.weight" in folder and "nothing" not in folder
+    assert reads == []  # listing and `in` read nothing
+    shape = shape_of(config)
+    lazy = hf_to_megatron(folder, shape, tp_rank=1, tp_size=2)
+    eager = hf_to_megatron(state, shape, tp_rank=1, tp_size=2)
+    assert sorted(reads) == sorted(k for k in state if k != "lm_head.weight")
+    assert set(lazy) == set(eager)
+    for key, value in eager.items():
+        assert torch.equal(lazy[key], value), key
+
+
 def test_unsupported_configs_are_refused_in_one_line():
     """A config that does not map onto megatron's GPT layer is a one-line UserError naming what is
     wrong, not a silent wrong model. If this fails, e.g. a GPT-2 (GELU, learned positions) or a

@@ -105,13 +105,10 @@ def _folder_parts(config: MegatronGPTConfig) -> tuple[Any, Any, Any]:
     if not files:
         raise UserError(f"{folder}: no *.safetensors weights (the megatron backend reads safetensors)")
 
-    def state() -> dict[str, Any]:
-        from safetensors.torch import load_file
+    def state() -> Any:
+        from hpref.models.safetensors_folder import SafetensorsFolder
 
-        out: dict[str, Any] = {}
-        for file in files:
-            out.update(load_file(str(file)))
-        return out
+        return SafetensorsFolder(files)  # read tensor by tensor while converting, not all at once
 
     return hf_config, tokenizer, state
 

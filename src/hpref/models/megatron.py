@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -401,14 +402,26 @@ _HF_PER_LAYER = {
 }
 
 
-def _strip(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Backbone keys without a causal-LM folder's `model.` prefix; the LM head is not a backbone part."""
-    out = {}
-    for key, value in hf_state.items():
-        if key.startswith("lm_head."):
-            continue
-        out[key.removeprefix("model.")] = value
-    return out
+class _BackboneKeys(Mapping[str, torch.Tensor]):
+    """A transformers state's backbone keys without a causal-LM folder's `model.` prefix (the LM
+    head is not a backbone part); a view, so a lazily read state (`SafetensorsFolder`) is read
+    tensor by tensor as the conversion asks for each."""
+
+    def __init__(self, hf_state: Mapping[str, torch.Tensor]):
+        self._state = hf_state
+        self._source = {k.removeprefix("model."): k for k in hf_state if not k.startswith("lm_head.")}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._state[self._source[key]]
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self._source
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._source)
+
+    def __len__(self) -> int:
+        return len(self._source)
 
 
 def _rows(tensor: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
@@ -434,7 +447,7 @@ def _split_qkv(fused: torch.Tensor, shape: MegatronShape) -> tuple[torch.Tensor,
 
 
 def hf_to_megatron(
-    hf_state: dict[str, torch.Tensor],
+    hf_state: Mapping[str, torch.Tensor],
     shape: MegatronShape,
     *,
     tp_rank: int = 0,
@@ -443,7 +456,7 @@ def hf_to_megatron(
 ) -> dict[str, torch.Tensor]:
     """transformers keys -> this tensor-parallel rank's `MegatronBackbone` state dict (the vocabulary
     padded to a multiple of `vocab_multiple`, by default `tp_size`)."""
-    hf = _strip(hf_state)
+    hf = _BackboneKeys(hf_state)
     out: dict[str, torch.Tensor] = {}
     embed = hf["embed_tokens.weight"]
     pad = shape.padded_vocab(vocab_multiple or tp_size) - embed.shape[0]
