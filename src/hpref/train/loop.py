@@ -81,12 +81,17 @@ def train_step(
     detached; the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=device)
     scale = world_size / step_sequences  # world_size: the ranks the data is split over
-    for k, batch in enumerate(batches):
-        _set_gradient_sync(model, k == len(batches) - 1)
-        batch = batch.to(device, non_blocking=True)
-        per_sequence = loss(_forward(model, batch), batch.labels) * batch.weights
-        (per_sequence.sum() * scale).backward()
-        loss_sum += per_sequence.detach().sum()
+    # a model that runs its own schedule (megatron-gpt's pipeline stages) does every micro-batch
+    own_schedule = getattr(model, "forward_backward", None)
+    if own_schedule is not None:
+        loss_sum = own_schedule([b.to(device, non_blocking=True) for b in batches], loss, scale)
+    else:
+        for k, batch in enumerate(batches):
+            _set_gradient_sync(model, k == len(batches) - 1)
+            batch = batch.to(device, non_blocking=True)
+            per_sequence = loss(_forward(model, batch), batch.labels) * batch.weights
+            (per_sequence.sum() * scale).backward()
+            loss_sum += per_sequence.detach().sum()
     # a model that reduces its own gradients (megatron-gpt: over its data-parallel group, with a
     # norm over tensor-parallel shards) clips them too; FSDP2 has reduced them during backward
     own_reduction = getattr(model, "reduce_and_clip_gradients", None)
