@@ -311,6 +311,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                 **_base_pointer(setup),
             },
             keep=train_cfg.keep_checkpoints,
+            rank_state={"scheduler": setup.scheduler.state_dict()},  # its groups may differ by rank
         )
         interval.pause(time.perf_counter() - t)
 
@@ -449,7 +450,8 @@ def _restore(setup: TrainSetup, path: Path) -> int:
         setup.sampler.load_state_dict(restored.train_state["sampler"])
     except ValueError as exc:
         raise UserError(f"cannot resume from {path}: {exc}") from None
-    setup.scheduler.load_state_dict(restored.train_state["scheduler"])
+    # this rank's own (a pipeline stage's parameter groups differ), else rank 0's (older checkpoints)
+    setup.scheduler.load_state_dict(restored.rank_state.get("scheduler", restored.train_state["scheduler"]))
     return int(restored.train_state["step"])
 
 
