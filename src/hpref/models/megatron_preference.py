@@ -204,8 +204,9 @@ class MegatronPreferenceModel(PreferenceModel):
             from torch.distributed.device_mesh import init_device_mesh
 
             device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-            mesh = init_device_mesh(device, (data.size, tp), mesh_dim_names=("dp", "tp"))
-            self._tp_mesh = mesh["tp"]
+            # megatron's rank order: tensor parallel fastest, then data parallel, pipeline slowest
+            shape, names = (self.parallel.pp_size, data.size, tp), ("pp", "dp", "tp")
+            self._tp_mesh = init_device_mesh(device, shape, mesh_dim_names=names)["tp"]
         logger.info(
             f"megatron-core: tensor parallel {tp} x data parallel {data.size}, compute "
             f"{'fp32' if self.autocast_dtype is None else str(param_dtype).removeprefix('torch.')} "
