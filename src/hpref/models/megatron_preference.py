@@ -19,6 +19,9 @@ from the trainer, and each is a method the trainer looks for (`hpref.train`):
   the same whatever the tensor-parallel size (a one-process `hpref save` reads a TP = 2 run);
 - `save_pretrained`: converts back to transformers keys (`megatron_to_hf`), so an export is a plain
   transformers folder that `hpref eval` reads through the transformers path.
+
+With `pipeline_parallel` > 1 the model is `hpref.models.megatron_pipeline.MegatronPipelineModel`,
+this rank's pipeline stage, which adds its own schedule (`forward_backward`) to these hooks.
 """
 
 from __future__ import annotations
