@@ -115,14 +115,17 @@ def pipeline_stage(backbone: Any) -> PipelineStage:
 
 
 def send_activation(tensor: torch.Tensor, dst: int, group: Any) -> None:
-    """A header (dtype index, then the shape) and the tensor: the receiver allocates from it."""
-    header = torch.tensor([_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.int64)
+    """A header (dtype index, then the shape) and the tensor: the receiver allocates from it. Both
+    on the activation's device (NCCL sends device tensors only)."""
+    header = torch.tensor(
+        [_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.int64, device=tensor.device
+    )
     dist.send(header, dst, group=group)
     dist.send(tensor.detach().contiguous(), dst, group=group)
 
 
 def receive_activation(src: int, group: Any, ndim: int, device: torch.device) -> torch.Tensor:
-    header = torch.empty(1 + ndim, dtype=torch.int64)
+    header = torch.empty(1 + ndim, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group)
     tensor = torch.empty(header[1:].tolist(), dtype=_DTYPES[int(header[0])], device=device)
     dist.recv(tensor, src, group=group)
@@ -142,8 +145,10 @@ class MegatronPipelineModel(MegatronPreferenceModel):
         self.stage = pipeline_stage(backbone)
         if not self.stage.last:
             self.head = None  # the head lives on the last stage; a copy here would never train
-        # MFU counts the whole model's FLOPs: every stage's share
-        params = torch.tensor(self._matmul_params_here(), dtype=torch.float64)
+        # MFU counts the whole model's FLOPs: every stage's share (on the GPU under NCCL)
+        nccl = dist.get_backend(self.stage.group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        params = torch.tensor(self._matmul_params_here(), dtype=torch.float64, device=device)
         dist.all_reduce(params, group=self.stage.group)
         self._flops_params = int(params)
 
