@@ -92,6 +92,10 @@ def test_unsupported_settings_are_refused_in_one_line(alone, monkeypatch):
 
     with pytest.raises(UserError, match="pipeline_parallel = 3 must divide the model's 2 layers"):
         build(tiny_llama=TINY, pipeline_parallel=3)
+    with pytest.raises(
+        UserError, match="sequence_parallel with model.pipeline_parallel > 1 is not supported"
+    ):
+        build(tiny_llama=TINY, pipeline_parallel=2, sequence_parallel=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     for world, tp, pp in ((2, 2, 2), (3, 1, 2)):
         monkeypatch.setattr(dist, "get_world_size", lambda *args, _world=world, **kwargs: _world)

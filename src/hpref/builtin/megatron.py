@@ -13,10 +13,11 @@ random-init tiny Llama and tokenizer `tiny-llama` builds, made in memory, nothin
 runs the schedule, GPipe-style, over torch.distributed point-to-point).
 
 What is refused, in one line each: tensor_parallel x pipeline_parallel not dividing the number of
-ranks, pipeline_parallel not dividing the layers, sequence_parallel (megatron splits the packed
-row's tokens over the tensor-parallel ranks, so every row would have to be padded to a multiple of
-them, and hpref's rows are unpadded), LoRA (`hpref.models.adapters` wraps transformers modules;
-megatron's fused tensor-parallel linears are not among PEFT's targets).
+ranks, pipeline_parallel not dividing the layers, sequence_parallel with pipeline_parallel > 1,
+sequence_parallel (megatron splits the packed row's tokens over the tensor-parallel ranks, so every
+row would have to be padded to a multiple of them, and hpref's rows are unpadded), LoRA
+(`hpref.models.adapters` wraps transformers modules; megatron's fused tensor-parallel linears are
+not among PEFT's targets).
 megatron-core is the optional extra `pip install 'hpref[megatron]'`.
 """
 
@@ -65,6 +66,9 @@ class MegatronGPTConfig(HeadConfig):
 def _refuse_unsupported(config: MegatronGPTConfig) -> None:
     from hpref.errors import UserError
 
+    if config.sequence_parallel and config.pipeline_parallel > 1:
+        # a stage passes whole rows on (hpref.models.megatron_pipeline), not sequence-split ones
+        raise UserError("model.sequence_parallel with model.pipeline_parallel > 1 is not supported")
     if config.sequence_parallel:
         raise UserError(SEQUENCE_PARALLEL_REFUSAL)
 
