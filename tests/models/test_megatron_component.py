@@ -81,14 +81,28 @@ def test_save_pretrained_writes_a_transformers_folder_hpref_reloads(alone, tmp_p
         )
 
 
-def test_unsupported_settings_are_refused_in_one_line(alone):
-    """Pipeline parallelism, and a recipe naming both or neither weight source, are one line each,
-    before anything is built. If this fails, a recipe asking for them would train something else
-    than it says (or fail deep inside megatron)."""
+def test_unsupported_settings_are_refused_in_one_line(alone, monkeypatch):
+    """Sequence parallelism with pipeline stages, stages that do not divide the layers, tensor x
+    pipeline parallel sizes that do not divide the ranks (more stages than ranks, or a remainder),
+    and a recipe naming both or neither weight source, are one line each, before anything is built.
+    If this fails, a recipe asking for them would train something else than it says (or fail deep
+    inside megatron)."""
+    import torch.distributed as dist
     from pydantic import ValidationError
 
-    with pytest.raises(UserError, match="pipeline_parallel > 1 is not supported yet"):
-        build(tiny_llama=TINY, pipeline_parallel=2)
+    with pytest.raises(UserError, match="pipeline_parallel = 3 must divide the model's 2 layers"):
+        build(tiny_llama=TINY, pipeline_parallel=3)
+    with pytest.raises(
+        UserError, match="sequence_parallel with model.pipeline_parallel > 1 is not supported"
+    ):
+        build(tiny_llama=TINY, pipeline_parallel=2, sequence_parallel=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    for world, tp, pp in ((2, 2, 2), (3, 1, 2)):
+        monkeypatch.setattr(dist, "get_world_size", lambda *args, _world=world, **kwargs: _world)
+        message = rf"pipeline_parallel = {tp} x {pp} must divide the number of ranks \({world}\)"
+        with pytest.raises(UserError, match=message):
+            build(tiny_llama=TINY, tensor_parallel=tp, pipeline_parallel=pp)
+    monkeypatch.undo()
     with pytest.raises(ValidationError, match="exactly one of path and tiny_llama"):
         build()
     with pytest.raises(ValidationError, match="exactly one of path and tiny_llama"):
@@ -127,6 +141,52 @@ def test_tensor_parallel_model_is_built_unsplit_alone_but_not_trained_alone(alon
     assert rows == vocab + vocab % 2
     with pytest.raises(UserError, match="model.tensor_parallel = 2 needs a multiple of that many ranks"):
         model.parallelize_self(param_dtype=torch.float32, activation_checkpointing=False)
+
+
+def test_pipeline_parallel_model_is_built_unsplit_alone_but_not_trained_alone(alone):
+    """One process (`hpref save`, `hpref eval`) builds a pipeline_parallel = 2 model whole (every
+    layer, the embedding, the norm and the head: the keys a pipeline run's checkpoint stores);
+    training it alone is a one-line error. If this fails, a PP = 2 run cannot be exported on one
+    process, or a recipe asking for two stages on one rank silently trains something else."""
+    model = build(tiny_llama=TINY, pipeline_parallel=2)
+    assert type(model).__name__ == "MegatronPreferenceModel"
+    assert model.parallel.pp_size == 1 and len(model.backbone.blocks()) == 2
+    with pytest.raises(UserError, match="model.pipeline_parallel = 2 needs a multiple of that many ranks"):
+        model.parallelize_self(param_dtype=torch.float32, activation_checkpointing=False)
+
+
+def test_a_pipeline_stage_names_its_layers_as_the_unsplit_model_does():
+    """A stage's local layer `i` is the unsplit model's layer `i + offset` (checkpoint keys, initial
+    weights); the embedding belongs to the first stage, the final norm and the head to the last.
+    If this fails, a stage loads another layer's weights, or stores its layers under keys a
+    one-process `hpref save` (or another stage) reads as other layers."""
+    from hpref.models.megatron_pipeline import PipelineStage
+
+    def stage(rank: int) -> PipelineStage:
+        return PipelineStage(rank, 2, None, None, None, 1, layer_offset=2 * rank, num_layers=2)
+
+    layer = "backbone.gpt.decoder.layers.{}.mlp.linear_fc1.weight"
+    unsplit = {
+        "backbone.gpt.embedding.word_embeddings.weight": 0,
+        **{layer.format(i): i for i in range(4)},
+        "backbone.norm.weight": 5,
+        "head.out_proj.bias": 6,
+    }
+    first, last = stage(0).select(unsplit), stage(1).select(unsplit)
+    assert first == {
+        "backbone.gpt.embedding.word_embeddings.weight": 0,
+        layer.format(0): 0,
+        layer.format(1): 1,
+    }
+    assert last == {
+        layer.format(0): 2,
+        layer.format(1): 3,
+        "backbone.norm.weight": 5,
+        "head.out_proj.bias": 6,
+    }
+    assert stage(1).to_global(layer.format(1)) == layer.format(3)
+    assert stage(1).to_global("optim.state." + layer.format(0)) == "optim.state." + layer.format(2)
+    assert stage(1).to_global("head.out_proj.bias") == "head.out_proj.bias"
 
 
 def test_load_plain_state_reads_what_save_pretrained_wrote(alone, tmp_path):

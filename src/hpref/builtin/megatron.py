@@ -9,13 +9,17 @@ or, instead of `path`, `[model.tiny_llama]` (the `tiny-llama` component's settin
 random-init tiny Llama and tokenizer `tiny-llama` builds, made in memory, nothing downloaded
 (`recipes/megatron-quickstart.toml`).
 
+`pipeline_parallel = N` splits the layers into N stages (`hpref.models.megatron_pipeline`: hpref
+runs the schedule, GPipe-style, over torch.distributed point-to-point).
+
 `sequence_parallel = true` (with tensor_parallel > 1) splits the activations between megatron's
 tensor-parallel regions by tokens (`hpref.models.megatron_sequence_parallel`); with
 tensor_parallel = 1 it changes nothing.
 
-What is refused, in one line each: pipeline_parallel > 1 (`hpref.models.megatron_preference.
-PIPELINE_REFUSAL`), LoRA (`hpref.models.adapters` wraps transformers modules; megatron's fused
-tensor-parallel linears are not among PEFT's targets), a world size tensor_parallel does not divide.
+What is refused, in one line each: tensor_parallel x pipeline_parallel not dividing the number of
+ranks, pipeline_parallel not dividing the layers, sequence_parallel with pipeline_parallel > 1,
+LoRA (`hpref.models.adapters` wraps transformers modules; megatron's fused tensor-parallel linears
+are not among PEFT's targets).
 megatron-core is the optional extra `pip install 'hpref[megatron]'`.
 """
 
@@ -42,7 +46,9 @@ class MegatronGPTConfig(HeadConfig):
     tensor_parallel: int = Field(
         1, ge=1, description="tensor-parallel ranks per model copy (must divide the key/value heads)"
     )
-    pipeline_parallel: int = Field(1, ge=1, description="pipeline stages (only 1 is supported)")
+    pipeline_parallel: int = Field(
+        1, ge=1, description="pipeline stages (must divide the layers; data parallel takes the rest)"
+    )
     sequence_parallel: bool = Field(
         False,
         description="with tensor_parallel > 1: split the activations outside attention and MLP by tokens",
@@ -58,10 +64,10 @@ class MegatronGPTConfig(HeadConfig):
 
 def _refuse_unsupported(config: MegatronGPTConfig) -> None:
     from hpref.errors import UserError
-    from hpref.models.megatron_preference import PIPELINE_REFUSAL
 
-    if config.pipeline_parallel > 1:
-        raise UserError(PIPELINE_REFUSAL)
+    if config.sequence_parallel and config.pipeline_parallel > 1:
+        # a stage passes whole rows on (hpref.models.megatron_pipeline), not sequence-split ones
+        raise UserError("model.sequence_parallel with model.pipeline_parallel > 1 is not supported")
 
 
 def _tiny_llama_parts(config: MegatronGPTConfig) -> tuple[Any, Any, Any]:
@@ -122,6 +128,7 @@ def build_megatron_gpt(
 
     _refuse_unsupported(config)
     require_megatron()
+    from hpref.models.megatron_pipeline import MegatronPipelineModel
     from hpref.models.megatron_preference import build_megatron_model
 
     parts = _tiny_llama_parts(config) if config.tiny_llama is not None else _folder_parts(config)
@@ -138,6 +145,7 @@ def build_megatron_gpt(
         meta=meta,
         head_kwargs=head_kwargs(config),
         provenance={"component": "megatron-gpt", "config": config.model_dump(mode="json")},
+        pipeline_class=MegatronPipelineModel,
     )
 
 

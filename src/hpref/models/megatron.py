@@ -137,9 +137,11 @@ def transformer_config(
     tp_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
 ):
     """megatron-core's `TransformerConfig` for `shape`, with every fused CUDA kernel off;
-    `sequence_parallel` applies only where `tp_size` > 1 (`hpref.models.megatron_sequence_parallel`)."""
+    `sequence_parallel` applies only where `tp_size` > 1 (`hpref.models.megatron_sequence_parallel`);
+    `pipeline_parallel` stages: megatron builds this rank's share of the layers."""
     require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -165,6 +167,8 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         sequence_parallel=sequence_parallel and tp_size > 1,
+        pipeline_model_parallel_size=pipeline_parallel,
+        pipeline_dtype=params_dtype if pipeline_parallel > 1 else None,
         use_cpu_initialization=True,
         params_dtype=params_dtype,
         bias_activation_fusion=False,
@@ -278,12 +282,15 @@ class MegatronBackbone(nn.Module):
         hf_config: Any = None,
         vocab_multiple: int | None = None,
         sequence_parallel: bool = False,
+        pipeline_parallel: int = 1,
     ):
         """`hf_config` (the transformers config the shape was read from) becomes `config`, which
         `PreferenceModel` reads; `vocab_multiple` pads the vocabulary to a multiple other than
         `tp_size` (a one-process model that loads a tensor-parallel run's checkpoint);
         `sequence_parallel` (only with `tp_size` > 1) splits the row's tokens between the
-        tensor-parallel regions (`hpref.models.megatron_sequence_parallel`)."""
+        tensor-parallel regions (`hpref.models.megatron_sequence_parallel`); `pipeline_parallel` > 1
+        builds this rank's stage only (megatron's pipeline rank picks the layers; the embedding on
+        the first stage, the final norm on the last, `hpref.models.megatron_pipeline`)."""
         super().__init__()
         require_megatron()
         spec = varlen_layer_spec()  # first: it imports megatron's gpt package with its notes silenced
@@ -296,7 +303,11 @@ class MegatronBackbone(nn.Module):
             raise ValueError(f"vocab_multiple {self.vocab_multiple} is not a multiple of tp_size {tp_size}")
         self.config = hf_config
         self.transformer_config = transformer_config(
-            shape, tp_size=tp_size, params_dtype=params_dtype, sequence_parallel=sequence_parallel
+            shape,
+            tp_size=tp_size,
+            params_dtype=params_dtype,
+            sequence_parallel=sequence_parallel,
+            pipeline_parallel=pipeline_parallel,
         )
         self.sequence_parallel = self.transformer_config.sequence_parallel
         if self.sequence_parallel:
@@ -307,6 +318,12 @@ class MegatronBackbone(nn.Module):
 
             place_collective_buffers_on_cpu()
             no_op_rng_tracker()
+        stage = 0
+        if pipeline_parallel > 1:
+            from megatron.core import parallel_state
+
+            stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.first_stage, self.last_stage = stage == 0, stage == pipeline_parallel - 1
         # post_process=False: no vocabulary projection (the preference head reads hidden states);
         # megatron then also leaves out the final norm, which `norm` below is
         self.gpt = GPTModel(
@@ -314,13 +331,18 @@ class MegatronBackbone(nn.Module):
             transformer_layer_spec=spec,
             vocab_size=shape.padded_vocab(self.vocab_multiple),
             max_sequence_length=shape.max_position_embeddings,
-            pre_process=True,
+            pre_process=self.first_stage,
             post_process=False,
             position_embedding_type="rope",
             rotary_base=shape.rope_theta,
         )
         cpu_rotary(self.gpt)
-        self.norm = nn.RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps, dtype=params_dtype)
+        # a stage before the last passes its hidden states on as they are
+        self.norm: nn.Module = (
+            nn.RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps, dtype=params_dtype)
+            if self.last_stage
+            else nn.Identity()
+        )
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs: Any):
         """`input_ids` `[1, T]`: one packed row; the sequences' bounds come from hpref's

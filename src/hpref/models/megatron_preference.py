@@ -19,6 +19,9 @@ from the trainer, and each is a method the trainer looks for (`hpref.train`):
   the same whatever the tensor-parallel size (a one-process `hpref save` reads a TP = 2 run);
 - `save_pretrained`: converts back to transformers keys (`megatron_to_hf`), so an export is a plain
   transformers folder that `hpref eval` reads through the transformers path.
+
+With `pipeline_parallel` > 1 the model is `hpref.models.megatron_pipeline.MegatronPipelineModel`,
+this rank's pipeline stage, which adds its own schedule (`forward_backward`) to these hooks.
 """
 
 from __future__ import annotations
@@ -53,45 +56,49 @@ class ModelParallel:
     tp_size: int
     data: DataParallel
     requested_tp: int = 1  # the recipe's; a process alone builds the model unsplit (tp_size 1)
+    pp_size: int = 1  # pipeline stages (hpref.models.megatron_pipeline); 1 for a process alone
+    requested_pp: int = 1
 
 
 def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> ModelParallel:
     """megatron's parallel state over the existing process group. A process that is alone
-    (`hpref save`, `hpref eval`) builds the model unsplit (tensor-parallel size 1), on a one-process
-    gloo group on an in-memory store that it creates when there is none and leaves in place:
-    megatron's layers hold its tensor-parallel group for as long as the model lives."""
+    (`hpref save`, `hpref eval`) builds the model unsplit (tensor- and pipeline-parallel size 1), on
+    a one-process gloo group on an in-memory store that it creates when there is none and leaves in
+    place: megatron's layers hold its tensor-parallel group for as long as the model lives."""
     from megatron.core import parallel_state
 
-    if pipeline_parallel != 1:
-        raise UserError(PIPELINE_REFUSAL)
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    tp = tensor_parallel if world > 1 else 1
-    if world % tp:
+    tp, pp = (tensor_parallel, pipeline_parallel) if world > 1 else (1, 1)
+    if world % (tp * pp):
         raise UserError(
-            f"model.tensor_parallel = {tp} must divide the number of ranks ({world}); data parallel "
-            "takes the rest"
+            f"model.tensor_parallel x model.pipeline_parallel = {tp} x {pp} must divide the number of "
+            f"ranks ({world}); data parallel takes the rest"
         )
     initialized = parallel_state.model_parallel_is_initialized()
-    if initialized and parallel_state.get_tensor_model_parallel_world_size() != tp:
+    if initialized and (
+        parallel_state.get_tensor_model_parallel_world_size() != tp
+        or parallel_state.get_pipeline_model_parallel_world_size() != pp
+    ):
         parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
     data = DataParallel(
         rank=parallel_state.get_data_parallel_rank(),
         size=parallel_state.get_data_parallel_world_size(),
         group=parallel_state.get_data_parallel_group() if world > 1 else None,
     )
-    return ModelParallel(parallel_state.get_tensor_model_parallel_rank(), tp, data, tensor_parallel)
-
-
-#: Why pipeline_parallel > 1 is refused (see the module docstring of hpref.builtin.megatron).
-PIPELINE_REFUSAL = (
-    "model.pipeline_parallel > 1 is not supported yet: hpref does not yet split the model into "
-    "pipeline stages (the preference head, loss and evaluation would sit on the last stage) nor drive "
-    "megatron's pipeline schedules; use tensor_parallel and data parallel"
-)
+    return ModelParallel(
+        parallel_state.get_tensor_model_parallel_rank(),
+        tp,
+        data,
+        requested_tp=tensor_parallel,
+        pp_size=pp,
+        requested_pp=pipeline_parallel,
+    )
 
 
 class MegatronPreferenceModel(PreferenceModel):
@@ -107,7 +114,10 @@ class MegatronPreferenceModel(PreferenceModel):
         self.autocast_dtype: torch.dtype | None = None
         self._tp_mesh: Any = None
         # megatron's vocab-parallel embedding is no nn.Embedding: leave its table out of the FLOPs
-        self._flops_params -= sum(p.numel() for p in backbone.gpt.embedding.parameters())
+        # (a pipeline stage after the first has none)
+        embedding = getattr(backbone.gpt, "embedding", None)
+        if embedding is not None:
+            self._flops_params -= sum(p.numel() for p in embedding.parameters())
 
     # ------------------------------------------------------------------------------------- forward
     def forward(self, input_ids, cu_seqlens, position_ids, *, max_seqlen=None):
@@ -134,6 +144,18 @@ class MegatronPreferenceModel(PreferenceModel):
     def load_plain_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict in the transformers layout (`backbone.*` transformers keys,
         `head.*`: what `save_pretrained` and `hpref init` write), this rank's shard of it."""
+        ours = self._megatron_state(state)
+        device = next(self.parameters()).device
+        with torch.no_grad():
+            params = dict(self.named_parameters())
+            missing = set(params) - set(ours)
+            if missing:
+                raise ValueError(f"the state dict has no {sorted(missing)[:3]}")
+            for key, param in params.items():
+                param.copy_(ours[key].to(device))
+
+    def _megatron_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A transformers-layout state dict (`backbone.*`, `head.*`) in this model's keys and shards."""
         from hpref.models.megatron import hf_to_megatron
 
         backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
@@ -146,19 +168,12 @@ class MegatronPreferenceModel(PreferenceModel):
         )
         ours = {f"backbone.{k}": v for k, v in ours.items()}
         ours.update({k: v for k, v in state.items() if k.startswith("head.")})
-        device = next(self.parameters()).device
-        with torch.no_grad():
-            params = dict(self.named_parameters())
-            missing = set(params) - set(ours)
-            if missing:
-                raise ValueError(f"the state dict has no {sorted(missing)[:3]}")
-            for key, param in params.items():
-                param.copy_(ours[key].to(device))
+        return ours
 
     def save_pretrained(self, folder, state_dict: dict[str, torch.Tensor] | None = None):
         """A plain transformers folder (see `PreferenceModel.save_pretrained`): the backbone's
         megatron state (one unsplit process: `hpref save`) converted back to transformers keys."""
-        if self.parallel.tp_size != 1:
+        if self.parallel.tp_size != 1 or self.parallel.pp_size != 1:
             raise ValueError("save_pretrained needs the unsplit model (hpref save builds it on one process)")
         state = state_dict if state_dict is not None else self.state_dict()
         backbone = {
@@ -175,11 +190,15 @@ class MegatronPreferenceModel(PreferenceModel):
     def parallelize_self(self, *, param_dtype: torch.dtype, activation_checkpointing: bool) -> nn.Module:
         """The trainer's parallelise step for this model (see the module docstring): fp32 master
         weights, `param_dtype` by autocast, the data-parallel group for gradients."""
-        if self.parallel.requested_tp != self.parallel.tp_size:  # training alone with tp > 1
-            raise UserError(
-                f"model.tensor_parallel = {self.parallel.requested_tp} needs a multiple of that many ranks "
-                "to train on; this run has 1 (set launch.nproc)"
-            )
+        for name, requested, size in (
+            ("tensor_parallel", self.parallel.requested_tp, self.parallel.tp_size),
+            ("pipeline_parallel", self.parallel.requested_pp, self.parallel.pp_size),
+        ):
+            if requested != size:  # training alone with tp > 1 or pp > 1
+                raise UserError(
+                    f"model.{name} = {requested} needs a multiple of that many ranks to train on; this "
+                    "run has 1 (set launch.nproc)"
+                )
         if activation_checkpointing:
             self.set_activation_checkpointing(True)
         self.autocast_dtype = None if param_dtype == torch.float32 else param_dtype
@@ -188,8 +207,9 @@ class MegatronPreferenceModel(PreferenceModel):
             from torch.distributed.device_mesh import init_device_mesh
 
             device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-            mesh = init_device_mesh(device, (data.size, tp), mesh_dim_names=("dp", "tp"))
-            self._tp_mesh = mesh["tp"]
+            # megatron's rank order: tensor parallel fastest, then data parallel, pipeline slowest
+            shape, names = (self.parallel.pp_size, data.size, tp), ("pp", "dp", "tp")
+            self._tp_mesh = init_device_mesh(device, shape, mesh_dim_names=names)["tp"]
         logger.info(
             f"megatron-core: tensor parallel {tp}"
             f"{' with sequence parallel' if self.backbone.sequence_parallel else ''} x data parallel "
@@ -281,18 +301,28 @@ def build_megatron_model(
     meta: bool,
     head_kwargs: dict[str, Any],
     provenance: dict[str, Any],
+    pipeline_class: type[MegatronPreferenceModel] | None = None,
 ) -> MegatronPreferenceModel:
     """A `MegatronPreferenceModel` over `hf_config`'s architecture; `hf_state()` gives the full
     transformers state dict, read when the weights are loaded (at once unless `meta`: the trainer
-    loads them after parallelising)."""
-    parallel = init_model_parallel(tensor_parallel, pipeline_parallel)
+    loads them after parallelising). With more than one pipeline stage the model is a
+    `pipeline_class` (`hpref.models.megatron_pipeline.MegatronPipelineModel`), this rank's stage."""
     shape = shape_of(hf_config)
+    if shape.num_layers % pipeline_parallel:
+        raise UserError(
+            f"model.pipeline_parallel = {pipeline_parallel} must divide the model's {shape.num_layers} "
+            "layers (every stage holds as many)"
+        )
+    parallel = init_model_parallel(tensor_parallel, pipeline_parallel)
+    if parallel.pp_size > 1 and pipeline_class is None:
+        raise ValueError("pipeline_parallel > 1 needs the pipeline_class that runs the stages")
     backbone = MegatronBackbone(
         shape,
         tp_size=parallel.tp_size,
         hf_config=hf_config,
         vocab_multiple=tensor_parallel,
         sequence_parallel=sequence_parallel,
+        pipeline_parallel=parallel.pp_size,
     )
 
     def backbone_state() -> dict[str, torch.Tensor]:
@@ -306,7 +336,8 @@ def build_megatron_model(
             vocab_multiple=tensor_parallel,
         )
 
-    model = MegatronPreferenceModel(
+    model_class = pipeline_class if parallel.pp_size > 1 and pipeline_class else MegatronPreferenceModel
+    model = model_class(
         backbone,
         tokenizer,
         parallel=parallel,

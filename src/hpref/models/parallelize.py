@@ -91,20 +91,23 @@ def checkpoint_layout(
     """`{"model": ..., "optim": ...}` as DCP stores them. A model with a `checkpoint_view(key,
     tensor)` (megatron-gpt: its tensor-parallel shards as DTensor shards of the full tensors) gives
     each tensor as a view of it, so that a load into the result fills `model_state` and
-    `optim_state` in place; other models' state is stored as it is."""
+    `optim_state` in place; other models' state is stored as it is. A model with a
+    `checkpoint_key(key)` (a megatron-gpt pipeline stage: its local layer numbers made global)
+    stores each tensor under that key."""
     view = getattr(model, "checkpoint_view", None)
     state: dict[str, Any] = {"model": model_state}
     if optim_state is not None:
         state["optim"] = optim_state
     if view is None:
         return state
+    stored_key = getattr(model, "checkpoint_key", None) or (lambda key: key)
     # megatron's `_extra_state` entries are None (its local layers keep no FP8 metadata)
-    state["model"] = {k: view(k, v) for k, v in model_state.items() if v is not None}
+    state["model"] = {stored_key(k): view(k, v) for k, v in model_state.items() if v is not None}
     if optim_state is not None:
         state["optim"] = {
             **optim_state,
             "state": {
-                key: {name: view(key, value) for name, value in per_param.items()}
+                stored_key(key): {name: view(key, value) for name, value in per_param.items()}
                 for key, per_param in optim_state["state"].items()
             },
         }

@@ -32,7 +32,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -195,8 +195,11 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     train_state: dict[str, Any],
     keep: int,
+    rank_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final `step-N` folder."""
+    """Collective: every rank calls it. Returns the final `step-N` folder. `train_state` is rank
+    0's (the same on every rank); `rank_state` is each rank's own (a pipeline stage's scheduler,
+    whose parameter groups differ by stage), written beside its RNG state."""
     from torch.distributed.checkpoint import save
 
     rank, world = _rank_and_world()
@@ -210,7 +213,7 @@ def save_checkpoint(
     _barrier()
     model_state, optim_state = _trained_state(model, optimizer)
     save(checkpoint_layout(model, model_state, optim_state), checkpoint_id=str(tmp))
-    write_json_atomic(tmp / _rank_file(rank), {"rank": rank, "rng": rng_state()})
+    write_json_atomic(tmp / _rank_file(rank), {**(rank_state or {}), "rank": rank, "rng": rng_state()})
     if rank == 0:
         write_json_atomic(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": world})
     _barrier()
@@ -261,6 +264,7 @@ def _trained_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 class Restored:
     path: Path
     train_state: dict[str, Any]
+    rank_state: dict[str, Any] = field(default_factory=dict)  # this rank's `rank_state`, if saved
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -314,4 +318,5 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{rank_file}: unusable RNG state ({type(exc).__name__}: {exc})") from None
     logger.info(f"resumed from {path} (step {train_state['step']})")
-    return Restored(path=path, train_state=train_state)
+    own = {k: v for k, v in rank_state.items() if k not in ("rank", "rng")}
+    return Restored(path=path, train_state=train_state, rank_state=own)

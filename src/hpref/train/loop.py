@@ -81,12 +81,17 @@ def train_step(
     detached; the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=device)
     scale = world_size / step_sequences  # world_size: the ranks the data is split over
-    for k, batch in enumerate(batches):
-        _set_gradient_sync(model, k == len(batches) - 1)
-        batch = batch.to(device, non_blocking=True)
-        per_sequence = loss(_forward(model, batch), batch.labels) * batch.weights
-        (per_sequence.sum() * scale).backward()
-        loss_sum += per_sequence.detach().sum()
+    # a model that runs its own schedule (megatron-gpt's pipeline stages) does every micro-batch
+    own_schedule = getattr(model, "forward_backward", None)
+    if own_schedule is not None:
+        loss_sum = own_schedule([b.to(device, non_blocking=True) for b in batches], loss, scale)
+    else:
+        for k, batch in enumerate(batches):
+            _set_gradient_sync(model, k == len(batches) - 1)
+            batch = batch.to(device, non_blocking=True)
+            per_sequence = loss(_forward(model, batch), batch.labels) * batch.weights
+            (per_sequence.sum() * scale).backward()
+            loss_sum += per_sequence.detach().sum()
     # a model that reduces its own gradients (megatron-gpt: over its data-parallel group, with a
     # norm over tensor-parallel shards) clips them too; FSDP2 has reduced them during backward
     own_reduction = getattr(model, "reduce_and_clip_gradients", None)
@@ -306,6 +311,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                 **_base_pointer(setup),
             },
             keep=train_cfg.keep_checkpoints,
+            rank_state={"scheduler": setup.scheduler.state_dict()},  # its groups may differ by rank
         )
         interval.pause(time.perf_counter() - t)
 
@@ -444,7 +450,8 @@ def _restore(setup: TrainSetup, path: Path) -> int:
         setup.sampler.load_state_dict(restored.train_state["sampler"])
     except ValueError as exc:
         raise UserError(f"cannot resume from {path}: {exc}") from None
-    setup.scheduler.load_state_dict(restored.train_state["scheduler"])
+    # this rank's own (a pipeline stage's parameter groups differ), else rank 0's (older checkpoints)
+    setup.scheduler.load_state_dict(restored.rank_state.get("scheduler", restored.train_state["scheduler"]))
     return int(restored.train_state["step"])
 
 
