@@ -135,4 +135,11 @@ if [ "$GPUS" -ge 2 ]; then
     && "$PY" -c "import json; s=json.load(open('$OUT/1b-megatron-tp2-sp/summary.json')); \
 print('megatron tp=2 + sequence parallel', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%}, peak mem {s['peak_memory_gib']:.1f} GiB\")" \
     || echo "megatron tp=2 + sequence parallel: hpref train failed"
+  # PP = 2 (hpref's GPipe schedule over NCCL point-to-point): the same losses as tp=1 above for the
+  # first steps (compare metrics.jsonl), tokens/s and the peak memory of each stage
+  "$PY" -m hpref train recipes/megatron-quickstart.toml "${MEGATRON_1B[@]}" --set run.name="1b-megatron-pp2" \
+    --set model.pipeline_parallel=2 --set launch.nproc=2 \
+    && "$PY" -c "import json; s=json.load(open('$OUT/1b-megatron-pp2/summary.json')); \
+print('megatron pp=2', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%}, peak mem {s['peak_memory_gib']:.1f} GiB\")" \
+    || echo "megatron pp=2: hpref train failed"
 fi

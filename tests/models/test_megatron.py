@@ -17,11 +17,11 @@ pytest.importorskip("megatron.core", reason="megatron-core is the optional [mega
 
 from hpref.errors import UserError  # noqa: E402
 from hpref.models.attention import CONTEXT_KWARG, VarlenContext  # noqa: E402
-from hpref.models.megatron import (  # noqa: E402
-    MegatronBackbone,
+from hpref.models.megatron import MegatronBackbone  # noqa: E402
+from hpref.models.megatron_convert import (  # noqa: E402
     hf_to_megatron,
     megatron_to_hf,
-    shape_of,
+    shape_of,  # noqa: E402
 )
 
 WORKER = Path(__file__).with_name("megatron_tp_worker.py")

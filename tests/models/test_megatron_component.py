@@ -239,7 +239,7 @@ def test_megatron_gpt_takes_tiny_llamas_optimizer_steps_at_the_quickstart_settin
 
     from hpref.builtin.models import TinyLlamaConfig, build_tiny_llama
     from hpref.builtin.optimizers import AdamWConfig, build_adamw
-    from hpref.models.megatron import megatron_to_hf
+    from hpref.models.megatron_convert import megatron_to_hf
     from hpref.train.loop import train_step
 
     def rms_norm_in_input_dtype(self, hidden):  # transformers' computes in float32 whatever the input

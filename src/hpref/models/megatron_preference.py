@@ -35,7 +35,8 @@ from loguru import logger
 from torch import nn
 
 from hpref.errors import UserError
-from hpref.models.megatron import MegatronBackbone, megatron_to_hf, shape_of
+from hpref.models.megatron import MegatronBackbone
+from hpref.models.megatron_convert import megatron_to_hf, shape_of
 from hpref.models.preference import PreferenceModel
 
 FC1 = "mlp.linear_fc1."
@@ -156,7 +157,7 @@ class MegatronPreferenceModel(PreferenceModel):
 
     def _megatron_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A transformers-layout state dict (`backbone.*`, `head.*`) in this model's keys and shards."""
-        from hpref.models.megatron import hf_to_megatron
+        from hpref.models.megatron_convert import hf_to_megatron
 
         backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
         ours = hf_to_megatron(
@@ -326,7 +327,7 @@ def build_megatron_model(
     )
 
     def backbone_state() -> dict[str, torch.Tensor]:
-        from hpref.models.megatron import hf_to_megatron
+        from hpref.models.megatron_convert import hf_to_megatron
 
         return hf_to_megatron(
             hf_state(),

@@ -47,7 +47,8 @@ def check_megatron_policies(config: RLConfig, policies: list[str], where: str) -
     for one of `policies` (megatron-core missing, or an architecture it does not map). LoRA and
     trainer_tensor_parallel > 1 are refused by `PolicyConfig` itself, when the recipe is read."""
     from hpref.errors import RecipeError
-    from hpref.models.megatron import require_megatron, shape_of
+    from hpref.models.megatron import require_megatron
+    from hpref.models.megatron_convert import shape_of
     from hpref.rl.policy import policy_skeleton
 
     for p in policies:
@@ -99,7 +100,7 @@ def release_model_parallel(created_group: bool) -> None:
 
 def hf_causal_to_megatron(hf_state: dict[str, Any], shape: Any, *, tied: bool) -> dict[str, Any]:
     """A transformers causal LM's state dict -> `MegatronCausalLM`'s (tensor-parallel size 1)."""
-    from hpref.models.megatron import hf_to_megatron
+    from hpref.models.megatron_convert import hf_to_megatron
 
     out = hf_to_megatron(hf_state, shape)
     out[FINAL_NORM] = out.pop("norm.weight")
@@ -111,7 +112,7 @@ def hf_causal_to_megatron(hf_state: dict[str, Any], shape: Any, *, tied: bool) -
 def megatron_causal_to_hf(state: dict[str, Any], shape: Any, *, tied: bool) -> dict[str, Any]:
     """`MegatronCausalLM`'s state dict -> the transformers causal LM's keys and shapes (`model.*`
     and `lm_head.weight`, which is a copy of the embedding when the two are tied)."""
-    from hpref.models.megatron import megatron_to_hf
+    from hpref.models.megatron_convert import megatron_to_hf
 
     backbone = {k: v for k, v in state.items() if not k.endswith("_extra_state") and k != OUTPUT_LAYER}
     backbone["norm.weight"] = backbone.pop(FINAL_NORM)
@@ -136,7 +137,8 @@ class MegatronCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any):
         super().__init__()
-        from hpref.models.megatron import cpu_rotary, shape_of, transformer_config, varlen_layer_spec
+        from hpref.models.megatron import cpu_rotary, transformer_config, varlen_layer_spec
+        from hpref.models.megatron_convert import shape_of
 
         spec = varlen_layer_spec()  # first: it imports megatron's gpt package with its notes silenced
         from megatron.core.models.gpt import GPTModel
