@@ -290,3 +290,42 @@ def test_sequence_parallel_pads_a_row_with_one_extra_sequence_only_when_needed()
     same = pad_packed_row(ids, cu, 3, multiple=5)
     assert same[0] is ids and same[1] is cu and same[2] == 3
     assert pad_packed_row(ids[:, :1], cu[:2] * 0 + torch.tensor([0, 1], dtype=torch.int32), 1, 8)[2] == 7
+
+
+def test_a_folder_is_converted_into_the_model_one_tensor_at_a_time(alone, tmp_path, monkeypatch):
+    """megatron-gpt built from a transformers folder has the tiny-llama model's logits (same
+    weights, same seeded head), and while it converts, at most a handful of the folder's tensors are
+    alive at once (each is read when its converted tensor is made, copied into its parameter and
+    dropped). If this fails, a folder is loaded wrongly, or a big model's checkpoint (or a converted
+    copy of it) is held whole in every rank's memory while the model is built."""
+    import gc
+    import weakref
+
+    from hpref.builtin.models import TinyLlamaConfig, build_tiny_llama
+    from hpref.models import safetensors_folder
+
+    settings = {**TINY, "num_hidden_layers": 6}
+    theirs = build_tiny_llama(TinyLlamaConfig(**settings, seed=5))
+    folder = tmp_path / "tiny-llama"
+    theirs.backbone.save_pretrained(folder)
+    theirs.tokenizer.save_pretrained(folder)
+
+    returned: list[weakref.ref] = []
+    most_alive = 0
+
+    class Watched(safetensors_folder.SafetensorsFolder):
+        def __getitem__(self, key):
+            nonlocal most_alive
+            gc.collect()
+            most_alive = max(most_alive, sum(ref() is not None for ref in returned))
+            tensor = super().__getitem__(key)
+            returned.append(weakref.ref(tensor))
+            return tensor
+
+    monkeypatch.setattr(safetensors_folder, "SafetensorsFolder", Watched)
+    ours = build(path=str(folder), seed=5)
+    assert len(returned) == 2 + 9 * 6  # embeddings, final norm; 9 tensors per layer, read once each
+    assert most_alive <= 5, most_alive  # the old dict path held all 56
+    ids, cu, positions = packed_row()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, cu, positions), theirs(ids, cu, positions), atol=1e-5, rtol=1e-5)

@@ -5,10 +5,10 @@ Used by the megatron backbone (`hpref.models.megatron`), the preference model bu
 
 - `shape_of`: a transformers config's architecture numbers (`MegatronShape`), checked to map onto
   megatron-core's GPT layer (one line naming what does not);
-- `hf_to_megatron`: fuse Q/K/V per query group and gate/up into megatron's layouts, pad the
-  vocabulary to a multiple of the tensor-parallel size, and cut this rank's tensor-parallel shard;
-  it reads the source mapping key by key, so a lazily read folder (`SafetensorsFolder`) is never
-  held whole in memory;
+- `hf_to_megatron` (and `iter_hf_to_megatron`, the same one tensor at a time): fuse Q/K/V per
+  query group and gate/up into megatron's layouts, pad the vocabulary to a multiple of the
+  tensor-parallel size, and cut this rank's tensor-parallel shard; it reads the source mapping key
+  by key, so a lazily read folder (`SafetensorsFolder`) is never held whole in memory;
 - `megatron_to_hf`: undo it from every rank's shards (rank order), padding rows dropped.
 """
 
@@ -166,14 +166,29 @@ def hf_to_megatron(
 ) -> dict[str, torch.Tensor]:
     """transformers keys -> this tensor-parallel rank's `MegatronBackbone` state dict (the vocabulary
     padded to a multiple of `vocab_multiple`, by default `tp_size`)."""
+    split = dict(tp_rank=tp_rank, tp_size=tp_size, vocab_multiple=vocab_multiple)
+    return dict(iter_hf_to_megatron(hf_state, shape, **split))
+
+
+def iter_hf_to_megatron(
+    hf_state: Mapping[str, torch.Tensor],
+    shape: MegatronShape,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    vocab_multiple: int | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`hf_to_megatron`'s (key, tensor) pairs one at a time, each read from `hf_state` only when it is
+    made: a consumer that copies each into its parameter and drops it holds one source tensor at a
+    time (a yielded shard may be a view of the whole source tensor)."""
     hf = _BackboneKeys(hf_state)
-    out: dict[str, torch.Tensor] = {}
     embed = hf["embed_tokens.weight"]
     pad = shape.padded_vocab(vocab_multiple or tp_size) - embed.shape[0]
     if pad:  # rows no token id reaches, so the vocab splits evenly over the ranks
         embed = torch.cat([embed, embed.new_zeros(pad, embed.shape[1])])
-    out["gpt.embedding.word_embeddings.weight"] = _rows(embed, tp_rank, tp_size)
-    out["norm.weight"] = hf["norm.weight"]
+    yield "gpt.embedding.word_embeddings.weight", _rows(embed, tp_rank, tp_size)
+    del embed
+    yield "norm.weight", hf["norm.weight"]
     for i in range(shape.num_layers):
         src = f"layers.{i}."
         dst = f"gpt.decoder.layers.{i}."
@@ -181,7 +196,7 @@ def hf_to_megatron(
             value = hf[src + hf_name]
             if mc_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
                 value = _rows(value, tp_rank, tp_size, dim=1)  # row-parallel: split the input dim
-            out[dst + mc_name] = value
+            yield dst + mc_name, value
         attn = src + "self_attn."
         for part in ("weight", "bias"):
             if attn + f"q_proj.{part}" not in hf:
@@ -189,11 +204,10 @@ def hf_to_megatron(
             fused = _fuse_qkv(
                 hf[attn + f"q_proj.{part}"], hf[attn + f"k_proj.{part}"], hf[attn + f"v_proj.{part}"], shape
             )
-            out[dst + f"self_attention.linear_qkv.{part}"] = _rows(fused, tp_rank, tp_size)
+            yield dst + f"self_attention.linear_qkv.{part}", _rows(fused, tp_rank, tp_size)
         gate = _rows(hf[src + "mlp.gate_proj.weight"], tp_rank, tp_size)
         up = _rows(hf[src + "mlp.up_proj.weight"], tp_rank, tp_size)
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate, up])  # megatron's GLU: chunk(2) per rank
-    return out
+        yield dst + "mlp.linear_fc1.weight", torch.cat([gate, up])  # megatron's GLU: chunk(2) per rank
 
 
 def megatron_to_hf(shards: list[dict[str, torch.Tensor]], shape: MegatronShape) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ What the trainer sees (`hpref.train.loop.train_step`, `hpref.prediction.predict`
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -172,6 +172,13 @@ class MegatronPipelineModel(MegatronPreferenceModel):
     # ------------------------------------------------------------------------------------- weights
     def pretrained_state_dict(self) -> dict[str, torch.Tensor]:
         return self.stage.select(super().pretrained_state_dict())
+
+    def pretrained_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's part of the initial weights, in its own keys (the others are converted and
+        dropped one at a time)."""
+        for key, value in super().pretrained_items():
+            if self.stage.owns(key):
+                yield self.stage.to_local(key), value
 
     def _megatron_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.stage.select(super()._megatron_state(state))

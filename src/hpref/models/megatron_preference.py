@@ -26,6 +26,7 @@ this rank's pipeline stage, which adds its own schedule (`forward_backward`) to 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,8 +109,19 @@ class MegatronPreferenceModel(PreferenceModel):
     #: hpref's LoRA wraps transformers modules; megatron's fused parallel linears are not among them
     supports_lora = False
 
-    def __init__(self, backbone: MegatronBackbone, tokenizer: Any, *, parallel: ModelParallel, **kwargs: Any):
-        super().__init__(backbone, tokenizer, **kwargs)
+    def __init__(
+        self,
+        backbone: MegatronBackbone,
+        tokenizer: Any,
+        *,
+        parallel: ModelParallel,
+        backbone_items: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+        **kwargs: Any,
+    ):
+        """`backbone_items()`: the backbone's initial weights in its own keys, one at a time
+        (`iter_hf_to_megatron`); the generic `backbone_state` is their dict."""
+        super().__init__(backbone, tokenizer, backbone_state=lambda: dict(backbone_items()), **kwargs)
+        self._backbone_items = backbone_items
         self.parallel = parallel
         self.data_parallel = parallel.data
         self.autocast_dtype: torch.dtype | None = None
@@ -132,15 +144,33 @@ class MegatronPreferenceModel(PreferenceModel):
         self, *, device: str | torch.device | None = None, broadcast_from_rank0: bool = False
     ) -> None:
         """Every rank converts the transformers weights and keeps its own tensor-parallel shard
-        (a broadcast from rank 0 would give every rank rank 0's shard)."""
-        state = self.pretrained_state_dict()
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
+        (a broadcast from rank 0 would give every rank rank 0's shard). Streamed: each converted
+        tensor is copied into its parameter as it is made (`pretrained_items`), so a rank holds its
+        shard of the model and one source tensor, not a converted copy of the whole model."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        unexpected: list[str] = []
+        with torch.no_grad():
+            for key, value in self.pretrained_items():
+                if key in params:
+                    params[key].copy_(value)
+                    filled.add(key)
+                else:
+                    unexpected.append(key)
+        missing = sorted(set(params) - filled)
         if missing or unexpected:
             raise ValueError(
                 f"megatron weights do not fit: missing {missing[:4]}, unexpected {unexpected[:4]}"
             )
         self.to(device if device is not None else getattr(self, "target_device", "cpu"))
+
+    def pretrained_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The initial weights in this model's keys, one tensor at a time: the converted pretrained
+        (or seeded) backbone, then the head."""
+        for key, value in self._backbone_items():
+            yield f"backbone.{key}", value
+        for key, value in self._head_state().items():
+            yield f"head.{key}", value
 
     def load_plain_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict in the transformers layout (`backbone.*` transformers keys,
@@ -326,10 +356,10 @@ def build_megatron_model(
         pipeline_parallel=parallel.pp_size,
     )
 
-    def backbone_state() -> dict[str, torch.Tensor]:
-        from hpref.models.megatron_convert import hf_to_megatron
+    def backbone_items() -> Iterator[tuple[str, torch.Tensor]]:
+        from hpref.models.megatron_convert import iter_hf_to_megatron
 
-        return hf_to_megatron(
+        return iter_hf_to_megatron(
             hf_state(),
             shape,
             tp_rank=parallel.tp_rank,
@@ -344,7 +374,7 @@ def build_megatron_model(
         parallel=parallel,
         num_labels=num_labels,
         pooling="last",
-        backbone_state=backbone_state,
+        backbone_items=backbone_items,
         provenance=provenance,
         **head_kwargs,
     )
