@@ -327,3 +327,25 @@ def test_a_folder_is_converted_into_the_model_one_tensor_at_a_time(alone, tmp_pa
     ids, cu, positions = packed_row()
     with torch.no_grad():
         torch.testing.assert_close(ours(ids, cu, positions), theirs(ids, cu, positions), atol=1e-5, rtol=1e-5)
+
+
+def test_a_meta_built_model_loads_the_same_weights_and_keeps_megatron_marks(alone):
+    """The trainer builds megatron-gpt on the meta device (no random CPU initialisation to throw
+    away) and then loads its weights: the result equals the eagerly built model, and the parameters
+    keep megatron's tensor-parallel marks. If this fails, a training run starts from other weights,
+    or (marks lost with the new parameter objects) its tensor-parallel shards would be clipped and
+    checkpointed as replicated tensors."""
+    from hpref.plugins import load_plugins
+
+    component = load_plugins().get("model", "megatron-gpt")
+    lazy = component.build(component.config(tiny_llama=TINY, seed=5), meta=True)
+    assert all(p.is_meta for p in lazy.backbone.parameters())
+    lazy.load_pretrained_weights(device="cpu")
+    assert not any(p.is_meta for p in lazy.parameters())
+    qkv = lazy.backbone.gpt.decoder.layers[0].self_attention.linear_qkv.weight
+    assert qkv.tensor_model_parallel and qkv.partition_dim == 0
+    assert lazy._params_by_key()["backbone.gpt.decoder.layers.0.self_attention.linear_qkv.weight"] is qkv
+    eager = build(tiny_llama=TINY, seed=5)
+    ids, cu, positions = packed_row()
+    with torch.no_grad():
+        torch.testing.assert_close(lazy(ids, cu, positions), eager(ids, cu, positions), atol=0, rtol=0)

@@ -27,6 +27,7 @@ this rank's pipeline stage, which adds its own schedule (`forward_backward`) to 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,9 @@ class MegatronPreferenceModel(PreferenceModel):
         (a broadcast from rank 0 would give every rank rank 0's shard). Streamed: each converted
         tensor is copied into its parameter as it is made (`pretrained_items`), so a rank holds its
         shard of the model and one source tensor, not a converted copy of the whole model."""
+        target = device if device is not None else getattr(self, "target_device", "cpu")
+        if any(p.is_meta for p in self.parameters()):
+            self._materialize(target)
         params = dict(self.named_parameters())
         filled: set[str] = set()
         unexpected: list[str] = []
@@ -162,7 +166,18 @@ class MegatronPreferenceModel(PreferenceModel):
             raise ValueError(
                 f"megatron weights do not fit: missing {missing[:4]}, unexpected {unexpected[:4]}"
             )
-        self.to(device if device is not None else getattr(self, "target_device", "cpu"))
+        self.to(target)
+
+    def _materialize(self, device: str | torch.device) -> None:
+        """Give a meta-built model empty storage on `device`, keeping what megatron marks on its
+        parameters (`tensor_model_parallel`, `partition_dim`, `sequence_parallel`, ...): `to_empty`
+        makes new parameter objects, and gradient reduction and checkpoints read those marks."""
+        marks = {name: dict(vars(param)) for name, param in self.named_parameters()}
+        self.to_empty(device=device)
+        for name, param in self.named_parameters():
+            for key, value in marks[name].items():
+                setattr(param, key, value)
+        self.__dict__.pop("_param_keys", None)  # `checkpoint_view`'s cache of the old objects
 
     def pretrained_items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The initial weights in this model's keys, one tensor at a time: the converted pretrained
@@ -347,14 +362,17 @@ def build_megatron_model(
     parallel = init_model_parallel(tensor_parallel, pipeline_parallel)
     if parallel.pp_size > 1 and pipeline_class is None:
         raise ValueError("pipeline_parallel > 1 needs the pipeline_class that runs the stages")
-    backbone = MegatronBackbone(
-        shape,
-        tp_size=parallel.tp_size,
-        hf_config=hf_config,
-        vocab_multiple=tensor_parallel,
-        sequence_parallel=sequence_parallel,
-        pipeline_parallel=parallel.pp_size,
-    )
+    # on the meta device when the trainer loads the weights later: megatron's CPU initialisation
+    # (a random full-size master weight per layer, then this rank's slice) would only be overwritten
+    with torch.device("meta") if meta else nullcontext():
+        backbone = MegatronBackbone(
+            shape,
+            tp_size=parallel.tp_size,
+            hf_config=hf_config,
+            vocab_multiple=tensor_parallel,
+            sequence_parallel=sequence_parallel,
+            pipeline_parallel=parallel.pp_size,
+        )
 
     def backbone_items() -> Iterator[tuple[str, torch.Tensor]]:
         from hpref.models.megatron_convert import iter_hf_to_megatron
