@@ -16,7 +16,8 @@ What megatron-core needs CUDA for, and the seams that keep it off this CPU-only 
   backends (per-sequence SDPA on CPU; flash-attn / torch varlen on CUDA where installed).
 - RoPE: `RotaryEmbedding.get_emb` moves its frequencies to `torch.cuda.current_device()` on every
   forward. `_CpuRotaryEmbedding` computes the same table where it is (only when CUDA is absent).
-- Weights are created on the CPU (`use_cpu_initialization`) and then overwritten by the converted
+- Weights are created on the CPU (`use_cpu_initialization`; on the meta device when the trainer
+  builds the model, `hpref.models.megatron_preference`) and then overwritten by the converted
   checkpoint, so megatron's CUDA RNG tracker is never used; dropout inside the backbone is off
   (preference-model fine-tuning runs without it; a recipe asking for it is refused).
 
