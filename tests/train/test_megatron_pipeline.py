@@ -9,13 +9,16 @@ the suite short there is one PP = 2 run, killed after step 7 and resumed; every 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from tests.train.conftest import TOTAL_STEPS, train_losses
-from tests.train.test_megatron_train import release_process_group, write_megatron_recipe  # noqa: F401
+from tests.train.test_megatron_train import (  # noqa: F401 (release_process_group: a fixture)
+    assert_export_reproduces_predictions,
+    release_process_group,
+    write_megatron_recipe,
+)
 
 pytest.importorskip("megatron.core", reason="megatron-core is the optional [megatron] extra")
 pytestmark = pytest.mark.slow
@@ -108,22 +111,5 @@ def test_save_of_a_pipeline_parallel_run_is_a_transformers_folder_with_the_same_
     reproduces the run's own last eval predictions (1e-5), which the two stages computed together.
     If this fails, a stage's layer is stored under another layer's key, the export misses the last
     stage's norm or head, or the pipeline's eval returned other logits than the model's."""
-    from transformers import AutoConfig, AutoModel
-
-    from hpref.evaluate.cli import eval_command, save_command
-    from hpref.prediction.files import read_predictions
-
     folder, _ = pp2_run
-    run_dir = folder / "runs" / "ref"
-    export = tmp_path / "export"
-    assert save_command(run_dir, to=export) == 0
-    assert AutoConfig.from_pretrained(export).model_type == "llama"
-    backbone = AutoModel.from_pretrained(export)  # strict keys: a plain transformers checkpoint
-    assert backbone.config.num_hidden_layers == 2
-    assert json.loads((export / "hpref_model.json").read_text())["provenance"]["component"] == "megatron-gpt"
-
-    out = tmp_path / "export-predictions.csv"
-    assert eval_command(folder / "ref.toml", checkpoint=export, out=out, plot=False) == 0
-    ours, theirs = read_predictions(out), read_predictions(run_dir / "predictions.csv")
-    assert ours.ids == theirs.ids
-    assert abs(ours.probs - theirs.probs).max() < 1e-5
+    assert_export_reproduces_predictions(folder / "runs" / "ref", folder / "ref.toml", tmp_path)

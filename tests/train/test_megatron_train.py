@@ -129,12 +129,18 @@ def test_save_of_a_tensor_parallel_run_is_a_transformers_folder_with_the_same_pr
     a plain transformers Llama folder, and `hpref eval` of it reproduces the run's own last eval
     predictions (1e-5). If this fails, the export's conversion back from megatron's layout (fused
     QKV per query group, fused gate/up, padded vocabulary) or the checkpoint's layout is wrong."""
+    assert_export_reproduces_predictions(tp2_run / "runs" / "ref", tp2_run / "ref.toml", tmp_path)
+
+
+def assert_export_reproduces_predictions(run_dir: Path, recipe: Path, tmp_path: Path) -> None:
+    """`hpref save` of a megatron-gpt run is a plain transformers Llama folder (strict keys, the tiny
+    model's 2 layers, megatron-gpt provenance) whose `hpref eval` gives the run's own last eval
+    predictions to 1e-5."""
     from transformers import AutoConfig, AutoModel
 
     from hpref.evaluate.cli import eval_command, save_command
     from hpref.prediction.files import read_predictions
 
-    run_dir = tp2_run / "runs" / "ref"
     export = tmp_path / "export"
     assert save_command(run_dir, to=export) == 0
     assert AutoConfig.from_pretrained(export).model_type == "llama"
@@ -143,7 +149,6 @@ def test_save_of_a_tensor_parallel_run_is_a_transformers_folder_with_the_same_pr
     assert json.loads((export / "hpref_model.json").read_text())["provenance"]["component"] == "megatron-gpt"
 
     out = tmp_path / "export-predictions.csv"
-    recipe = tp2_run / "ref.toml"
     assert eval_command(recipe, checkpoint=export, out=out, plot=False) == 0
     ours, theirs = read_predictions(out), read_predictions(run_dir / "predictions.csv")
     assert ours.ids == theirs.ids
