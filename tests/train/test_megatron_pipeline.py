@@ -113,3 +113,37 @@ def test_save_of_a_pipeline_parallel_run_is_a_transformers_folder_with_the_same_
     stage's norm or head, or the pipeline's eval returned other logits than the model's."""
     folder, _ = pp2_run
     assert_export_reproduces_predictions(folder / "runs" / "ref", folder / "ref.toml", tmp_path)
+
+
+def test_a_pipeline_reward_model_evaluates_as_the_unsplit_model(
+    tmp_path,
+    release_process_group,  # noqa: F811
+):
+    """The shipped megatron-quickstart (a reward model: one logit row per pair of sequences) with two
+    pipeline stages, a few steps: its eval, which the stages compute together, equals `hpref eval`
+    of its checkpoint on one process (the model unsplit) to 1e-5. If this fails, a stage other than
+    the last allocates the logits with the judge's shape (one row per sequence) and the run dies at
+    its first eval, or the stages' eval differs from the model's."""
+    from hpref.evaluate.cli import eval_command
+    from hpref.prediction.files import read_predictions
+    from hpref.recipe_catalog import resolve_recipe_path
+    from hpref.train import run_train
+
+    overrides = [
+        f'run.output_dir="{(tmp_path / "runs").as_posix()}"',
+        "model.pipeline_parallel=2",
+        "model.tiny_llama.num_hidden_layers=2",
+        "dataset.train.num_battles=200",
+        "dataset.eval.num_battles=100",
+        "train.batch_size=16",
+        "train.max_steps=3",
+        "train.micro_batch_tokens=2048",
+    ]
+    recipe = resolve_recipe_path("megatron-quickstart")
+    assert run_train(recipe, overrides, nproc_per_node=2) == 0
+    run_dir = tmp_path / "runs" / "megatron-quickstart"
+    out = tmp_path / "one-process.csv"
+    assert eval_command(run_dir / "recipe.toml", checkpoint=run_dir, out=out, plot=False) == 0
+    ours, theirs = read_predictions(out), read_predictions(run_dir / "predictions.csv")
+    assert ours.ids == theirs.ids and len(ours.ids) >= 10, len(ours.ids)  # fold 0 of 5 of 100
+    assert abs(ours.probs - theirs.probs).max() < 1e-5

@@ -238,8 +238,14 @@ class MegatronPipelineModel(MegatronPreferenceModel):
         if not stage.last:
             assert stage.next is not None
             send_activation(out, stage.next, stage.group)
-            out = torch.empty(len(cu_seqlens) - 1, self.num_labels, device=input_ids.device)
-        dist.broadcast(out.detach().contiguous(), src=stage.last_global, group=stage.group)
+        # the logits' shape is the head's: [n, 3] for a judge, one row per pair of a reward model's
+        # paired sequences, so the last stage sends it first
+        shape = torch.tensor(out.shape if stage.last else (0, 0), dtype=torch.int64, device=input_ids.device)
+        dist.broadcast(shape, src=stage.last_global, group=stage.group)
+        if not stage.last:
+            out = torch.empty(shape.tolist(), dtype=torch.float32, device=input_ids.device)
+        out = out.detach().contiguous()
+        dist.broadcast(out, src=stage.last_global, group=stage.group)
         return out
 
     # ------------------------------------------------------------------------------------ training
