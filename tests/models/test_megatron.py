@@ -201,6 +201,7 @@ def _run_tp(folder: Path, out: Path, nproc: int, *mode: str) -> dict:
         [*cmd, str(folder), str(out), *mode], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in done.stderr  # megatron's CUDA advice, off on CPU
     return json.loads(out.read_text())
 
 
