@@ -166,6 +166,17 @@ def cpu_rotary(model: nn.Module, *, even_with_cuda: bool = False) -> None:
         rotary.__class__ = _CpuRotaryEmbedding
 
 
+def no_cuda_stream_advice() -> None:
+    """On a host without CUDA, megatron's once-per-process advice on the first tensor- or
+    sequence-parallel matmul (set CUDA_DEVICE_MAX_CONNECTIONS=1, about CUDA streams) is marked as
+    given, so it stays off the console."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import layers
+
+    layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
+
+
 def varlen_layer_spec() -> Any:
     """megatron's local (no Transformer Engine) Llama layer spec: RMSNorm, with hpref's varlen
     attention in its `core_attention` slot (the packed THD path on CPU and CUDA), and torch's RMSNorm
@@ -264,6 +275,7 @@ class MegatronBackbone(nn.Module):
             rotary_base=shape.rope_theta,
         )
         cpu_rotary(self.gpt)
+        no_cuda_stream_advice()
         # a stage before the last passes its hidden states on as they are
         self.norm: nn.Module = (
             nn.RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps, dtype=params_dtype)

@@ -76,8 +76,7 @@ class _TorchOnCpu:
 
 def place_collective_buffers_on_cpu() -> None:
     """On a host without CUDA, megatron's sequence-parallel collectives allocate on the CPU (see
-    the module docstring), and its advice about CUDA streams is not printed; idempotent; nothing
-    happens where CUDA is available."""
+    the module docstring); idempotent; nothing happens where CUDA is available."""
     if torch.cuda.is_available():
         return
     import importlib
@@ -86,10 +85,6 @@ def place_collective_buffers_on_cpu() -> None:
         module = importlib.import_module(name)
         if not isinstance(module.torch, _TorchOnCpu):
             module.torch = _TorchOnCpu()
-    # megatron's once-per-process advice on the first sequence-parallel matmul (set
-    # CUDA_DEVICE_MAX_CONNECTIONS=1) is about CUDA streams: marked as given, it stays off this console
-    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
-    layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
 
 
 def no_op_rng_tracker() -> None:
