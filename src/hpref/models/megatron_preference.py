@@ -26,7 +26,7 @@ this rank's pipeline stage, which adds its own schedule (`forward_backward`) to 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -151,11 +151,17 @@ class MegatronPreferenceModel(PreferenceModel):
         target = device if device is not None else getattr(self, "target_device", "cpu")
         if any(p.is_meta for p in self.parameters()):
             self._materialize(target)
+        self._fill(self.pretrained_items())
+        self.to(target)
+
+    def _fill(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each (key, tensor) into the parameter of that name, where it lives; every parameter
+        must be filled and every key used (one `ValueError` naming the first few that are not)."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
         unexpected: list[str] = []
         with torch.no_grad():
-            for key, value in self.pretrained_items():
+            for key, value in items:
                 if key in params:
                     params[key].copy_(value)
                     filled.add(key)
@@ -166,7 +172,6 @@ class MegatronPreferenceModel(PreferenceModel):
             raise ValueError(
                 f"megatron weights do not fit: missing {missing[:4]}, unexpected {unexpected[:4]}"
             )
-        self.to(target)
 
     def _materialize(self, device: str | torch.device) -> None:
         """Give a meta-built model empty storage on `device`, keeping what megatron marks on its
@@ -190,15 +195,7 @@ class MegatronPreferenceModel(PreferenceModel):
     def load_plain_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state dict in the transformers layout (`backbone.*` transformers keys,
         `head.*`: what `save_pretrained` and `hpref init` write), this rank's shard of it."""
-        ours = self._megatron_state(state)
-        device = next(self.parameters()).device
-        with torch.no_grad():
-            params = dict(self.named_parameters())
-            missing = set(params) - set(ours)
-            if missing:
-                raise ValueError(f"the state dict has no {sorted(missing)[:3]}")
-            for key, param in params.items():
-                param.copy_(ours[key].to(device))
+        self._fill(self._megatron_state(state).items())
 
     def _megatron_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A transformers-layout state dict (`backbone.*`, `head.*`) in this model's keys and shards."""
