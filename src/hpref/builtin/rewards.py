@@ -124,8 +124,10 @@ class RuleReward:
         self.config = config
         self._synthetic = synthetic
         self._utility = _import_function(config.function) if config.function else synthetic.answer_utility
+        #: scores within a group are win probabilities against each other (else: one score per answer)
+        self.pairwise = config.mode == "pairwise"
         # a utility is absolute: other policies' answers would not change it
-        self.wants_opponents = config.mode == "pairwise" and config.cross_policy
+        self.wants_opponents = self.pairwise and config.cross_policy
         self.opponent_answers = config.opponent_answers
 
     def true_utility(self, prompt: Prompt, answer: str) -> float:
@@ -169,7 +171,8 @@ class JudgeReward:
         from hpref import arena as synthetic
 
         self._synthetic = synthetic
-        self.wants_opponents = config.cross_policy and not self.scalar
+        self.pairwise = not self.scalar
+        self.wants_opponents = config.cross_policy and self.pairwise
         self.opponent_answers = config.opponent_answers
 
     def true_utility(self, prompt: Prompt, answer: str) -> float:
@@ -219,13 +222,13 @@ class JudgeReward:
         """A reward model's score of each answer with its conversation, one sequence per answer: the
         answers go two by two into one battle (the odd one out with itself), and its first two
         logits are the two scores (Davidson's logits are [s_A, s_B, tie])."""
-        from hpref.data.records import Battle
+        from hpref.data.prompts import battle_with_answers
 
         battles, slots = [], []
         for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
             for k in range(0, len(answers), 2):
                 j = min(k + 1, len(answers) - 1)
-                battles.append(Battle(f"rl-{g}-{k}", tuple(prompt), (answers[k],), (answers[j],)))
+                battles.append(battle_with_answers(tuple(prompt), answers[k], answers[j], f"rl-{g}-{k}"))
                 slots.append((g, k, j))
         scores: dict[tuple[int, int], float] = {}
         for (g, k, j), row in zip(slots, self._logits(battles), strict=True):
@@ -243,7 +246,7 @@ class JudgeReward:
         Opponents are only ever judged against the group's answers, never among themselves: their
         own rewards are not needed. A reward model scores each answer alone instead (`score_answers`).
         """
-        from hpref.data.records import Battle
+        from hpref.data.prompts import battle_with_answers
 
         if self.scalar:
             return self.score_answers(prompts, groups)
@@ -260,7 +263,9 @@ class JudgeReward:
                     if not self.config.symmetric and (j < i if (i < n and j < n) else i >= n):
                         continue
                     index[(g, i, j)] = len(battles)
-                    battles.append(Battle(f"rl-{g}-{i}-{j}", tuple(prompt), (everyone[i],), (everyone[j],)))
+                    battles.append(
+                        battle_with_answers(tuple(prompt), everyone[i], everyone[j], f"rl-{g}-{i}-{j}")
+                    )
         probs = self.judge_pairs(battles)
         out = []
         for g, answers in enumerate(groups):

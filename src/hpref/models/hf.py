@@ -28,7 +28,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -99,9 +99,13 @@ def smollm2_file() -> Path:
     )
 
 
-def _gguf_cache_key(file: Path) -> str:
-    """Which conversion a cache folder holds: the file (path, size, modification time) and the
-    transformers version that dequantised it (its GGUF mapping changes between releases)."""
+GgufKind = Literal["base", "causal-lm"]
+
+
+def _gguf_cache_key(file: Path, kind: GgufKind = "base") -> str:
+    """Which conversion a cache folder holds: the file (path, size, modification time), the
+    transformers version that dequantised it (its GGUF mapping changes between releases) and what
+    was kept (`kind`)."""
     import transformers
 
     stat = file.stat()
@@ -111,14 +115,18 @@ def _gguf_cache_key(file: Path) -> str:
         "mtime_ns": stat.st_mtime_ns,
         "transformers": transformers.__version__,
         "format": GGUF_CACHE_FORMAT,
+        **({"kind": kind} if kind != "base" else {}),  # base folders keep the key they always had
     }
     return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
-def gguf_folder(file: Path) -> Path:
+def gguf_folder(file: Path, kind: GgufKind = "base") -> Path:
     """The transformers folder converted from GGUF `file`, made on first use and cached.
 
-    Cached as `$HPREF_CACHE/gguf/<file stem>-<key>` (`_gguf_cache_key`). The folder is written
+    `kind`: "base" keeps the base model (`AutoModel`: `hpref train` puts its own head on it);
+    "causal-lm" the causal LM with its LM head (`AutoModelForCausalLM`: an `hpref rl` policy, and any
+    tool that generates from a folder, such as vLLM, which refuses a bare base model).
+    Cached as `$HPREF_CACHE/gguf/<file stem>[-causal-lm]-<key>` (`_gguf_cache_key`). The folder is written
     under a temporary name and renamed into place, so a reader never sees half of one; a file lock
     makes concurrent callers (the ranks of one run, two runs) wait for one conversion instead of
     each doing it.
@@ -128,7 +136,8 @@ def gguf_folder(file: Path) -> Path:
     from hpref.models.tokenizer import cache_root
 
     root = cache_root() / "gguf"
-    target = root / f"{file.stem}-{_gguf_cache_key(file)}"
+    suffix = "" if kind == "base" else f"-{kind}"
+    target = root / f"{file.stem}{suffix}-{_gguf_cache_key(file, kind)}"
     if (target / GGUF_SOURCE_JSON).is_file():
         return target
     if importlib.util.find_spec("gguf") is None:
@@ -139,7 +148,7 @@ def gguf_folder(file: Path) -> Path:
             return target
         tmp = root / f".{target.name}.tmp-{uuid.uuid4().hex}"
         try:
-            convert_gguf(file, tmp)
+            convert_gguf(file, tmp, kind)
             if target.exists():  # a folder without its marker: an interrupted earlier attempt
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -148,12 +157,12 @@ def gguf_folder(file: Path) -> Path:
     return target
 
 
-def convert_gguf(file: Path, folder: Path) -> None:
-    """Write GGUF `file` as a transformers folder: config, tokenizer, fp32 base-model weights.
+def convert_gguf(file: Path, folder: Path, kind: GgufKind = "base") -> None:
+    """Write GGUF `file` as a transformers folder: config, tokenizer, fp32 weights.
 
     transformers maps the GGUF architecture (llama, qwen2, gemma2, ...) to its own model class,
     rebuilds the tokenizer (with the chat template stored in the file's metadata) and dequantises
-    every tensor. Only the base model (`AutoModel`) is kept: hpref puts its own head on it. A
+    every tensor. `kind` says which model is kept (see `gguf_folder`). A
     tokenizer without a padding token gets its end-of-sequence token as one (what TRL does too): a
     reward model exported as a transformers sequence classifier finds each padded row's last token
     by that id.
@@ -161,7 +170,7 @@ def convert_gguf(file: Path, folder: Path) -> None:
     import torch
     from loguru import logger
     from safetensors.torch import save_model
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from hpref.logs import route_transformers_logs
 
@@ -173,7 +182,8 @@ def convert_gguf(file: Path, folder: Path) -> None:
         try:
             config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
             tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
-            model = AutoModel.from_pretrained(
+            model_class = AutoModelForCausalLM if kind == "causal-lm" else AutoModel
+            model = model_class.from_pretrained(
                 where, gguf_file=name, config=config, dtype=torch.float32, local_files_only=True
             )
         except (ValueError, KeyError, OSError) as exc:  # an architecture transformers cannot map
@@ -192,7 +202,14 @@ def convert_gguf(file: Path, folder: Path) -> None:
     config.save_pretrained(folder)
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(folder)
-    source = {"gguf_file": str(file.resolve()), "size": file.stat().st_size, "format": GGUF_CACHE_FORMAT}
+    if kind == "causal-lm" and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)  # its eos ids: where generation stops
+    source = {
+        "gguf_file": str(file.resolve()),
+        "size": file.stat().st_size,
+        "format": GGUF_CACHE_FORMAT,
+        "kind": kind,
+    }
     (folder / GGUF_SOURCE_JSON).write_text(json.dumps(source, indent=2) + "\n")
 
 

@@ -58,8 +58,9 @@ def warmup_lines(recipe_path: Path, overrides: list[str], policies: str | None) 
     ids = policy_ids(policies) if policies else sorted(config.policies)
     for p in config.select(ids):
         model = config.policies[p].model
-        if model.path is not None:
-            yield f"{p}\t{model.path}\t(model.path: no warm-up)"
+        if model.pretrained:
+            shown = model.path or model.name
+            yield f"{p}\t{shown}\t(pretrained: no warm-up)"
             continue
         policy_tokenizer(model)
         yield f"{p}\t{warmup_checkpoint(model, config.warmup)}"

@@ -28,7 +28,7 @@ from typing import Any
 from loguru import logger
 
 from hpref.recipe_rl import RLConfig
-from hpref.rl.metrics import MetricsWriter, rollout_metrics
+from hpref.rl.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
 from hpref.rl.parking import Parker
 from hpref.rl.ray_cluster import actor_death
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
@@ -54,7 +54,7 @@ class DriveResult:
     positions: dict[str, int]  # each policy's next rollout id when the run ended
     saves: int
     debug_exit: bool
-    evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout, true_utility, battles
+    evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout + RolloutExecutor.evaluate
     seconds: float = 0.0  # the policies' loops alone: no actor start-up, no restore
     timed_out: bool = False  # the leader ended at `time_limit_s`, before `num_rollouts`
 
@@ -63,9 +63,9 @@ class DriveResult:
         (`<id>@start`) from the last eval's battles; {} without evals."""
         from hpref.rl.leaderboard import bradley_terry
 
-        if not self.evals or not self.evals[-1]["battles"]:
+        battles = self.evals[-1].get("leaderboard_battles") if self.evals else None
+        if not battles:
             return {}
-        battles = self.evals[-1]["battles"]
         players = list(policies)
         for a, b, _score in battles:
             players.extend(x for x in (a, b) if x not in players)
@@ -156,38 +156,26 @@ async def drive(
         if positions[p] % config.update_weights_interval == 0:
             version = await push_weights(handles.trainers[p], handles.engines[p])
         row = rollout_metrics(rollout, stats, version)
+        if "kl" in stats:
+            kl_since_eval[p].append(float(stats["kl"]))
         row["elapsed_s"] = time.perf_counter() - began  # for "reached X within N minutes"
         metrics.write(p, row)
+
+    # each policy's KL to its start in the rollouts since the last eval (a trainer measures it when
+    # kl_coef > 0 or measure_kl): the eval's KL, beside its answer lengths and scores
+    kl_since_eval: dict[str, list[float]] = {p: [] for p in order}
 
     async def evaluate() -> None:
         evaluation = await handles.executor.evaluate.remote(order)
         evaluation["rollout"] = positions[leader]
+        evaluation["kl"] = {p: sum(k) / len(k) for p, k in kl_since_eval.items() if k}
         result.evals.append(evaluation)
-        scores = evaluation["true_utility"]
-        win_rates = evaluation.get("win_rate_vs_start", {})
         for p in order:
-            if p not in scores:
-                continue
-            row = {
-                "eval": True,
-                "rollout": positions[p],
-                "eval_true_utility": scores[p],
-                "elapsed_s": time.perf_counter() - began,
-            }
-            if p in win_rates:
-                row["eval_win_rate_vs_start"] = win_rates[p]
-            if f"{p}@start" in scores:
-                row["eval_start_true_utility"] = scores[f"{p}@start"]
+            row = eval_row(evaluation, p)
+            row.update(rollout=positions[p], elapsed_s=time.perf_counter() - began)
             metrics.write(p, row)
-        logger.info(
-            "eval: "
-            + ", ".join(
-                f"{p} true utility {scores[p]:.3f}"
-                + (f", win rate vs start {win_rates[p]:.3f}" if p in win_rates else "")
-                for p in order
-                if p in scores
-            )
-        )
+            kl_since_eval[p].clear()
+        logger.info("eval: " + "; ".join(eval_line(evaluation, p) for p in order))
 
     def out_of_time() -> bool:
         limit = config.time_limit_s

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe_rl import PolicyModelConfig
-from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, trim_completion
+from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
 
 
 class TransformersEngineConfig(BaseModel):
@@ -62,6 +62,7 @@ class EngineActor:
         self.policy = policy
         self.model, self.tokenizer = build_policy_model(model)
         self.model.eval()
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.version = 0
         self._staging: tuple[int, dict[str, Any]] | None = None
 
@@ -103,7 +104,7 @@ class EngineActor:
                 attention_mask=attention,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad,
-                eos_token_id=self.tokenizer.eos_token_id,
+                eos_token_id=self.stop_ids,
                 output_logits=True,
                 return_dict_in_generate=True,
                 **sampling,
@@ -114,7 +115,7 @@ class EngineActor:
         logp = torch.log_softmax(logits / scale, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         completions, logprobs = [], []
         for i in range(len(rows)):
-            tokens = trim_completion(new[i].tolist(), self.tokenizer.eos_token_id, pad)
+            tokens = trim_completion(new[i].tolist(), self.stop_ids, pad)
             completions.append(tokens)
             logprobs.append(logp[i, : len(tokens)].tolist())
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]

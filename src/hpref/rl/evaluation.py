@@ -1,46 +1,103 @@
-"""The numbers of an `hpref rl` eval: win rates and the battles of the Bradley-Terry leaderboard.
+"""The numbers of an `hpref rl` eval: mean scores, win rates against the start, and the battles of
+the Bradley-Terry leaderboard.
 
-An eval answers fixed prompts greedily with every policy and with its starting checkpoint
-(`<id>@start`), and the reward's ground truth gives each answer a utility. Two answers' utilities
-give the arena judge's outcome probabilities (Davidson's model, `hpref.arena.davidson`), so the
-expected score of one answer against another is P(win) + P(tie) / 2. These pure functions turn the
-utilities into the eval's report; the rollout executor only gathers the answers.
+An eval answers fixed held-out prompts greedily with every policy and with its starting checkpoint
+(`<id>@start`). Each answer is then scored by up to three scorers:
+
+- `true_utility`: the ground truth, when the prompts have one (the synthetic arena); two answers'
+  utilities give the arena judge's outcome probabilities (Davidson's model, `hpref.arena.davidson`);
+- `reward`: the reward the policies train on;
+- `scorer`: `[rl.eval_scorer]`, a second reward the policies never trained against. A reward that
+  went up under `reward` but not under `scorer` is the sign of reward hacking.
+
+A pointwise scorer (a reward model: one score per answer) reads two scores as a Bradley-Terry
+preference, P(p beats q) = sigmoid(s_p - s_q); a pairwise scorer (a judge) compares the two answers
+itself. Either way the expected score of one answer against another is P(win) + P(tie) / 2, and a
+win rate against the start of 0.5 means no better than where the policy began. These functions do
+the numbers; the rollout executor only gathers the answers.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
-Utilities = dict[str, list[float]]  # player (a policy, or `<id>@start`) -> utility per eval prompt
+Utilities = dict[str, list[float]]  # player (a policy, or `<id>@start`) -> score per eval prompt
+Expected = Callable[[float, float], float]  # two answers' scores -> expected score of the first
 
 
-def expected_scores(u_p: list[float], u_q: list[float]) -> list[float]:
-    """Per prompt, the expected score of p's answer against q's: P(win) + P(tie) / 2."""
+def davidson_expected(a: float, b: float) -> float:
+    """P(win) + P(tie) / 2 of an answer of utility `a` against one of utility `b` (the arena judge)."""
     from hpref.arena import davidson
 
-    out = []
-    for a, b in zip(u_p, u_q, strict=True):
-        win, _lose, tie = davidson(a, b)
-        out.append(win + 0.5 * tie)
-    return out
+    win, _lose, tie = davidson(a, b)
+    return win + 0.5 * tie
 
 
-def eval_report(utilities: Utilities, policies: list[str]) -> dict[str, Any]:
+def bradley_terry_expected(a: float, b: float) -> float:
+    """P(an answer scored `a` beats one scored `b`) under a Bradley-Terry reward model."""
+    return 1.0 / (1.0 + math.exp(-(a - b))) if a - b > -700 else 0.0
+
+
+def expected_scores(
+    u_p: list[float], u_q: list[float], expected: Expected = davidson_expected
+) -> list[float]:
+    """Per prompt, the expected score of p's answer against q's."""
+    return [expected(a, b) for a, b in zip(u_p, u_q, strict=True)]
+
+
+def eval_report(
+    utilities: Utilities, policies: list[str], expected: Expected = davidson_expected
+) -> dict[str, Any]:
     """`true_utility` (mean per player), `win_rate_vs_start` (per policy that has a start: its mean
-    expected score against its starting checkpoint; 0.5 = no better than where it began) and
-    `battles`: one `(p, q, expected score of p)` per prompt and pair of players."""
+    expected score against its starting checkpoint) and `battles`: one `(p, q, expected score of p)`
+    per prompt and pair of players. `expected` reads two scores (ground truth by default)."""
     players = list(utilities)
     battles = []
     for i, p in enumerate(players):
         for q in players[i + 1 :]:
-            battles.extend((p, q, score) for score in expected_scores(utilities[p], utilities[q]))
+            battles.extend((p, q, score) for score in expected_scores(utilities[p], utilities[q], expected))
     win_rates = {}
     for p in policies:
-        if f"{p}@start" in utilities:
-            scores = expected_scores(utilities[p], utilities[f"{p}@start"])
+        if p in utilities and f"{p}@start" in utilities:
+            scores = expected_scores(utilities[p], utilities[f"{p}@start"], expected)
             win_rates[p] = sum(scores) / len(scores)
     return {
         "true_utility": {p: sum(u) / len(u) for p, u in utilities.items()},
         "win_rate_vs_start": win_rates,
         "battles": battles,
     }
+
+
+def scorer_report(
+    reward: Any, prompts: Sequence[tuple[str, ...]], answers: dict[str, list[str]], policies: list[str]
+) -> dict[str, Any]:
+    """One reward component's view of an eval's answers: `means` per player, `win_rate_vs_start` per
+    policy, and `battles` for the leaderboard (pointwise scorers only; a judge's group scores are
+    relative to the group, not scores of single answers).
+
+    `answers[player][i]` answers `prompts[i]`. A pointwise reward scores every answer once; a pairwise
+    one (`reward.pairwise`) is asked each prompt's answers of all players as one group (an answer's
+    score: its mean expected score against the others) and each policy's answer against its start's.
+    """
+    players = list(answers)
+    groups = [[answers[p][i] for p in players] for i in range(len(prompts))]
+    scored = reward.score_groups(list(prompts), groups)
+    per_player = {p: [float(scored[i][k]) for i in range(len(prompts))] for k, p in enumerate(players)}
+    means = {p: sum(s) / len(s) for p, s in per_player.items()}
+    starts = [p for p in policies if p in answers and f"{p}@start" in answers]
+    if not getattr(reward, "pairwise", False):
+        report = eval_report(per_player, policies, bradley_terry_expected)
+        return {
+            "means": means,
+            "win_rate_vs_start": report["win_rate_vs_start"],
+            "battles": report["battles"],
+        }
+    win_rates = {}
+    for p in starts:
+        pairs = reward.score_groups(
+            list(prompts), [[a, b] for a, b in zip(answers[p], answers[f"{p}@start"], strict=True)]
+        )
+        win_rates[p] = sum(float(g[0]) for g in pairs) / len(pairs)
+    return {"means": means, "win_rate_vs_start": win_rates, "battles": []}

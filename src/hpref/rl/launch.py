@@ -23,7 +23,7 @@ from loguru import logger
 from hpref.errors import RecipeError, UserError
 from hpref.recipe_rl import RLConfig
 from hpref.rl.driver import DriveResult, Handles, drive, restore
-from hpref.rl.metrics import MetricsWriter
+from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
 from hpref.rl.record import ResumeError, check_record_leader, read_record
 from hpref.runfolder.files import write_json_atomic
@@ -59,8 +59,9 @@ def _actor_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
-def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) -> Handles:
-    """Engines, then the executor, then trainers; each registered for teardown as it is created."""
+def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown, prompts: Any = None) -> Handles:
+    """Engines, then the executor, then trainers; each registered for teardown as it is created.
+    `prompts`: the built `[rl.prompts]` source (None: the executor builds it)."""
     import ray
 
     from hpref.rl.engines import EngineHost
@@ -90,7 +91,9 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown) ->
             .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env)
         )
         teardown.add(f"engine '{p}'", kill(engines[p]))
-    executor = ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines, env=env)
+    executor = (
+        ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines, env=env, prompts=prompts)
+    )
     teardown.add("rollout executor", kill(executor))
     trainers = {}
     for p in order:
@@ -119,6 +122,23 @@ def close_then_kill(handle: Any) -> Callable[[], None]:
         ray.kill(handle, no_restart=True)
 
     return step
+
+
+def check_rewards_fit_prompts(config: RLConfig, prompts: Any, where: str) -> None:
+    """The `rule` reward's built-in utility is the synthetic arena's judge: on other prompts it would
+    score nonsense, so it needs prompts with a ground truth or a user `function`."""
+    for key, section, validated in (
+        ("rl.reward", config.reward, config.reward_config),
+        ("rl.eval_scorer", config.eval_scorer, config.eval_scorer_config),
+    ):
+        if section is None or section.name != "rule" or prompts.ground_truth:
+            continue
+        if getattr(validated, "function", None) is None:
+            raise RecipeError(
+                f"{where}: {key}.name: 'rule' scores with the synthetic arena's judge, which knows nothing "
+                f"of the prompts from {prompts.source}; use a 'judge' (path = an `hpref save` export) or set "
+                f"{key}.function = 'module:function'"
+            )
 
 
 def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
@@ -165,7 +185,7 @@ def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
     out = {}
     for p in order:
         model = config.policies[p].model
-        if model.path is not None:
+        if model.pretrained:
             continue
         folder = warmup_checkpoint(model, config.warmup)
         config.policies[p].model = model.model_copy(update={"path": str(folder)})
@@ -185,15 +205,23 @@ def run_rl(
     started = time.perf_counter()
     config, run_dir = _rl_config(recipe)
     order = config.select(list(policies))
+    from hpref.rl.policy import check_policy_models
+    from hpref.rl.rollouts import build_prompt_source
+
+    where = str(getattr(recipe, "_source", None) or "recipe")
     if any(config.policies[p].lora is not None for p in order):
         from hpref.rl.policy import check_policy_lora
 
         # a wrong target name is one line here, not an actor that dies while it is being built
-        check_policy_lora(config, order, str(getattr(recipe, "_source", None) or "recipe"))
+        check_policy_lora(config, order, where)
     if any(config.policies[p].trainer_backend == "megatron" for p in order):
         from hpref.rl.megatron_policy import check_megatron_policies
 
-        check_megatron_policies(config, order, str(getattr(recipe, "_source", None) or "recipe"))
+        check_megatron_policies(config, order, where)
+    # a folder that is not a causal LM, or has no chat template, is one line here, not a dead actor
+    check_policy_models(config, order, where)
+    prompts = build_prompt_source(config)  # reads the prompt file: a bad one stops here, in one line
+    check_rewards_fit_prompts(config, prompts, where)
     source = resume_source(run_dir, resume)
     if source is not None:
         record = read_record(source)
@@ -219,7 +247,7 @@ def run_rl(
         teardown.add("ray", ray.shutdown)
     actors: dict[str, str] = {}
     try:
-        handles = create_ray_actors(config, order, teardown)
+        handles = create_ray_actors(config, order, teardown, prompts)
         actors = actor_names(handles)
         teardown_executor = handles.executor
         metrics = MetricsWriter(run_dir)
@@ -227,12 +255,9 @@ def run_rl(
         async def main() -> DriveResult:
             try:
                 if config.eval_interval:  # before restore: the engines still serve the start
-                    start_utility = await handles.executor.record_start.remote(order)
-                    if start_utility:
-                        logger.info(
-                            "start: "
-                            + ", ".join(f"{p} true utility {u:.3f}" for p, u in start_utility.items())
-                        )
+                    start = await handles.executor.record_start.remote(order)
+                    if start:
+                        logger.info("start: " + "; ".join(eval_line(start, f"{p}@start") for p in order))
                 starts, _record = await restore(handles, order, source)
                 for p in order:
                     metrics.truncate(p, starts[p])
@@ -274,7 +299,10 @@ def run_rl(
             "saves": result.saves,
             "debug_exit": result.debug_exit,
             "timed_out": result.timed_out,
-            "evals": [{k: v for k, v in e.items() if k != "battles"} for e in result.evals],
+            "evals": [
+                {k: v for k, v in e.items() if k not in ("battles", "leaderboard_battles")}
+                for e in result.evals
+            ],
             "leaderboard": result.leaderboard(order),
             "warmup_checkpoints": warm_started,
             "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)

@@ -60,6 +60,7 @@ def rollout_metrics(rollout: dict[str, Any], stats: dict[str, float], version: i
         "data_version": rollout["version"],
         "weight_version": version,
         "gen_tokens": rollout["tokens"],
+        "answer_tokens": rollout["tokens"] / max(len(rewards), 1),  # one reward per answer
         "gen_tokens_per_s": rollout["tokens"] / max(rollout["seconds"], 1e-9),
         "opponent_tokens": rollout.get("opponent_tokens", 0),
         "stale_regenerated": bool(rollout.get("stale_regenerated", False)),
@@ -69,3 +70,59 @@ def rollout_metrics(rollout: dict[str, Any], stats: dict[str, float], version: i
         row["true_utility"] = sum(truth) / len(truth)
     row.update(stats)
     return row
+
+
+#: an eval's scorers, as its report names them (`RolloutExecutor.evaluate`) and its rows prefix them
+EVAL_SCORERS = ("reward", "scorer")
+
+
+def eval_row(evaluation: dict[str, Any], policy: str) -> dict[str, Any]:
+    """The metrics row of one policy at an eval: per scorer its mean on the held-out prompts, its
+    start's, and its win rate against the start; answer lengths; KL to the start; the ground truth
+    when the prompts have one."""
+    row: dict[str, Any] = {"eval": True}
+    start = f"{policy}@start"
+    truth = evaluation.get("true_utility", {})
+    if policy in truth:
+        row["eval_true_utility"] = truth[policy]
+        if start in truth:
+            row["eval_start_true_utility"] = truth[start]
+        if policy in evaluation.get("win_rate_vs_start", {}):
+            row["eval_win_rate_vs_start"] = evaluation["win_rate_vs_start"][policy]
+    for name in EVAL_SCORERS:
+        scored = evaluation.get(name)
+        if not scored or policy not in scored["means"]:
+            continue
+        row[f"eval_{name}"] = scored["means"][policy]
+        if start in scored["means"]:
+            row[f"eval_{name}_start"] = scored["means"][start]
+        if policy in scored["win_rate_vs_start"]:
+            row[f"eval_{name}_win_rate_vs_start"] = scored["win_rate_vs_start"][policy]
+    lengths = evaluation.get("answer_tokens", {})
+    if policy in lengths:
+        row["eval_answer_tokens"] = lengths[policy]
+        if start in lengths:
+            row["eval_answer_tokens_start"] = lengths[start]
+    if policy in evaluation.get("kl", {}):
+        row["eval_kl"] = evaluation["kl"][policy]
+    return row
+
+
+def eval_line(evaluation: dict[str, Any], policy: str) -> str:
+    """One policy's eval in a few words, for the log: `a reward 0.41 (start 0.12), scorer ...`."""
+    row = eval_row(evaluation, policy)
+    parts = []
+    for key, label in (("eval_true_utility", "true utility"), *((f"eval_{n}", n) for n in EVAL_SCORERS)):
+        if key in row:
+            start = row.get(
+                f"{key}_start", row.get("eval_start_true_utility") if key == "eval_true_utility" else None
+            )
+            parts.append(f"{label} {row[key]:.3f}" + (f" (start {start:.3f})" if start is not None else ""))
+    win = row.get("eval_scorer_win_rate_vs_start", row.get("eval_win_rate_vs_start"))
+    if win is not None:
+        parts.append(f"win rate vs start {win:.3f}")
+    if "eval_answer_tokens" in row:
+        parts.append(f"{row['eval_answer_tokens']:.1f} tokens")
+    if "eval_kl" in row:
+        parts.append(f"KL {row['eval_kl']:.4f}")
+    return f"{policy} " + ", ".join(parts)

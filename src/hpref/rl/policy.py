@@ -31,12 +31,29 @@ def apply_env(env: dict[str, str] | None) -> None:
 # models and prompts
 
 
+def policy_folder(model: PolicyModelConfig) -> str | None:
+    """The transformers folder a pretrained policy loads: its `path`, or the cached causal-LM folder
+    of a GGUF file (`model.name = "smollm2"`, or a `.gguf` path; converted once, under a file lock
+    that makes concurrent actors wait for one conversion). None for a tiny random-init policy."""
+    if model.name == "smollm2" or (model.path is not None and model.path.lower().endswith(".gguf")):
+        from pathlib import Path
+
+        from hpref.models.hf import gguf_folder, smollm2_file
+
+        file = smollm2_file() if model.name == "smollm2" else Path(model.path or "").expanduser()
+        if not file.is_file():
+            raise UserError(f"model.path: GGUF file '{model.path}' does not exist")
+        return str(gguf_folder(file, "causal-lm"))
+    return model.path
+
+
 def policy_tokenizer(model: PolicyModelConfig) -> Any:
     """The tokenizer of a policy: the folder's own, or hpref's cached tiny BPE."""
-    if model.path is not None:
+    folder = policy_folder(model)
+    if folder is not None:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(model.path)
+        return AutoTokenizer.from_pretrained(folder)
     from hpref.models.tokenizer import load_or_train_tokenizer
 
     return load_or_train_tokenizer(
@@ -54,11 +71,12 @@ def build_policy_model(model: PolicyModelConfig) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     tokenizer = policy_tokenizer(model)
-    if model.path is not None:
+    folder = policy_folder(model)
+    if folder is not None:
         from hpref.logs import route_transformers_logs
 
         route_transformers_logs()  # the load report goes to the actor's log, not the console
-        lm = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         return lm, tokenizer
     config = tiny_policy_config(
         model,
@@ -93,8 +111,9 @@ def policy_skeleton(model: PolicyModelConfig) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if model.path is not None:
-        config = AutoConfig.from_pretrained(model.path)
+    folder = policy_folder(model)
+    if folder is not None:
+        config = AutoConfig.from_pretrained(folder)
     else:  # the vocabulary size is the target's; only the embedding's shape depends on it
         config = tiny_policy_config(model, vocab_size=model.vocab_size)
     with torch.device("meta"):
@@ -110,7 +129,7 @@ def check_policy_lora(config: RLConfig, policies: list[str], where: str, *, skip
 
     for p in policies:
         policy = config.policies[p]
-        if policy.lora is None or (skip_paths and policy.model.path is not None):
+        if policy.lora is None or (skip_paths and policy.model.pretrained):
             continue
         try:
             skeleton = policy_skeleton(policy.model)
@@ -125,26 +144,102 @@ def check_policy_lora(config: RLConfig, policies: list[str], where: str, *, skip
             raise RecipeError(f"{where}: rl.policies.{p}.{exc}") from None
 
 
-def encode_prompt(tokenizer: Any, turns: tuple[str, ...]) -> list[int]:
-    """Token ids a policy continues: bos, then `<|user|>turn` per turn, then the assistant marker.
+def check_policy_models(config: RLConfig, policies: list[str], where: str) -> None:
+    """Before any actor starts: every pretrained policy's folder holds a causal LM (a class with an LM
+    head that transformers can generate from) and a tokenizer with a chat template (its prompts are
+    conversations). A `RecipeError` of one line naming the policy and the folder."""
+    from hpref.errors import RecipeError
 
-    Only the last turn is answered; earlier turns are context (the arena's prompts for RL are
-    single-turn by default).
+    for p in policies:
+        model = config.policies[p].model
+        if not model.pretrained:
+            continue
+        key = f"{where}: rl.policies.{p}.model.{'name' if model.name else 'path'}"
+        try:
+            folder = policy_folder(model)
+            reason = causal_lm_problem(folder)
+        except UserError as exc:
+            raise RecipeError(f"{key}: {exc}") from None
+        if reason:
+            raise RecipeError(f"{key}: {folder}: {reason}")
+
+
+def causal_lm_problem(folder: str | None) -> str | None:
+    """Why `folder` cannot be an `hpref rl` policy, or None: no config, not a causal LM, no tokenizer,
+    or no chat template (unless its tokenizer is hpref's own, whose markers stand in for one)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if folder is None:
+        return None
+    if not (Path(folder) / "config.json").is_file():
+        return "no config.json (expected a transformers causal-LM folder)"
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        return f"unreadable config.json ({str(exc).splitlines()[0]})"
+    architectures = getattr(config, "architectures", None) or []
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    ):
+        shown = ", ".join(architectures) or config.model_type
+        return f"not a causal LM ({shown}); a policy needs a model with an LM head, e.g. *ForCausalLM"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        return f"no tokenizer ({str(exc).splitlines()[0]})"
+    if not getattr(tokenizer, "chat_template", None) and USER not in tokenizer.get_vocab():
+        return (
+            "its tokenizer has no chat template, so prompts cannot be laid out as a conversation; use an "
+            "instruct model's folder, or add a chat_template to its tokenizer_config.json"
+        )
+    return None
+
+
+def encode_prompt(tokenizer: Any, turns: tuple[str, ...]) -> list[int]:
+    """Token ids a policy continues: the conversation `turns` (user, assistant, ..., user) ending where
+    the assistant's answer begins.
+
+    With a chat template (a pretrained instruct model), the template lays it out with its generation
+    prompt. hpref's tiny tokenizers have none: bos, then `<|user|>turn` for a user turn and
+    `<|assistant_a|>turn<eos>` for an earlier answer, then the assistant marker.
     """
+    if getattr(tokenizer, "chat_template", None):
+        from hpref.data.prompts import conversation_messages
+
+        ids = tokenizer.apply_chat_template(
+            conversation_messages(turns), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
     ids = [tokenizer.bos_token_id]
-    for turn in turns:
-        ids.append(tokenizer.convert_tokens_to_ids(USER))
+    for i, turn in enumerate(turns):
+        ids.append(tokenizer.convert_tokens_to_ids(USER if i % 2 == 0 else ASSISTANT))
         ids.extend(tokenizer.encode(turn, add_special_tokens=False))
+        if i % 2:
+            ids.append(tokenizer.eos_token_id)
     ids.append(tokenizer.convert_tokens_to_ids(ASSISTANT))
     return ids
 
 
-def trim_completion(tokens: list[int], eos_id: int, pad_id: int) -> list[int]:
-    """A sampled continuation up to and including the first eos (the policy must learn to stop, so
-    eos is trained on); padding after it is dropped."""
+def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
+    """Token ids that end an answer: the tokenizer's eos and every eos id of the model's generation
+    config (an instruct model may stop on its end-of-turn token as well as on eos)."""
+    ids = [tokenizer.eos_token_id]
+    generation = getattr(model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    ids.extend(extra if isinstance(extra, list) else [extra])
+    return sorted({int(i) for i in ids if i is not None})
+
+
+def trim_completion(tokens: list[int], stop_ids: int | list[int], pad_id: int) -> list[int]:
+    """A sampled continuation up to and including the first stop token (the policy must learn to
+    stop, so the stop token is trained on); padding after it is dropped."""
+    stops = {stop_ids} if isinstance(stop_ids, int) else set(stop_ids)
     out = []
     for t in tokens:
-        if t == eos_id:
+        if t in stops:
             out.append(t)
             break
         if t == pad_id:

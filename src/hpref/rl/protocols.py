@@ -11,7 +11,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-Prompt = tuple[str, ...]  # the user turns of one prompt
+Prompt = tuple[str, ...]  # one conversation's turns: user, assistant, ..., user (the one to answer)
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    """Where a run's prompts come from (`[rl.prompts]`)."""
+
+    #: a name for messages (the file, or "synthetic arena")
+    source: str
+    #: True only when the reward's `true_utility` is defined for these prompts (the synthetic arena)
+    ground_truth: bool
+
+    def train_prompts(self, seed: int, first: int, count: int) -> list[Prompt]:
+        """Prompts `first .. first + count - 1` of the training stream of `seed`; prompt i depends
+        only on (seed, i)."""
+        ...
+
+    def eval_prompts(self, seed: int, count: int) -> list[Prompt]:
+        """`count` fixed prompts, never among the training ones."""
+        ...
 
 
 @runtime_checkable

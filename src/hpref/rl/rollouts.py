@@ -9,37 +9,44 @@ data is still fresh enough for the trainer; the `RolloutExecutor` holds the buff
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import random
 from pathlib import Path
 from typing import Any, Literal
 
+from hpref.data.prompts import Prompt, stream_rng
 from hpref.recipe_rl import RLConfig, RolloutConfig
-from hpref.rl.evaluation import eval_report
+from hpref.rl.evaluation import eval_report, scorer_report
 from hpref.rl.policy import apply_env
 
 
-def _rng(*parts: object) -> random.Random:
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return random.Random(int.from_bytes(digest, "little"))
+def build_prompt_source(config: RLConfig) -> Any:
+    """The `[rl.prompts]` component (`hpref.rl.protocols.PromptSource`); reads its file now, so a bad
+    file or one without usable prompts is a `UserError` before any actor starts."""
+    from hpref.plugins import load_plugins
+    from hpref.recipe_rl import resolve_prompts
+
+    if config.prompts_config is None:
+        config.prompts_config = resolve_prompts(config.prompts)
+    return load_plugins().get("prompts", config.prompts.name).build(config.prompts_config)
 
 
-def rollout_prompts(rollout: RolloutConfig, rollout_id: int, *, salt: str = "rl") -> list[tuple[str, ...]]:
+def rollout_prompts(source: Any, rollout: RolloutConfig, rollout_id: int) -> list[Prompt]:
     """The prompts of rollout `rollout_id`: prompt i of the stream depends only on (seed, i), so every
     policy answers the same prompts at the same rollout id and a restored position replays nothing."""
-    from hpref.arena import generate_prompt
-
     first = rollout_id * rollout.prompts_per_rollout
-    return [
-        generate_prompt(_rng(salt, rollout.seed, i), turns=1, families=rollout.families)
-        for i in range(first, first + rollout.prompts_per_rollout)
-    ]
+    return source.train_prompts(rollout.seed, first, rollout.prompts_per_rollout)
+
+
+def build_reward(name: str, config: Any) -> Any:
+    """A registered reward component (`[rl.reward]` or `[rl.eval_scorer]`) from its validated config."""
+    from hpref.plugins import load_plugins
+
+    return load_plugins().get("reward", name).build(config)
 
 
 def sample_seed(seed: int, policy: str, rollout_id: int) -> int:
     """The sampling seed of one policy's rollout: regenerating it gives the same answers."""
-    return _rng("sample", seed, policy, rollout_id).getrandbits(62)
+    return stream_rng("sample", seed, policy, rollout_id).getrandbits(62)
 
 
 Decision = Literal["use", "regenerate"]
@@ -95,24 +102,33 @@ class RolloutExecutor:
         policies: list[str],
         engines: dict[str, Any],
         env: dict[str, str] | None = None,
+        prompts: Any = None,
     ) -> None:
         apply_env(env)
-        from hpref.plugins import load_plugins
+        from hpref.recipe_rl import resolve_reward
 
         self.config = config if isinstance(config, RLConfig) else RLConfig.model_validate(config)
         if self.config.reward_config is None:
-            from hpref.recipe_rl import resolve_reward
-
             self.config.reward_config = resolve_reward(self.config.reward)
-        component = load_plugins().get("reward", self.config.reward.name)
-        self.reward = component.build(self.config.reward_config)
+        self.reward = build_reward(self.config.reward.name, self.config.reward_config)
+        #: the second scorer of evals, never trained against (`[rl.eval_scorer]`)
+        self.scorer = None
+        if self.config.eval_scorer is not None:
+            if self.config.eval_scorer_config is None:
+                self.config.eval_scorer_config = resolve_reward(self.config.eval_scorer, key="rl.eval_scorer")
+            self.scorer = build_reward(self.config.eval_scorer.name, self.config.eval_scorer_config)
+        #: `[rl.prompts]`, built by the launcher (which checked the file) or here
+        self.prompts = prompts if prompts is not None else build_prompt_source(self.config)
+        # a reward's ground truth means something only for the prompts it was made for
+        self.truth = getattr(self.reward, "true_utility", None) if self.prompts.ground_truth else None
         self.policies = list(policies)
         self.engines = engines
         self.positions = {p: 0 for p in self.policies}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
         # each policy's answers per rollout id, for judging the other policies against them
         self._answers: dict[tuple[str, int], list[list[str]]] = {}
-        self._start_answers: dict[str, list[str]] = {}
+        # each policy's starting checkpoint's greedy eval answers and their lengths in tokens
+        self._start_answers: dict[str, tuple[list[str], list[int]]] = {}
 
     def _wants_opponents(self) -> bool:
         return len(self.policies) > 1 and bool(getattr(self.reward, "wants_opponents", False))
@@ -159,7 +175,7 @@ class RolloutExecutor:
 
     async def _produce(self, policy: str, rollout_id: int) -> dict[str, Any]:
         rollout = self.config.policy_rollout(policy)
-        prompts = rollout_prompts(rollout, rollout_id)
+        prompts = rollout_prompts(self.prompts, rollout, rollout_id)
         out = await self.engines[policy].generate.remote(
             prompts,
             rollout.group_size,
@@ -178,7 +194,7 @@ class RolloutExecutor:
         else:
             opponent_tokens = 0
             scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups)
-        truth = getattr(self.reward, "true_utility", None)
+        truth = self.truth
         out.update(
             rollout_id=rollout_id,
             policy=policy,
@@ -232,60 +248,79 @@ class RolloutExecutor:
                 task.cancel()
             buffer.clear()
 
-    def _eval_prompts(self) -> list[tuple[str, ...]]:
-        rollout = self.config.rollout
-        eval_cfg = rollout.model_copy(update={"prompts_per_rollout": rollout.eval_prompts})
-        return rollout_prompts(eval_cfg, 0, salt="eval")
+    def _eval_prompts(self) -> list[Prompt]:
+        return self.prompts.eval_prompts(self.config.rollout.seed, self.config.rollout.eval_prompts)
 
-    async def _greedy_answers(self, policy: str, prompts: list[tuple[str, ...]]) -> list[str]:
+    async def _greedy_answers(self, policy: str, prompts: list[Prompt]) -> tuple[list[str], list[int]]:
+        """The policy's greedy answers to `prompts` and their lengths in tokens (eos included)."""
         max_new = self.config.policy_rollout(policy).max_new_tokens
         gen = await self.engines[policy].generate.remote(prompts, 1, max_new, 1.0, 0, 0, True)
-        return list(gen["texts"])
+        return list(gen["texts"]), [len(c) for c in gen["completions"]]
 
-    async def record_start(self, policies: list[str]) -> dict[str, float]:
-        """Greedy eval answers of each policy's starting checkpoint; returns their true utility.
+    async def record_start(self, policies: list[str]) -> dict[str, Any]:
+        """Greedy eval answers of each policy's starting checkpoint; returns their eval report.
 
         Called while every engine still serves the weights it was built with (version 0: the
         warm-up checkpoint, the policy's model folder, or its seeded init), before a resume pushes
-        restored weights, so `win_rate_vs_start` always compares against the true start.
+        restored weights, so the `<id>@start` players of every eval are the true start.
         """
-        truth = getattr(self.reward, "true_utility", None)
         prompts = self._eval_prompts()
-        if truth is None or not prompts:
+        if not prompts:
             return {}
-        out = {}
         for p in policies:
             version = await self.engines[p].get_version.remote()
             if version != 0:
                 raise RuntimeError(f"record_start: engine '{p}' already serves version {version}, not 0")
             self._start_answers[p] = await self._greedy_answers(p, prompts)
-            utilities = [truth(q, a) for q, a in zip(prompts, self._start_answers[p], strict=True)]
-            out[p] = sum(utilities) / len(utilities)
-        return out
+        return await self._report(prompts, {}, {}, policies)
 
     async def evaluate(self, policies: list[str]) -> dict[str, Any]:
-        """Greedy answers of every policy on fixed eval prompts, judged by the ground truth.
+        """Greedy answers of every policy (and of its start, `<id>@start`) to the held-out eval
+        prompts, scored by the ground truth when the prompts have one, by the training reward, and by
+        `[rl.eval_scorer]` when set (`hpref.rl.evaluation` does the numbers).
 
-        Returns `true_utility` (mean per policy), `win_rate_vs_start` (per policy: the mean over
-        prompts of P(win) + P(tie) / 2 of its answer against its starting checkpoint's, from the
-        arena judge's outcome probabilities; 0.5 = no better than where it began) and `battles`: one
-        `(p, q, expected score of p)` per prompt and pair of players, the players being the policies
-        and their starting checkpoints (`<id>@start`) — the input of the Bradley-Terry leaderboard.
-        Empty when the reward knows no ground truth. (`hpref.rl.evaluation` does the numbers.)
+        Returns `true_utility`, `win_rate_vs_start` and `battles` (the ground truth's, empty without
+        one), `reward` / `scorer`: {"means", "win_rate_vs_start"} per scorer, `answer_tokens` (mean
+        greedy answer length per player), and `leaderboard_battles`: the battles of the Bradley-Terry
+        leaderboard (the ground truth's, else the eval scorer's, else the reward's, when pointwise).
         """
         prompts = self._eval_prompts()
-        truth = getattr(self.reward, "true_utility", None)
-        if truth is None or not prompts:
-            return {"true_utility": {}, "win_rate_vs_start": {}, "battles": []}
-        utilities: dict[str, list[float]] = {}
+        if not prompts:
+            return {"true_utility": {}, "win_rate_vs_start": {}, "battles": [], "leaderboard_battles": []}
+        answers, lengths = {}, {}
         for p in policies:
-            answers = await self._greedy_answers(p, prompts)
-            utilities[p] = [truth(q, a) for q, a in zip(prompts, answers, strict=True)]
+            answers[p], lengths[p] = await self._greedy_answers(p, prompts)
+        return await self._report(prompts, answers, lengths, policies)
+
+    async def _report(
+        self,
+        prompts: list[Prompt],
+        answers: dict[str, list[str]],
+        lengths: dict[str, list[int]],
+        policies: list[str],
+    ) -> dict[str, Any]:
         for p in policies:
             if p in self._start_answers:
-                start = self._start_answers[p]
-                utilities[f"{p}@start"] = [truth(q, a) for q, a in zip(prompts, start, strict=True)]
-        return eval_report(utilities, policies)
+                answers[f"{p}@start"], lengths[f"{p}@start"] = self._start_answers[p]
+        report: dict[str, Any] = {"true_utility": {}, "win_rate_vs_start": {}, "battles": []}
+        if self.truth is not None:
+            truth = self.truth
+            utilities = {
+                who: [truth(q, a) for q, a in zip(prompts, said, strict=True)]
+                for who, said in answers.items()
+            }
+            report = eval_report(utilities, policies)
+        report["answer_tokens"] = {who: sum(n) / len(n) for who, n in lengths.items()}
+        report["leaderboard_battles"] = report["battles"]
+        for name, reward in (("scorer", self.scorer), ("reward", self.reward)):
+            if reward is None:
+                continue
+            # a judge model's forward pass would block the event loop that serves every policy's get()
+            scored = await asyncio.to_thread(scorer_report, reward, prompts, answers, policies)
+            report[name] = {"means": scored["means"], "win_rate_vs_start": scored["win_rate_vs_start"]}
+            if not report["leaderboard_battles"]:
+                report["leaderboard_battles"] = scored["battles"]
+        return report
 
     async def save(self, folder: str) -> None:
         """Write the data position. Prefetched data is not saved: it is regenerated identically

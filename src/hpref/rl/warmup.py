@@ -143,8 +143,8 @@ def train_warmup(model_config: PolicyModelConfig, warmup: WarmupConfig, folder: 
 
 def warmup_checkpoint(model: PolicyModelConfig, warmup: WarmupConfig) -> Path:
     """The warm-up checkpoint of this tiny model: from the cache, or trained now and cached."""
-    if model.path is not None:
-        raise ValueError("a policy with model.path starts from that folder; it has no warm-up")
+    if model.pretrained:
+        raise ValueError("a pretrained policy (model.name or model.path) starts from it; it has no warm-up")
     final = checkpoint_folder(model, warmup)
     if (final / META_FILE).is_file():
         logger.info(f"rl warm-up: using the cached checkpoint {final}")
