@@ -52,7 +52,11 @@ class FakeExecutor:
         with self.world.lock:
             assert not self.world.busy
         battles = [(policies[0], policies[1], 0.75)] * 3
-        return {"true_utility": {p: 1.0 for p in policies}, "battles": battles, "leaderboard_battles": battles}
+        return {
+            "true_utility": {p: 1.0 for p in policies},
+            "battles": battles,
+            "leaderboard_battles": battles,
+        }
 
 
 class FakeTrainer:
