@@ -141,7 +141,7 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
     from hpref.data.cache import tokenize_dataset
     from hpref.recipe import load_recipe
     from hpref.train.data import tokenize
-    from hpref.train.sharding import resolve_precision
+    from hpref.models.precision import resolve_precision
 
     recipe = load_recipe(recipe_path, ["run.seed=0"])  # the sources' seed, as the baselines use
     parts = Components(recipe)

@@ -120,7 +120,7 @@ def _check_cuda(recipe: Recipe, where: str, attention: str) -> None:
     device_type = "cuda" if on_cuda else "cpu"
     dtype = torch.float32
     if on_cuda:
-        from hpref.train.sharding import resolve_precision
+        from hpref.models.precision import resolve_precision
 
         dtype = resolve_precision(recipe.train.precision, torch.device("cuda"))
     problem = backend_problem(attention, device_type=device_type, dtype=dtype)

@@ -151,6 +151,17 @@ class PolicyConfig(_Section):
         "token-mean", description="how token losses are averaged"
     )
     epochs_per_rollout: int = Field(1, ge=1, description="optimizer passes over each rollout")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="the trainer's compute dtype (fp32 master weights, bf16 autocast); auto = bf16 on a "
+        "bf16 CPU (AVX512-BF16 or AMX) or CUDA for models at least 256 wide, as hpref train decides",
+    )
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=16,
+        description="padded tokens (prompt + answer) per forward/backward pass; a rollout's micro-batches "
+        "accumulate into one optimizer step, so this bounds memory, not the update",
+    )
     rollout: PolicyRolloutOverrides = Field(
         default_factory=PolicyRolloutOverrides,
         description=f"this policy's own rollout settings (only {', '.join(POLICY_ROLLOUT_OVERRIDES)})",

@@ -248,6 +248,19 @@ def trim_completion(tokens: list[int], stop_ids: int | list[int], pad_id: int) -
     return out
 
 
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Row indices grouped into micro-batches of at most `budget` padded tokens (rows x the longest
+    row), rows sorted by length so each batch pads little; a row longer than the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and (len(chunks[-1]) + 1) * lengths[i] <= budget:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
 def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict[str, Any]:
     """Right-padded `[B, L]` tensors of prompt + completion, for one teacher-forced forward pass.
 
@@ -271,8 +284,29 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
 
 def completion_logprobs(model: Any, batch: dict[str, Any], temperature: float) -> Any:
     """Per-token log-probs `[B, L-1]` of the batch's targets under `model` at `temperature` (the
-    sampling distribution the engine drew from)."""
+    sampling distribution the engine drew from); zero where `mask` is 0.
+
+    A transformers causal LM runs its decoder over every position (the answer attends to the
+    prompt) but its LM head only where a completion token is predicted: with a 49k-token vocabulary
+    the logits of a few hundred prompt tokens per row would otherwise be most of the step's memory
+    and a fifth of its FLOPs, for values the loss never reads. Other models (the megatron trainer)
+    give full logits."""
+    import torch
+
     from hpref.rl.algorithms import sequence_logprobs
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    return sequence_logprobs(logits / temperature, batch["targets"])
+    from transformers import PreTrainedModel
+
+    mask = batch["mask"].bool()
+    # a transformers causal LM (LoRA injected in place included); a PEFT wrapper or megatron: full logits
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    decoder = model.get_decoder() if head is not None else None
+    if decoder is None or head is None:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        return sequence_logprobs(logits / temperature, batch["targets"]) * batch["mask"]
+    hidden = decoder(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).last_hidden_state[:, :-1]
+    picked = sequence_logprobs(head(hidden[mask]) / temperature, batch["targets"][mask])
+    out = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device)
+    return out.masked_scatter(mask, picked)

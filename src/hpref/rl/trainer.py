@@ -19,7 +19,7 @@ from typing import Any
 
 from hpref.errors import UserError
 from hpref.recipe_rl import PolicyConfig
-from hpref.rl.policy import apply_env, build_policy_model, completion_logprobs, pad_batch
+from hpref.rl.policy import apply_env, build_policy_model, completion_logprobs, micro_batches, pad_batch
 from hpref.rl.rollouts import expected_version
 
 TRAINER_STATE = "trainer.pt"
@@ -81,6 +81,26 @@ class TrainerActor:
         )
         self.rollouts_done = 0
         self.version = 0
+        self.compute_dtype = self._compute_dtype()
+
+    def _compute_dtype(self) -> Any:
+        """bf16 autocast or fp32 (`precision`); the megatron trainer always computes in fp32."""
+        import torch
+
+        from hpref.models.precision import resolve_precision
+
+        if self.megatron:
+            return torch.float32
+        hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
+        return resolve_precision(self.config.precision, torch.device("cpu"), hidden)
+
+    def _logprobs(self, model: Any, batch: dict[str, Any], temperature: float) -> Any:
+        """`completion_logprobs` under the trainer's compute dtype (log-softmax stays in fp32)."""
+        import torch
+
+        bf16 = self.compute_dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return completion_logprobs(model, batch, temperature)
 
     def _build_model(self) -> tuple[Any, Any]:
         """(causal LM, tokenizer) on the policy's trainer backend."""
@@ -99,7 +119,12 @@ class TrainerActor:
             release_model_parallel(self.model.created_group)
 
     def train(self, rollout: dict[str, Any]) -> dict[str, float]:
-        """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics."""
+        """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics.
+
+        A pass runs the rollout's answers in micro-batches of at most `micro_batch_tokens` padded
+        tokens (rows of similar length together, `micro_batches`) and accumulates their gradients
+        before one optimizer step. Each micro-batch's loss is weighted by its share of the rollout's
+        tokens (token-mean) or answers (sequence-mean), so the step equals the one-batch step."""
         import torch
 
         from hpref.rl.algorithms import group_advantages, policy_loss
@@ -112,29 +137,54 @@ class TrainerActor:
         cfg = self.config
         rewards = torch.tensor(rollout["rewards"], dtype=torch.float32)
         adv = group_advantages(rewards, rollout["group_size"], scale_by_std=cfg.scale_by_std)
-        batch = pad_batch(rollout["prompt_ids"], rollout["completions"], self.tokenizer.pad_token_id)
-        mask = batch["mask"]
-        old = torch.zeros_like(mask)
-        for i, lp in enumerate(rollout["logprobs"]):  # the engine's (behaviour) log-probs
-            start_col = len(rollout["prompt_ids"][i]) - 1
-            old[i, start_col : start_col + len(lp)] = torch.tensor(lp)
-        ref = self._reference_logprobs(batch, rollout["temperature"])
+        prompts, completions = rollout["prompt_ids"], rollout["completions"]
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+        chunks = micro_batches(lengths, cfg.micro_batch_tokens)
+        total_tokens = max(sum(len(c) for c in completions), 1)
+        batches = []
+        for rows in chunks:
+            batch = pad_batch(
+                [prompts[i] for i in rows], [completions[i] for i in rows], self.tokenizer.pad_token_id
+            )
+            old = torch.zeros_like(batch["mask"])
+            for k, i in enumerate(rows):  # the engine's (behaviour) log-probs
+                start_col = len(prompts[i]) - 1
+                old[k, start_col : start_col + len(rollout["logprobs"][i])] = torch.tensor(
+                    rollout["logprobs"][i]
+                )
+            weight = (
+                float(batch["mask"].sum()) / total_tokens
+                if cfg.aggregation == "token-mean"
+                else len(rows) / len(completions)
+            )
+            batch.update(old=old, adv=adv[rows], weight=weight)
+            batch["ref"] = self._reference_logprobs(batch, rollout["temperature"])
+            batches.append(batch)
         stats: dict[str, float] = {}
         for epoch in range(cfg.epochs_per_rollout):
-            logp = completion_logprobs(self.model, batch, rollout["temperature"])
-            out = policy_loss(
-                logp,
-                old,
-                adv,
-                mask,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                ref_logprobs=ref,
-                kl_coef=cfg.kl_coef,
-                aggregation=cfg.aggregation,
-            )
             self.optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
+            sums = dict.fromkeys(("loss", "kl", "clip_fraction", "ratio_mean"), 0.0)
+            mismatch = 0.0
+            for batch in batches:
+                logp = self._logprobs(self.model, batch, rollout["temperature"])
+                out = policy_loss(
+                    logp,
+                    batch["old"],
+                    batch["adv"],
+                    batch["mask"],
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    ref_logprobs=batch["ref"],
+                    kl_coef=cfg.kl_coef,
+                    aggregation=cfg.aggregation,
+                )
+                (out.loss * batch["weight"]).backward()
+                share = float(batch["mask"].sum()) / total_tokens  # statistics are token means
+                sums["loss"] += float(out.loss.detach()) * batch["weight"]
+                for key in ("kl", "clip_fraction", "ratio_mean"):
+                    sums[key] += float(getattr(out, key)) * share
+                if epoch == 0:
+                    mismatch += float(((logp.detach() - batch["old"]).abs() * batch["mask"]).sum())
             grad_norm = (
                 torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
                 if cfg.grad_clip
@@ -142,20 +192,15 @@ class TrainerActor:
             )
             self.optimizer.step()
             if epoch == 0:
-                mismatch = ((logp.detach() - old).abs() * mask).sum() / mask.sum().clamp(min=1)
-                stats["engine_trainer_logprob_diff"] = float(mismatch)
-            stats.update(
-                loss=float(out.loss.detach()),
-                kl=float(out.kl),
-                clip_fraction=float(out.clip_fraction),
-                ratio_mean=float(out.ratio_mean),
-                grad_norm=float(grad_norm),
-            )
+                stats["engine_trainer_logprob_diff"] = mismatch / total_tokens
+            stats.update(sums, grad_norm=float(grad_norm))
         self.rollouts_done += 1
-        tokens = float(mask.sum())
         seconds = time.perf_counter() - start
         stats.update(
-            train_tokens=tokens, train_tokens_per_s=tokens * cfg.epochs_per_rollout / max(seconds, 1e-9)
+            train_tokens=float(total_tokens),
+            train_tokens_per_s=total_tokens * cfg.epochs_per_rollout / max(seconds, 1e-9),
+            train_s=seconds,
+            micro_batches=float(len(batches)),
         )
         return stats
 
@@ -169,8 +214,8 @@ class TrainerActor:
             if self.lora is not None:
                 # LoRA's B starts at zero and the base never steps, so the base alone is the start
                 with self.lora.disable_adapter():
-                    return completion_logprobs(self.model, batch, temperature)
-            return completion_logprobs(self.reference, batch, temperature)
+                    return self._logprobs(self.model, batch, temperature)
+            return self._logprobs(self.reference, batch, temperature)
 
     def update_weights(self) -> tuple[int, dict[str, Any]]:
         """Publish the current weights: (the new version, a CPU state dict for the engine).

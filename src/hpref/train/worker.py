@@ -104,11 +104,12 @@ def build_setup(recipe: Recipe, info: DistInfo):
     from hpref.components import Components
     from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
+    from hpref.models.precision import resolve_precision
     from hpref.recipe_checks import check_train
     from hpref.train.data import require_labels, tokenize, tokenize_cached
     from hpref.train.loop import TrainSetup
     from hpref.train.metrics import peak_flops
-    from hpref.train.sharding import init_weights_folder, load_initial_weights, resolve_precision
+    from hpref.train.sharding import init_weights_folder, load_initial_weights
 
     parts = Components(recipe)
     train_cfg = recipe.train
