@@ -65,8 +65,8 @@ def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch
     pids: dict[str, int] = {}
     real_create = driver.create_ray_actors
 
-    def create(config, order, teardown):
-        handles = real_create(config, order, teardown)
+    def create(config, order, teardown, prompts=None):
+        handles = real_create(config, order, teardown, prompts)
         group = handles.trainers if kind == "trainer" else handles.engines
         pids["b"] = ray.get(group["b"].__ray_call__.remote(lambda self: os.getpid()))
         return handles
