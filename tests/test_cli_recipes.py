@@ -19,6 +19,8 @@ from tests.conftest import MINIMAL_RECIPE, REPO, SHARED, fake_plugin_site, run_h
 
 SHIPPED = sorted((REPO / "recipes").glob("*.toml"))
 GPU_REFERENCES = {"gemma2-9b-arena", "llama3-8b-arena"}
+#: recipes that name files their user makes first (reward-model exports): checked with --portable
+NEEDS_USER_FILES = {"rl-smollm2"}
 GOOD = MINIMAL_RECIPE + '[scheduler]\nname = "cosine"\n'
 
 
@@ -140,7 +142,7 @@ def test_shipped_recipes_check(recipe):
     # leaves out what train would refuse on this machine only (tests/test_recipe_checks.py).
     if "../shared/" in recipe.read_text(encoding="utf-8") and not SHARED.is_dir():
         pytest.skip(f"{recipe.name} reads its data from ../shared, which is absent here")
-    portable = ["--portable"] if recipe.stem in GPU_REFERENCES else []
+    portable = ["--portable"] if recipe.stem in GPU_REFERENCES | NEEDS_USER_FILES else []
     result = run_hpref("recipes", "check", str(recipe), *portable)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok  ")
@@ -489,7 +491,7 @@ def test_rl_writes_resolved_recipe_and_log_before_the_run(tmp_path, monkeypatch,
 
     seen = {}
 
-    def probe(recipe, policies, ray_address, resume):
+    def probe(recipe, policies, ray_address, resume, prompts=None):
         from loguru import logger
 
         run_dir = recipe.run.run_dir

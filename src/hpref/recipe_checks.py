@@ -37,6 +37,10 @@ def check_train(recipe: Recipe, where: str | Path | None = None, *, machine: boo
         _check_rl_lora(recipe, where, machine)
         if machine:
             _check_rl_megatron(recipe, where)
+            from hpref.builtin.rewards import check_reward_exports
+            from hpref.recipe_rl import rl_rewards
+
+            check_reward_exports(rl_rewards(recipe.rl), where)  # the exports are this machine's files
         return
     _check_recipe(recipe, where)
     if machine:

@@ -437,3 +437,14 @@ def resolve_rl_components(config: RLConfig, where: str = "recipe") -> None:
     if config.eval_scorer is not None:
         config.eval_scorer_config = resolve_reward(config.eval_scorer, where, key="rl.eval_scorer")
     config.engine_config = resolve_engine(config.engine, where)
+
+
+def rl_rewards(config: RLConfig) -> dict[str, Any]:
+    """The validated configs of the run's rewards by dotted key: `rl.reward`, and `rl.eval_scorer`
+    when set (`resolve_rl_components` fills them)."""
+    if config.reward_config is None:
+        resolve_rl_components(config)
+    out = {"rl.reward": config.reward_config}
+    if config.eval_scorer is not None:
+        out["rl.eval_scorer"] = config.eval_scorer_config
+    return out

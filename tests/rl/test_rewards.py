@@ -156,15 +156,26 @@ def test_cross_policy_is_pairwise_only_and_can_be_turned_off():
     assert vs_wrong > 0.9 and vs_right == pytest.approx(0.5)
 
 
-def test_a_judge_path_without_an_export_is_one_line_naming_the_key(tmp_path):
-    # Wrong if a missing judge surfaced only inside the executor actor, after Ray had started.
+def test_a_judge_path_without_an_export_is_one_line_naming_the_key(tmp_path, monkeypatch):
+    # Wrong if a missing judge (or eval scorer) surfaced only inside the executor actor, after Ray
+    # had started; the recipe itself still reads (a shipped recipe names an export its user makes).
     from hpref.errors import RecipeError
-    from hpref.recipe_rl import parse_rl_section
+    from hpref.recipe import recipe_from_dict
+    from hpref.rl import launch
 
-    section = {"policies": {"a": {}}, "reward": {"name": "judge", "path": str(tmp_path / "nope")}}
-    with pytest.raises(RecipeError) as err:
-        parse_rl_section(section, "r.toml")
-    assert str(err.value).startswith(f"r.toml: rl.reward.path: no exported preference model at {tmp_path}")
+    def no_ray(_address):
+        raise AssertionError("Ray was started before the reward exports were checked")
+
+    monkeypatch.setattr(launch, "connect_ray", no_ray)
+    judge = {"name": "judge", "path": str(tmp_path / "nope")}
+    for key, section in (("rl.reward", {"reward": judge}), ("rl.eval_scorer", {"eval_scorer": judge})):
+        recipe = recipe_from_dict(
+            {"run": {"name": "r", "output_dir": str(tmp_path)}, "rl": {"policies": {"a": {}}, **section}}
+        )
+        with pytest.raises(RecipeError) as err:
+            launch.run_rl(recipe, ["a"])
+        assert str(err.value).startswith(f"recipe: {key}.path: no exported preference model at {tmp_path}")
+        assert not (tmp_path / "r").exists()
 
 
 def test_judge_reward_on_a_reward_model_scores_each_answer_alone(tmp_path_factory):

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
 
@@ -73,18 +73,28 @@ class JudgeConfig(_CrossPolicy):
     )
     micro_batch_tokens: int = Field(16384, ge=64, description="tokens per packed scoring forward pass")
 
-    @field_validator("path")
-    @classmethod
-    def _is_an_export(cls, value: str) -> str:
-        # checked when the recipe is read, not in the executor actor, where the error would arrive
-        # wrapped in a Ray traceback after every actor had started
-        folder = Path(value).expanduser()
+    def export_problem(self) -> str | None:
+        """Why `path` is not an `hpref save` export on this machine, or None. Checked before any actor
+        starts (`check_reward_exports`), not when the recipe is read: a shipped recipe names an
+        export its user makes first, and `hpref recipes check --portable` must accept it."""
+        folder = Path(self.path).expanduser()
         if not (folder / "hpref_model.json").is_file():
-            raise ValueError(
-                f"no exported preference model at {value} (make one with `hpref train` then "
+            return (
+                f"no exported preference model at {self.path} (make one with `hpref train` then "
                 "`hpref save RUN_DIR --to DIR`)"
             )
-        return str(folder)
+        return None
+
+
+def check_reward_exports(rewards: dict[str, Any], where: str) -> None:
+    """Every judge reward's export exists (`rewards`: dotted key -> validated reward config, e.g.
+    {"rl.reward": ...}); a `RecipeError` of one line naming the key otherwise."""
+    from hpref.errors import RecipeError
+
+    for key, config in rewards.items():
+        problem = config.export_problem() if isinstance(config, JudgeConfig) else None
+        if problem:
+            raise RecipeError(f"{where}: {key}.path: {problem}")
 
 
 def pairwise_rewards(n: int, win_prob: Callable[[int, int], float], total: int | None = None) -> list[float]:
@@ -163,7 +173,7 @@ class JudgeReward:
         from hpref.plugins import load_plugins
 
         self.config = config
-        self.model = PreferenceModel.from_pretrained(config.path).eval()
+        self.model = PreferenceModel.from_pretrained(str(Path(config.path).expanduser())).eval()
         #: a scalar reward model: each answer scored alone, no pairs, no opponents
         self.scalar = bool(getattr(self.model, "paired", False))
         component = load_plugins().get("formatter", "answers" if self.scalar else config.formatter)

@@ -26,12 +26,16 @@ from typing import Any
 
 
 def run_rl(
-    recipe: Any, policies: list[str], ray_address: str | None = None, resume: str | None = None
+    recipe: Any,
+    policies: list[str],
+    ray_address: str | None = None,
+    resume: str | None = None,
+    prompts: Any = None,
 ) -> int:
     """Run `hpref rl` (see `hpref.rl.launch.run_rl`)."""
     from hpref.rl.launch import run_rl as _run_rl
 
-    return _run_rl(recipe, policies, ray_address, resume)
+    return _run_rl(recipe, policies, ray_address, resume, prompts=prompts)
 
 
 __all__ = ["run_rl"]

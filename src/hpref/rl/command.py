@@ -32,7 +32,7 @@ def rl_command(
 ) -> int:
     """`hpref rl`: check, start the run folder, run (`hpref.rl.run_rl`); returns the exit code."""
     import hpref.rl
-    from hpref.rl.launch import resume_source
+    from hpref.rl.launch import preflight, resume_source
     from hpref.runfolder.start import start_run_folder
 
     loaded = _rl_recipe(recipe_path, overrides)
@@ -40,8 +40,9 @@ def rl_command(
     loaded.rl.select(ids)  # an unknown policy id is a user error before the run folder is touched
     # A fresh start on a folder that holds another run's record is refused before anything is written.
     resume_source(loaded.run.run_dir, resume)
+    prompts = preflight(loaded, ids)  # models, rewards, the prompt file: before the run folder too
     start_run_folder(loaded, "rl")
-    return hpref.rl.run_rl(loaded, ids, ray_address, resume)
+    return hpref.rl.run_rl(loaded, ids, ray_address, resume, prompts=prompts)
 
 
 def warmup_lines(recipe_path: Path, overrides: list[str], policies: str | None) -> Iterator[str]:

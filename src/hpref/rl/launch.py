@@ -20,8 +20,9 @@ from typing import Any
 
 from loguru import logger
 
+from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
-from hpref.recipe_rl import RLConfig
+from hpref.recipe_rl import RLConfig, rl_rewards
 from hpref.rl.driver import DriveResult, Handles, drive, restore
 from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
@@ -193,21 +194,16 @@ def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
     return out
 
 
-def run_rl(
-    recipe: Any, policies: list[str], ray_address: str | None = None, resume: str | None = None
-) -> int:
-    """`hpref rl`: train `policies` (the first is the leader) as the recipe's `[rl]` section says.
-
-    `ray_address`: an existing cluster (`ray start --head`); None starts a local one (or reuses the
-    Ray session already initialised in this process). `resume`: None, `auto` or a run folder.
-    Returns the exit code (0; 130 after Ctrl-C). User mistakes raise `UserError`.
-    """
-    started = time.perf_counter()
-    config, run_dir = _rl_config(recipe)
-    order = config.select(list(policies))
+def preflight(recipe: Any, policies: list[str]) -> Any:
+    """Everything `hpref rl` checks before it writes anything or starts an actor, each mistake one
+    line naming the key: adapters that fit their LM, megatron policies, policy folders that hold a
+    causal LM with a chat template, reward exports, and the prompt file, which is read here. Returns
+    the built `[rl.prompts]` source."""
     from hpref.rl.policy import check_policy_models
     from hpref.rl.rollouts import build_prompt_source
 
+    config, _run_dir = _rl_config(recipe)
+    order = config.select(list(policies))
     where = str(getattr(recipe, "_source", None) or "recipe")
     if any(config.policies[p].lora is not None for p in order):
         from hpref.rl.policy import check_policy_lora
@@ -218,10 +214,32 @@ def run_rl(
         from hpref.rl.megatron_policy import check_megatron_policies
 
         check_megatron_policies(config, order, where)
-    # a folder that is not a causal LM, or has no chat template, is one line here, not a dead actor
     check_policy_models(config, order, where)
-    prompts = build_prompt_source(config)  # reads the prompt file: a bad one stops here, in one line
+    check_reward_exports(rl_rewards(config), where)
+    prompts = build_prompt_source(config)
     check_rewards_fit_prompts(config, prompts, where)
+    return prompts
+
+
+def run_rl(
+    recipe: Any,
+    policies: list[str],
+    ray_address: str | None = None,
+    resume: str | None = None,
+    prompts: Any = None,
+) -> int:
+    """`hpref rl`: train `policies` (the first is the leader) as the recipe's `[rl]` section says.
+
+    `ray_address`: an existing cluster (`ray start --head`); None starts a local one (or reuses the
+    Ray session already initialised in this process). `resume`: None, `auto` or a run folder.
+    `prompts`: what `preflight` returned, when the caller ran it (else it runs here).
+    Returns the exit code (0; 130 after Ctrl-C). User mistakes raise `UserError`.
+    """
+    started = time.perf_counter()
+    config, run_dir = _rl_config(recipe)
+    order = config.select(list(policies))
+    if prompts is None:
+        prompts = preflight(recipe, order)
     source = resume_source(run_dir, resume)
     if source is not None:
         record = read_record(source)

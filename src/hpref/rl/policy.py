@@ -292,10 +292,9 @@ def completion_logprobs(model: Any, batch: dict[str, Any], temperature: float) -
     and a fifth of its FLOPs, for values the loss never reads. Other models (the megatron trainer)
     give full logits."""
     import torch
+    from transformers import PreTrainedModel
 
     from hpref.rl.algorithms import sequence_logprobs
-
-    from transformers import PreTrainedModel
 
     mask = batch["mask"].bool()
     # a transformers causal LM (LoRA injected in place included); a PEFT wrapper or megatron: full logits
