@@ -1,0 +1,295 @@
+"""Multi-policy RL on a real model, side by side with TRL's GRPOTrainer (issue #22).
+
+    .venv/bin/python -m benchmarks.rl_real [--rollouts N] [--contenders hpref-2,hpref-1,trl-bf16]
+                                           [--reward DIR] [--scorer DIR] [--out benchmarks/RL.md]
+
+What runs (all on SmolLM2-135M-Instruct with LoRA r 16 / alpha 32 on every block linear, HH-RLHF
+helpful-base prompts from ../shared, 8 prompts x 4 answers of at most 64 tokens per update, lr 5e-5,
+temperature 1, no KL term, one optimizer step per rollout):
+
+- `hpref-2`: `hpref rl rl-smollm2 --policies a,b` for N leader rollouts: two policies at once on one
+  local Ray cluster (the shipped recipe; b samples at temperature 0.8). Each starts and ends with an
+  eval: greedy answers to 32 held-out prompts scored by the training reward and by the second scorer.
+- `hpref-1`: the same recipe with policy a alone (what "one after the other" costs is twice this).
+- `trl-bf16` / `trl-fp32`: TRL's `GRPOTrainer` (`benchmarks.rl_trl`) with the same model, LoRA, prompts
+  in the same order, the same reward function (the same MiniLM reward-model export, one score per
+  answer), group size, answer length, learning rate and number of updates; TRL's transformers
+  generation on the CPU; bf16 is TRL's best setting on this CPU (hpref's trainer computes in bf16
+  autocast here: `precision = "auto"`), fp32 its default.
+
+The rewards: `--reward` (default `runs/minilm-reward-export`) and `--scorer` (default
+`runs/minilm-reward-helpful-export`); a missing one is trained here with `hpref train minilm-reward`
+on harmless-base (the reward) or helpful-base (the scorer), `--reward-pairs` rows each, and exported
+with `hpref save`. Per contender: wall time of the process, seconds per update (hpref: the policies'
+loop time over N updates, `drive_s / N`, start-up excluded as for TRL, whose `train()` is timed), the
+peak RSS of the process tree (hpref: the driver, every Ray actor and Ray's own daemons), the mean
+1-minute load average, and the training reward of the first and last updates; hpref also the eval
+numbers. Contenders run in the order given, one at a time; the machine must be otherwise quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import REPO, python_module, read_json, run_measured, write_json
+
+HELPFUL = REPO.parent / "shared" / "data" / "hh-rlhf-helpful-base-test.jsonl.gz"
+HARMLESS = REPO.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+RECIPE = REPO / "recipes" / "rl-smollm2.toml"
+REWARD_ENV = "HPREF_BENCH_REWARD"
+
+
+# --------------------------------------------------------------------------------------------------
+# the reward function TRL calls (in its own process): hpref's judge reward on the same export
+
+
+_REWARD = None
+
+
+def trl_reward(prompts: list[list[dict]], completions: list[str], **_: object) -> list[float]:
+    """The MiniLM reward model's score of each completion with its conversation, exactly as hpref's
+    `judge` reward scores a rollout (one sequence per answer)."""
+    global _REWARD
+    if _REWARD is None:
+        from hpref.builtin.rewards import JudgeConfig, JudgeReward
+
+        _REWARD = JudgeReward(JudgeConfig(path=os.environ[REWARD_ENV]))
+    turns = [tuple(m["content"] for m in p if m["role"] != "system") for p in prompts]
+    scores = _REWARD.score_groups(turns, [[c] for c in completions])
+    return [float(s[0]) for s in scores]
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def hpref_bin() -> str:
+    return str(Path(sys.executable).with_name("hpref"))
+
+
+def ensure_export(path: Path, data: Path, name: str, pairs: int, work: Path) -> Path:
+    """`path` if it holds an export; else train `minilm-reward` on `data` (`pairs` rows) and save it."""
+    if (path / "hpref_model.json").is_file():
+        return path
+    runs = work / "reward-runs"
+    train = run_measured(
+        [
+            hpref_bin(),
+            "train",
+            "minilm-reward",
+            "--set",
+            f'run.name="{name}"',
+            "--set",
+            f'run.output_dir="{runs}"',
+            "--set",
+            f'dataset.train.path="{data}"',
+            "--set",
+            f'dataset.eval.path="{data}"',
+            "--set",
+            f"dataset.train.limit={pairs}",
+            "--set",
+            f"dataset.eval.limit={pairs}",
+        ],  # fmt: skip
+        work / f"{name}-train.log",
+        timeout=3600,
+    )
+    if train["rc"] != 0:
+        raise SystemExit(f"training the reward model {name} failed: see {train['log']}")
+    saved = run_measured(
+        [hpref_bin(), "save", str(runs / name), "--to", str(path)], work / f"{name}-save.log", timeout=600
+    )
+    if saved["rc"] != 0:
+        raise SystemExit(f"exporting the reward model {name} failed: see {saved['log']}")
+    print(f"reward model {name}: trained in {train['wall_s']:.0f} s, exported to {path}", flush=True)
+    return path
+
+
+def run_hpref_rl(policies: str, rollouts: int, reward: Path, scorer: Path, work: Path) -> dict:
+    name = f"hpref-{len(policies.split(','))}"
+    cmd = [
+        hpref_bin(), "rl", str(RECIPE), "--policies", policies,
+        "--set", f'run.output_dir="{work}"', "--set", f'run.name="{name}"',
+        "--set", f'rl.prompts.path="{HELPFUL}"',
+        "--set", f'rl.reward.path="{reward}"', "--set", f'rl.eval_scorer.path="{scorer}"',
+        "--set", f"rl.num_rollouts={rollouts}", "--set", f"rl.eval_interval={rollouts}",
+        "--set", f"rl.save_interval={rollouts}",
+    ]  # fmt: skip
+    measured = run_measured(cmd, work / f"{name}.log", timeout=4 * 3600)
+    if measured["rc"] != 0:
+        raise SystemExit(f"{name} failed: see {measured['log']}")
+    run = work / name
+    summary = read_json(run / "rl_summary.json")
+    out = {**measured, "seconds_per_update": summary["drive_s"] / rollouts, "drive_s": summary["drive_s"]}
+    for p in policies.split(","):
+        rows = [json.loads(line) for line in (run / "metrics" / f"{p}.jsonl").read_text().splitlines()]
+        train = [r for r in rows if not r.get("eval")]
+        ev = [r for r in rows if r.get("eval")][-1]
+        out[p] = {
+            "reward_first": train[0]["reward_mean"],
+            "reward_last": train[-1]["reward_mean"],
+            "reward_last_quarter": statistics.mean(
+                r["reward_mean"] for r in train[-max(1, len(train) // 4) :]
+            ),
+            "reward_first_quarter": statistics.mean(
+                r["reward_mean"] for r in train[: max(1, len(train) // 4)]
+            ),
+            "train_s_median": statistics.median(r["train_s"] for r in train),
+            "gen_tokens_per_s_median": statistics.median(r["gen_tokens_per_s"] for r in train),
+            "engine_trainer_logprob_diff": statistics.mean(r["engine_trainer_logprob_diff"] for r in train),
+            **{k: v for k, v in ev.items() if k.startswith("eval_")},
+        }
+    out["leaderboard"] = summary["leaderboard"]
+    return out
+
+
+def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
+    from hpref.builtin.prompts import PairwisePromptsConfig, build_pairwise
+    from hpref.data.prompts import conversation_messages
+    from hpref.models.hf import gguf_folder, smollm2_file
+
+    # the recipe's prompt stream, in hpref's order: policy a's rollout r answers prompts [8r, 8r + 8)
+    source = build_pairwise(
+        PairwisePromptsConfig(path=str(HELPFUL), eval_fraction=0.05, max_prompt_chars=1000)
+    )
+    prompts = [conversation_messages(p) for p in source.train_prompts(0, 0, rollouts * 8)]
+    spec = {
+        "model_path": str(gguf_folder(smollm2_file(), "causal-lm")),
+        "prompts": prompts,
+        "reward": "benchmarks.rl_real:trl_reward",
+        "group_size": 4,
+        "prompts_per_update": 8,
+        "num_updates": rollouts,
+        "max_new_tokens": 64,
+        "temperature": 1.0,
+        "lr": 5e-5,
+        "beta": 0.0,
+        "lora": {
+            "r": 16,
+            "alpha": 32,
+            "dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        },  # fmt: skip
+        "bf16": precision == "bf16",
+        "gradient_checkpointing": False,
+        "threads": os.cpu_count() or 1,
+        "seed": 0,
+        "output_dir": str(work / f"trl-{precision}"),
+    }
+    spec_file = write_json(work / f"trl-{precision}.json", spec)
+    result_file = work / f"trl-{precision}-result.json"
+    env = {**os.environ, REWARD_ENV: str(reward), "PYTHONPATH": str(REPO)}
+    measured = run_measured(
+        python_module("benchmarks.rl_trl", str(spec_file), "--out", str(result_file)),
+        work / f"trl-{precision}.log",
+        env=env,
+        timeout=4 * 3600,
+    )
+    if measured["rc"] != 0:
+        raise SystemExit(f"trl-{precision} failed: see {measured['log']}")
+    got = read_json(result_file)
+    rewards = got["mean_reward_per_update"]
+    quarter = max(1, len(rewards) // 4)
+    return {
+        **measured,
+        "seconds_per_update": statistics.median(got["seconds_per_update"]),
+        "drive_s": got["wall_s"],
+        "a": {
+            "reward_first": rewards[0],
+            "reward_last": rewards[-1],
+            "reward_first_quarter": statistics.mean(rewards[:quarter]),
+            "reward_last_quarter": statistics.mean(rewards[-quarter:]),
+        },
+        "trl": {k: got[k] for k in ("trl_version", "settings") if k in got},
+    }
+
+
+def table(results: dict[str, dict], rollouts: int) -> list[str]:
+    lines = [
+        "| contender | wall (s) | loop (s) | s / update | peak RSS GiB | load | reward, first -> last 1/4 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, r in results.items():
+        policies = [p for p in ("a", "b") if p in r]
+        rewards = "; ".join(
+            f"{p}: {r[p]['reward_first_quarter']:+.3f} -> {r[p]['reward_last_quarter']:+.3f}"
+            for p in policies
+        )
+        lines.append(
+            f"| {name} | {r['wall_s']:.0f} | {r['drive_s']:.0f} | {r['seconds_per_update']:.1f} | "
+            f"{r['peak_rss_gib']:.2f} | {r['load_mean']:.2f} | {rewards} |"
+        )
+    evals = []
+    for name, r in results.items():
+        for p in ("a", "b"):
+            e = r.get(p, {})
+            if "eval_reward" not in e:
+                continue
+            evals.append(
+                f"| {name} {p} | {e['eval_reward_start']:+.3f} -> {e['eval_reward']:+.3f} | "
+                f"{e['eval_scorer_start']:+.3f} -> {e['eval_scorer']:+.3f} | "
+                f"{e.get('eval_scorer_win_rate_vs_start', float('nan')):.3f} | "
+                f"{e['eval_answer_tokens_start']:.1f} -> {e['eval_answer_tokens']:.1f} | "
+                f"{e.get('eval_kl', 0):.4f} |"
+            )
+    if evals:
+        lines += [
+            "",
+            f"Held-out eval after {rollouts} updates (32 prompts, greedy; start -> end):",
+            "",
+            "| run, policy | training reward | second scorer | win vs start (scorer) | answer tokens | KL |",
+            "| --- | --- | --- | ---: | --- | ---: |",
+            *evals,
+        ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=40, help="updates per policy")
+    parser.add_argument("--contenders", default="hpref-2,hpref-1,trl-bf16")
+    parser.add_argument("--reward", type=Path, default=REPO / "runs" / "minilm-reward-export")
+    parser.add_argument("--scorer", type=Path, default=REPO / "runs" / "minilm-reward-helpful-export")
+    parser.add_argument("--reward-pairs", type=int, default=1000, help="rows read to train a missing reward")
+    parser.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
+    parser.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temp folder)")
+    args = parser.parse_args(argv)
+    if not HELPFUL.is_file() or not HARMLESS.is_file():
+        print(f"skipped: the HH-RLHF files are not in {HELPFUL.parent}")
+        return 0
+    work = args.work or Path(tempfile.mkdtemp(prefix="hpref-rl-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    reward = ensure_export(args.reward, HARMLESS, "minilm-reward", args.reward_pairs, work)
+    scorer = ensure_export(args.scorer, HELPFUL, "minilm-reward-helpful", args.reward_pairs, work)
+    results: dict[str, dict] = {}
+    for name in args.contenders.split(","):
+        print(f"running {name} ...", flush=True)
+        if name == "hpref-2":
+            results[name] = run_hpref_rl("a,b", args.rollouts, reward, scorer, work)
+        elif name == "hpref-1":
+            results[name] = run_hpref_rl("a", args.rollouts, reward, scorer, work)
+        elif name.startswith("trl-"):
+            results[name] = run_trl(name.removeprefix("trl-"), args.rollouts, reward, work)
+        else:
+            raise SystemExit(f"unknown contender {name}")
+        print(f"{name}: {results[name]['seconds_per_update']:.1f} s / update", flush=True)
+    lines = table(results, args.rollouts)
+    if "hpref-1" in results and "hpref-2" in results:
+        ratio = results["hpref-2"]["drive_s"] / (2 * results["hpref-1"]["drive_s"])
+        lines += ["", f"two policies at once / one after the other (loop time): {ratio:.2f}"]
+    for trl in [n for n in results if n.startswith("trl-")]:
+        if "hpref-1" in results:
+            ratio = results["hpref-1"]["seconds_per_update"] / results[trl]["seconds_per_update"]
+            lines += [f"hpref-1 / {trl} seconds per update: {ratio:.2f}"]
+    print("\n".join(lines))
+    if args.out:
+        write_json(args.out, {"rollouts": args.rollouts, "results": results, "table": lines})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
