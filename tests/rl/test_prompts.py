@@ -194,3 +194,51 @@ def test_real_hh_rlhf_prompts():
     assert {prompt_key(p) for p in source.train}.isdisjoint(prompt_key(p) for p in source.eval)
     assert sum(len(p) > 1 for p in source.train) > 500  # HH is mostly multi-turn
     assert all(sum(len(t) for t in p) <= 1500 for p in source.train)
+
+
+def test_a_plugin_prompt_source_is_chosen_by_name():
+    # Wrong if `register_prompts` components were not found through the plugin registry, their
+    # parameters not validated, or the rollout stream did not draw from them.
+    from pydantic import BaseModel, ConfigDict
+
+    from hpref.hookspecs import hookimpl
+    from hpref.plugins import load_plugins, reset_plugins
+    from hpref.rl.rollouts import build_prompt_source, rollout_prompts
+
+    class CountingConfig(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        word: str = "count"
+
+    class Counting:
+        source, ground_truth = "counting", False
+
+        def __init__(self, word: str) -> None:
+            self.word = word
+
+        def train_prompts(self, seed: int, first: int, count: int) -> list[tuple[str, ...]]:
+            return [(f"{self.word} to {i}",) for i in range(first, first + count)]
+
+        def eval_prompts(self, seed: int, count: int) -> list[tuple[str, ...]]:
+            return [(f"{self.word} backwards from {i}",) for i in range(count)]
+
+    class Plugin:
+        @hookimpl
+        def register_prompts(self, register):
+            register(name="counting", config=CountingConfig, build=lambda c: Counting(c.word))
+
+    load_plugins(extra=[Plugin()])
+    try:
+        config = parse_rl_section(
+            {
+                "policies": {"a": {}},
+                "prompts": {"name": "counting", "word": "tally"},
+                "rollout": {"prompts_per_rollout": 2},
+            },
+            "r",
+        )
+        source = build_prompt_source(config)
+        assert rollout_prompts(source, config.rollout, 3) == [("tally to 6",), ("tally to 7",)]
+        with pytest.raises(RecipeError, match=r"rl.prompts.wrod"):
+            parse_rl_section({"policies": {"a": {}}, "prompts": {"name": "counting", "wrod": "x"}}, "r")
+    finally:
+        reset_plugins()  # the built-ins alone again for the other tests
