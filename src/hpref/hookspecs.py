@@ -128,7 +128,11 @@ def register_rewards(register) -> None:
     policy's answers to `prompts[i]` (a GRPO group), the result has the same shape. A reward that
     sets `wants_opponents = True` also gets `opponents[i]`, other policies' answers to the same
     prompt, to judge against (cross-policy judging). Optional: `true_utility(prompt, answer)` when
-    the reward knows the ground truth (synthetic arena), for the metrics that reveal reward hacking.
+    the reward knows the ground truth (synthetic arena), for the metrics that reveal reward hacking,
+    and `pairwise = True` when a group's scores are win probabilities against each other rather than
+    one score per answer (evals then compare a policy's answer with its start's directly instead of
+    reading two scores as a Bradley-Terry preference; `hpref.rl.evaluation.scorer_report`). A prompt
+    is a tuple of turns: user, assistant, ..., user. The same components serve as `[rl.eval_scorer]`.
     """
 
 

@@ -225,7 +225,12 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
     seed: int = Field(0, description="seed of the prompt stream's order and of sampling")
-    max_buffered: int = Field(2, ge=1, description="rollouts kept ready per policy (bounded buffer)")
+    max_buffered: int = Field(
+        2,
+        ge=1,
+        description="rollouts generated ahead per policy (bounded buffer); never more than staleness_limit x "
+        "update_weights_interval, beyond which the data would be too stale to train on",
+    )
     eval_prompts: int = Field(32, ge=0, description="fixed prompts each eval answers greedily")
 
 

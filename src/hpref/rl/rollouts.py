@@ -209,8 +209,16 @@ class RolloutExecutor:
         return out
 
     def _prefetch(self, policy: str, after: int) -> None:
+        """Start generating the rollouts after `after` that can still be fresh when trained on.
+
+        Data generated now comes from weights at most one version newer than those of rollout
+        `after`; the trainer accepts data `staleness_limit` versions behind, i.e. rollouts up to
+        `staleness_limit x update_weights_interval` ahead. Prefetching further only makes data the
+        staleness rule throws away (on a SmolLM2 policy with limit 1 and two rollouts buffered, every
+        second rollout was generated twice, the second time while the trainer waited)."""
         buffer = self._buffer[policy]
-        for r in range(after + 1, after + 1 + self.config.rollout.max_buffered):
+        useful = self.config.staleness_limit * self.config.update_weights_interval
+        for r in range(after + 1, after + 1 + min(self.config.rollout.max_buffered, useful)):
             if r not in buffer:
                 buffer[r] = asyncio.ensure_future(self._produce(policy, r))
 
