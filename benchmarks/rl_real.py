@@ -122,9 +122,26 @@ def run_hpref_rl(policies: str, rollouts: int, reward: Path, scorer: Path, work:
     measured = run_measured(cmd, work / f"{name}.log", timeout=4 * 3600)
     if measured["rc"] != 0:
         raise SystemExit(f"{name} failed: see {measured['log']}")
-    run = work / name
+    write_json(work / f"{name}-measured.json", measured)
+    return hpref_result(work / name, policies, rollouts, measured)
+
+
+def hpref_result(run: Path, policies: str, rollouts: int, measured: dict) -> dict:
+    """The numbers of one hpref run folder. Seconds per update: the leader's loop time up to its last
+    update (`elapsed_s` of its last training row) over the updates, so the final eval is not counted,
+    as TRL's timed `train()` has none; also the median gap between consecutive updates (steady state:
+    generation of the next rollout overlaps training on this one)."""
     summary = read_json(run / "rl_summary.json")
-    out = {**measured, "seconds_per_update": summary["drive_s"] / rollouts, "drive_s": summary["drive_s"]}
+    leader = [json.loads(line) for line in (run / "metrics" / "a.jsonl").read_text().splitlines()]
+    times = [r["elapsed_s"] for r in leader if not r.get("eval")]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    out = {
+        **measured,
+        "seconds_per_update": times[-1] / rollouts,
+        "seconds_per_update_steady": statistics.median(gaps) if gaps else times[-1],
+        "drive_s": summary["drive_s"],
+        "loop_to_last_update_s": times[-1],
+    }
     for p in policies.split(","):
         rows = [json.loads(line) for line in (run / "metrics" / f"{p}.jsonl").read_text().splitlines()]
         train = [r for r in rows if not r.get("eval")]
@@ -191,13 +208,19 @@ def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
     )
     if measured["rc"] != 0:
         raise SystemExit(f"trl-{precision} failed: see {measured['log']}")
-    got = read_json(result_file)
+    write_json(work / f"trl-{precision}-measured.json", measured)
+    return trl_result(read_json(result_file), measured)
+
+
+def trl_result(got: dict, measured: dict) -> dict:
     rewards = got["mean_reward_per_update"]
     quarter = max(1, len(rewards) // 4)
     return {
         **measured,
-        "seconds_per_update": statistics.median(got["seconds_per_update"]),
+        "seconds_per_update": got["wall_s"] / len(got["seconds_per_update"]),
+        "seconds_per_update_steady": statistics.median(got["seconds_per_update"]),
         "drive_s": got["wall_s"],
+        "loop_to_last_update_s": got["wall_s"],
         "a": {
             "reward_first": rewards[0],
             "reward_last": rewards[-1],
@@ -210,8 +233,9 @@ def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
 
 def table(results: dict[str, dict], rollouts: int) -> list[str]:
     lines = [
-        "| contender | wall (s) | loop (s) | s / update | peak RSS GiB | load | reward, first -> last 1/4 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| contender | wall (s) | loop to last update (s) | s / update | median s between updates "
+        "| peak RSS GiB | load | reward, first -> last 1/4 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, r in results.items():
         policies = [p for p in ("a", "b") if p in r]
@@ -220,7 +244,8 @@ def table(results: dict[str, dict], rollouts: int) -> list[str]:
             for p in policies
         )
         lines.append(
-            f"| {name} | {r['wall_s']:.0f} | {r['drive_s']:.0f} | {r['seconds_per_update']:.1f} | "
+            f"| {name} | {r['wall_s']:.0f} | {r['loop_to_last_update_s']:.0f} | "
+            f"{r['seconds_per_update']:.1f} | {r['seconds_per_update_steady']:.1f} | "
             f"{r['peak_rss_gib']:.2f} | {r['load_mean']:.2f} | {rewards} |"
         )
     evals = []
@@ -257,16 +282,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reward-pairs", type=int, default=1000, help="rows read to train a missing reward")
     parser.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
     parser.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temp folder)")
+    parser.add_argument(
+        "--reread", action="store_true", help="rebuild the table from the runs already in --work, run nothing"
+    )
     args = parser.parse_args(argv)
     if not HELPFUL.is_file() or not HARMLESS.is_file():
         print(f"skipped: the HH-RLHF files are not in {HELPFUL.parent}")
         return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="hpref-rl-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    reward = ensure_export(args.reward, HARMLESS, "minilm-reward", args.reward_pairs, work)
-    scorer = ensure_export(args.scorer, HELPFUL, "minilm-reward-helpful", args.reward_pairs, work)
+    if not args.reread:
+        reward = ensure_export(args.reward, HARMLESS, "minilm-reward", args.reward_pairs, work)
+        scorer = ensure_export(args.scorer, HELPFUL, "minilm-reward-helpful", args.reward_pairs, work)
     results: dict[str, dict] = {}
-    for name in args.contenders.split(","):
+    for name in args.contenders.split(",") if args.reread else []:
+        measured = read_json(work / f"{name}-measured.json")
+        if name.startswith("hpref-"):
+            policies = "a,b" if name == "hpref-2" else "a"
+            results[name] = hpref_result(work / name, policies, args.rollouts, measured)
+        else:
+            results[name] = trl_result(read_json(work / f"{name}-result.json"), measured)
+    for name in [] if args.reread else args.contenders.split(","):
         print(f"running {name} ...", flush=True)
         if name == "hpref-2":
             results[name] = run_hpref_rl("a,b", args.rollouts, reward, scorer, work)
@@ -279,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {results[name]['seconds_per_update']:.1f} s / update", flush=True)
     lines = table(results, args.rollouts)
     if "hpref-1" in results and "hpref-2" in results:
-        ratio = results["hpref-2"]["drive_s"] / (2 * results["hpref-1"]["drive_s"])
+        ratio = results["hpref-2"]["loop_to_last_update_s"] / (
+            2 * results["hpref-1"]["loop_to_last_update_s"]
+        )
         lines += ["", f"two policies at once / one after the other (loop time): {ratio:.2f}"]
     for trl in [n for n in results if n.startswith("trl-")]:
         if "hpref-1" in results:

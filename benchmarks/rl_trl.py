@@ -1,33 +1,105 @@
 """The TRL side of `benchmarks.rl_real`: TRL's `GRPOTrainer` on the same prompts, reward and budget.
 
-    .venv/bin/python -m benchmarks.rl_trl SPEC.json --out RESULT.json
+    .venv/bin/python -m benchmarks.rl_trl SPEC.json [--out RESULT.json]
 
-SPEC (written by `benchmarks.rl_real.run_trl`): `model_path` (a causal-LM folder), `prompts` (chat
-message lists, consumed in order, `prompts_per_update` per optimizer step), `reward`
-("module:function" taking prompts and answer texts, returning one float per answer), `group_size`,
-`num_updates`, `max_new_tokens`, `temperature`, `lr`, `beta`, `lora` (or null), `bf16`,
-`gradient_checkpointing`, `threads`, `seed`, `output_dir`.
+Runs `run_trl_grpo(spec)` and prints its result as one JSON line (the last line of stdout), also
+written to `--out` when given. Run it in a process of its own: the peak RSS is the process's.
 
-One GRPO update per `prompts_per_update x group_size` answers, as hpref does: per-device batch = that
-many answers, no gradient accumulation, one generation per step (`steps_per_generation = 1`), one pass
-(`num_iterations = 1`), TRL's `dapo` loss (token-level mean over the batch, hpref's "token-mean"),
-advantages scaled by the group's std (`scale_rewards = "group"`, hpref's default), the clip range
-[1 - 0.2, 1 + 0.28] (hpref's `clip_low` / `clip_high`), constant learning rate, AdamW betas
-(0.9, 0.99), no weight decay, gradient clipping at 1, no dataset shuffling (the prompts in hpref's
-order), TRL's own transformers generation (no vLLM) on the CPU. Timed per update from the step's
-start to its end (TRL generates inside the step), with the process's peak RSS sampled every 50 ms.
+SPEC (written by `benchmarks.rl_real.run_trl`): `model_path` (a local causal-LM folder with its
+tokenizer and chat template), `prompts` (chat message lists ending with a user turn, consumed in
+order, `prompts_per_update` per optimizer step), `reward` ("module:function" taking the prompts and
+the plain answer texts, returning one float per answer), `group_size`, `prompts_per_update`,
+`num_updates`, `max_new_tokens`, `temperature`, `lr`, `beta`, `lora` (or null: full fine-tune),
+`bf16`, `gradient_checkpointing`, `threads`, `seed`, `output_dir`.
+
+One GRPO update per `prompts_per_update x group_size` answers, as hpref does (TRL 1.16 semantics,
+read from `trl/trainer/grpo_trainer.py` / `grpo_config.py`):
+
+- `per_device_train_batch_size = prompts_per_update * group_size`, `gradient_accumulation_steps = 1`,
+  `steps_per_generation = 1` (so `generation_batch_size` = that same number), `num_iterations = 1`:
+  the dataloader hands `_prepare_inputs` one generation batch per optimizer step, TRL generates and
+  scores it inside `training_step` and takes one optimizer step on it. With these three at 1 TRL
+  skips the "old log-probs" forward (the batch is exactly on-policy, the ratio is 1 by construction).
+- `loss_type = "dapo"`: the clipped surrogate summed over every completion token of the batch and
+  divided by the batch's token count, i.e. hpref's `aggregation = "token-mean"` ("grpo" would be
+  hpref's "sequence-mean"); `scale_rewards = "group"` (the group's unbiased std, hpref's default);
+  `epsilon = 0.2`, `epsilon_high = 0.28` (hpref's `clip_low` / `clip_high`).
+- Data: `shuffle_dataset = False` is TRL's supported switch: its `RepeatSampler` then walks the rows
+  in order (each repeated `num_generations` times, consecutively), so update u answers prompts
+  [u * P, (u + 1) * P). The order the reward function saw is checked after the run.
+- Generation: TRL's own `model.generate` (no vLLM, no continuous batching) with do_sample,
+  `temperature`, `top_p = 1`, `top_k = 0` (off), `min_p` off, no repetition penalty.
+- Optimizer: `torch.optim.AdamW` (`optim = "adamw_torch"`, hpref's), betas (0.9, 0.99), no weight
+  decay, constant learning rate without warmup, gradient clipping at norm 1.
+
+Timing: a callback takes `time.perf_counter()` at `on_step_begin` and `on_step_end`; between the two
+lie generation, reward, loss, backward, clipping and the optimizer step (TRL generates in
+`_prepare_inputs`, called from `training_step`). The generation and reward calls are also timed on
+their own (the trainer's `_generate` / `_calculate_rewards` are wrapped on the instance, nothing
+else changed). Peak RSS: the process's RSS sampled every 50 ms in a thread, over the whole call.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
-import statistics
-import threading
-import time
-from pathlib import Path
-from typing import Any
+import os
+
+# No hub: every model, tokenizer and dataset here is local. Set before transformers / TRL / datasets
+# are imported (huggingface_hub reads them at import); `run_trl_grpo` also sets the live constants,
+# in case the caller imported them first. TRL >= 1.x pings telemetry when a trainer is built unless
+# one of these is set.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+_SETTINGS = (
+    "use_cpu",
+    "bf16",
+    "fp16",
+    "activation_checkpointing",
+    "gradient_checkpointing",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_generations",
+    "generation_batch_size",
+    "steps_per_generation",
+    "num_iterations",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "use_vllm",
+    "use_transformers_continuous_batching",
+    "loss_type",
+    "scale_rewards",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "mask_truncated_completions",
+    "importance_sampling_level",
+    "shuffle_dataset",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "optim",
+    "adam_beta1",
+    "adam_beta2",
+    "weight_decay",
+    "max_grad_norm",
+    "max_steps",
+    "seed",
+    "dataloader_num_workers",
+)
 
 
 def _load(spec: str) -> Any:
@@ -35,61 +107,134 @@ def _load(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+class _PeakRss:
+    """The process's peak RSS, sampled every `interval` seconds in a daemon thread."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval = interval
+        self._stop = threading.Event()
+        self.peak = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def now(self) -> int:
+        return self._process.memory_info().rss
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+        return self.peak
+
+
+def _timed(record: list[float], fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record.append(time.perf_counter() - began)
+
+    return wrapper
+
+
 def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
-    import psutil
+    """One TRL GRPO run as `spec` describes (see the module docstring); returns timings, rewards,
+    peak RSS and the TRL settings used."""
     import torch
-    import trl
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(int(spec["threads"]))
-    process = psutil.Process()
-    peak = [process.memory_info().rss]
-    stop = threading.Event()
+    rss = _PeakRss()
+    import_began = time.perf_counter()
 
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], process.memory_info().rss)
-            stop.wait(0.05)
+    import huggingface_hub.constants
+    import trl
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    setup_start = time.perf_counter()
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY = True
+    setup_began = time.perf_counter()  # setup: the config, model, tokenizer, dataset and trainer
+
+    group = int(spec["group_size"])
+    per_update = int(spec["prompts_per_update"])
+    updates = int(spec["num_updates"])
+    answers = per_update * group
+    prompts = list(spec["prompts"])[: updates * per_update]
+    if len(prompts) < updates * per_update:
+        raise ValueError(
+            f"{updates} updates of {per_update} prompts need {updates * per_update}, got {len(prompts)}"
+        )
+
     user_reward = _load(spec["reward"])
+    seen: list[list[dict]] = []  # the prompts of every reward call, to check TRL's order afterwards
 
-    def reward(prompts: list, completions: list, **kwargs: Any) -> list[float]:
-        # conversational data: each completion is a message list ending with the assistant's answer
-        texts = [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
-        return user_reward(prompts, texts)
+    def reward(prompts: list, completions: list, **_: Any) -> list[float]:
+        # Conversational data: TRL hands each completion as [{"role": "assistant", "content": text}]
+        # (decoded with skip_special_tokens); the spec's reward takes the plain text. TRL's extra
+        # keyword arguments (completion_ids, trainer_state, log_extra, ...) are not passed on.
+        seen.extend(prompts)
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(r) for r in user_reward(prompts, texts)]
 
-    reward.__name__ = "reward"
-    answers = int(spec["prompts_per_update"]) * int(spec["group_size"])
-    lora = spec.get("lora")
+    reward.__name__ = "reward"  # TRL logs it as rewards/reward/mean; the total is "reward"
+
     peft_config = None
-    if lora:
+    if spec.get("lora"):
         from peft import LoraConfig
 
+        lora = spec["lora"]
         peft_config = LoraConfig(
-            r=lora["r"],
+            r=int(lora["r"]),
             lora_alpha=lora["alpha"],
-            lora_dropout=lora.get("dropout", 0.0),
-            target_modules=lora["target_modules"],
+            lora_dropout=float(lora.get("dropout", 0.0)),
+            target_modules=list(lora["target_modules"]),
             task_type="CAUSAL_LM",
         )
+
     args = GRPOConfig(
         output_dir=spec["output_dir"],
         use_cpu=True,
+        # TRL's defaults are bf16=True and gradient_checkpointing=True (not transformers'): set both
+        # from the spec. On the CPU bf16 is accelerate's autocast around the model's forward, the
+        # weights stay fp32. transformers 5.25 renamed gradient_checkpointing to
+        # activation_checkpointing (the old name is a deprecated alias that then mirrors it).
         bf16=bool(spec["bf16"]),
-        gradient_checkpointing=bool(spec["gradient_checkpointing"]),
+        activation_checkpointing=bool(spec["gradient_checkpointing"]),
+        # the model is loaded by TRL (the documented path), in fp32 whatever the folder's config says
+        model_init_kwargs={"dtype": "float32"},
+        # one optimizer step per generation batch of prompts_per_update x group_size answers
         per_device_train_batch_size=answers,
         gradient_accumulation_steps=1,
-        num_generations=int(spec["group_size"]),
+        num_generations=group,
         steps_per_generation=1,
         num_iterations=1,
+        max_steps=updates,
+        # sampling: plain temperature sampling, nothing filtered
         max_completion_length=int(spec["max_new_tokens"]),
         temperature=float(spec["temperature"]),
         top_p=1.0,
+        top_k=0,
+        use_vllm=False,
+        # the loss (see the module docstring)
+        loss_type="dapo",
+        scale_rewards="group",
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=float(spec["beta"]),  # 0: TRL builds no reference model
+        # the prompts in the spec's order
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        # the optimizer hpref uses (transformers' default here would be the fused AdamW)
+        optim="adamw_torch",
         learning_rate=float(spec["lr"]),
         lr_scheduler_type="constant",
         warmup_steps=0,
@@ -97,28 +242,16 @@ def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
         adam_beta2=0.99,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        beta=float(spec["beta"]),
-        epsilon=0.2,
-        epsilon_high=0.28,
-        loss_type="dapo",
-        scale_rewards="group",
-        shuffle_dataset=False,
-        max_steps=int(spec["num_updates"]),
+        seed=int(spec["seed"]),
+        # every step logged (for the reward per update); nothing saved, reported or printed
         logging_steps=1,
         save_strategy="no",
         report_to="none",
-        dataloader_num_workers=0,
-        seed=int(spec["seed"]),
         disable_tqdm=True,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
-    dataset = Dataset.from_dict(
-        {"prompt": spec["prompts"][: int(spec["num_updates"]) * int(spec["prompts_per_update"])]}
     )
 
     steps: list[float] = []
-    rewards: list[float] = []
+    logged: list[dict[str, float]] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *_: Any, **__: Any) -> None:
@@ -128,62 +261,72 @@ def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
             steps.append(time.perf_counter() - self.began)
 
         def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None, **__: Any) -> None:
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
+            if logs and "reward" in logs:  # the step logs (not train()'s closing summary)
+                logged.append(dict(logs))
 
     trainer = GRPOTrainer(
-        model=model,
+        model=spec["model_path"],
         reward_funcs=[reward],
         args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),  # conversational, in memory
         peft_config=peft_config,
         callbacks=[Timer()],
     )
-    setup_s = time.perf_counter() - setup_start
+    trainer.remove_callback(PrinterCallback)  # keep stdout for the JSON result
+    generate_s: list[float] = []
+    reward_s: list[float] = []
+    trainer._generate = _timed(generate_s, trainer._generate)
+    trainer._calculate_rewards = _timed(reward_s, trainer._calculate_rewards)
+    setup_s = time.perf_counter() - setup_began
+    rss_before_train = rss.now()
+
     began = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - began
-    stop.set()
-    sampler.join()
+    peak = rss.stop()
+
+    def strip(messages: list[dict]) -> list[tuple]:  # Arrow adds the other rows' keys as None
+        return [(m["role"], m["content"]) for m in messages]
+
+    expected = [strip(p) for p in prompts for _ in range(group)]
+    if [strip(p) for p in seen] != expected:
+        raise RuntimeError("TRL did not consume the prompts in the spec's order, group_size at a time")
+
+    model = trainer.model
     return {
         "seconds_per_update": steps,
         "seconds_per_update_median": statistics.median(steps) if steps else None,
+        "generate_s_per_update": generate_s,
+        "reward_s_per_update": reward_s,
         "wall_s": wall,
         "setup_s": setup_s,
-        "mean_reward_per_update": rewards,
-        "peak_rss_gib": peak[0] / 2**30,
+        "import_s": setup_began - import_began,
+        "mean_reward_per_update": [log["reward"] for log in logged],
+        "mean_completion_tokens_per_update": [log.get("completions/mean_length") for log in logged],
+        "peak_rss_gib": peak / 2**30,
+        "rss_before_train_gib": rss_before_train / 2**30,
         "trl_version": trl.__version__,
         "torch_threads": torch.get_num_threads(),
         "settings": {
-            k: getattr(args, k)
-            for k in (
-                "bf16",
-                "gradient_checkpointing",
-                "per_device_train_batch_size",
-                "num_generations",
-                "steps_per_generation",
-                "num_iterations",
-                "loss_type",
-                "scale_rewards",
-                "epsilon",
-                "epsilon_high",
-                "beta",
-                "max_completion_length",
-                "learning_rate",
-            )
-        },  # fmt: skip
+            **{name: getattr(args, name) for name in _SETTINGS},
+            "lora": spec.get("lora"),
+            "model_dtype": str(next(model.parameters()).dtype),
+            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "mixed_precision": str(trainer.accelerator.mixed_precision),
+        },
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("spec", type=Path)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("spec", type=Path, help="the spec, a JSON file")
+    parser.add_argument("--out", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     result = run_trl_grpo(json.loads(args.spec.read_text()))
-    args.out.write_text(json.dumps(result, indent=2, default=str))
-    print(json.dumps({k: v for k, v in result.items() if k != "mean_reward_per_update"}, default=str))
+    text = json.dumps(result, default=str)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2, default=str))
+    print(text, flush=True)
     return 0
 
 
