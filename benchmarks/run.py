@@ -139,9 +139,9 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
     """hpref's own model, tokenizer and formatter -> the exact token ids the baselines train on."""
     from hpref.components import Components
     from hpref.data.cache import tokenize_dataset
+    from hpref.models.precision import resolve_precision
     from hpref.recipe import load_recipe
     from hpref.train.data import tokenize
-    from hpref.models.precision import resolve_precision
 
     recipe = load_recipe(recipe_path, ["run.seed=0"])  # the sources' seed, as the baselines use
     parts = Components(recipe)
