@@ -322,7 +322,7 @@ def test_concurrent_callers_convert_once_and_a_half_written_folder_is_replaced(t
 
     calls = []
 
-    def fake_convert(file, folder):
+    def fake_convert(file, folder, kind="base"):
         calls.append(folder)
         time.sleep(0.3)  # long enough for the second caller to arrive while the first converts
         folder.mkdir()
