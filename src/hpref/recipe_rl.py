@@ -159,8 +159,8 @@ class PolicyConfig(_Section):
     micro_batch_tokens: int = Field(
         4096,
         ge=16,
-        description="padded tokens (prompt + answer) per forward/backward pass; a rollout's micro-batches "
-        "accumulate into one optimizer step, so this bounds memory, not the update",
+        description="padded tokens per forward/backward pass (each prompt once, plus its group's answers); a "
+        "rollout's micro-batches accumulate into one optimizer step, so this bounds memory, not the update",
     )
     rollout: PolicyRolloutOverrides = Field(
         default_factory=PolicyRolloutOverrides,

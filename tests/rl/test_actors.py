@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from hpref.recipe_rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
-from hpref.rl.policy import pad_batch, trim_completion  # noqa: E402
+from hpref.rl.policy import completion_logprobs, group_batch, pad_batch, trim_completion  # noqa: E402
 from hpref.rl.rollouts import (  # noqa: E402
     RolloutExecutor,
     StaleWeightsError,
@@ -50,6 +50,50 @@ def test_pad_batch_masks_exactly_the_completion_targets():
     assert batch["mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
 
 
+def test_group_batch_runs_each_prompt_once_and_gives_pad_batchs_logprobs_and_gradients():
+    """A prompt group's answers on its KV cache (`group_batch`) must be the same computation as each
+    answer after its own copy of the prompt (`pad_batch`): log-probs and gradients. If not, shared
+    prefixes would train another objective than the one the engine sampled from."""
+    from hpref.models.lm_adapters import apply_lora_to_causal_lm
+    from hpref.recipe_rl import PolicyModelConfig
+    from hpref.recipe_schema import LoraSection
+    from hpref.rl.policy import build_policy_model
+
+    model, tok = build_policy_model(PolicyModelConfig(**{**TINY, "num_hidden_layers": 2}))
+    pad = tok.pad_token_id
+    # prompts of unequal lengths (left padding), answers of 1 to 5 tokens (right padding), group of 3
+    heads = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    answers = [[20, 21, 22], [23], [24, 25, 26, 27, 28], [29, 30], [31], [32, 33, 34], [35], [36, 37], [38]]
+    prompts = [h for h in heads for _ in range(3)]
+    grouped = group_batch(prompts, answers, 3, pad)
+    assert grouped["prompt_ids"].shape == (3, 5) and grouped["completion_ids"].shape == (9, 5)
+    assert grouped["mask"].sum(-1).tolist() == [len(a) for a in answers]
+    assert group_batch(prompts, answers, 2, pad) is None  # rows are not whole groups of one prompt
+    assert group_batch([heads[0], heads[1]], answers[:2], 2, pad) is None
+    padded = pad_batch(prompts, answers, pad)
+    for lora in (False, True):
+        if lora:
+            apply_lora_to_causal_lm(model, LoraSection(r=4, alpha=8))
+            for name, param in model.named_parameters():  # B = 0 would hide a wrong path
+                if "lora_B" in name:
+                    torch.nn.init.normal_(param, std=0.1)
+        grads = []
+        picked = []
+        for batch in (padded, grouped):
+            model.zero_grad(set_to_none=True)
+            tokens = completion_logprobs(model, batch, 0.7)[batch["mask"].bool()]  # row by row
+            # a weight per answer token, so a token scored at the wrong place changes the gradient
+            (tokens * torch.linspace(0.5, 1.5, tokens.numel())).sum().backward()
+            picked.append(tokens.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        assert picked[0].shape == picked[1].shape == (sum(map(len, answers)),)
+        torch.testing.assert_close(picked[1], picked[0], atol=1e-5, rtol=1e-5)
+        assert grads[0].keys() == grads[1].keys() and grads[0]
+        total = sum(g.norm() ** 2 for g in grads[0].values()) ** 0.5
+        diff = sum((grads[0][n] - grads[1][n]).norm() ** 2 for n in grads[0]) ** 0.5
+        assert float(diff) < 1e-4 * float(total) + 1e-6
+
+
 def test_rollout_prompts_are_shared_and_positional():
     config = rl_config()
     source, cfg = build_prompt_source(config), config.rollout
@@ -57,6 +101,41 @@ def test_rollout_prompts_are_shared_and_positional():
     assert rollout_prompts(source, cfg, 3) != rollout_prompts(source, cfg, 4)
     assert len(rollout_prompts(source, cfg, 0)) == cfg.prompts_per_rollout
     assert all(len(p) == 1 for p in rollout_prompts(source, cfg, 0))
+
+
+def test_a_grpo_step_is_the_same_over_shared_prompts_padded_rows_and_any_micro_batching(monkeypatch):
+    """The trainer's step must not depend on how it lays the rollout out: prompt groups on a shared
+    KV cache in one batch, one group per micro-batch, or every row padded with its own prompt."""
+    import hpref.rl.trainer as trainer_module
+
+    rollout = {
+        "rollout_id": 0,
+        "group_size": 2,
+        "temperature": 1.0,
+        "rewards": [1.0, 0.0, 0.2, 0.9, 0.5, 0.4],
+        "prompt_ids": [[1, 5, 6, 7, 3, 4, 5, 6, 7]] * 2
+        + [[1, 8, 3, 4, 5, 6, 7]] * 2
+        + [[1, 9, 10, 3, 4, 5, 6, 7]] * 2,
+        "completions": [[20, 21], [22], [23, 24, 25], [26], [27, 28], [29, 30, 31, 2]],
+    }
+    rollout["logprobs"] = [[-1.0 - 0.1 * t for t in range(len(c))] for c in rollout["completions"]]
+
+    def stepped(micro_batch_tokens, share):
+        monkeypatch.setattr(trainer_module, "shares_prefix", lambda model: share)
+        cfg = rl_config(defaults={"model": TINY, "lr": 1e-2, "micro_batch_tokens": micro_batch_tokens})
+        trainer = TrainerActor("a", cfg.policies["a"], cfg.update_weights_interval)
+        stats = trainer.train(dict(rollout))
+        return stats, trainer.model.state_dict()
+
+    one_stats, one = stepped(4096, True)
+    assert one_stats["micro_batches"] == 1
+    for budget, share in ((16, True), (4096, False), (16, False)):
+        stats, other = stepped(budget, share)
+        # at 16 padded tokens every group (13-16) and every padded row (8-12) goes alone
+        assert stats["micro_batches"] == ((3 if share else 6) if budget == 16 else 1)
+        assert stats["loss"] == pytest.approx(one_stats["loss"], abs=1e-6)
+        for key, value in one.items():  # Adam moves each weight by ~lr (1e-2): a wrong step shows
+            torch.testing.assert_close(other[key], value, atol=1e-5, rtol=1e-5)
 
 
 def test_staleness_decision():

@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe_rl import PolicyModelConfig
-from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
+from hpref.rl.policy import (
+    apply_env,
+    build_policy_model,
+    encode_prompt,
+    left_padded,
+    stop_token_ids,
+    trim_completion,
+)
 
 
 class TransformersEngineConfig(BaseModel):
@@ -209,19 +216,6 @@ class EngineActor:
 
     def get_version(self) -> int:
         return self.version
-
-
-def left_padded(rows: list[list[int]], width: int, pad: int) -> tuple[Any, Any]:
-    """`[B, width]` ids and attention mask with every row's tokens at the right end, so every row's
-    continuation starts at column `width`."""
-    import torch
-
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for i, r in enumerate(rows):
-        input_ids[i, width - len(r) :] = torch.tensor(r)
-        attention[i, width - len(r) :] = 1
-    return input_ids, attention
 
 
 class EngineHost:

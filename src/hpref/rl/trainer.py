@@ -1,11 +1,12 @@
 """The trainer of one `hpref rl` policy: a GRPO step per rollout, weights for its engine, save and load.
 
 The numbers of the step (advantages, the clipped loss, the k3 KL) are `hpref.rl.algorithms`; the
-padding maths is `hpref.rl.policy.pad_batch`. The policy's model is a transformers causal LM, or with
-`trainer_backend = "megatron"` a megatron-core GPTModel (`hpref.rl.megatron_policy`) that computes
-the same log-probs and hands the engine, and a save, the transformers layout. A save is the
-trainer's state (`trainer.pt`, read back only through the run folder's restricted reader) with the
-checksums of every file beside it.
+padding maths is `hpref.rl.policy` (`group_batch`: each prompt once with its group's answers on its
+KV cache; `pad_batch` for the megatron model, which takes no cache). The policy's model is a
+transformers causal LM, or with `trainer_backend = "megatron"` a megatron-core GPTModel
+(`hpref.rl.megatron_policy`) that computes the same log-probs and hands the engine, and a save,
+the transformers layout. A save is the trainer's state (`trainer.pt`, read back only through the
+run folder's restricted reader) with the checksums of every file beside it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ from typing import Any
 
 from hpref.errors import UserError
 from hpref.recipe_rl import PolicyConfig
-from hpref.rl.policy import apply_env, build_policy_model, completion_logprobs, micro_batches, pad_batch
+from hpref.rl.policy import (
+    apply_env,
+    build_policy_model,
+    completion_logprobs,
+    group_batch,
+    micro_batches,
+    pad_batch,
+    shares_prefix,
+)
 from hpref.rl.rollouts import expected_version
 
 TRAINER_STATE = "trainer.pt"
@@ -122,9 +131,10 @@ class TrainerActor:
         """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics.
 
         A pass runs the rollout's answers in micro-batches of at most `micro_batch_tokens` padded
-        tokens (rows of similar length together, `micro_batches`) and accumulates their gradients
-        before one optimizer step. Each micro-batch's loss is weighted by its share of the rollout's
-        tokens (token-mean) or answers (sequence-mean), so the step equals the one-batch step."""
+        tokens (whole prompt groups, or rows, of similar length together: `_micro_batches`) and
+        accumulates their gradients before one optimizer step. Each micro-batch's loss is weighted
+        by its share of the rollout's tokens (token-mean) or answers (sequence-mean), so the step
+        equals the one-batch step."""
         import torch
 
         from hpref.rl.algorithms import group_advantages, policy_loss
@@ -137,21 +147,13 @@ class TrainerActor:
         cfg = self.config
         rewards = torch.tensor(rollout["rewards"], dtype=torch.float32)
         adv = group_advantages(rewards, rollout["group_size"], scale_by_std=cfg.scale_by_std)
-        prompts, completions = rollout["prompt_ids"], rollout["completions"]
-        lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-        chunks = micro_batches(lengths, cfg.micro_batch_tokens)
+        completions = rollout["completions"]
         total_tokens = max(sum(len(c) for c in completions), 1)
         batches = []
-        for rows in chunks:
-            batch = pad_batch(
-                [prompts[i] for i in rows], [completions[i] for i in rows], self.tokenizer.pad_token_id
-            )
-            old = torch.zeros_like(batch["mask"])
-            for k, i in enumerate(rows):  # the engine's (behaviour) log-probs
-                start_col = len(prompts[i]) - 1
-                old[k, start_col : start_col + len(rollout["logprobs"][i])] = torch.tensor(
-                    rollout["logprobs"][i]
-                )
+        for batch, rows in self._micro_batches(rollout):
+            # the engine's (behaviour) log-probs where the mask is 1: row by row, in token order
+            behaviour = torch.tensor([lp for i in rows for lp in rollout["logprobs"][i]], dtype=torch.float32)
+            old = torch.zeros_like(batch["mask"]).masked_scatter(batch["mask"].bool(), behaviour)
             weight = (
                 float(batch["mask"].sum()) / total_tokens
                 if cfg.aggregation == "token-mean"
@@ -203,6 +205,28 @@ class TrainerActor:
             micro_batches=float(len(batches)),
         )
         return stats
+
+    def _micro_batches(self, rollout: dict[str, Any]) -> list[tuple[dict[str, Any], list[int]]]:
+        """The rollout as (batch, its row indices) under `micro_batch_tokens` each: whole prompt
+        groups as `group_batch`es where the model takes a KV cache, else rows as `pad_batch`es."""
+        prompts, completions = rollout["prompt_ids"], rollout["completions"]
+        pad, group = self.tokenizer.pad_token_id, rollout["group_size"]
+        budget = self.config.micro_batch_tokens
+        if shares_prefix(self.model) and group_batch(prompts, completions, group, pad) is not None:
+            # a group's padded cost: its prompt once and its answers at their longest
+            answers = [completions[g : g + group] for g in range(0, len(completions), group)]
+            costs = [len(prompts[g * group]) + group * max(map(len, a)) for g, a in enumerate(answers)]
+            out = []
+            for groups in micro_batches(costs, budget):
+                rows = [g * group + j for g in sorted(groups) for j in range(group)]
+                batch = group_batch([prompts[i] for i in rows], [completions[i] for i in rows], group, pad)
+                out.append((batch, rows))
+            return out
+        lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+        return [
+            (pad_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad), rows)
+            for rows in micro_batches(lengths, budget)
+        ]
 
     def _reference_logprobs(self, batch: dict[str, Any], temperature: float) -> Any:
         """Log-probs under the frozen starting policy, or None when no KL is asked for."""
