@@ -4,8 +4,8 @@
                                            [--reward DIR] [--scorer DIR] [--out benchmarks/RL.md]
 
 What runs (all on SmolLM2-135M-Instruct with LoRA r 16 / alpha 32 on every block linear, HH-RLHF
-helpful-base prompts from ../shared, 8 prompts x 4 answers of at most 64 tokens per update, lr 5e-5,
-temperature 1, no KL term, one optimizer step per rollout):
+helpful-base prompts from ../shared, 8 prompts x 4 answers of at most 64 tokens per update, the
+recipe's learning rate (TRL gets the same), temperature 1, no KL term, one optimizer step per rollout):
 
 - `hpref-2`: `hpref rl rl-smollm2 --policies a,b` for N leader rollouts: two policies at once on one
   local Ray cluster (the shipped recipe; b samples at temperature 0.8). Each starts and ends with an
@@ -22,7 +22,8 @@ The rewards: `--reward` (default `runs/minilm-reward-export`) and `--scorer` (de
 on harmless-base (the reward) or helpful-base (the scorer), `--reward-pairs` rows each, and exported
 with `hpref save`. Per contender: wall time of the process, seconds per update (hpref: the policies'
 loop time over N updates, `drive_s / N`, start-up excluded as for TRL, whose `train()` is timed), the
-peak RSS of the process tree (hpref: the driver, every Ray actor and Ray's own daemons), the mean
+peak PSS (and RSS) of the process tree (hpref: the driver, every Ray actor and Ray's own daemons;
+PSS splits the pages they share, which summed RSS counts once per process), the mean
 1-minute load average, and the training reward of the first and last updates; hpref also the eval
 numbers. Contenders run in the order given, one at a time; the machine must be otherwise quiet.
 """
@@ -164,6 +165,13 @@ def hpref_result(run: Path, policies: str, rollouts: int, measured: dict) -> dic
     return out
 
 
+def recipe_lr() -> float:
+    """The shipped recipe's policy learning rate: TRL trains at the same one."""
+    import tomllib
+
+    return float(tomllib.loads(RECIPE.read_text())["rl"]["defaults"]["lr"])
+
+
 def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
     from hpref.builtin.prompts import PairwisePromptsConfig, build_pairwise
     from hpref.data.prompts import conversation_messages
@@ -183,7 +191,7 @@ def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
         "num_updates": rollouts,
         "max_new_tokens": 64,
         "temperature": 1.0,
-        "lr": 5e-5,
+        "lr": recipe_lr(),
         "beta": 0.0,
         "lora": {
             "r": 16,
@@ -234,7 +242,7 @@ def trl_result(got: dict, measured: dict) -> dict:
 def table(results: dict[str, dict], rollouts: int) -> list[str]:
     lines = [
         "| contender | wall (s) | loop to last update (s) | s / update | median s between updates "
-        "| peak RSS GiB | load | reward, first -> last 1/4 |",
+        "| peak PSS GiB (RSS) | load | reward, first -> last 1/4 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, r in results.items():
@@ -246,7 +254,8 @@ def table(results: dict[str, dict], rollouts: int) -> list[str]:
         lines.append(
             f"| {name} | {r['wall_s']:.0f} | {r['loop_to_last_update_s']:.0f} | "
             f"{r['seconds_per_update']:.1f} | {r['seconds_per_update_steady']:.1f} | "
-            f"{r['peak_rss_gib']:.2f} | {r['load_mean']:.2f} | {rewards} |"
+            f"{r.get('peak_pss_gib', float('nan')):.2f} ({r['peak_rss_gib']:.2f}) | "
+            f"{r['load_mean']:.2f} | {rewards} |"
         )
     evals = []
     for name, r in results.items():
