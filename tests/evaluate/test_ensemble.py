@@ -78,6 +78,30 @@ def test_fitted_weights_beat_every_member_and_equal_weights_and_both_solvers_agr
         assert fitted <= log_loss(member.probs, labels) + 1e-9
 
 
+def test_cross_fitted_blend_loss_is_honest_about_a_useless_member():
+    """Weights fitted on the rows they are scored on flatter a blend; fitted on the other folds they
+    do not. A member of pure noise on 200 rows must not look like a gain out of fold, while a
+    useful member's gain must survive. If this fails, `hpref eval --fit-weights` tells a user that
+    blending in a baseline helps when it cannot."""
+    rng = np.random.default_rng(1)
+    n = 200
+    truth = rng.dirichlet([2, 2, 2], size=n)
+    labels = np.eye(3)[[rng.choice(3, p=p) for p in truth]]
+    ids = [str(i) for i in range(n)]
+    model = _preds(ids, 0.7 * truth + 0.1, "model")
+    noise = _preds(ids, rng.dirichlet([1, 1, 1], size=n), "noise")
+    alone = log_loss(model.probs, labels)
+    in_sample = log_loss(ens.blend([model, noise], ens.fit_weights([model, noise], labels)).probs, labels)
+    out_of_fold = ens.cross_fitted_log_loss([model, noise], labels)
+    assert in_sample <= alone + 1e-12  # the model alone is a feasible blend: in sample never worse
+    assert out_of_fold > in_sample  # ... and out of fold the noise member costs something
+    # two members that err independently: their blend is closer to the truth than either
+    other = _preds(ids, 0.5 * truth + 0.5 * rng.dirichlet([1, 1, 1], size=n), "other")
+    first = _preds(ids, 0.5 * truth + 0.5 * rng.dirichlet([1, 1, 1], size=n), "first")
+    best_alone = min(log_loss(m.probs, labels) for m in (first, other))
+    assert ens.cross_fitted_log_loss([first, other], labels) < best_alone - 0.01  # a real gain survives
+
+
 def test_soft_labels_round_trip_through_the_arena_reader(tmp_path):
     """teacher predicts on unlabelled battles -> soft-label file -> `arena` reader -> same numbers."""
     battles = [dataclasses.replace(b, label=None) for b in generate_battles(40, seed=3)]

@@ -108,3 +108,21 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
     assert {"prior", "length", "bow", "n_train", "n_eval"} <= set(baselines)
     assert baselines["n_eval"] == 30 and np.isfinite(baselines["length"])
     assert baselines["prior"] < math.log(3)  # the synthetic votes are not uniform
+
+    # each baseline's eval predictions sit beside the model's, for the same battles, and blend
+    # with them through hpref eval, with an out-of-fold figure for the fitted weights
+    from hpref.evaluate.cli import eval_command
+    from hpref.prediction.files import read_predictions
+
+    run = tmp_path / "runs" / "arena"
+    model = read_predictions(run / "predictions.csv")
+    for name in ("prior", "length", "bow"):
+        baseline = read_predictions(run / "predictions" / f"baseline-{name}.csv")
+        assert sorted(baseline.ids) == sorted(model.ids) and len(model.ids) == 30
+    prior = read_predictions(run / "predictions" / "baseline-prior.csv")
+    assert np.allclose(prior.probs, prior.probs[0])  # one distribution: the train split's shares
+    out = tmp_path / "blend.csv"
+    members = [run / "predictions.csv", run / "predictions" / "baseline-length.csv"]
+    assert eval_command(None, data=data, out=out, ensemble=members, fit_weights=True, plot=False) == 0
+    metrics = json.loads(out.with_name("blend.metrics.json").read_text())
+    assert metrics["cross_fitted_log_loss"] >= metrics["log_loss"] - 1e-9 and len(metrics["weights"]) == 2

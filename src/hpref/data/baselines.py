@@ -53,17 +53,27 @@ def cheap_baselines(
     train: Sequence[Battle], evaluation: Sequence[Battle], *, bow: bool = True, max_vocab: int = 1500
 ) -> CheapBaselines:
     """Fit the baselines on labelled `train` battles and score them on labelled `evaluation`."""
+    return score_baselines(
+        baseline_probabilities(train, evaluation, bow=bow, max_vocab=max_vocab), len(train), evaluation
+    )
+
+
+def baseline_probabilities(
+    train: Sequence[Battle], evaluation: Sequence[Battle], *, bow: bool = True, max_vocab: int = 1500
+) -> dict[str, np.ndarray]:
+    """Each cheap baseline's P(A), P(B), P(tie) `[n_eval, 3]` for `evaluation`, fitted on labelled
+    `train`: "prior", "length" and (when `bow`) "bow". A run writes them as prediction files, so a
+    user can blend a model with them (`hpref eval --ensemble`)."""
     if not train or not evaluation:
         raise ValueError("the baselines need labelled battles in both the train and the eval split")
-    y_train, y_eval = labels_of(train), labels_of(evaluation)
-    prior = log_loss(np.tile(y_train.mean(axis=0), (len(evaluation), 1)), y_eval)
+    y_train = labels_of(train)
+    out = {"prior": np.tile(y_train.mean(axis=0), (len(evaluation), 1))}
 
     xl_train, xl_eval = length_features(train), length_features(evaluation)
     scale = xl_train.std(axis=0) + 1e-9
     w_len = fit_select(xl_train / scale, y_train, LENGTH_L2S)
-    length = log_loss(predict_logistic(w_len, xl_eval / scale), y_eval)
+    out["length"] = predict_logistic(w_len, xl_eval / scale)
 
-    bow_loss = None
     if bow:
         counts: Counter[str] = Counter()
         for b in train:
@@ -71,9 +81,24 @@ def cheap_baselines(
         vocab = {tok: i for i, (tok, c) in enumerate(counts.most_common(max_vocab)) if c >= 3}
         xb_train, xb_eval = _bow_features(train, vocab), _bow_features(evaluation, vocab)
         w_bow = fit_select(xb_train, y_train, BOW_L2S)
-        bow_loss = log_loss(predict_logistic(w_bow, xb_eval), y_eval)
-    shares = tuple(float(s) for s in y_eval.mean(axis=0))
-    return CheapBaselines(len(train), len(evaluation), prior, length, bow_loss, shares)  # type: ignore[arg-type]
+        out["bow"] = predict_logistic(w_bow, xb_eval)
+    return out
+
+
+def score_baselines(
+    probs: dict[str, np.ndarray], n_train: int, evaluation: Sequence[Battle]
+) -> CheapBaselines:
+    """`CheapBaselines` of `baseline_probabilities` on the labelled `evaluation` battles."""
+    y_eval = labels_of(evaluation)
+    bow = probs.get("bow")
+    return CheapBaselines(
+        n_train,
+        len(evaluation),
+        log_loss(probs["prior"], y_eval),
+        log_loss(probs["length"], y_eval),
+        None if bow is None else log_loss(bow, y_eval),
+        tuple(float(s) for s in y_eval.mean(axis=0)),  # type: ignore[arg-type]
+    )
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

@@ -140,7 +140,14 @@ def run_eval(
     """Predictions for every battle (model or ensemble), metrics when labelled; the exit code.
 
     Collective for a model under a process group: every rank predicts its share, rank 0 writes."""
-    from hpref.evaluate.ensemble import blend, labels_for, parse_weights, read_battles, write_soft_labels
+    from hpref.evaluate.ensemble import (
+        blend,
+        cross_fitted_log_loss,
+        labels_for,
+        parse_weights,
+        read_battles,
+        write_soft_labels,
+    )
     from hpref.evaluate.ensemble import fit_weights as fit
     from hpref.prediction.files import read_predictions, write_predictions
 
@@ -157,6 +164,12 @@ def run_eval(
                 raise UserError("--fit-weights needs labelled --data to fit on")
             labels, _ = labels_for(members[0], battles, source=source)
             w = fit(members, labels)
+            if len(members) > 1:  # what the fitted weights are worth on rows they did not see
+                extra["cross_fitted_log_loss"] = cross_fitted_log_loss(members, labels)
+                print(
+                    f"blend log loss with weights fitted on the other 4 of 5 folds: "
+                    f"{extra['cross_fitted_log_loss']:.4f} (the table below is in-sample)"
+                )
         else:
             w = parse_weights(weights, len(members))
         preds = blend(members, w)

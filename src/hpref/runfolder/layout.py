@@ -25,6 +25,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PREDICTIONS = "predictions.csv"
 PREDICTIONS_DIR = "predictions"
+BASELINE_PREDICTIONS = "baseline-{name}.csv"  # in PREDICTIONS_DIR: a cheap baseline's eval predictions
 LOGS = "logs"
 HEARTBEAT = "heartbeat.json"
 SAVE_NOW = "SAVE_NOW"

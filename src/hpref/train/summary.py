@@ -3,7 +3,8 @@
 Beside the run's own numbers, the eval log loss is put next to what cheap baselines reach on the
 same battles: the synthetic arena's Bayes floor and baselines when the eval source can compute them
 (`report()`), else a label-prior, length-only and bag-of-words baseline fitted on the train split
-(`hpref.data.baselines`). A baseline is a nicety: failing to compute one never fails a run.
+(`hpref.data.baselines`), whose eval predictions are written beside the model's so that `hpref eval
+--ensemble` can blend them. A baseline is a nicety: failing to compute one never fails a run.
 """
 
 from __future__ import annotations
@@ -89,15 +90,27 @@ def _cheap_baseline_rows(setup: Any, summary: dict[str, Any]) -> list[tuple[str,
     learned nothing about the answers."""
     if setup.train_source is None or setup.eval_source is None:
         return []
-    from hpref.data.baselines import cheap_baselines
+    from hpref.data.baselines import baseline_probabilities, score_baselines
+    from hpref.prediction.files import write_predictions
+    from hpref.runfolder.layout import BASELINE_PREDICTIONS, PREDICTIONS, PREDICTIONS_DIR
 
     try:
         train = [b for b in setup.train_source.battles() if b.label is not None]
         evaluation = [b for b in setup.eval_source.battles() if b.label is not None]
-        cheap = cheap_baselines(train, evaluation, bow=len(train) <= BOW_BASELINE_MAX_BATTLES)
+        probs = baseline_probabilities(train, evaluation, bow=len(train) <= BOW_BASELINE_MAX_BATTLES)
+        cheap = score_baselines(probs, len(train), evaluation)
+        ids, folder = [b.id for b in evaluation], setup.run_dir / PREDICTIONS_DIR
+        files = [
+            write_predictions(folder / BASELINE_PREDICTIONS.format(name=name), ids, p, unique_ids=False)
+            for name, p in probs.items()
+        ]
     except Exception as exc:  # a baseline is a nicety; never fail a finished run over it
         logger.warning(f"could not compute the eval baselines: {exc}")
         return []
+    logger.info(
+        f"the baselines' eval predictions, to blend with the model's ({setup.run_dir / PREDICTIONS}) "
+        f"through hpref eval --ensemble ... --fit-weights: {', '.join(str(f) for f in files)}"
+    )
     summary["baselines"] = cheap.as_dict()
     rows = [
         ("label-prior baseline", f"{cheap.prior:.4f}"),
