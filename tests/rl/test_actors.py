@@ -195,6 +195,7 @@ def test_executor_serves_in_order_and_the_trainer_steps(actors, tmp_path):
         metrics = trainers["a"].train(r0)
         assert metrics["engine_trainer_logprob_diff"] < 1e-3  # on-policy: ratio 1
         assert metrics["clip_fraction"] == 0.0
+        assert 0.05 < metrics["trainer_peak_rss_gib"] < 64  # KiB from getrusage, reported in GiB
         version, state = trainers["a"].update_weights()
         assert version == 1
         await engines["a"].begin_update.remote(version)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,9 @@ class TrainerActor:
             train_tokens_per_s=total_tokens * cfg.epochs_per_rollout / max(seconds, 1e-9),
             train_s=seconds,
             micro_batches=float(len(batches)),
+            # the trainer process's peak RSS so far: a run that grows shows it here, rollout by
+            # rollout, before a memory monitor stops it (a two-policy SmolLM2 run was, at update 19)
+            trainer_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         )
         return stats
 
