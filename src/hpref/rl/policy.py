@@ -336,6 +336,14 @@ def shares_prefix(model: Any) -> bool:
     return isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None
 
 
+def whole_groups(prompts: list[list[int]], group_size: int) -> bool:
+    """Whether the rows are consecutive groups of `group_size` answers to one prompt each (what a
+    `group_batch` needs; GRPO rollouts are laid out so)."""
+    if group_size < 1 or len(prompts) % group_size:
+        return False
+    return all(prompts[i] == prompts[i - i % group_size] for i in range(len(prompts)))
+
+
 def group_batch(
     prompts: list[list[int]], completions: list[list[int]], group_size: int, pad_id: int
 ) -> dict[str, Any] | None:
@@ -350,11 +358,9 @@ def group_batch(
     its KV cache, so a rollout costs about a quarter of the decoder tokens at group size 4."""
     import torch
 
-    if group_size < 1 or len(prompts) % group_size:
+    if not whole_groups(prompts, group_size):
         return None
     heads = prompts[::group_size]
-    if any(prompts[i] != heads[i // group_size] for i in range(len(prompts))):
-        return None
     prompt_ids, prompt_attention = left_padded(heads, max(len(p) for p in heads), pad_id)
     width = max(max(len(c) for c in completions), 1)
     completion_ids = torch.full((len(completions), width), pad_id, dtype=torch.long)

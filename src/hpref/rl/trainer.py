@@ -29,6 +29,7 @@ from hpref.rl.policy import (
     micro_batches,
     pad_batch,
     shares_prefix,
+    whole_groups,
 )
 from hpref.rl.rollouts import expected_version
 
@@ -216,7 +217,7 @@ class TrainerActor:
         prompts, completions = rollout["prompt_ids"], rollout["completions"]
         pad, group = self.tokenizer.pad_token_id, rollout["group_size"]
         budget = self.config.micro_batch_tokens
-        if shares_prefix(self.model) and group_batch(prompts, completions, group, pad) is not None:
+        if shares_prefix(self.model) and whole_groups(prompts, group):
             # a group's padded cost: its prompt once and its answers at their longest
             answers = [completions[g : g + group] for g in range(0, len(completions), group)]
             costs = [len(prompts[g * group]) + group * max(map(len, a)) for g, a in enumerate(answers)]
