@@ -20,8 +20,9 @@ recipe's learning rate (TRL gets the same), temperature 1, no KL term, one optim
 The rewards: `--reward` (default `runs/minilm-reward-export`) and `--scorer` (default
 `runs/minilm-reward-helpful-export`); a missing one is trained here with `hpref train minilm-reward`
 on harmless-base (the reward) or helpful-base (the scorer), `--reward-pairs` rows each, and exported
-with `hpref save`. Per contender: wall time of the process, seconds per update (hpref: the policies'
-loop time over N updates, `drive_s / N`, start-up excluded as for TRL, whose `train()` is timed), the
+with `hpref save`. Per contender: wall time of the process, seconds per update (hpref: the leader's
+loop time up to its last update over N, start-up and the final eval excluded as for TRL, whose
+`train()` is timed; both also the median time between consecutive updates), the
 peak PSS (and RSS) of the process tree (hpref: the driver, every Ray actor and Ray's own daemons;
 PSS splits the pages they share, which summed RSS counts once per process), the mean
 1-minute load average, and the training reward of the first and last updates; hpref also the eval
