@@ -242,7 +242,11 @@ class EngineHost:
         self.engine = component.build(config, policy=policy, model=model, env=env)
 
     def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.engine.generate(*args, **kwargs)
+        from hpref.memory import release_freed_memory
+
+        out = self.engine.generate(*args, **kwargs)
+        release_freed_memory()  # a rollout's logits and KV caches: GiBs glibc would keep (hpref.memory)
+        return out
 
     def begin_update(self, version: int) -> None:
         self.engine.begin_update(version)
@@ -251,7 +255,11 @@ class EngineHost:
         self.engine.load_weights(state)
 
     def commit_update(self) -> int:
-        return self.engine.commit_update()
+        from hpref.memory import release_freed_memory
+
+        version = self.engine.commit_update()
+        release_freed_memory()  # the staged state dict, copied into the model
+        return version
 
     def abort_update(self) -> None:
         self.engine.abort_update()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpref.errors import UserError
+from hpref.memory import release_freed_memory
 from hpref.recipe_rl import PolicyConfig
 from hpref.rl.policy import (
     apply_env,
@@ -146,6 +147,8 @@ class TrainerActor:
                 f"trainer '{self.policy}' got rollout {rollout['rollout_id']}, expected {self.rollouts_done}"
             )
         start = time.perf_counter()
+        # the last sync's merged state dict is garbage now (Ray has sent it): hand its pages back
+        release_freed_memory()
         cfg = self.config
         rewards = torch.tensor(rollout["rewards"], dtype=torch.float32)
         adv = group_advantages(rewards, rollout["group_size"], scale_by_std=cfg.scale_by_std)
@@ -199,6 +202,10 @@ class TrainerActor:
                 stats["engine_trainer_logprob_diff"] = mismatch / total_tokens
             stats.update(sums, grad_norm=float(grad_norm))
         self.rollouts_done += 1
+        # glibc keeps a step's freed activations (GiBs at micro_batch_tokens 2,048) in its heaps;
+        # without this the process sits at its largest step's peak for the rest of the run, and two
+        # trainers plus their engines outgrew a 24 GiB machine (hpref.memory, benchmarks/NOTES.md)
+        release_freed_memory()
         seconds = time.perf_counter() - start
         stats.update(
             train_tokens=float(total_tokens),

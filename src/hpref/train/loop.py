@@ -30,6 +30,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from hpref.data.packing import PackedBatch, StepSampler
+from hpref.memory import release_freed_memory
 from hpref.models.loss import soft_cross_entropy
 from hpref.prediction.files import write_predictions
 from hpref.prediction.metrics import accuracy, log_loss
@@ -38,7 +39,6 @@ from hpref.recipe import Recipe
 from hpref.train import checkpoint
 from hpref.train.data import Tokenized
 from hpref.train.head_prior import init_head_to_prior
-from hpref.train.memory import release_freed_memory
 from hpref.train.metrics import MetricsFile, Peak, peak_memory_gib, summary_table
 from hpref.train.summary import summarise, summary_rows
 
@@ -338,7 +338,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                         loss=setup.loss,
                     )
                     if setup.device.type == "cpu":
-                        release_freed_memory()  # see hpref.train.memory: flat RSS across step lengths
+                        release_freed_memory()  # see hpref.memory: flat RSS across step lengths
                     lr = setup.scheduler.get_last_lr()[0]
                     setup.scheduler.step()
                     dist.all_reduce(loss_sum, group=data_group)  # the one loss reduction of the step

@@ -208,11 +208,11 @@ def run_worker(
 
     `console=False` leaves console logging to the caller (an in-process run from the CLI, which has
     its own console handler); the per-rank log file is always written."""
+    from hpref.memory import cap_onednn_cache
     from hpref.train.checkpoint import resolve_resume
     from hpref.train.loop import fit
-    from hpref.train.memory import cap_onednn_cache
 
-    cap_onednn_cache()  # before the first matmul builds oneDNN's cache (hpref.train.memory)
+    cap_onednn_cache()  # before the first matmul builds oneDNN's cache (hpref.memory)
     rank = int(os.environ.get("RANK", "0"))
     try:
         recipe = load_recipe(recipe_path, overrides)

@@ -1,4 +1,4 @@
-"""hpref.train.memory: the two CPU settings that keep a training process's RSS flat across packed
+"""hpref.memory: the two CPU settings that keep a training process's RSS flat across packed
 steps of different lengths (see the module docstring for the measurement)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hpref.train import memory
+from hpref import memory
 
 
 def test_onednn_cache_is_capped_unless_the_user_chose(monkeypatch):
@@ -21,7 +21,7 @@ def test_onednn_cache_is_capped_unless_the_user_chose(monkeypatch):
 
 PROBE = """
 import torch
-from hpref.train import memory
+from hpref import memory
 
 def rss():
     with open("/proc/self/status") as f:
