@@ -8,8 +8,23 @@ import threading
 from typing import Any
 
 
+class LocalRef:
+    """One of the values of a `h.method.options(num_returns=n).remote(...)` call: awaitable, and
+    resolved to its value when passed to another actor's method, as Ray does with an ObjectRef."""
+
+    def __init__(self, call: Any, index: int) -> None:
+        self._call, self._index = call, index
+
+    def __await__(self) -> Any:
+        return self._value().__await__()
+
+    async def _value(self) -> Any:
+        return (await self._call)[self._index]
+
+
 class LocalActor:
-    """An in-process stand-in for a Ray actor handle: `await h.method.remote(...)`.
+    """An in-process stand-in for a Ray actor handle: `await h.method.remote(...)`, and
+    `h.method.options(num_returns=n).remote(...)` for n `LocalRef`s.
 
     Calls run one at a time, as on a Ray actor: synchronous methods in a worker thread under a
     lock, coroutine methods on the caller's event loop.
@@ -27,17 +42,32 @@ class LocalActor:
         fn = getattr(self._obj, name)
         lock = self._lock
 
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            args = tuple([await a if isinstance(a, LocalRef) else a for a in args])
+            kwargs = {k: await v if isinstance(v, LocalRef) else v for k, v in kwargs.items()}
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args, **kwargs)
+
+            def locked() -> Any:
+                with lock:
+                    return fn(*args, **kwargs)
+
+            return await asyncio.to_thread(locked)
+
         class _Method:
             @staticmethod
             def remote(*args: Any, **kwargs: Any) -> Any:
-                if inspect.iscoroutinefunction(fn):
-                    return fn(*args, **kwargs)
+                return call(*args, **kwargs)
 
-                def locked() -> Any:
-                    with lock:
-                        return fn(*args, **kwargs)
+            @staticmethod
+            def options(num_returns: int = 1) -> Any:
+                class _Split:
+                    @staticmethod
+                    def remote(*args: Any, **kwargs: Any) -> tuple[LocalRef, ...]:
+                        task = asyncio.ensure_future(call(*args, **kwargs))
+                        return tuple(LocalRef(task, i) for i in range(num_returns))
 
-                return asyncio.to_thread(locked)
+                return _Split()
 
         return _Method()
 
