@@ -62,8 +62,33 @@ def test_a_baseline_of_noise_falls_back_to_the_label_prior_instead_of_overfittin
     battles = [noise(i) for i in range(600)]
     cheap = cheap_baselines(battles[:400], battles[400:])
     assert cheap.bow is not None
-    for value in (cheap.length, cheap.bow):
+    for value in (cheap.length, cheap.style, cheap.bow):
         assert value < cheap.prior + 0.005 and value < math.log(3) + 0.005
+
+
+def test_the_style_baseline_sees_layout_that_lengths_cannot():
+    """Answers of the same length where the one laid out as a list wins, and where two answers that
+    both decline draw: the length baseline can only guess the prior, the style baseline must learn
+    both rules. If it failed, a user would compare their model with a weaker reference than the
+    answer-format features every LMSYS competitor fitted."""
+    import random
+
+    rng = random.Random(1)
+    listed = "- word word\n- word word\n- word word\n" + "word " * 3
+    plain = listed.replace("\n", " ").replace("- ", "x ")  # as many characters and words
+    refusal = "I'm sorry, but I can't help with that request here."
+
+    def battle(i: int) -> Battle:
+        kind = rng.randrange(3)
+        if kind == 2:  # both decline: a tie
+            return Battle(str(i), ("q",), (refusal,), (refusal,), (0.0, 0.0, 1.0))
+        a_lists = kind == 0
+        a, b = (listed, plain) if a_lists else (plain, listed)
+        return Battle(str(i), ("q",), (a,), (b,), (1.0, 0.0, 0.0) if a_lists else (0.0, 1.0, 0.0))
+
+    battles = [battle(i) for i in range(500)]
+    cheap = cheap_baselines(battles[:400], battles[400:], bow=False)
+    assert cheap.style < 0.2 and cheap.length > cheap.style + 0.5
 
 
 def test_on_real_arena_votes_every_baseline_beats_uniform_and_length_beats_the_prior():
@@ -84,6 +109,7 @@ def test_on_real_arena_votes_every_baseline_beats_uniform_and_length_beats_the_p
     assert len(evaluation) == 201 and cheap.prior == pytest.approx(1.095, abs=0.002)
     assert cheap.length < cheap.prior - 0.02  # 1.059 measured
     assert cheap.bow < math.log(3) - 0.02  # 1.046 measured (1.39 before cross-validation)
+    assert cheap.style < cheap.length - 0.02  # 1.020 measured: layout says more than length alone
 
 
 def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
@@ -105,7 +131,7 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
     assert run_train(tmp_path / "arena.toml", ["train.max_steps=2"], nproc_per_node=1) == 0
     summary = json.loads((tmp_path / "runs" / "arena" / "summary.json").read_text())
     baselines = summary["baselines"]
-    assert {"prior", "length", "bow", "n_train", "n_eval"} <= set(baselines)
+    assert {"prior", "length", "style", "bow", "n_train", "n_eval"} <= set(baselines)
     assert baselines["n_eval"] == 30 and np.isfinite(baselines["length"])
     assert baselines["prior"] < math.log(3)  # the synthetic votes are not uniform
 
@@ -116,7 +142,7 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
 
     run = tmp_path / "runs" / "arena"
     model = read_predictions(run / "predictions.csv")
-    for name in ("prior", "length", "bow"):
+    for name in ("prior", "length", "style", "bow"):
         baseline = read_predictions(run / "predictions" / f"baseline-{name}.csv")
         assert sorted(baseline.ids) == sorted(model.ids) and len(model.ids) == 30
     prior = read_predictions(run / "predictions" / "baseline-prior.csv")

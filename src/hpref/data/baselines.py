@@ -2,8 +2,10 @@
 
 A Kaggle LMSYS user reads a model's log loss against these, not against uniform: the *label prior*
 (the train split's label shares for every battle: what any intercept learns), the *length* baseline
-(a logistic regression on the answers' length differences: arena votes favour longer answers) and a
-*bag-of-words* baseline (a logistic regression on the difference of the two answers' word counts),
+(a logistic regression on the answers' length differences: arena votes favour longer answers), a
+*style* baseline (the same on how each answer is laid out: length, lines, list items, headers, bold
+text, code blocks, an opening refusal; the answer-format signals LMSYS competitors fed their
+feature models) and a *bag-of-words* baseline (on the difference of the two answers' word counts),
 each with its penalty chosen by cross-validation on the train split (`fit_select`).
 They need only the battles' text and labels, so they work on any data: a real arena file, chosen/
 rejected pairs, or the synthetic arena (which adds its Bayes floor on top, `hpref.data.synthetic`).
@@ -40,6 +42,7 @@ class CheapBaselines:
     length: float
     bow: float | None
     label_shares: tuple[float, float, float]  # of the eval split
+    style: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -62,8 +65,8 @@ def baseline_probabilities(
     train: Sequence[Battle], evaluation: Sequence[Battle], *, bow: bool = True, max_vocab: int = 1500
 ) -> dict[str, np.ndarray]:
     """Each cheap baseline's P(A), P(B), P(tie) `[n_eval, 3]` for `evaluation`, fitted on labelled
-    `train`: "prior", "length" and (when `bow`) "bow". A run writes them as prediction files, so a
-    user can blend a model with them (`hpref eval --ensemble`)."""
+    `train`: "prior", "length", "style" and (when `bow`) "bow". A run writes them as prediction
+    files, so a user can blend a model with them (`hpref eval --ensemble`)."""
     if not train or not evaluation:
         raise ValueError("the baselines need labelled battles in both the train and the eval split")
     y_train = labels_of(train)
@@ -73,6 +76,11 @@ def baseline_probabilities(
     scale = xl_train.std(axis=0) + 1e-9
     w_len = fit_select(xl_train / scale, y_train, LENGTH_L2S)
     out["length"] = predict_logistic(w_len, xl_eval / scale)
+
+    xs_train, xs_eval = style_features(train), style_features(evaluation)
+    centre, scale = xs_train.mean(axis=0), xs_train.std(axis=0) + 1e-9
+    w_style = fit_select((xs_train - centre) / scale, y_train, LENGTH_L2S)
+    out["style"] = predict_logistic(w_style, (xs_eval - centre) / scale)
 
     if bow:
         counts: Counter[str] = Counter()
@@ -98,6 +106,7 @@ def score_baselines(
         log_loss(probs["length"], y_eval),
         None if bow is None else log_loss(bow, y_eval),
         tuple(float(s) for s in y_eval.mean(axis=0)),  # type: ignore[arg-type]
+        None if "style" not in probs else log_loss(probs["style"], y_eval),
     )
 
 
@@ -242,6 +251,44 @@ def length_features(battles: Sequence[Battle]) -> np.ndarray:
         d = math.log1p(la) - math.log1p(lb)
         dw = (wa - wb) / 10.0
         rows.append((d, abs(d), dw, abs(dw), d * d))
+    return np.array(rows, dtype=np.float64)
+
+
+# an answer that opens by declining (looked for in its first 300 characters)
+_REFUSAL = re.compile(
+    r"\b(i'm sorry|i am sorry|i apologi[sz]e|i cannot|i can't|as an ai|i'm not able|i am not able|"
+    r"i'm unable|i am unable)\b",
+    re.IGNORECASE,
+)
+_LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s", re.MULTILINE)
+_HEADER = re.compile(r"^#{1,6}\s", re.MULTILINE)
+
+
+def _layout(turns: Sequence[str]) -> list[float]:
+    """How one answer (all its turns) is laid out: log1p of its characters, words, line breaks,
+    list items, markdown headers, bold markers and code fences, and 1.0 if it opens by declining."""
+    text = "\n".join(turns)
+    counts = (
+        len(text),
+        len(text.split()),
+        text.count("\n"),
+        len(_LIST_ITEM.findall(text)),
+        len(_HEADER.findall(text)),
+        text.count("**"),
+        text.count("```"),
+    )
+    return [math.log1p(c) for c in counts] + [float(_REFUSAL.search(text[:300]) is not None)]
+
+
+def style_features(battles: Sequence[Battle]) -> np.ndarray:
+    """Per battle: the `_layout` of A minus B's (who wins), its absolute value and their sum (how
+    alike and how long both are: close or both-short answers draw ties), whether both decline,
+    and whether the two answers are the same text."""
+    rows = []
+    for b in battles:
+        a, c = np.array(_layout(b.response_a)), np.array(_layout(b.response_b))
+        same = "\n".join(b.response_a).strip() == "\n".join(b.response_b).strip()
+        rows.append(np.concatenate([a - c, np.abs(a - c), a + c, [a[-1] * c[-1], float(same)]]))
     return np.array(rows, dtype=np.float64)
 
 

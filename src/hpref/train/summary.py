@@ -116,9 +116,11 @@ def _cheap_baseline_rows(setup: Any, summary: dict[str, Any]) -> list[tuple[str,
         ("label-prior baseline", f"{cheap.prior:.4f}"),
         ("length-only baseline", f"{cheap.length:.4f}"),
     ]
+    if cheap.style is not None:
+        rows.append(("style baseline", f"{cheap.style:.4f}"))
     if cheap.bow is not None:
         rows.append(("bag-of-words baseline", f"{cheap.bow:.4f}"))
-    best = min(v for v in (cheap.prior, cheap.length, cheap.bow) if v is not None)
+    best = min(v for v in (cheap.prior, cheap.length, cheap.style, cheap.bow) if v is not None)
     rows.append(("vs best cheap baseline", f"{summary['eval_log_loss'] - best:+.4f} nats"))
     return rows
 
