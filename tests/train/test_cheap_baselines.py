@@ -152,3 +152,8 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
     assert eval_command(None, data=data, out=out, ensemble=members, fit_weights=True, plot=False) == 0
     metrics = json.loads(out.with_name("blend.metrics.json").read_text())
     assert metrics["cross_fitted_log_loss"] >= metrics["log_loss"] - 1e-9 and len(metrics["weights"]) == 2
+    # the run's own summary blends the model with the style baseline the same way (cross-fitted)
+    style = [run / "predictions.csv", run / "predictions" / "baseline-style.csv"]
+    assert eval_command(None, data=data, out=out, ensemble=style, fit_weights=True, plot=False) == 0
+    metrics = json.loads(out.with_name("blend.metrics.json").read_text())
+    assert summary["blend_with_style"] == pytest.approx(metrics["cross_fitted_log_loss"], abs=1e-9)

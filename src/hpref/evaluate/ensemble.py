@@ -19,17 +19,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import DataError, UserError
+from hpref.prediction.blend import FitMethod, cross_fitted_mixture_loss, fit_mixture
 from hpref.prediction.files import Predictions
-from hpref.prediction.metrics import EPS, log_loss
-
-FitMethod = Literal["auto", "scipy", "eg"]
+from hpref.prediction.metrics import log_loss
 
 
 def check_same_ids(members: Sequence[Predictions]) -> None:
@@ -94,59 +92,7 @@ def blend(members: Sequence[Predictions], weights: Iterable[float] | None = None
 
 
 # --------------------------------------------------------------------------------------------------
-# fitting weights
-
-
-def _mixture_loss_and_grad(w: np.ndarray, probs: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean cross-entropy of the mixture sum_k w_k probs_k, and its gradient in w."""
-    mixed = np.clip(np.tensordot(w, probs, axes=1), EPS, None)  # [n, 3]
-    loss = float(-(labels * np.log(mixed)).sum(axis=1).mean())
-    ratio = labels / mixed  # [n, 3]
-    grad = -(probs * ratio[None]).sum(axis=2).mean(axis=1)  # [k]
-    return loss, grad
-
-
-def _fit_eg(probs: np.ndarray, labels: np.ndarray, steps: int = 2000, lr: float = 0.5) -> np.ndarray:
-    """Exponentiated gradient on the simplex: w <- w * exp(-lr * grad), renormalised.
-
-    The multiplicative update keeps every weight positive and the sum at one without a projection.
-    The gradient of the mixture loss is bounded by max(labels / mixed), so a fixed step converges;
-    the step is halved whenever the loss goes up (a safety net for near-degenerate members).
-    """
-    k = probs.shape[0]
-    w = np.full(k, 1.0 / k)
-    loss, grad = _mixture_loss_and_grad(w, probs, labels)
-    for _ in range(steps):
-        candidate = w * np.exp(-lr * (grad - grad.min()))
-        candidate /= candidate.sum()
-        new_loss, new_grad = _mixture_loss_and_grad(candidate, probs, labels)
-        if new_loss > loss + 1e-15:
-            lr /= 2
-            if lr < 1e-8:
-                break
-            continue
-        converged = loss - new_loss < 1e-13
-        w, loss, grad = candidate, new_loss, new_grad
-        if converged:
-            break
-    return w
-
-
-def _fit_scipy(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    from scipy.optimize import minimize
-
-    k = probs.shape[0]
-    result = minimize(
-        lambda w: _mixture_loss_and_grad(np.clip(w, 0, None), probs, labels),
-        np.full(k, 1.0 / k),
-        jac=True,
-        method="SLSQP",
-        bounds=[(0.0, 1.0)] * k,
-        constraints=[{"type": "eq", "fun": lambda w: w.sum() - 1.0, "jac": lambda w: np.ones_like(w)}],
-        options={"ftol": 1e-12, "maxiter": 500},
-    )
-    w = np.clip(result.x, 0.0, None)
-    return w / w.sum()
+# fitting weights (the numbers: hpref.prediction.blend)
 
 
 def fit_weights(members: Sequence[Predictions], labels: np.ndarray, method: FitMethod = "auto") -> np.ndarray:
@@ -160,7 +106,7 @@ def fit_weights(members: Sequence[Predictions], labels: np.ndarray, method: FitM
     labels = np.asarray(labels, dtype=np.float64)
     if labels.shape != probs.shape[1:]:
         raise ValueError(f"labels {labels.shape} do not match the predictions {probs.shape[1:]}")
-    w, method = _fit(probs, labels, method)
+    w, method = fit_mixture(probs, labels, method)
     logger.info(
         f"fitted blend weights {np.round(w, 4).tolist()} ({method}): log loss "
         f"{log_loss(np.tensordot(w, probs, axes=1), labels):.5f}"
@@ -171,35 +117,11 @@ def fit_weights(members: Sequence[Predictions], labels: np.ndarray, method: FitM
 def cross_fitted_log_loss(
     members: Sequence[Predictions], labels: np.ndarray, folds: int = 5, method: FitMethod = "auto"
 ) -> float:
-    """The blend's log loss when each row's weights were fitted on the other folds (row i in fold
-    i mod `folds`): what fitted weights are worth on rows they have not seen. The in-sample log
-    loss of `fit_weights` is optimistic by about (members - 1) / (2 rows) nats, enough to make a
-    useless member look like a gain on a ~200-battle eval split."""
+    """The blend's log loss when each row's weights were fitted on the other folds
+    (`hpref.prediction.blend.cross_fitted_mixture_loss`): what fitted weights are worth on rows they
+    have not seen."""
     _, probs = stack(members)
-    labels = np.asarray(labels, dtype=np.float64)
-    n = labels.shape[0]
-    folds = max(2, min(folds, n))
-    fold = np.arange(n) % folds
-    mixed = np.empty_like(labels)
-    for k in range(folds):
-        held = fold == k
-        w, _ = _fit(probs[:, ~held], labels[~held], method)
-        mixed[held] = np.tensordot(w, probs[:, held], axes=1)
-    return log_loss(mixed, labels)
-
-
-def _fit(probs: np.ndarray, labels: np.ndarray, method: FitMethod) -> tuple[np.ndarray, str]:
-    """(weights, the method used) for stacked `probs` [k, n, 3]."""
-    if probs.shape[0] == 1:
-        return np.ones(1), "one member"
-    if method == "auto":
-        try:
-            import scipy.optimize  # noqa: F401
-
-            method = "scipy"
-        except ImportError:
-            method = "eg"
-    return (_fit_scipy(probs, labels) if method == "scipy" else _fit_eg(probs, labels)), method
+    return cross_fitted_mixture_loss(probs, np.asarray(labels, dtype=np.float64), folds, method)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -122,7 +122,36 @@ def _cheap_baseline_rows(setup: Any, summary: dict[str, Any]) -> list[tuple[str,
         rows.append(("bag-of-words baseline", f"{cheap.bow:.4f}"))
     best = min(v for v in (cheap.prior, cheap.length, cheap.style, cheap.bow) if v is not None)
     rows.append(("vs best cheap baseline", f"{summary['eval_log_loss'] - best:+.4f} nats"))
+    if "style" in probs:
+        blended = _cross_fitted_blend(setup.run_dir / PREDICTIONS, ids, probs["style"], evaluation)
+        if blended is not None:
+            summary["blend_with_style"] = blended
+            rows.append(("model + style blend (cross-fitted)", f"{blended:.4f}"))
     return rows
+
+
+def _cross_fitted_blend(
+    model_file: Any, ids: list[str], baseline: Any, evaluation: list[Any]
+) -> float | None:
+    """The log loss of the model's eval predictions blended with a baseline's, each row's weights
+    fitted on the other 4 of 5 folds of the eval split (`hpref.prediction.blend`): the cheap way
+    to add what the baseline knows (answer layout, on arena votes) to what the model read, told
+    honestly (in-sample weights would flatter the blend). None when the model's file does not
+    cover exactly these battles (repeated ids): `hpref eval --ensemble` is the general tool."""
+    import numpy as np
+
+    from hpref.data.baselines import labels_of
+    from hpref.prediction.blend import cross_fitted_mixture_loss
+    from hpref.prediction.files import read_predictions
+
+    try:
+        if len(set(ids)) != len(ids):
+            return None
+        model = read_predictions(model_file).reorder(ids)
+        return cross_fitted_mixture_loss(np.stack([model.probs, baseline]), labels_of(evaluation))
+    except Exception as exc:  # a nicety, as the baselines are
+        logger.warning(f"could not blend the model with the style baseline: {exc}")
+        return None
 
 
 def _baselines(setup: Any) -> Any:
