@@ -146,9 +146,16 @@ class EngineActor:
                 **sampling,
             )
         new = out.sequences[:, width:]
-        logits = torch.stack(out.logits, dim=1)[:, : new.shape[1]].float()
         scale = 1.0 if greedy else temperature
-        logp = torch.log_softmax(logits / scale, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        # step by step: stacking every step's [rows, vocab] logits first (and their log-softmax)
+        # held two more copies of ~0.4 GB for 32 rows x 64 tokens of SmolLM2's 49k vocabulary
+        logp = torch.stack(
+            [
+                torch.log_softmax(step.float() / scale, dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+                for t, step in enumerate(out.logits[: new.shape[1]])
+            ],
+            dim=1,
+        )
         completions, logprobs = [], []
         for i in range(len(rows)):
             tokens = trim_completion(new[i].tolist(), self.stop_ids, pad)
