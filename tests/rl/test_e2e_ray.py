@@ -115,6 +115,16 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
     evals = [r for r in read_metrics(run_dir, "a") if r.get("eval")]
     assert len(evals) == 1 and math.isfinite(evals[0]["eval_true_utility"])
     assert 0.0 < evals[0]["eval_win_rate_vs_start"] < 1.0
+    # every eval's greedy answers are kept with their scores: a mean that moved can be read (#22:
+    # without them a policy's drift back to longer answers under a falling scorer was unreadable)
+    folder = run_dir / "metrics" / "eval_answers"
+    read = lambda name: [json.loads(x) for x in (folder / f"{name}.jsonl").read_text().splitlines()]  # noqa: E731
+    evaluated, start = read(f"rollout-{evals[0]['rollout']:06d}"), read("start")
+    assert sorted(r["player"] for r in evaluated) == sorted(["a", "b", "a@start", "b@start"] * 4)
+    assert all(isinstance(r["answer"], str) and r["tokens"] >= 1 and r["prompt"] for r in evaluated)
+    assert all(math.isfinite(r["reward"]) for r in evaluated)  # the training reward's score
+    at_start = [(r["player"], r["prompt"], r["answer"]) for r in evaluated if "@" in r["player"]]
+    assert sorted(at_start) == sorted((r["player"], r["prompt"], r["answer"]) for r in start)
     summary = json.loads((run_dir / "rl_summary.json").read_text())
     # the policies and their starting checkpoints are rated together, centred on 1000
     assert set(summary["leaderboard"]) == {"a", "b", "a@start", "b@start"}

@@ -173,6 +173,7 @@ async def drive(
 
     async def evaluate() -> None:
         evaluation = await handles.executor.evaluate.remote(order)
+        metrics.write_answers(f"rollout-{positions[leader]:06d}", evaluation.pop("answers", {}))
         evaluation["rollout"] = positions[leader]
         evaluation["kl"] = {p: sum(k) / len(k) for p, k in kl_since_eval.items() if k}
         result.evals.append(evaluation)

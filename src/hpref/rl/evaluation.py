@@ -73,9 +73,10 @@ def eval_report(
 def scorer_report(
     reward: Any, prompts: Sequence[tuple[str, ...]], answers: dict[str, list[str]], policies: list[str]
 ) -> dict[str, Any]:
-    """One reward component's view of an eval's answers: `means` per player, `win_rate_vs_start` per
-    policy, and `battles` for the leaderboard (pointwise scorers only; a judge's group scores are
-    relative to the group, not scores of single answers).
+    """One reward component's view of an eval's answers: `scores` (per player, one per prompt),
+    `means` per player, `win_rate_vs_start` per policy, and `battles` for the leaderboard
+    (pointwise scorers only; a judge's group scores are relative to the group, not scores of single
+    answers).
 
     `answers[player][i]` answers `prompts[i]`. A pointwise reward scores every answer once; a pairwise
     one (`reward.pairwise`) is asked each prompt's answers of all players as one group (an answer's
@@ -90,6 +91,7 @@ def scorer_report(
     if not getattr(reward, "pairwise", False):
         report = eval_report(per_player, policies, bradley_terry_expected)
         return {
+            "scores": per_player,
             "means": means,
             "win_rate_vs_start": report["win_rate_vs_start"],
             "battles": report["battles"],
@@ -100,4 +102,4 @@ def scorer_report(
             list(prompts), [[a, b] for a, b in zip(answers[p], answers[f"{p}@start"], strict=True)]
         )
         win_rates[p] = sum(float(g[0]) for g in pairs) / len(pairs)
-    return {"means": means, "win_rate_vs_start": win_rates, "battles": []}
+    return {"scores": per_player, "means": means, "win_rate_vs_start": win_rates, "battles": []}

@@ -274,6 +274,7 @@ def run_rl(
             try:
                 if config.eval_interval:  # before restore: the engines still serve the start
                     start = await handles.executor.record_start.remote(order)
+                    metrics.write_answers("start", start.pop("answers", {}))
                     if start:
                         logger.info("start: " + "; ".join(eval_line(start, f"{p}@start") for p in order))
                 starts, _record = await restore(handles, order, source)

@@ -42,6 +42,28 @@ class MetricsWriter:
             with open(self.folder / f"{policy}.jsonl", "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(row, sort_keys=True) + "\n")
 
+    def write_answers(self, name: str, answers: dict[str, list[dict[str, Any]]]) -> Path | None:
+        """An eval's greedy answers, one JSON row per (player, prompt) with its scores, to
+        `<run_dir>/metrics/eval_answers/<name>.jsonl` (`start`, or `rollout-000040`); rewritten
+        whole, so a resumed run's repeated eval replaces the first one's file."""
+        if self.folder is None or not answers:
+            return None
+        from hpref.runfolder.files import write_bytes_atomic
+
+        lines = [
+            json.dumps({"player": who, **row}, sort_keys=True, ensure_ascii=False)
+            for who, rows in answers.items()
+            for row in rows
+        ]
+        path = self.folder / EVAL_ANSWERS / f"{name}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(path, "".join(line + "\n" for line in lines).encode("utf-8"))
+        return path
+
+
+#: the folder under `metrics/` that holds each eval's answers (`MetricsWriter.write_answers`)
+EVAL_ANSWERS = "eval_answers"
+
 
 def keep_row(row: dict[str, Any], start: int) -> bool:
     """Whether a metrics row survives a resume at `start`: training rows of earlier rollouts, and

@@ -320,14 +320,27 @@ class RolloutExecutor:
             report = eval_report(utilities, policies)
         report["answer_tokens"] = {who: sum(n) / len(n) for who, n in lengths.items()}
         report["leaderboard_battles"] = report["battles"]
+        # every answer with its scores, for the run folder: a mean that moved says that something
+        # changed, the answers say what (shorter, declining, repeating: reward hacking is read here)
+        rows = {
+            who: [
+                {"prompt": list(q), "answer": a, "tokens": n}
+                for q, a, n in zip(prompts, said, lengths[who], strict=True)
+            ]
+            for who, said in answers.items()
+        }
         for name, reward in (("scorer", self.scorer), ("reward", self.reward)):
             if reward is None:
                 continue
             # a judge model's forward pass would block the event loop that serves every policy's get()
             scored = await asyncio.to_thread(scorer_report, reward, prompts, answers, policies)
             report[name] = {"means": scored["means"], "win_rate_vs_start": scored["win_rate_vs_start"]}
+            for who, scores in scored["scores"].items():
+                for row, score in zip(rows[who], scores, strict=True):
+                    row[name] = score
             if not report["leaderboard_battles"]:
                 report["leaderboard_battles"] = scored["battles"]
+        report["answers"] = rows
         return report
 
     async def save(self, folder: str) -> None:
