@@ -40,9 +40,9 @@ class CheapBaselines:
     n_eval: int
     prior: float
     length: float
+    style: float
     bow: float | None
     label_shares: tuple[float, float, float]  # of the eval split
-    style: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -104,9 +104,9 @@ def score_baselines(
         len(evaluation),
         log_loss(probs["prior"], y_eval),
         log_loss(probs["length"], y_eval),
+        log_loss(probs["style"], y_eval),
         None if bow is None else log_loss(bow, y_eval),
         tuple(float(s) for s in y_eval.mean(axis=0)),  # type: ignore[arg-type]
-        None if "style" not in probs else log_loss(probs["style"], y_eval),
     )
 
 

@@ -85,7 +85,7 @@ BOW_BASELINE_MAX_BATTLES = 20_000
 
 def _cheap_baseline_rows(setup: Any, summary: dict[str, Any]) -> list[tuple[str, str]]:
     """On data without a known floor (real arena votes, chosen/rejected pairs): the eval log loss
-    beside what the train split's label prior, answer lengths and word counts alone reach, fitted
+    beside what the train split's label prior, answer lengths, answer layout and word counts reach, fitted
     on the train split and scored on the same eval battles. A model that does not beat these has
     learned nothing about the answers."""
     if setup.train_source is None or setup.eval_source is None:
@@ -116,17 +116,15 @@ def _cheap_baseline_rows(setup: Any, summary: dict[str, Any]) -> list[tuple[str,
         ("label-prior baseline", f"{cheap.prior:.4f}"),
         ("length-only baseline", f"{cheap.length:.4f}"),
     ]
-    if cheap.style is not None:
-        rows.append(("style baseline", f"{cheap.style:.4f}"))
+    rows.append(("style baseline", f"{cheap.style:.4f}"))
     if cheap.bow is not None:
         rows.append(("bag-of-words baseline", f"{cheap.bow:.4f}"))
     best = min(v for v in (cheap.prior, cheap.length, cheap.style, cheap.bow) if v is not None)
     rows.append(("vs best cheap baseline", f"{summary['eval_log_loss'] - best:+.4f} nats"))
-    if "style" in probs:
-        blended = _cross_fitted_blend(setup.run_dir / PREDICTIONS, ids, probs["style"], evaluation)
-        if blended is not None:
-            summary["blend_with_style"] = blended
-            rows.append(("model + style blend (cross-fitted)", f"{blended:.4f}"))
+    blended = _cross_fitted_blend(setup.run_dir / PREDICTIONS, ids, probs["style"], evaluation)
+    if blended is not None:
+        summary["blend_with_style"] = blended
+        rows.append(("model + style blend (cross-fitted)", f"{blended:.4f}"))
     return rows
 
 
