@@ -50,6 +50,7 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.prompts",
     "hpref.builtin.rewards",
     "hpref.rl.engines",
+    "hpref.rl.vllm_engine",
 )
 
 

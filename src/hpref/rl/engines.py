@@ -23,6 +23,7 @@ from hpref.recipe_rl import PolicyModelConfig
 from hpref.rl.policy import (
     apply_env,
     build_policy_model,
+    cache_keyword,
     encode_prompt,
     left_padded,
     stop_token_ids,
@@ -137,7 +138,7 @@ class EngineActor:
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
-                **({"cache": cache} if cache is not None else {}),
+                **({cache_keyword(self.model): cache} if cache is not None else {}),
                 max_new_tokens=max_new_tokens,
                 pad_token_id=pad,
                 eos_token_id=self.stop_ids,

@@ -22,7 +22,7 @@ from loguru import logger
 
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
-from hpref.recipe_rl import RLConfig, rl_rewards
+from hpref.recipe_rl import RLConfig, resolve_engine, rl_rewards
 from hpref.rl.driver import DriveResult, Handles, drive, restore
 from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
@@ -77,8 +77,6 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown, pr
 
     engine_config = config.engine_config
     if engine_config is None:
-        from hpref.recipe_rl import resolve_engine
-
         engine_config = resolve_engine(config.engine)
     engine_opts = {
         "num_cpus": float(getattr(engine_config, "num_cpus", ACTOR_CPUS)),
@@ -215,6 +213,11 @@ def preflight(recipe: Any, policies: list[str]) -> Any:
 
         check_megatron_policies(config, order, where)
     check_policy_models(config, order, where)
+    # an engine may refuse policies it cannot run (vLLM: head sizes its kernels lack)
+    engine = config.engine_config or resolve_engine(config.engine, where)
+    engine_check = getattr(engine, "check_policies", None)
+    if engine_check is not None:
+        engine_check(config, order, where)
     check_reward_exports(rl_rewards(config), where)
     prompts = build_prompt_source(config)
     check_rewards_fit_prompts(config, prompts, where)

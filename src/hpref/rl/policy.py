@@ -382,6 +382,15 @@ def group_batch(
     }
 
 
+def cache_keyword(module: Any) -> str:
+    """The name `module.forward` (and `generate`) takes a KV cache under: transformers renamed
+    `past_key_values` to `cache` in 5.2x (the old name deprecated, not gone), and vLLM's CPU build
+    pins transformers below 5.20, so both must work."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def _grouped_logprobs(model: Any, batch: dict[str, Any], temperature: float) -> Any:
     """`completion_logprobs` of a `group_batch`: the prompts' forward keeps its KV cache (with its
     autograd graph, so the prompt positions' weights still get the answers' gradients), the cache is
@@ -416,8 +425,8 @@ def _grouped_logprobs(model: Any, batch: dict[str, Any], temperature: float) -> 
             input_ids=inputs,
             attention_mask=attention,
             position_ids=lengths + steps,
-            cache=cache,
             use_cache=True,
+            **{cache_keyword(decoder): cache},
         ).last_hidden_state
         last = torch.cat([last, hidden], dim=1)
     mask = batch["mask"].bool()

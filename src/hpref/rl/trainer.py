@@ -171,7 +171,7 @@ class TrainerActor:
         for epoch in range(cfg.epochs_per_rollout):
             self.optimizer.zero_grad(set_to_none=True)
             sums = dict.fromkeys(("loss", "kl", "clip_fraction", "ratio_mean"), 0.0)
-            mismatch = 0.0
+            mismatch, worst = 0.0, 0.0
             for batch in batches:
                 logp = self._logprobs(self.model, batch, rollout["temperature"])
                 out = policy_loss(
@@ -190,8 +190,10 @@ class TrainerActor:
                 sums["loss"] += float(out.loss.detach()) * batch["weight"]
                 for key in ("kl", "clip_fraction", "ratio_mean"):
                     sums[key] += float(getattr(out, key)) * share
-                if epoch == 0:
-                    mismatch += float(((logp.detach() - batch["old"]).abs() * batch["mask"]).sum())
+                if epoch == 0:  # before any step: the trainer's and the engine's view of one policy
+                    gap = (logp.detach() - batch["old"]).abs() * batch["mask"]
+                    mismatch += float(gap.sum())
+                    worst = max(worst, float(gap.max()))
             grad_norm = (
                 torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
                 if cfg.grad_clip
@@ -200,6 +202,9 @@ class TrainerActor:
             self.optimizer.step()
             if epoch == 0:
                 stats["engine_trainer_logprob_diff"] = mismatch / total_tokens
+                # the largest per-token |log importance ratio| between trainer and engine: one token
+                # far off (a bf16 engine, a stale or half-loaded weight) hides in the mean
+                stats["engine_trainer_logprob_diff_max"] = worst
             stats.update(sums, grad_norm=float(grad_norm))
         self.rollouts_done += 1
         # glibc keeps a step's freed activations (GiBs at micro_batch_tokens 2,048) in its heaps;
