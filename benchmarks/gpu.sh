@@ -143,3 +143,26 @@ print('megatron tp=2 + sequence parallel', f\"{s['tokens_per_s']:,.0f} tok/s, MF
 print('megatron pp=2', f\"{s['tokens_per_s']:,.0f} tok/s, MFU {s['mfu']:.1%}, peak mem {s['peak_memory_gib']:.1f} GiB\")" \
     || echo "megatron pp=2: hpref train failed"
 fi
+
+# 4. The vLLM rollout engine (#24) against the transformers engine on a ~1B policy: a Llama of the
+#    DECODER_1B shape (random init: speed only) saved as a causal-LM folder, 8 HH-RLHF prompts x 4
+#    answers of 64 tokens per rollout, bf16 vLLM (CUDA build: pip install -e '.[gpu,vllm]') vs
+#    transformers `generate`. Needs ../shared for the prompts. Target: vLLM >= 4x the transformers
+#    engine's generated tokens/s (it is ~7x on SmolLM2-135M on 2 CPU cores; benchmarks/README.md).
+"$PY" - "$OUT/policy-1b" <<'PYEOF'
+import sys
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from hpref.rl.policy import policy_folder
+from hpref.recipe_rl import PolicyModelConfig
+
+folder = sys.argv[1]
+config = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                     intermediate_size=8192, vocab_size=49152, max_position_embeddings=4096,
+                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+# SmolLM2's tokenizer and chat template: the prompts get the same layout as on the CPU benchmark
+AutoTokenizer.from_pretrained(policy_folder(PolicyModelConfig(name="smollm2"))).save_pretrained(folder)
+PYEOF
+"$PY" -m benchmarks.rl_engines --policy "$OUT/policy-1b" --contenders transformers,vllm-bf16 --rounds 2 \
+  --out "$OUT/rl-engines-1b.json" || echo "rl engines: benchmark failed"

@@ -1,6 +1,6 @@
 """Multi-policy RL on a real model, side by side with TRL's GRPOTrainer (issue #22).
 
-    .venv/bin/python -m benchmarks.rl_real [--rollouts N] [--contenders hpref-2,hpref-1,trl-bf16]
+    .venv/bin/python -m benchmarks.rl_real [--rollouts N] [--contenders hpref-2,hpref-1,trl-bf16,hpref-1-vllm]
                                            [--reward DIR] [--scorer DIR] [--out benchmarks/RL.md]
 
 What runs (all on SmolLM2-135M-Instruct with LoRA r 16 / alpha 32 on every block linear, HH-RLHF
@@ -11,6 +11,7 @@ recipe's learning rate (TRL gets the same), temperature 1, no KL term, one optim
   local Ray cluster (the shipped recipe; b samples at temperature 0.8). Each starts and ends with an
   eval: greedy answers to 32 held-out prompts scored by the training reward and by the second scorer.
 - `hpref-1`: the same recipe with policy a alone (what "one after the other" costs is twice this).
+- `hpref-1-vllm` / `hpref-2-vllm`: the same on the vLLM engine (`--set rl.engine.name="vllm"`, #24).
 - `trl-bf16` / `trl-fp32`: TRL's `GRPOTrainer` (`benchmarks.rl_trl`) with the same model, LoRA, prompts
   in the same order, the same reward function (the same MiniLM reward-model export, one score per
   answer), group size, answer length, learning rate and number of updates; TRL's transformers
@@ -111,8 +112,9 @@ def ensure_export(path: Path, data: Path, name: str, pairs: int, work: Path) -> 
     return path
 
 
-def run_hpref_rl(policies: str, rollouts: int, reward: Path, scorer: Path, work: Path) -> dict:
-    name = f"hpref-{len(policies.split(','))}"
+def run_hpref_rl(name: str, rollouts: int, reward: Path, scorer: Path, work: Path) -> dict:
+    """`hpref-2` / `hpref-1` (policies a,b / a), `-vllm` on the vLLM engine (#24)."""
+    policies = hpref_policies(name)
     cmd = [
         hpref_bin(), "rl", str(RECIPE), "--policies", policies,
         "--set", f'run.output_dir="{work}"', "--set", f'run.name="{name}"',
@@ -121,11 +123,17 @@ def run_hpref_rl(policies: str, rollouts: int, reward: Path, scorer: Path, work:
         "--set", f"rl.num_rollouts={rollouts}", "--set", f"rl.eval_interval={rollouts}",
         "--set", f"rl.save_interval={rollouts}",
     ]  # fmt: skip
+    if name.endswith("-vllm"):
+        cmd += ["--set", 'rl.engine.name="vllm"']
     measured = run_measured(cmd, work / f"{name}.log", timeout=4 * 3600)
     if measured["rc"] != 0:
         raise SystemExit(f"{name} failed: see {measured['log']}")
     write_json(work / f"{name}-measured.json", measured)
     return hpref_result(work / name, policies, rollouts, measured)
+
+
+def hpref_policies(name: str) -> str:
+    return "a,b" if name.startswith("hpref-2") else "a"
 
 
 def hpref_result(run: Path, policies: str, rollouts: int, measured: dict) -> dict:
@@ -159,6 +167,8 @@ def hpref_result(run: Path, policies: str, rollouts: int, measured: dict) -> dic
             ),
             "train_s_median": statistics.median(r["train_s"] for r in train),
             "gen_tokens_per_s_median": statistics.median(r["gen_tokens_per_s"] for r in train),
+            # seconds the engine spent generating each rollout (its tokens over its tokens per s)
+            "gen_s_median": statistics.median(r["gen_tokens"] / r["gen_tokens_per_s"] for r in train),
             "engine_trainer_logprob_diff": statistics.mean(r["engine_trainer_logprob_diff"] for r in train),
             **{k: v for k, v in ev.items() if k.startswith("eval_")},
         }
@@ -243,8 +253,8 @@ def trl_result(got: dict, measured: dict) -> dict:
 def table(results: dict[str, dict], rollouts: int) -> list[str]:
     lines = [
         "| contender | wall (s) | loop to last update (s) | s / update | median s between updates "
-        "| peak PSS GiB (RSS) | load | reward, first -> last 1/4 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| leader's generation s (share of a step) | peak PSS GiB (RSS) | load | reward, first -> last 1/4 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for name, r in results.items():
         policies = [p for p in ("a", "b") if p in r]
@@ -252,9 +262,11 @@ def table(results: dict[str, dict], rollouts: int) -> list[str]:
             f"{p}: {r[p]['reward_first_quarter']:+.3f} -> {r[p]['reward_last_quarter']:+.3f}"
             for p in policies
         )
+        gen = r.get("a", {}).get("gen_s_median")
+        generating = f"{gen:.1f} ({gen / r['seconds_per_update_steady']:.0%})" if gen else "-"
         lines.append(
             f"| {name} | {r['wall_s']:.0f} | {r['loop_to_last_update_s']:.0f} | "
-            f"{r['seconds_per_update']:.1f} | {r['seconds_per_update_steady']:.1f} | "
+            f"{r['seconds_per_update']:.1f} | {r['seconds_per_update_steady']:.1f} | {generating} | "
             f"{r.get('peak_pss_gib', float('nan')):.2f} ({r['peak_rss_gib']:.2f}) | "
             f"{r['load_mean']:.2f} | {rewards} |"
         )
@@ -308,16 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.contenders.split(",") if args.reread else []:
         measured = read_json(work / f"{name}-measured.json")
         if name.startswith("hpref-"):
-            policies = "a,b" if name == "hpref-2" else "a"
-            results[name] = hpref_result(work / name, policies, args.rollouts, measured)
+            results[name] = hpref_result(work / name, hpref_policies(name), args.rollouts, measured)
         else:
             results[name] = trl_result(read_json(work / f"{name}-result.json"), measured)
     for name in [] if args.reread else args.contenders.split(","):
         print(f"running {name} ...", flush=True)
-        if name == "hpref-2":
-            results[name] = run_hpref_rl("a,b", args.rollouts, reward, scorer, work)
-        elif name == "hpref-1":
-            results[name] = run_hpref_rl("a", args.rollouts, reward, scorer, work)
+        if name in ("hpref-2", "hpref-1", "hpref-2-vllm", "hpref-1-vllm"):
+            results[name] = run_hpref_rl(name, args.rollouts, reward, scorer, work)
         elif name.startswith("trl-"):
             results[name] = run_trl(name.removeprefix("trl-"), args.rollouts, reward, work)
         else:
@@ -329,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             2 * results["hpref-1"]["loop_to_last_update_s"]
         )
         lines += ["", f"two policies at once / one after the other (loop time): {ratio:.2f}"]
+    if "hpref-1" in results and "hpref-1-vllm" in results:
+        ratio = results["hpref-1-vllm"]["seconds_per_update"] / results["hpref-1"]["seconds_per_update"]
+        lines += [f"hpref-1-vllm / hpref-1 seconds per update: {ratio:.2f}"]
     for trl in [n for n in results if n.startswith("trl-")]:
         if "hpref-1" in results:
             ratio = results["hpref-1"]["seconds_per_update"] / results[trl]["seconds_per_update"]

