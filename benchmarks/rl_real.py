@@ -5,7 +5,8 @@
 
 What runs (all on SmolLM2-135M-Instruct with LoRA r 16 / alpha 32 on every block linear, HH-RLHF
 helpful-base prompts from ../shared, 8 prompts x 4 answers of at most 64 tokens per update, the
-recipe's learning rate (TRL gets the same), temperature 1, no KL term, one optimizer step per rollout):
+recipe's learning rate and KL coefficient (TRL gets the same), temperature 1, one optimizer step per
+rollout):
 
 - `hpref-2`: `hpref rl rl-smollm2 --policies a,b` for N leader rollouts: two policies at once on one
   local Ray cluster (the shipped recipe; b samples at temperature 0.8). Each starts and ends with an
@@ -18,16 +19,17 @@ recipe's learning rate (TRL gets the same), temperature 1, no KL term, one optim
   generation on the CPU; bf16 is TRL's best setting on this CPU (hpref's trainer computes in bf16
   autocast here: `precision = "auto"`), fp32 its default.
 
-The rewards: `--reward` (default `runs/minilm-reward-export`) and `--scorer` (default
-`runs/minilm-reward-helpful-export`); a missing one is trained here with `hpref train minilm-reward`
-on harmless-base (the reward) or helpful-base (the scorer), `--reward-pairs` rows each, and exported
-with `hpref save`. Per contender: wall time of the process, seconds per update (hpref: the leader's
-loop time up to its last update over N, start-up and the final eval excluded as for TRL, whose
-`train()` is timed; both also the median time between consecutive updates), the
-peak PSS (and RSS) of the process tree (hpref: the driver, every Ray actor and Ray's own daemons;
-PSS splits the pages they share, which summed RSS counts once per process), the mean
-1-minute load average, and the training reward of the first and last updates; hpref also the eval
-numbers. Contenders run in the order given, one at a time; the machine must be otherwise quiet.
+The rewards: `--reward` (default `runs/minilm-reward-helpful-f0-export`) and `--scorer` (default
+`runs/minilm-reward-helpful-f1-export`), the recipe's two: `hpref train minilm-reward` on the two
+halves of helpful-base (2 folds by prompt), so the scorer judges the same preference from data the
+reward never saw; a missing one is trained here and exported with `hpref save`. Per contender: wall
+time of the process, seconds per update (hpref: the leader's loop time up to its last update over N,
+start-up and the final eval excluded as for TRL, whose `train()` is timed; both also the median time
+between consecutive updates), the peak PSS (and RSS) of the process tree (hpref: the driver, every
+Ray actor and Ray's own daemons; PSS splits the pages they share, which summed RSS counts once per
+process), the mean 1-minute load average, and the training reward of the first and last updates;
+hpref also the eval numbers. Contenders run in the order given, one at a time; the machine must be
+otherwise quiet.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from pathlib import Path
 from benchmarks.common import REPO, python_module, read_json, run_measured, write_json
 
 HELPFUL = REPO.parent / "shared" / "data" / "hh-rlhf-helpful-base-test.jsonl.gz"
-HARMLESS = REPO.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 RECIPE = REPO / "recipes" / "rl-smollm2.toml"
 REWARD_ENV = "HPREF_BENCH_REWARD"
 
@@ -75,32 +76,28 @@ def hpref_bin() -> str:
     return str(Path(sys.executable).with_name("hpref"))
 
 
-def ensure_export(path: Path, data: Path, name: str, pairs: int, work: Path) -> Path:
-    """`path` if it holds an export; else train `minilm-reward` on `data` (`pairs` rows) and save it."""
+def ensure_export(path: Path, fold: int, work: Path) -> Path:
+    """`path` if it holds an export; else train `minilm-reward` on helpful-base with 2 folds by prompt,
+    `fold` held out (fold 0: the training reward; fold 1: the scorer, trained on the other half), as
+    `recipes/rl-smollm2.toml` says, and save it."""
     if (path / "hpref_model.json").is_file():
         return path
     runs = work / "reward-runs"
-    train = run_measured(
-        [
-            hpref_bin(),
-            "train",
-            "minilm-reward",
-            "--set",
-            f'run.name="{name}"',
-            "--set",
-            f'run.output_dir="{runs}"',
-            "--set",
-            f'dataset.train.path="{data}"',
-            "--set",
-            f'dataset.eval.path="{data}"',
-            "--set",
-            f"dataset.train.limit={pairs}",
-            "--set",
-            f"dataset.eval.limit={pairs}",
-        ],  # fmt: skip
-        work / f"{name}-train.log",
-        timeout=3600,
-    )
+    name = f"minilm-reward-helpful-f{fold}"
+    data = [f'dataset.{split}.{key}={value}' for split in ("train", "eval") for key, value in (
+        ("path", f'"{HELPFUL}"'), ("folds", 2), ("fold", fold))]  # fmt: skip
+    cmd = [
+        hpref_bin(),
+        "train",
+        "minilm-reward",
+        "--set",
+        f'run.name="{name}"',
+        "--set",
+        f'run.output_dir="{runs}"',
+    ]
+    for setting in data:
+        cmd += ["--set", setting]
+    train = run_measured(cmd, work / f"{name}-train.log", timeout=3600)
     if train["rc"] != 0:
         raise SystemExit(f"training the reward model {name} failed: see {train['log']}")
     saved = run_measured(
@@ -176,11 +173,12 @@ def hpref_result(run: Path, policies: str, rollouts: int, measured: dict) -> dic
     return out
 
 
-def recipe_lr() -> float:
-    """The shipped recipe's policy learning rate: TRL trains at the same one."""
+def recipe_defaults() -> dict:
+    """The shipped recipe's policy defaults: TRL trains at the same learning rate and KL coefficient
+    (TRL's `beta`: its k3 KL to the reference in the loss, as hpref's `kl_coef`)."""
     import tomllib
 
-    return float(tomllib.loads(RECIPE.read_text())["rl"]["defaults"]["lr"])
+    return tomllib.loads(RECIPE.read_text())["rl"]["defaults"]
 
 
 def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
@@ -202,8 +200,8 @@ def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
         "num_updates": rollouts,
         "max_new_tokens": 64,
         "temperature": 1.0,
-        "lr": recipe_lr(),
-        "beta": 0.0,
+        "lr": float(recipe_defaults()["lr"]),
+        "beta": float(recipe_defaults().get("kl_coef", 0.0)),
         "lora": {
             "r": 16,
             "alpha": 32,
@@ -299,23 +297,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, default=40, help="updates per policy")
     parser.add_argument("--contenders", default="hpref-2,hpref-1,trl-bf16")
-    parser.add_argument("--reward", type=Path, default=REPO / "runs" / "minilm-reward-export")
-    parser.add_argument("--scorer", type=Path, default=REPO / "runs" / "minilm-reward-helpful-export")
-    parser.add_argument("--reward-pairs", type=int, default=1000, help="rows read to train a missing reward")
+    parser.add_argument("--reward", type=Path, default=REPO / "runs" / "minilm-reward-helpful-f0-export")
+    parser.add_argument("--scorer", type=Path, default=REPO / "runs" / "minilm-reward-helpful-f1-export")
     parser.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
     parser.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temp folder)")
     parser.add_argument(
         "--reread", action="store_true", help="rebuild the table from the runs already in --work, run nothing"
     )
     args = parser.parse_args(argv)
-    if not HELPFUL.is_file() or not HARMLESS.is_file():
+    if not HELPFUL.is_file():
         print(f"skipped: the HH-RLHF files are not in {HELPFUL.parent}")
         return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="hpref-rl-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     if not args.reread:
-        reward = ensure_export(args.reward, HARMLESS, "minilm-reward", args.reward_pairs, work)
-        scorer = ensure_export(args.scorer, HELPFUL, "minilm-reward-helpful", args.reward_pairs, work)
+        reward = ensure_export(args.reward, 0, work)
+        scorer = ensure_export(args.scorer, 1, work)
     results: dict[str, dict] = {}
     for name in args.contenders.split(",") if args.reread else []:
         measured = read_json(work / f"{name}-measured.json")

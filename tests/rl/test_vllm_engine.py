@@ -186,3 +186,23 @@ def test_two_policies_on_vllm_stop_and_resume_exactly(cluster, tmp_path):
         math.isfinite(r["engine_trainer_logprob_diff"]) and math.isfinite(r["ratio_mean"]) for r in trained
     )
     assert any(r.get("eval") for r in rows)
+
+
+def test_tensor_parallel_engines_sync_through_their_worker_processes(cluster):
+    """tensor_parallel_size 2: vLLM's own worker processes (two on this CPU), so a sync travels as
+    bytes, not by reference; each worker must load its shard of the new weights."""
+    spec = PolicyModelConfig(**TINY_VLLM)
+    host = engine(spec, dtype="float32", tensor_parallel_size=2, num_cpus=0.5)
+    model, _ = build_policy_model(spec)
+    assert (
+        gap(model, ray.get(host.generate.remote(PROMPTS, 2, 8, TEMPERATURE, seed=1)), TEMPERATURE)[0] < 1e-4
+    )
+    torch.manual_seed(3)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    ray.get(host.begin_update.remote(1))
+    ray.get(host.load_weights.remote(state))
+    ray.get(host.commit_update.remote())
+    assert (
+        gap(model, ray.get(host.generate.remote(PROMPTS, 2, 8, TEMPERATURE, seed=2)), TEMPERATURE)[0] < 1e-4
+    )

@@ -135,9 +135,17 @@ class WeightLoader:
     """vLLM worker extension (`worker_extension_cls`): its methods are added to every vLLM worker, so
     `LLM.collective_rpc("hpref_load_weights", ...)` runs on each of them."""
 
-    def hpref_load_weights(self, state: dict[str, Any]) -> None:
+    def hpref_load_weights(self, state: dict[str, Any] | bytes) -> None:
         # vLLM's in-place reload: checkpoint names (q/k/v, gate/up are fused by the model's own
-        # loader), tensors of any dtype, processed after loading as at start-up
+        # loader), tensors of any dtype, processed after loading as at start-up. Bytes: the state
+        # as `torch.save` wrote it, for workers in other processes (vLLM's RPC turns tensors into
+        # lists); tensors only, so `weights_only` loading is safe
+        if isinstance(state, bytes):
+            import io
+
+            import torch
+
+            state = torch.load(io.BytesIO(state), weights_only=True)
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
 
 
@@ -153,6 +161,7 @@ class VLLMEngine(VersionedWeights):
     ) -> None:
         apply_env(env)
         single = config.tensor_parallel_size == 1
+        self.in_process = single
         # before vllm is imported: its settings are read from the environment once
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single else "1"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
@@ -269,7 +278,16 @@ class VLLMEngine(VersionedWeights):
             )
 
     def _reload(self, state: dict[str, Any]) -> None:
-        self.llm.collective_rpc("hpref_load_weights", args=(state,))
+        if self.in_process:  # the worker is in this process: the tensors go by reference
+            self.llm.collective_rpc("hpref_load_weights", args=(state,))
+        else:
+            import io
+
+            import torch
+
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            self.llm.collective_rpc("hpref_load_weights", args=(buffer.getvalue(),))
         # the prefix cache holds KV blocks the old weights computed: a prompt seen before the
         # update would otherwise be answered from them
         self.llm.reset_prefix_cache()
