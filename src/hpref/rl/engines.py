@@ -70,6 +70,27 @@ def register_engines(register):
 # engine
 
 
+def generation_result(
+    tokenizer: Any,
+    rows: list[list[int]],
+    completions: list[list[int]],
+    logprobs: list[list[float]],
+    version: int,
+    started: float,
+) -> dict[str, Any]:
+    """What every engine's `generate` returns (`hpref.rl.protocols.Engine`); texts are decoded by the
+    policy's own tokenizer, so every engine gives the reward the same text for the same tokens."""
+    return {
+        "prompt_ids": rows,
+        "completions": completions,
+        "logprobs": logprobs,
+        "texts": [tokenizer.decode(c, skip_special_tokens=True) for c in completions],
+        "version": version,
+        "tokens": sum(len(c) for c in completions),
+        "seconds": time.perf_counter() - started,
+    }
+
+
 class VersionedWeights:
     """The weight-update steps every engine shares (the `Engine` protocol's second half).
 
@@ -201,16 +222,7 @@ class EngineActor(VersionedWeights):
             tokens = trim_completion(new[i].tolist(), self.stop_ids, pad)
             completions.append(tokens)
             logprobs.append(logp[i, : len(tokens)].tolist())
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        return {
-            "prompt_ids": rows,
-            "completions": completions,
-            "logprobs": logprobs,
-            "texts": texts,
-            "version": self.version,
-            "tokens": sum(len(c) for c in completions),
-            "seconds": time.perf_counter() - start,
-        }
+        return generation_result(self.tokenizer, rows, completions, logprobs, self.version, start)
 
     def _prefill(self, input_ids: Any, attention: Any, group_size: int) -> Any:
         """The KV cache of every prompt but its last token, computed once per prompt and repeated for

