@@ -98,7 +98,7 @@ class VLLMEngineConfig(BaseModel):
         from hpref.errors import RecipeError
         from hpref.rl.policy import policy_skeleton
 
-        supported = cpu_head_sizes() if self.num_gpus == 0 else None
+        supported = cpu_head_sizes()
         if supported is None:
             return
         for p in policies:
@@ -113,10 +113,14 @@ class VLLMEngineConfig(BaseModel):
 
 
 def cpu_head_sizes() -> list[int] | None:
-    """The head sizes vLLM's CPU attention backend supports (None if this vLLM does not say)."""
+    """The head sizes vLLM's CPU attention backend supports, when vLLM runs on the CPU (its own
+    platform detection: the CPU build, or no accelerator); None on a GPU or if this vLLM does not say."""
     try:
+        from vllm.platforms import current_platform
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     except ImportError:
+        return None
+    if not current_platform.is_cpu():
         return None
     return list(CPUAttentionBackend.get_supported_head_sizes())
 
@@ -160,10 +164,9 @@ class VLLMEngine(VersionedWeights):
         env: dict[str, str] | None = None,
     ) -> None:
         apply_env(env)
-        single = config.tensor_parallel_size == 1
-        self.in_process = single
+        self.in_process = config.tensor_parallel_size == 1
         # before vllm is imported: its settings are read from the environment once
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single else "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         # Ray places the actors; vLLM's own binding would pin every engine to the same cores
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -178,7 +181,6 @@ class VLLMEngine(VersionedWeights):
         self.pad_id = self.tokenizer.pad_token_id
         self._folder = tempfile.TemporaryDirectory(prefix=f"hpref-vllm-{policy}-")
         start_model.config.save_pretrained(self._folder.name)  # the architecture only (see module doc)
-        started = time.perf_counter()
         self.llm = LLM(
             model=self._folder.name,
             skip_tokenizer_init=True,
@@ -186,7 +188,7 @@ class VLLMEngine(VersionedWeights):
             dtype=config.dtype,
             seed=0,
             tensor_parallel_size=config.tensor_parallel_size,
-            distributed_executor_backend="uni" if single else "mp",
+            distributed_executor_backend="uni" if self.in_process else "mp",
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
             gpu_memory_utilization=config.gpu_memory_utilization,
@@ -199,7 +201,6 @@ class VLLMEngine(VersionedWeights):
         self.shapes = {name: tuple(t.shape) for name, t in state.items()}
         self._reload(state)
         del start_model, state
-        self.start_seconds = time.perf_counter() - started
         self.version = 0
 
     def generate(
