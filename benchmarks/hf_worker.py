@@ -116,6 +116,8 @@ def main(spec_path: str, out_path: str) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
+    if spec.get("gradient_checkpointing") is not None:  # None: the trainer's own default
+        common["gradient_checkpointing"] = spec["gradient_checkpointing"]
     if reward:
         from trl import RewardConfig, RewardTrainer
 

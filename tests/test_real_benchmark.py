@@ -79,3 +79,33 @@ def test_contenders_use_the_shipped_recipes_and_their_variants(tmp_path):
     for recipe in made.values():
         assert recipe.train.epochs == 1 and recipe.train.batch_size == 8
         assert recipe.dataset.train.config.path == str(train)
+
+
+def test_hpref_is_compared_with_trls_default_and_with_trl_at_its_fastest():
+    """The headline ratio must be against the peer at its best, not only at its default (#26): with
+    TRL's default (gradient checkpointing on) slower than bf16 without it, the table gives hpref's
+    ratio to both and names the faster one; LoRA stays compared with TRL + LoRA only."""
+
+    def run(wall: float, accuracy: float = 0.6) -> dict:
+        return {
+            "accuracy": accuracy, "log_loss": 0.65, "train_s": wall - 10, "wall_s": wall,
+            "peak_rss_gib": 2.0, "load_mean": 2.0, "tokens": 100_000,
+        }  # fmt: skip
+
+    results = {
+        "hpref-reward": [run(300.0, 0.64)],
+        "trl": [run(900.0)],
+        "trl-bf16-no-gc": [run(450.0)],
+        "trl-fp32-no-gc": [run(600.0)],
+        "hpref-reward-lora": [run(320.0)],
+        "trl-lora": [run(800.0)],
+    }
+    lines = real_pairwise.table(results, n_train=900, n_eval=200)
+    ratios = [line for line in lines if " / " in line and "wall" in line]
+    assert any(line.startswith("hpref-reward / trl: wall 0.33x") for line in ratios), ratios
+    assert any(
+        line.startswith("hpref-reward / trl-bf16-no-gc (TRL at its fastest): wall 0.67x") for line in ratios
+    ), ratios
+    assert [line.split(":")[0] for line in ratios if line.startswith("hpref-reward-lora")] == [
+        "hpref-reward-lora / trl-lora"
+    ]
