@@ -410,6 +410,34 @@ def save_cmd(
     raise typer.Exit(code)
 
 
+@app.command("serve")
+def serve_cmd(
+    export: Path = typer.Argument(..., help="An export folder (hpref save): a judge or a reward model."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port."),
+    replicas: int = typer.Option(
+        1, "--replicas", min=1, help="Copies of the model, each a Ray Serve replica."
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
+    ),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="File with a bearer token every request must send."
+    ),
+    threads: int | None = typer.Option(
+        None, "--threads", min=1, help="torch threads (and Ray CPUs) per replica (default: cores / replicas)."
+    ),
+    max_batch_size: int = typer.Option(
+        32, "--max-batch-size", min=1, help="Concurrent requests scored together in one packed pass."
+    ),
+) -> None:
+    """Serve an exported judge or reward model over HTTP on Ray Serve (hpref's, OpenRLHF's, miles' shapes)."""
+    from hpref.serve.command import serve_command
+
+    options = dict(host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file)
+    raise typer.Exit(serve_command(export, **options, threads=threads, max_batch_size=max_batch_size))
+
+
 # --------------------------------------------------------------------------------------------------
 # data
 

@@ -144,16 +144,59 @@ class ExportScorer:
 
     # ------------------------------------------------------------------------------------ running
     def logits(self, battles: Sequence[Battle]) -> list[list[float]]:
-        """The model's 3 logits per battle, formatted and packed into micro-batches."""
+        """The model's 3 logits per battle, formatted and packed into micro-batches.
+
+        Each distinct sequence is scored once: a judge's battles that format alike (GRPO groups
+        repeat answers), and a reward model's sequences, which are scored alone and so can be paired
+        with any other sequence, of any battle; its battles' logits are then rebuilt from the
+        scores with the model's own tie term (`davidson_logits`).
+        """
         from hpref.data.formatting import encode_battles
+
+        encoded = encode_battles(self.formatter, battles)
+        if not self.paired:
+            unique: dict[tuple[int, ...], int] = {}
+            rows = [unique.setdefault(tuple(e.ids), len(unique)) for e in encoded]
+            scored = self._packed([(list(ids), 0) for ids in unique])
+            return [scored[r] for r in rows]
+        sequences: dict[tuple[int, ...], int] = {}
+        sides = [
+            (
+                sequences.setdefault(tuple(e.ids[: e.split]), len(sequences)),
+                sequences.setdefault(tuple(e.ids[e.split :]), len(sequences)),
+            )
+            for e in encoded
+        ]
+        order = list(sequences)
+        if len(order) % 2:
+            order.append(order[-1])  # the odd one out with itself
+        pairs = self._packed(
+            [(list(order[k]) + list(order[k + 1]), len(order[k])) for k in range(0, len(order), 2)]
+        )
+        scores = [pairs[k // 2][k % 2] for k in range(len(sequences))]
+        return self._davidson([(scores[a], scores[b]) for a, b in sides])
+
+    def _packed(self, examples: list[tuple[list[int], int]]) -> list[list[float]]:
+        """Logits of (ids, split) examples, packed as `hpref eval` packs."""
         from hpref.data.packing import TokenizedExample
         from hpref.prediction.predict import packed_logits
 
-        examples = [
-            TokenizedExample(ids=e.ids, label=None, row=i, split=e.split)
-            for i, e in enumerate(encode_battles(self.formatter, battles))
+        tokenized = [
+            TokenizedExample(ids=ids, label=None, row=i, split=split)
+            for i, (ids, split) in enumerate(examples)
         ]
-        return packed_logits(self.model, examples, micro_batch_tokens=self.micro_batch_tokens).tolist()
+        return packed_logits(self.model, tokenized, micro_batch_tokens=self.micro_batch_tokens).tolist()
+
+    def _davidson(self, pairs: list[tuple[float, float]]) -> list[list[float]]:
+        """A reward model's 3 logits of each (s_A, s_B), as its head computes them."""
+        import torch
+
+        from hpref.models.heads import davidson_logits
+
+        if not pairs:
+            return []
+        log_tie = self.model.head.log_tie.detach().float().cpu()
+        return davidson_logits(torch.tensor(pairs, dtype=torch.float32).reshape(-1), log_tie).tolist()
 
     def run(self, jobs: Sequence[ScoringJob]) -> list[Any]:
         """Every job's answer, all their battles scored in one packed pass."""
@@ -236,21 +279,17 @@ class ExportScorer:
         return ScoringJob(battles, finish)
 
     def _reward_scores(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> ScoringJob:
-        """A reward model's score of each answer with its conversation, one sequence per answer: the
-        answers go two by two into one battle (the odd one out with itself), and its first two
-        logits are the two scores (Davidson's logits are [s_A, s_B, tie])."""
-        battles, slots = [], []
-        for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
-            for k in range(0, len(answers), 2):
-                j = min(k + 1, len(answers) - 1)
-                battles.append(battle_with_answers(tuple(prompt), answers[k], answers[j], f"{g}-{k}"))
-                slots.append((g, k, j))
+        """A reward model's score of each answer with its conversation: one battle per answer, the
+        answer on both sides (`logits` scores that sequence once), its first logit the score."""
+        battles = [
+            battle_with_answers(tuple(prompt), answer, answer, f"{g}-{k}")
+            for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True))
+            for k, answer in enumerate(answers)
+        ]
 
         def finish(rows: list[list[float]]) -> list[list[float]]:
-            scores: dict[tuple[int, int], float] = {}
-            for (g, k, j), row in zip(slots, rows, strict=True):
-                scores[(g, k)], scores[(g, j)] = row[0], row[1]
-            return [[scores[(g, i)] for i in range(len(answers))] for g, answers in enumerate(groups)]
+            scores = iter(row[0] for row in rows)
+            return [[next(scores) for _ in answers] for answers in groups]
 
         return ScoringJob(battles, finish)
 
