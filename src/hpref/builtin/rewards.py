@@ -1,4 +1,4 @@
-"""Built-in reward components for `hpref rl`: `rule` and `judge`.
+"""Built-in reward components for `hpref rl`: `rule`, `judge` and `remote` (`remote_reward`).
 
 A reward's `build(config)` returns an object with
 
@@ -17,7 +17,9 @@ answer)` when they know the ground truth, for the metrics that reveal reward hac
 costs G sequences (packed two by two), not G (G - 1) pairs, and the reward is the model's scalar score,
 as in TRL or OpenRLHF; other policies' answers change nothing, so it asks for none.
 
-torch is imported inside `judge`'s build only: `hpref --help` loads this module.
+`judge` scores through `hpref.builtin.scoring.ExportScorer`, which `hpref serve` shares; `remote`
+asks such a server over HTTP. torch is imported inside `judge`'s build only: `hpref --help` loads
+this module.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hpref.builtin.remote_reward import RemoteConfig, build_remote
 from hpref.builtin.scoring import export_problem, pairwise_rewards
 from hpref.hookspecs import hookimpl
 
@@ -81,14 +84,16 @@ class JudgeConfig(_CrossPolicy):
 
 
 def check_reward_exports(rewards: dict[str, Any], where: str) -> None:
-    """Every judge reward's export exists (`rewards`: dotted key -> validated reward config, e.g.
-    {"rl.reward": ...}); a `RecipeError` of one line naming the key otherwise."""
+    """Every judge reward's export exists and every remote reward's server listens (`rewards`:
+    dotted key -> validated reward config, e.g. {"rl.reward": ...}); a `RecipeError` of one line
+    naming the key otherwise."""
     from hpref.errors import RecipeError
 
     for key, config in rewards.items():
-        problem = config.export_problem() if isinstance(config, JudgeConfig) else None
+        problem = config.export_problem() if isinstance(config, JudgeConfig | RemoteConfig) else None
         if problem:
-            raise RecipeError(f"{where}: {key}.path: {problem}")
+            field = "url" if isinstance(config, RemoteConfig) else "path"
+            raise RecipeError(f"{where}: {key}.{field}: {problem}")
 
 
 def _import_function(spec: str) -> Callable[[Prompt, str], float]:
@@ -202,3 +207,4 @@ def build_judge(config: JudgeConfig) -> JudgeReward:
 def register_rewards(register):
     register(name="rule", config=RuleConfig, build=build_rule)
     register(name="judge", config=JudgeConfig, build=build_judge)
+    register(name="remote", config=RemoteConfig, build=build_remote)

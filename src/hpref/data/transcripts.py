@@ -164,3 +164,10 @@ def parse_chat_text(text: str) -> list[tuple[str, str]] | None:
         except RowError:
             return None
     return None
+
+
+def render_chatml(messages: list[dict[str, str]], *, open_reply: bool = False) -> str:
+    """Chat messages as ChatML text (what `parse_chat_text` reads back); `open_reply` ends with the
+    assistant turn opened, as a generation prompt does."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if open_reply else "")

@@ -33,6 +33,8 @@ from starlette.exceptions import HTTPException
 from hpref.serve import shapes
 
 APP_NAME = "hpref"
+#: response header: requests scored in the same packed pass as this one (batching at work)
+BATCH_HEADER = "X-Hpref-Batch-Size"
 DEPLOYMENT = "HprefScorer"
 #: Ray Serve writes this logger to the replica's log file (stdlib: the ingress class is pickled by
 #: value with what it refers to, and loguru's handlers hold open files)
@@ -160,14 +162,20 @@ class HprefScorer:
 
     # ------------------------------------------------------------------------------------ plumbing
     def _authorized(self, request: Request) -> bool:
+        """The bearer token, or the same token as `?token=` for clients that cannot send a header
+        (OpenRLHF's and miles' post the URL they are given, nothing more)."""
         if self.settings.token is None:
             return True
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), self.settings.token)
+        if scheme.lower() != "bearer":
+            given = request.query_params.get("token", "")
+        return hmac.compare_digest(given.strip().encode(), self.settings.token.encode())
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def _run(self, jobs: list[Any]) -> list[Any]:
-        return await asyncio.to_thread(self._score, jobs)
+    async def _run(self, jobs: list[Any]) -> list[tuple[Any, int]]:
+        """Each job's result, and how many requests shared its packed pass (a response header)."""
+        results = await asyncio.to_thread(self._score, jobs)
+        return [(result, len(jobs)) for result in results]
 
     def _score(self, jobs: list[Any]) -> list[Any]:
         try:
@@ -184,7 +192,7 @@ class HprefScorer:
             limits = self.settings.limits
             payload = shapes.decode_json(await read_body(request, limits.max_request_bytes), limits)
             job, respond = parse(payload, self.scorer, limits)
-            result = await self._run(job)
+            result, batch = await self._run(job)
         except shapes.BadRequest as exc:
             return _error(exc.status, exc.message)
         except Exception as exc:  # never the replica: the client gets one line, the log the rest
@@ -192,7 +200,7 @@ class HprefScorer:
             return _error(500, f"internal error: {type(exc).__name__}")
         if isinstance(result, _Failed):
             return _error(result.status, result.message)
-        return JSONResponse(respond(result))
+        return JSONResponse(respond(result), headers={BATCH_HEADER: str(batch)})
 
     # ------------------------------------------------------------------------------------ endpoints
     @api.post("/v1/judge")
