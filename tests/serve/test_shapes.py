@@ -180,3 +180,29 @@ def test_pointwise_shapes_score_like_the_scorer(scorers):
     assert status == 422 and message.startswith(
         "labels.0: a judge export scores one response against a reference"
     )
+
+
+def test_a_job_that_cannot_be_scored_fails_alone(scorers):
+    """Jobs of one batch: a job whose battle the formatter refuses gets a 422 naming it, one that
+    breaks while answering gets a 500, and the good job between them still gets its score. Wrong if
+    one bad request failed every request that shared its batch."""
+    from hpref.builtin.scoring import ScoringJob
+    from hpref.data.records import Battle
+
+    reward = scorers["reward"]
+    good = reward.score_job([PROMPT], [["42"]])
+    refused = ScoringJob([Battle("empty", (), (), ())], lambda rows: rows)
+    broken = ScoringJob([battle_with_answers(PROMPT, "a", "b")], lambda rows: 1 / 0)
+    first, second, third = shapes.score_jobs(reward, [refused, good, broken])
+    assert isinstance(first, shapes.Failed) and first.status == 422 and "no turns" in first.message
+    assert second == [pytest.approx(reward.score_groups([PROMPT], [["42"]])[0], abs=1e-6)]
+    assert third == shapes.Failed(500, "internal error: ZeroDivisionError")
+
+
+def test_text_that_is_not_valid_unicode_is_scored_not_crashed(scorers):
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which the Rust tokenizers refuse: they are
+    replaced, as the data readers do, and the request is scored. Wrong if it became a 500."""
+    body = json.loads('{"conversation": "hi \\ud800", "answers": ["a \\udc00 b"]}')
+    job, respond = shapes.parse_score(body, scorers["reward"], Limits())
+    [score] = respond(shapes.score_jobs(scorers["reward"], [job])[0])["scores"]
+    assert isinstance(score, float)

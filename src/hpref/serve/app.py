@@ -4,8 +4,7 @@ Each replica loads the export once (`ExportScorer`), then every request is parse
 replica's event loop (`hpref.serve.shapes`) into a scoring job, and jobs meet in `_run`, Ray Serve's
 `@serve.batch`: the requests that arrive while a batch is being scored (up to `max_batch_size`, or
 `batch_wait_s` after the first) are scored together in one packed pass, in a worker thread so the
-loop keeps accepting the next batch. A batch that fails is scored again job by job, so one request
-whose text cannot be formatted fails alone, never its neighbours.
+loop keeps accepting the next batch (`shapes.score_jobs`: a request whose job fails fails alone).
 
 `/health` answers when a replica does; `/ready` when every replica the deployment wants is running
 (it says 503 while Ray Serve restarts a dead one). Both skip the bearer token, as load balancers'
@@ -55,14 +54,6 @@ class ServeSettings:
     limits: shapes.Limits = field(default_factory=shapes.Limits)
 
 
-@dataclass
-class _Failed:
-    """A job of a batch that could not be scored: its request gets `status` and this line."""
-
-    status: int
-    message: str
-
-
 api = FastAPI(title="hpref serve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
@@ -89,16 +80,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise shapes.BadRequest(413, f"request body over {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _failure(exc: Exception) -> _Failed:
-    """What a client is told when its own job could not be scored."""
-    from hpref.errors import UserError
-
-    if isinstance(exc, UserError):  # formatting refused this request's text (DataError and friends)
-        return _Failed(422, " ".join(str(exc).split()))
-    logger.exception("scoring failed")
-    return _Failed(500, f"internal error: {type(exc).__name__}")
 
 
 def running_replicas() -> int:
@@ -174,16 +155,8 @@ class HprefScorer:
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
     async def _run(self, jobs: list[Any]) -> list[tuple[Any, int]]:
         """Each job's result, and how many requests shared its packed pass (a response header)."""
-        results = await asyncio.to_thread(self._score, jobs)
+        results = await asyncio.to_thread(shapes.score_jobs, self.scorer, jobs)
         return [(result, len(jobs)) for result in results]
-
-    def _score(self, jobs: list[Any]) -> list[Any]:
-        try:
-            return self.scorer.run(jobs)
-        except Exception as exc:
-            if len(jobs) == 1:
-                return [_failure(exc)]
-        return [self._score([job])[0] for job in jobs]
 
     async def _answer(self, request: Request, parse: Any) -> JSONResponse:
         try:
@@ -198,7 +171,7 @@ class HprefScorer:
         except Exception as exc:  # never the replica: the client gets one line, the log the rest
             logger.exception("request failed")
             return _error(500, f"internal error: {type(exc).__name__}")
-        if isinstance(result, _Failed):
+        if isinstance(result, shapes.Failed):
             return _error(result.status, result.message)
         return JSONResponse(respond(result), headers={BATCH_HEADER: str(batch)})
 

@@ -34,6 +34,7 @@ they do not know (clients add some); hpref's own refuse them (a typo is a 422, n
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ from hpref.data.tables import clean_text
 from hpref.data.transcripts import parse_chat_text, parse_messages, strip_end_markers
 
 Prompt = tuple[str, ...]
+#: in a replica, Ray Serve writes this logger to the replica's log file
+logger = logging.getLogger("ray.serve")
 
 
 class BadRequest(Exception):
@@ -317,3 +320,35 @@ def parse_remote_rm(payload: dict[str, Any], scorer: Any, limits: Limits) -> tup
     references = [_reference(body.label, "label")] if scorer.kind == "judge" else None
     job = _pointwise_job([prompt], [response], references, scorer)
     return _check_job(job, limits), lambda scores: scores[0][0]
+
+
+# --------------------------------------------------------------------------------------------------
+# scoring a batch
+
+
+@dataclass
+class Failed:
+    """A job of a batch that could not be scored: its request gets `status` and this line."""
+
+    status: int
+    message: str
+
+
+def score_jobs(scorer: Any, jobs: list[Any]) -> list[Any]:
+    """Each job's result, all in one packed pass; when that fails, each job alone, so a request
+    whose text cannot be scored fails with its own `Failed` and never takes its neighbours along."""
+    try:
+        return scorer.run(jobs)
+    except Exception as exc:
+        if len(jobs) == 1:
+            return [_failure(exc)]
+    return [score_jobs(scorer, [job])[0] for job in jobs]
+
+
+def _failure(exc: Exception) -> Failed:
+    from hpref.errors import UserError
+
+    if isinstance(exc, UserError):  # the formatter refused this request's text (DataError and friends)
+        return Failed(422, " ".join(str(exc).split()))
+    logger.exception("scoring failed")
+    return Failed(500, f"internal error: {type(exc).__name__}")
