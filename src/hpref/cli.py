@@ -65,24 +65,12 @@ def plugins_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List every loaded plugin: version, distribution, hooks and the components it provides."""
-    from hpref.plugins import components_by_plugin, load_plugins, plugin_infos
+    from hpref.plugins import plugin_listing
 
-    registry = load_plugins()
-    provided = components_by_plugin()
-    rows = [
-        {
-            "name": info.name,
-            "version": info.version,
-            "distribution": info.distribution,
-            "builtin": info.builtin,
-            "hooks": list(info.hooks),
-            "components": [f"{c.kind}:{c.name}" for c in provided.get(info.name, [])],
-        }
-        for info in plugin_infos()
-    ]
-    failed = [{"name": f.name, "distribution": f.distribution, "error": f.reason} for f in registry.failed]
+    listing = plugin_listing()
+    rows, failed = listing["plugins"], listing["failed"]
     if as_json:
-        typer.echo(json.dumps({"plugins": rows, "failed": failed}, indent=2))
+        typer.echo(json.dumps(listing, indent=2))
         return
     from rich.table import Table
 
@@ -111,29 +99,10 @@ def components_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """List registered components with their parameters (name, type, default) from their config schema."""
-    from hpref.errors import ComponentError, did_you_mean
-    from hpref.plugins import KINDS, load_plugins
+    from hpref.plugins import component_kinds, component_listing
 
-    if kind is not None and kind not in KINDS:
-        singular = kind[:-1] if kind.endswith("s") else kind
-        if singular not in KINDS:
-            raise ComponentError(
-                f"unknown component kind '{kind}'{did_you_mean(kind, KINDS)}; kinds: {', '.join(KINDS)}"
-            )
-        kind = singular
-    registry = load_plugins()
-    kinds = [kind] if kind else list(KINDS)
-    listing = [
-        {
-            "kind": k,
-            "name": c.name,
-            "plugin": c.plugin,
-            "description": c.description,
-            "parameters": c.parameters(),
-        }
-        for k in kinds
-        for c in sorted(registry.components[k].values(), key=lambda c: c.name)
-    ]
+    kinds = component_kinds(kind)
+    listing = component_listing(kinds)
     if as_json:
         typer.echo(json.dumps(listing, indent=2, default=str))
         return
@@ -408,6 +377,34 @@ def save_cmd(
         adapter=adapter,
     )
     raise typer.Exit(code)
+
+
+@app.command("serve")
+def serve_cmd(
+    export: Path = typer.Argument(..., help="An export folder (hpref save): a judge or a reward model."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (default: loopback only)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port."),
+    replicas: int = typer.Option(
+        1, "--replicas", min=1, help="Copies of the model, each a Ray Serve replica."
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
+    ),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="File with a bearer token every request must send."
+    ),
+    threads: int | None = typer.Option(
+        None, "--threads", min=1, help="torch threads (and Ray CPUs) per replica (default: cores / replicas)."
+    ),
+    max_batch_size: int = typer.Option(
+        32, "--max-batch-size", min=1, help="Concurrent requests scored together in one packed pass."
+    ),
+) -> None:
+    """Serve an exported judge or reward model over HTTP on Ray Serve (hpref's, OpenRLHF's, miles' shapes)."""
+    from hpref.serve.command import serve_command
+
+    options = dict(host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file)
+    raise typer.Exit(serve_command(export, **options, threads=threads, max_batch_size=max_batch_size))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -312,6 +312,55 @@ def components_by_plugin() -> dict[str, list[Component]]:
     return out
 
 
+def plugin_listing() -> dict[str, list[dict[str, Any]]]:
+    """`hpref plugins --json`: every loaded plugin (version, distribution, hooks, components) and
+    every one that failed to load."""
+    registry = load_plugins()
+    provided = components_by_plugin()
+    rows = [
+        {
+            "name": info.name,
+            "version": info.version,
+            "distribution": info.distribution,
+            "builtin": info.builtin,
+            "hooks": list(info.hooks),
+            "components": [f"{c.kind}:{c.name}" for c in provided.get(info.name, [])],
+        }
+        for info in plugin_infos()
+    ]
+    failed = [{"name": f.name, "distribution": f.distribution, "error": f.reason} for f in registry.failed]
+    return {"plugins": rows, "failed": failed}
+
+
+def component_kinds(kind: str | None) -> list[str]:
+    """The kinds `hpref components [KIND]` lists: `kind` (singular or plural), or every kind; a
+    `ComponentError` for an unknown one."""
+    if kind is None:
+        return list(KINDS)
+    singular = kind[:-1] if kind not in KINDS and kind.endswith("s") else kind
+    if singular not in KINDS:
+        raise ComponentError(
+            f"unknown component kind '{kind}'{did_you_mean(kind, KINDS)}; kinds: {', '.join(KINDS)}"
+        )
+    return [singular]
+
+
+def component_listing(kinds: list[str]) -> list[dict[str, Any]]:
+    """`hpref components --json`: each registered component of `kinds` with its parameters."""
+    registry = load_plugins()
+    return [
+        {
+            "kind": k,
+            "name": c.name,
+            "plugin": c.plugin,
+            "description": c.description,
+            "parameters": c.parameters(),
+        }
+        for k in kinds
+        for c in sorted(registry.components[k].values(), key=lambda c: c.name)
+    ]
+
+
 def reset_plugins() -> None:
     """Forget loaded plugins (tests use this after changing HPREF_PLUGINS)."""
     _state.reset()

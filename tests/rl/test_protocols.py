@@ -54,6 +54,7 @@ def test_the_protocols_ask_for_what_the_rollout_executor_calls():
 
 
 def test_builtin_rewards_are_rewards():
+    from hpref.builtin.remote_reward import RemoteReward
     from hpref.builtin.rewards import JudgeReward, RuleReward
 
     registry = load_plugins()
@@ -63,7 +64,8 @@ def test_builtin_rewards_are_rewards():
         assert isinstance(reward, Reward) and isinstance(reward, GroundTruthReward)
     _check_class(RuleReward, GroundTruthReward)
     _check_class(JudgeReward, GroundTruthReward)  # building one needs an exported judge model
-    assert {c.name for c in registry.components["reward"].values()} >= {"rule", "judge"}
+    _check_class(RemoteReward, GroundTruthReward)  # building one needs a running server
+    assert {c.name for c in registry.components["reward"].values()} >= {"rule", "judge", "remote"}
 
 
 def test_builtin_engines_are_engines():

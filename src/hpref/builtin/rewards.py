@@ -1,4 +1,4 @@
-"""Built-in reward components for `hpref rl`: `rule` and `judge`.
+"""Built-in reward components for `hpref rl`: `rule`, `judge` and `remote` (`remote_reward`).
 
 A reward's `build(config)` returns an object with
 
@@ -17,18 +17,21 @@ answer)` when they know the ground truth, for the metrics that reveal reward hac
 costs G sequences (packed two by two), not G (G - 1) pairs, and the reward is the model's scalar score,
 as in TRL or OpenRLHF; other policies' answers change nothing, so it asks for none.
 
-torch is imported inside `judge`'s build only: `hpref --help` loads this module.
+`judge` scores through `hpref.builtin.scoring.ExportScorer`, which `hpref serve` shares; `remote`
+asks such a server over HTTP. torch is imported inside `judge`'s build only: `hpref --help` loads
+this module.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hpref.builtin.remote_reward import RemoteConfig, build_remote
+from hpref.builtin.scoring import export_problem, pairwise_rewards
 from hpref.hookspecs import hookimpl
 
 Prompt = tuple[str, ...]
@@ -77,37 +80,20 @@ class JudgeConfig(_CrossPolicy):
         """Why `path` is not an `hpref save` export on this machine, or None. Checked before any actor
         starts (`check_reward_exports`), not when the recipe is read: a shipped recipe names an
         export its user makes first, and `hpref recipes check --portable` must accept it."""
-        folder = Path(self.path).expanduser()
-        if not (folder / "hpref_model.json").is_file():
-            return (
-                f"no exported preference model at {self.path} (make one with `hpref train` then "
-                "`hpref save RUN_DIR --to DIR`)"
-            )
-        return None
+        return export_problem(self.path)
 
 
 def check_reward_exports(rewards: dict[str, Any], where: str) -> None:
-    """Every judge reward's export exists (`rewards`: dotted key -> validated reward config, e.g.
-    {"rl.reward": ...}); a `RecipeError` of one line naming the key otherwise."""
+    """Every judge reward's export exists and every remote reward's server listens (`rewards`:
+    dotted key -> validated reward config, e.g. {"rl.reward": ...}); a `RecipeError` of one line
+    naming the key otherwise."""
     from hpref.errors import RecipeError
 
     for key, config in rewards.items():
-        problem = config.export_problem() if isinstance(config, JudgeConfig) else None
+        problem = config.export_problem() if isinstance(config, JudgeConfig | RemoteConfig) else None
         if problem:
-            raise RecipeError(f"{where}: {key}.path: {problem}")
-
-
-def pairwise_rewards(n: int, win_prob: Callable[[int, int], float], total: int | None = None) -> list[float]:
-    """Reward of each of the first `n` answers: its mean `win_prob(i, j)` over every other answer `j`.
-
-    Answers `n .. total - 1` are opponents (other policies' answers to the same prompt): they are
-    judged against but get no reward. `win_prob(i, j)` is P(i beats j) + half P(tie). With nobody
-    to beat the reward is 0.5.
-    """
-    total = n if total is None else total
-    if total == 1:
-        return [0.5] * n
-    return [sum(win_prob(i, j) for j in range(total) if j != i) / (total - 1) for i in range(n)]
+            field = "url" if isinstance(config, RemoteConfig) else "path"
+            raise RecipeError(f"{where}: {key}.{field}: {problem}")
 
 
 def _import_function(spec: str) -> Callable[[Prompt, str], float]:
@@ -166,20 +152,23 @@ class RuleReward:
 
 
 class JudgeReward:
-    """An hpref preference model judging every pair of answers within a group."""
+    """An hpref preference model judging every pair of answers within a group (`ExportScorer`, which
+    `hpref serve` shares)."""
 
     def __init__(self, config: JudgeConfig) -> None:
-        from hpref.models import PreferenceModel
-        from hpref.plugins import load_plugins
+        from hpref import arena as synthetic
+        from hpref.builtin.scoring import ExportScorer
 
         self.config = config
-        self.model = PreferenceModel.from_pretrained(str(Path(config.path).expanduser())).eval()
+        self.scorer = ExportScorer.load(
+            config.path,
+            formatter=config.formatter,
+            max_length=config.max_length,
+            micro_batch_tokens=config.micro_batch_tokens,
+        )
+        self.model = self.scorer.model
         #: a scalar reward model: each answer scored alone, no pairs, no opponents
-        self.scalar = bool(getattr(self.model, "paired", False))
-        component = load_plugins().get("formatter", "answers" if self.scalar else config.formatter)
-        self.formatter = component.build(component.config(), self.model.tokenizer, config.max_length)
-        from hpref import arena as synthetic
-
+        self.scalar = self.scorer.paired
         self._synthetic = synthetic
         self.pairwise = not self.scalar
         self.wants_opponents = config.cross_policy and self.pairwise
@@ -188,62 +177,9 @@ class JudgeReward:
     def true_utility(self, prompt: Prompt, answer: str) -> float:
         return float(self._synthetic.answer_utility(prompt, answer))
 
-    def _logits(self, battles: list[Any]) -> list[list[float]]:
-        """The model's 3 logits per battle, formatted and packed into micro-batches in order."""
-        import torch
-
-        from hpref.data.formatting import encode_battles
-        from hpref.data.packing import TokenizedExample, collate
-
-        examples = [
-            TokenizedExample(ids=e.ids, label=None, row=i, split=e.split)
-            for i, e in enumerate(encode_battles(self.formatter, battles))
-        ]
-        out: list[list[float]] = []
-        start = 0
-        with torch.no_grad():
-            while start < len(examples):
-                end, tokens = start, 0
-                while end < len(examples) and (
-                    end == start or tokens + len(examples[end]) <= self.config.micro_batch_tokens
-                ):
-                    tokens += len(examples[end])
-                    end += 1
-                batch = collate(examples[start:end])
-                logits = self.model(
-                    batch.input_ids, batch.cu_seqlens, batch.position_ids, max_seqlen=batch.max_seqlen
-                )
-                out.extend(logits.float().tolist())
-                start = end
-        return out
-
     def judge_pairs(self, battles: list[Any]) -> list[tuple[float, float, float]]:
         """(p_a, p_b, p_tie) of each battle, scored in packed micro-batches."""
-        import math
-
-        probs = []
-        for row in self._logits(battles):
-            top = max(row)
-            exps = [math.exp(x - top) for x in row]
-            probs.append(tuple(x / sum(exps) for x in exps))
-        return probs  # type: ignore[return-value]
-
-    def score_answers(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> list[list[float]]:
-        """A reward model's score of each answer with its conversation, one sequence per answer: the
-        answers go two by two into one battle (the odd one out with itself), and its first two
-        logits are the two scores (Davidson's logits are [s_A, s_B, tie])."""
-        from hpref.data.prompts import battle_with_answers
-
-        battles, slots = [], []
-        for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
-            for k in range(0, len(answers), 2):
-                j = min(k + 1, len(answers) - 1)
-                battles.append(battle_with_answers(tuple(prompt), answers[k], answers[j], f"rl-{g}-{k}"))
-                slots.append((g, k, j))
-        scores: dict[tuple[int, int], float] = {}
-        for (g, k, j), row in zip(slots, self._logits(battles), strict=True):
-            scores[(g, k)], scores[(g, j)] = row[0], row[1]
-        return [[scores[(g, i)] for i in range(len(answers))] for g, answers in enumerate(groups)]
+        return self.scorer.judge_pairs(battles)
 
     def score_groups(
         self,
@@ -251,52 +187,9 @@ class JudgeReward:
         groups: Sequence[Sequence[str]],
         opponents: Sequence[Sequence[str]] | None = None,
     ) -> list[list[float]]:
-        """Within-group pairs, and each answer against each opponent, in one batched judging pass.
-
-        Opponents are only ever judged against the group's answers, never among themselves: their
-        own rewards are not needed. A reward model scores each answer alone instead (`score_answers`).
-        """
-        from hpref.data.prompts import battle_with_answers
-
-        if self.scalar:
-            return self.score_answers(prompts, groups)
-
-        battles, index = [], {}
-        for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
-            everyone = [*answers, *(opponents[g] if opponents else ())]
-            n = len(answers)
-            for i in range(len(everyone)):
-                for j in range(len(everyone)):
-                    if i == j or (i >= n and j >= n):
-                        continue
-                    # one order of a pair is enough when asymmetric; a group answer goes first
-                    if not self.config.symmetric and (j < i if (i < n and j < n) else i >= n):
-                        continue
-                    index[(g, i, j)] = len(battles)
-                    battles.append(
-                        battle_with_answers(tuple(prompt), everyone[i], everyone[j], f"rl-{g}-{i}-{j}")
-                    )
-        probs = self.judge_pairs(battles)
-        out = []
-        for g, answers in enumerate(groups):
-            total = len(answers) + (len(opponents[g]) if opponents else 0)
-
-            def win(i: int, j: int, g: int = g) -> float:
-                if (g, i, j) in index:
-                    p_a, _, p_tie = probs[index[(g, i, j)]]
-                    forward = p_a + 0.5 * p_tie
-                else:
-                    forward = None
-                if (g, j, i) in index:
-                    _, p_b, p_tie = probs[index[(g, j, i)]]
-                    backward = p_b + 0.5 * p_tie
-                else:
-                    backward = None
-                both = [x for x in (forward, backward) if x is not None]
-                return sum(both) / len(both)
-
-            out.append(pairwise_rewards(len(answers), win, total))
-        return out
+        """Within-group pairs, and each answer against each opponent, in one batched judging pass
+        (both orders of a pair when `symmetric`); a reward model scores each answer alone."""
+        return self.scorer.score_groups(prompts, groups, opponents, symmetric=self.config.symmetric)
 
 
 def build_rule(config: RuleConfig) -> RuleReward:
@@ -314,3 +207,4 @@ def build_judge(config: JudgeConfig) -> JudgeReward:
 def register_rewards(register):
     register(name="rule", config=RuleConfig, build=build_rule)
     register(name="judge", config=JudgeConfig, build=build_judge)
+    register(name="remote", config=RemoteConfig, build=build_remote)

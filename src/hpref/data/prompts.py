@@ -62,6 +62,20 @@ def conversation_messages(prompt: Prompt) -> list[dict[str, str]]:
     return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(prompt)]
 
 
+def prompt_of_messages(messages: list[tuple[str, str]]) -> Prompt:
+    """(role, text) messages ending with the user turn to answer -> a prompt (system text joins the
+    first user turn, `hpref.data.transcripts.to_turns`); () when there is no user text to answer."""
+    users, answers = to_turns(messages)
+    if not users or not users[-1].strip():
+        return ()
+    turns: list[str] = []
+    for i, user in enumerate(users):
+        turns.append(user)
+        if i < len(users) - 1:
+            turns.append(answers[i])
+    return tuple(turns)
+
+
 def battle_with_answers(prompt: Prompt, answer_a: str, answer_b: str, battle_id: str = "rl") -> Battle:
     """The battle a judge reads: the prompt's conversation, then two final answers."""
     users = prompt[0::2]

@@ -103,3 +103,71 @@ def to_turns(messages: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
         else:
             users, answers = [head], [""]
     return users, answers
+
+
+# --------------------------------------------------------------------------------------------------
+# chat-templated text, as RL frameworks send it to a reward service
+
+#: (start of a message up to its role, end of the role, end of the message) of the chat templates a
+#: policy's decoded text is found in: ChatML (Qwen, SmolLM2, ...), Llama 3, Gemma
+CHAT_TEMPLATES = (
+    ("<|im_start|>", "\n", "<|im_end|>"),
+    ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    ("<start_of_turn>", "\n", "<end_of_turn>"),
+)
+#: end-of-sequence and end-of-turn tokens a decoded answer may still carry at its end
+END_MARKERS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<eos>",
+    "</s>",
+)
+
+
+def strip_end_markers(text: str) -> str:
+    """`text` without the end-of-turn / end-of-sequence tokens (and whitespace) at its end."""
+    text = text.rstrip()
+    while True:
+        marker = next((m for m in END_MARKERS if text.endswith(m)), None)
+        if marker is None:
+            return text
+        text = text[: -len(marker)].rstrip()
+
+
+def parse_chat_text(text: str) -> list[tuple[str, str]] | None:
+    """A conversation rendered by a chat template (ChatML, Llama 3, Gemma) or as an HH-RLHF
+    transcript -> [(role, content), ...] with roles normalised; None when `text` is in none of them.
+
+    The last message may be unterminated (an answer cut at the length limit, or the empty assistant
+    turn a generation prompt opens); text outside messages (BOS tokens, a trailing EOS) is ignored.
+    """
+    for start, role_end, end in CHAT_TEMPLATES:
+        if start not in text:
+            continue
+        messages = []
+        for chunk in text.split(start)[1:]:
+            role, sep, body = chunk.partition(role_end)
+            if not sep:
+                return None
+            content = strip_end_markers(body.split(end, 1)[0]).strip()
+            messages.append({"role": role.strip(), "content": content})
+        try:
+            return parse_messages(messages, "text")
+        except RowError:
+            return None
+    if text.startswith(("Human:", "\n\nHuman:")) or HH_MARKERS[0] in text:
+        try:
+            return parse_hh_transcript(text, "text")
+        except RowError:
+            return None
+    return None
+
+
+def render_chatml(messages: list[dict[str, str]], *, open_reply: bool = False) -> str:
+    """Chat messages as ChatML text (what `parse_chat_text` reads back); `open_reply` ends with the
+    assistant turn opened, as a generation prompt does."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if open_reply else "")

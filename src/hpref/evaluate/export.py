@@ -231,6 +231,22 @@ def model_card(
     return "\n".join(lines)
 
 
+def card_metrics(card: str) -> dict[str, Any]:
+    """The eval metrics `model_card` wrote into a card's "## Eval metrics" table (numbers as numbers),
+    for readers of an export (`hpref serve`'s /info); {} when it has none."""
+    section = card.partition("## Eval metrics")[2].partition("\n## ")[0]
+    out: dict[str, Any] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or cells[0] in ("metric", "") or set(cells[0]) <= {"-"}:
+            continue
+        try:
+            out[cells[0]] = int(cells[1]) if cells[1].lstrip("-").isdigit() else float(cells[1])
+        except ValueError:
+            out[cells[0]] = cells[1]
+    return out
+
+
 def _check_export_target(to: Path, overwrite: bool) -> None:
     """`--to` must be a new or empty folder, or (with `overwrite`) an earlier hpref export: never a
     file, and never a folder holding anything else, which `--overwrite` would have deleted."""

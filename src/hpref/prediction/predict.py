@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpref.data.packing import TokenizedExample, plan_eval
+from hpref.data.packing import PackedBatch, TokenizedExample, plan_eval
 
 
 @dataclass
@@ -75,6 +75,48 @@ def _process_group() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
+def _forward(model: Any, batches: Sequence[PackedBatch], device: torch.device | str):
+    """(batch, float32 CPU logits) for each packed micro-batch, in eval mode without autograd; the
+    model's train/eval mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                moved = batch.to(device)
+                logits = model(
+                    moved.input_ids, moved.cu_seqlens, moved.position_ids, max_seqlen=moved.max_seqlen
+                )
+                yield batch, logits.float().cpu()
+    finally:
+        model.train(was_training)
+
+
+def packed_logits(
+    model: Any,
+    examples: Sequence[TokenizedExample],
+    *,
+    micro_batch_tokens: int,
+    device: torch.device | str = "cpu",
+) -> np.ndarray:
+    """The model's raw logits `[len(examples), num_labels]` (float32), in the order of `examples`, on
+    this process alone, packed as `predict` packs (the eval planner, longest first under the token
+    budget). For scorers that need more than the softmax: a reward model's scores (logits 0 and 1
+    are s_A and s_B, `hpref.models.heads.davidson_logits`)."""
+    if not examples:
+        return np.zeros((0, 3), dtype=np.float32)
+    plan = plan_eval([len(e) for e in examples], world_size=1, micro_batch_tokens=micro_batch_tokens)
+    out: np.ndarray | None = None
+    # one rank: no fillers, and micro-batch k holds the example indices for_rank(0)[k]
+    batches = _forward(model, plan.batches(0, examples), device)
+    for indices, (_, logits) in zip(plan.for_rank(0), batches, strict=True):
+        if out is None:
+            out = np.zeros((len(examples), logits.shape[-1]), dtype=np.float32)
+        out[list(indices)] = logits.numpy()
+    assert out is not None
+    return out
+
+
 def predict(
     model: Any,
     examples: Sequence[TokenizedExample],
@@ -102,23 +144,13 @@ def predict(
     flags: list[bool] = []
     scored: list[np.ndarray] = []
     tokens = 0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for batch in plan.batches(rank, examples, filler_token_id):
-                batch = batch.to(device)
-                logits = model(
-                    batch.input_ids, batch.cu_seqlens, batch.position_ids, max_seqlen=batch.max_seqlen
-                )
-                probs = torch.softmax(logits.float(), dim=-1).cpu().numpy().astype(np.float64)
-                real = (batch.rows >= 0).cpu().numpy()
-                rows.extend(batch.rows.cpu().numpy()[real].tolist())
-                flags.extend(batch.swapped.cpu().numpy()[real].tolist())
-                scored.append(probs[real])
-                tokens += batch.num_tokens
-    finally:
-        model.train(was_training)
+    for batch, logits in _forward(model, plan.batches(rank, examples, filler_token_id), device):
+        probs = torch.softmax(logits, dim=-1).numpy().astype(np.float64)
+        real = (batch.rows >= 0).numpy()
+        rows.extend(batch.rows.numpy()[real].tolist())
+        flags.extend(batch.swapped.numpy()[real].tolist())
+        scored.append(probs[real])
+        tokens += batch.num_tokens
     local_probs = np.concatenate(scored) if scored else np.zeros((0, 3))
     if distributed:
         import torch.distributed as dist

@@ -1,0 +1,210 @@
+"""The Ray Serve deployment behind `hpref serve`: one replica = one loaded export behind FastAPI.
+
+Each replica loads the export once (`ExportScorer`), then every request is parsed and checked on the
+replica's event loop (`hpref.serve.shapes`) into a scoring job, and jobs meet in `_run`, Ray Serve's
+`@serve.batch`: the requests that arrive while a batch is being scored (up to `max_batch_size`, or
+`batch_wait_s` after the first) are scored together in one packed pass, in a worker thread so the
+loop keeps accepting the next batch (`shapes.score_jobs`: a request whose job fails fails alone).
+
+`/health` answers when a replica does; `/ready` when every replica the deployment wants is running
+(it says 503 while Ray Serve restarts a dead one). Both skip the bearer token, as load balancers'
+probes send none; everything else needs it when `--token-file` was given.
+
+Imported only by `hpref serve` (it imports Ray Serve and FastAPI at the top: Ray Serve's ingress
+decorates the class when the module loads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException
+
+from hpref.serve import shapes
+
+APP_NAME = "hpref"
+#: response header: requests scored in the same packed pass as this one (batching at work)
+BATCH_HEADER = "X-Hpref-Batch-Size"
+DEPLOYMENT = "HprefScorer"
+#: Ray Serve writes this logger to the replica's log file (stdlib: the ingress class is pickled by
+#: value with what it refers to, and loguru's handlers hold open files)
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything a replica needs, chosen by `hpref serve`'s options."""
+
+    export: str
+    replicas: int = 1
+    threads: int = 1
+    max_batch_size: int = 32
+    batch_wait_s: float = 0.005
+    micro_batch_tokens: int = 16384
+    token: str | None = field(default=None, repr=False)
+    limits: shapes.Limits = field(default_factory=shapes.Limits)
+
+
+api = FastAPI(title="hpref serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    # unknown paths and methods answer in the same one-line shape as every other refusal
+    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is longer than `limit`, declared or streamed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise shapes.BadRequest(413, f"request body over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise shapes.BadRequest(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def running_replicas() -> int:
+    """Replicas of this deployment Ray Serve reports as running."""
+    status = serve.status().applications.get(APP_NAME)
+    deployment = status.deployments.get(DEPLOYMENT) if status is not None else None
+    if deployment is None:
+        return 0
+    return int(sum(n for state, n in deployment.replica_states.items() if str(state).endswith("RUNNING")))
+
+
+def export_info(settings: ServeSettings, scorer: Any) -> dict[str, Any]:
+    """`/info`: what the export's model card and metadata say, and what this service accepts."""
+    from hpref import __version__
+    from hpref.evaluate.export import MODEL_CARD, card_metrics
+
+    meta = scorer.settings
+    card = Path(settings.export) / MODEL_CARD
+    return {
+        "model": os.path.basename(os.path.normpath(settings.export)),
+        "kind": scorer.kind,
+        "head": meta.get("head", "judge"),
+        "pooling": meta.get("pooling"),
+        "formatter": getattr(scorer.formatter, "name", None),
+        "max_length": getattr(scorer.formatter, "max_length", None),
+        "labels": meta.get("labels", ["winner_model_a", "winner_model_b", "winner_tie"]),
+        "tie_log_nu": meta.get("tie_log_nu"),
+        "step": meta.get("step"),
+        "dtype": meta.get("dtype"),
+        "lora": meta.get("lora"),
+        "metrics": card_metrics(card.read_text(encoding="utf-8")) if card.is_file() else {},
+        "hpref_version": __version__,
+        "endpoints": ["/v1/judge", "/v1/score", "/get_reward", "/remote_rm", "/info", "/health", "/ready"],
+        "replicas": settings.replicas,
+        "max_batch_size": settings.max_batch_size,
+        "limits": asdict(settings.limits),
+    }
+
+
+# the class last: Ray Serve pickles it (by value) when it is decorated, with the module's names
+# defined so far
+@serve.deployment(name=DEPLOYMENT, health_check_period_s=2.0, health_check_timeout_s=30.0)
+@serve.ingress(api)
+class HprefScorer:
+    def __init__(self, settings: ServeSettings) -> None:
+        import torch
+
+        from hpref.builtin.scoring import ExportScorer
+        from hpref.logs import setup_logging
+
+        # warnings only on the replica's console (transformers' load report goes to DEBUG)
+        setup_logging(console=True, level="WARNING")
+        torch.set_num_threads(settings.threads)
+        self.settings = settings
+        self.scorer = ExportScorer.load(settings.export, micro_batch_tokens=settings.micro_batch_tokens)
+        self._run.set_max_batch_size(settings.max_batch_size)
+        self._run.set_batch_wait_timeout_s(settings.batch_wait_s)
+        self.info = export_info(settings, self.scorer)
+        # the first forward pays one-time costs (allocator, oneDNN kernels); not a client's request
+        self.scorer.run([self.scorer.judge_job(("warm-up",), "a", "b", swap=False)])
+
+    # ------------------------------------------------------------------------------------ plumbing
+    def _authorized(self, request: Request) -> bool:
+        """The bearer token, or the same token as `?token=` for clients that cannot send a header
+        (OpenRLHF's and miles' post the URL they are given, nothing more)."""
+        if self.settings.token is None:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = request.query_params.get("token", "")
+        return hmac.compare_digest(given.strip().encode(), self.settings.token.encode())
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def _run(self, jobs: list[Any]) -> list[tuple[Any, int]]:
+        """Each job's result, and how many requests shared its packed pass (a response header)."""
+        results = await asyncio.to_thread(shapes.score_jobs, self.scorer, jobs)
+        return [(result, len(jobs)) for result in results]
+
+    async def _answer(self, request: Request, parse: Any) -> JSONResponse:
+        try:
+            if not self._authorized(request):
+                return _error(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
+            limits = self.settings.limits
+            payload = shapes.decode_json(await read_body(request, limits.max_request_bytes), limits)
+            job, respond = parse(payload, self.scorer, limits)
+            result, batch = await self._run(job)
+        except shapes.BadRequest as exc:
+            return _error(exc.status, exc.message)
+        except Exception as exc:  # never the replica: the client gets one line, the log the rest
+            logger.exception("request failed")
+            return _error(500, f"internal error: {type(exc).__name__}")
+        if isinstance(result, shapes.Failed):
+            return _error(result.status, result.message)
+        return JSONResponse(respond(result), headers={BATCH_HEADER: str(batch)})
+
+    # ------------------------------------------------------------------------------------ endpoints
+    @api.post("/v1/judge")
+    async def judge(self, request: Request) -> JSONResponse:
+        return await self._answer(request, shapes.parse_judge)
+
+    @api.post("/v1/score")
+    async def score(self, request: Request) -> JSONResponse:
+        return await self._answer(request, shapes.parse_score)
+
+    @api.post("/get_reward")
+    async def get_reward(self, request: Request) -> JSONResponse:
+        return await self._answer(request, shapes.parse_get_reward)
+
+    @api.post("/remote_rm")
+    async def remote_rm(self, request: Request) -> JSONResponse:
+        return await self._answer(request, shapes.parse_remote_rm)
+
+    @api.get("/info")
+    async def get_info(self, request: Request) -> JSONResponse:
+        if not self._authorized(request):
+            return _error(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
+        return JSONResponse(self.info)
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/ready")
+    async def ready(self) -> JSONResponse:
+        running = await asyncio.to_thread(running_replicas)
+        wanted = self.settings.replicas
+        body = {"ready": running >= wanted, "replicas_running": running, "replicas_wanted": wanted}
+        return JSONResponse(body, status_code=200 if running >= wanted else 503)

@@ -1,0 +1,154 @@
+"""`hpref serve EXPORT`: check what the user asked for, start or join Ray, deploy, wait for Ctrl-C.
+
+Everything a user can get wrong is checked before Ray starts (a one-line `UserError`, exit 2): the
+export, the token file, the port (on this machine), replicas x threads against this machine's
+cores, and that Ray Serve is installed. A local Ray cluster listens on loopback only
+(`hpref.rl.ray_cluster.connect_ray`, as `hpref rl` starts it); `--ray-address` joins a cluster,
+whose nodes must have hpref installed, and then only this application is removed on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from hpref.errors import UserError
+from hpref.rl.ray_cluster import LOOPBACK_HOSTS
+
+SERVE_EXTRA = "pip install 'hpref[serve]'"
+
+
+def read_token(path: Path | None) -> str | None:
+    """The bearer token in `--token-file` (surrounding whitespace dropped), or None without one."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).expanduser().read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise UserError(f"--token-file {path}: cannot read it ({reason})") from None
+    if not token:
+        raise UserError(f"--token-file {path}: is empty; put the token clients will send in it")
+    if any(c.isspace() for c in token):
+        raise UserError(f"--token-file {path}: the token contains whitespace; use one word")
+    return token
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A clear error now rather than a Ray Serve proxy that retries binding forever."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UserError(
+                f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); pick another port"
+            ) from None
+
+
+def _require_ray_serve() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import ray.serve  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"hpref serve needs Ray Serve ({exc.name} is missing): {SERVE_EXTRA}") from None
+
+
+def serve_command(
+    export: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    replicas: int = 1,
+    ray_address: str | None = None,
+    token_file: Path | None = None,
+    threads: int | None = None,
+    max_batch_size: int = 32,
+) -> int:
+    from hpref.builtin.scoring import export_problem
+
+    problem = export_problem(export)
+    if problem:
+        raise UserError(f"EXPORT: {problem}")
+    token = read_token(token_file)
+    cores = os.cpu_count() or 1
+    threads = threads or max(1, cores // replicas)
+    if ray_address is None:
+        if replicas * threads > cores:
+            raise UserError(
+                f"--replicas {replicas} x --threads {threads} needs {replicas * threads} CPUs; this "
+                f"machine has {cores} (lower either, or join a larger cluster with --ray-address)"
+            )
+        check_port_free(host, port)
+    _require_ray_serve()
+    if token is None and host not in LOOPBACK_HOSTS:
+        logger.warning(f"listening on {host} without --token-file: anyone who reaches the port can use it")
+
+    from ray import serve
+
+    from hpref.rl.ray_cluster import connect_ray
+    from hpref.serve.app import APP_NAME, HprefScorer, ServeSettings
+
+    settings = ServeSettings(
+        export=str(Path(export).expanduser().resolve()),
+        replicas=replicas,
+        threads=threads,
+        max_batch_size=max_batch_size,
+        token=token,
+    )
+    started = connect_ray(ray_address)
+    _stop_on_sigterm()
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        app = HprefScorer.options(
+            num_replicas=replicas,
+            ray_actor_options={"num_cpus": threads},
+            # Ray Serve's default (5) would cap a replica's batch at 5 concurrent requests
+            max_ongoing_requests=2 * max_batch_size,
+        ).bind(settings)
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:
+            raise UserError(f"the service did not start: {str(exc).splitlines()[0]}") from None
+        shown = f"[{host}]" if ":" in host else host
+        print(
+            f"hpref serve: http://{shown}:{port} ({replicas} replica(s) of {export}); Ctrl-C stops",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        logger.info("stopping hpref serve")
+    finally:
+        _shutdown(serve, started)
+    return 0
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a service manager, `kill`) stops as Ctrl-C does: the replicas and Ray with it."""
+
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def _shutdown(serve, started: bool) -> None:
+    import ray
+
+    try:
+        if started:
+            serve.shutdown()
+        else:
+            from hpref.serve.app import APP_NAME
+
+            serve.delete(APP_NAME)  # a shared cluster keeps its other applications
+    except Exception as exc:  # the cluster may already be gone; nothing left to stop then
+        logger.debug(f"serve shutdown: {exc}")
+    if started:
+        ray.shutdown()
