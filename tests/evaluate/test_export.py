@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,3 +145,34 @@ def test_a_checkpoint_of_another_model_names_the_mismatch(run, tmp_path):
         export.CheckpointError, match=r"has shape \[64, 32\] in the checkpoint and \[48, 32\]"
     ):
         export.load_model_from_checkpoint(copy)
+
+
+@pytest.mark.parametrize(
+    ("pooling", "says", "denies"),
+    [
+        ("last", ["AutoModelForSequenceClassification", "TRL", "OpenRLHF"], ["not OpenRLHF", "not TRL"]),
+        ("first", ["AutoModelForSequenceClassification", "TRL", "not OpenRLHF"], ["not TRL"]),
+        ("mean", ["sentence-transformers", "not TRL or OpenRLHF", "modules.json"], ["gives each answer's"]),
+    ],
+)
+def test_a_reward_model_card_says_which_tools_load_it(pooling, says, denies):
+    """The model card of a reward export names the tools that score it as hpref does, by pooling
+    (README's table): a decoder's for TRL and OpenRLHF, BERT's CLS for TRL only, a mean-pooled one
+    for sentence-transformers only. A card claiming TRL for a mean export would send users to a
+    model with a random head."""
+    from hpref.evaluate.export import model_card
+
+    card = model_card(
+        recipe_toml="",
+        checkpoint=Path("ckpt"),
+        step=1,
+        dtype="fp32",
+        metrics={},
+        reward=True,
+        sequence_classifier=pooling != "mean",
+        pooling=pooling,
+    )
+    for text in says:
+        assert text in card, (pooling, text)
+    for text in denies:
+        assert text not in card, (pooling, text)

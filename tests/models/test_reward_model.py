@@ -180,6 +180,38 @@ def test_mean_pooled_encoder_reward_model_scores_the_mean_and_round_trips_throug
         torch.testing.assert_close(loaded(ids, cu, positions), logits, atol=1e-6, rtol=1e-6)
 
 
+def test_mean_pooled_export_is_a_sentence_transformers_model_with_hprefs_scores(tmp_path):
+    """The mean-pooled export loads in sentence-transformers with remote code off (stock Transformer,
+    Pooling and Dense modules) and its `encode` gives each text hpref's score (1e-5), for texts one at
+    a time and padded together in one batch (the mean must skip the padding). If this fails, the
+    README's "mean pooling exports to sentence-transformers" hands users a model that scores
+    differently from the one hpref evaluated; sentence-transformers' own mean over the attention mask
+    (special tokens included) is the contract."""
+    st = pytest.importorskip("sentence_transformers")
+
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    model = model_from_config(tiny_bert_config(pad_token_id=0), head="reward", pooling="mean")
+    model.tokenizer = word_tokenizer()
+    model.tokenizer.backend_tokenizer.pre_tokenizer = WhitespaceSplit()  # "w5 w7" -> ids 5, 7
+    model = trained(model)
+    with torch.no_grad():
+        model.head.score.bias.fill_(0.25)  # a bias that must travel too
+    folder = model.save_pretrained(tmp_path / "export")
+    loaded = st.SentenceTransformer(str(folder), device="cpu", trust_remote_code=False)
+    _ids, _cu, _positions, seqs = packed_batch(PAIRS, vocab=90)
+    texts = [" ".join(f"w{int(i)}" for i in s) for s in seqs]  # the word tokenizer maps w<i> to id i
+    with torch.no_grad():
+        means = [model.backbone(input_ids=s[None]).last_hidden_state[0].mean(0) for s in seqs]
+        expected = model.head.score(torch.stack(means)).squeeze(-1)
+    batched = torch.as_tensor(loaded.encode(texts, batch_size=len(texts), convert_to_numpy=True)).squeeze(-1)
+    one_by_one = torch.tensor([float(loaded.encode([t], convert_to_numpy=True)[0, 0]) for t in texts])
+    torch.testing.assert_close(batched, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(one_by_one, expected, atol=1e-5, rtol=1e-5)
+    # the same folder still loads in hpref with the identical model
+    assert (folder / "hpref_model.json").is_file() and (folder / "head.safetensors").is_file()
+
+
 def test_reward_head_refuses_what_it_cannot_export():
     """A family whose transformers classifier is not one linear on the pooled state (RoBERTa) and a
     pooling unlike transformers' would export a model that scores differently: both are refused."""

@@ -4,6 +4,7 @@ from record.json."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -58,8 +59,9 @@ def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch
     hangs, a dead actor is not noticed; if it ends in a traceback or the line lacks "policy 'b':
     <kind> actor", the user cannot tell what died; if the resume fails, the record written before
     the death is not usable.
-    Also: rl.json and rl_summary.json are written through a fsynced temporary file (a crash
-    mid-write must leave the old file, not half of one)."""
+    Also: rl.json, rl_summary.json and the metrics plot are written through a fsynced temporary
+    file (a crash mid-write must leave the old file, not half of one), and a run without evals says
+    why its leaderboard is empty."""
     assert not ray.is_initialized()
     run_dir = tmp_path / "arena"
     pids: dict[str, int] = {}
@@ -102,5 +104,14 @@ def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch
     assert driver.run_rl(recipe(run_dir, stop), ["a", "b"], resume="auto") == 0
     assert any("resumed from" in m and record.save_dir in m for m in log_messages)
     assert read_record(run_dir).rollout_ids["a"] == stop
-    for name in ("rl.json", "rl_summary.json"):
-        assert any(p.startswith(str(run_dir / f".{name}.")) for p in synced), (name, synced[-5:])
+    for name in ("rl.json", "rl_summary.json", "metrics/rewards.png"):
+        target = run_dir / name
+        temporary = str(target.parent / f".{target.name}.")  # write_bytes_atomic's temporary name
+        assert any(p.startswith(temporary) for p in synced), (name, synced[-5:])
+    # eval_interval = 0: no eval ran, so no leaderboard, and the run says why rather than leaving an
+    # empty {} to be read as a failure (README: the leaderboard needs an eval)
+    summary = json.loads((run_dir / "rl_summary.json").read_text())
+    assert summary["leaderboard"] == {} and summary["leaderboard_by"] is None
+    assert any(
+        "no leaderboard in rl_summary.json: no eval ran (eval_interval = 0)" in m for m in log_messages
+    )

@@ -129,6 +129,7 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
     # the policies and their starting checkpoints are rated together, centred on 1000
     assert set(summary["leaderboard"]) == {"a", "b", "a@start", "b@start"}
     assert sum(summary["leaderboard"].values()) / 4 == pytest.approx(1000.0)
+    assert summary["leaderboard_by"] == "ground truth"  # the arena's prompts have one
     assert (run_dir / "metrics" / "rewards.png").stat().st_size > 1000
 
     # both policies started from their own cached warm-up checkpoint, and the resume reused it

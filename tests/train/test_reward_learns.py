@@ -126,6 +126,149 @@ def test_hpref_eval_scores_it_and_swap_tta_changes_nothing(reward_run, tmp_path,
     np.testing.assert_allclose(a.probs, trained, atol=2e-6)
 
 
+@pytest.fixture(scope="module")
+def reward_export(reward_run, tmp_path_factory):
+    """`hpref save` of the trained run: the folder other tools are handed."""
+    from hpref.evaluate.cli import save_command
+
+    export = tmp_path_factory.mktemp("export") / "reward"
+    assert save_command(reward_run, to=export) == 0
+    return export
+
+
+def eval_pairs(reward_run, tokenizer):
+    """The run's eval battles through hpref's own formatter: (chosen ids, rejected ids) per battle,
+    and hpref's eval margin log P(chosen) - log P(rejected) = s_chosen - s_rejected (Davidson's
+    model) from the run's predictions.csv."""
+    from hpref.data.formatting import AnswersConfig, AnswersFormatter
+    from hpref.plugins import load_plugins
+    from hpref.prediction.files import read_predictions
+    from hpref.recipe import load_recipe
+
+    recipe = load_recipe(reward_run / "recipe.toml")
+    source = load_plugins().get("dataset", "pairwise").build(recipe.dataset.eval.config, recipe.run.seed)
+    battles = list(source.battles())
+    formatter = AnswersFormatter(AnswersConfig(), tokenizer, recipe.train.max_length)
+    probs = read_predictions(reward_run / "predictions.csv").probs
+    chosen, rejected, margins = [], [], []
+    for battle, encoded, p in zip(battles, formatter.encode_many(battles), probs, strict=True):
+        a, b = encoded.ids[: encoded.split], encoded.ids[encoded.split :]
+        a_won = battle.label[0] > battle.label[1]
+        chosen.append(a if a_won else b)
+        rejected.append(b if a_won else a)
+        margins.append(math.log(p[0] / p[1]) * (1 if a_won else -1))
+    return chosen, rejected, np.array(margins)
+
+
+def test_trl_reward_trainer_evaluates_the_export_with_hprefs_scores(reward_export, reward_run, tmp_path):
+    """TRL's own `RewardTrainer` (1.16: `AutoModelForSequenceClassification` with num_labels 1 from
+    the folder, right-padded batches) evaluating the export on the run's eval pairs gives each pair
+    the margin s_chosen - s_rejected that hpref's eval gave (1e-4), hence hpref's accuracy and
+    Bradley-Terry loss. If this fails, the README's "TRL loads it" hands TRL users another model."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reward_export)
+    chosen, rejected, margins = eval_pairs(reward_run, tokenizer)
+    pairs = Dataset.from_dict({"chosen_ids": chosen, "rejected_ids": rejected})
+    args = trl.RewardConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_eval_batch_size=len(chosen),  # one batch: predictions are [chosen..., rejected...]
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        max_length=None,
+        disable_tqdm=True,
+    )
+    trainer = trl.RewardTrainer(
+        model=str(reward_export),
+        args=args,
+        train_dataset=pairs,
+        eval_dataset=pairs,
+        processing_class=tokenizer,
+    )
+    scores = np.asarray(trainer.predict(pairs).predictions).reshape(-1)
+    assert scores.shape == (2 * len(chosen),)
+    trl_margins = scores[: len(chosen)] - scores[len(chosen) :]
+    np.testing.assert_allclose(trl_margins, margins, atol=1e-4)
+    metrics = trainer.evaluate()
+    summary = json.loads((reward_run / "summary.json").read_text())
+    assert metrics["eval_accuracy"] == pytest.approx(summary["eval_accuracy"], abs=1e-9)
+    bt_loss = float(np.mean(np.log1p(np.exp(-margins))))
+    assert metrics["eval_loss"] == pytest.approx(bt_loss, abs=1e-4)
+
+
+class OpenRLHFRewardModel:
+    """OpenRLHF's reward-model loading path, step by step, as `openrlhf/models/model.py`
+    (`get_llm_for_sequence_regression(path, "reward")` and `_get_reward_model`) does it at commit
+    3c3be6234e0cb353e76bb8019947db9dfe99fca7 (version 0.11.0, August 2026). OpenRLHF itself cannot be
+    installed here (it imports deepspeed, flash-attn and vLLM at module level), so the test repeats
+    its steps: `AutoConfig` of the folder; the value head's name from `config.value_head_prefix`,
+    else "score"; the base class `AutoModel._model_mapping[type(config)]` under the attribute
+    `base_model_prefix` of its pretrained-model parent class, with a bias-free `Linear(hidden, 1)` as
+    the value head, filled by `from_pretrained`; the forward: position ids from the attention mask's
+    cumulative sum (padding at 1), the value head on every token, the reward read at the last token
+    whose mask is 1; `normalize_reward` off (no mean/std in the config)."""
+
+    @staticmethod
+    def load(folder):
+        from torch import nn
+        from transformers import AutoConfig, AutoModel
+
+        config = AutoConfig.from_pretrained(folder)
+        config.normalize_reward = False
+        prefix = getattr(config, "value_head_prefix", "score")
+        base = AutoModel._model_mapping[type(config)]
+
+        class RewardModel(base.__base__):
+            def __init__(self, config):
+                super().__init__(config)
+                setattr(self, self.base_model_prefix, base(config))
+                setattr(self, prefix, nn.Linear(config.hidden_size, 1, bias=False))
+                self.post_init()
+
+            def forward(self, input_ids, attention_mask):
+                last = attention_mask.size(1) - 1 - attention_mask.long().fliplr().argmax(dim=1, keepdim=True)
+                position_ids = attention_mask.long().cumsum(-1) - 1
+                position_ids.masked_fill_(attention_mask == 0, 1)
+                hidden = getattr(self, self.base_model_prefix)(
+                    input_ids, attention_mask=attention_mask, position_ids=position_ids
+                )["last_hidden_state"]
+                values = getattr(self, prefix)(hidden).squeeze(-1)
+                return values.gather(dim=1, index=last).squeeze(1)
+
+        # OpenRLHF loads in bf16 by default (`param_dtype`); fp32 here, to compare scores at 1e-4
+        return RewardModel.from_pretrained(
+            folder, config=config, dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
+        )
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_openrlhf_loading_steps_give_hprefs_scores(reward_export, reward_run, side):
+    """OpenRLHF's reward-model loading steps (`OpenRLHFRewardModel`) on the export: every weight
+    found (no missing key, none unused), and on the eval pairs padded into one batch (left or right,
+    as OpenRLHF pads either way) the margins of hpref's eval (1e-4). If this fails, the README's
+    "OpenRLHF loads it" is false for a decoder's reward model, the one pooling OpenRLHF reads."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reward_export)
+    model, info = OpenRLHFRewardModel.load(reward_export)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.eval()
+    chosen, rejected, margins = eval_pairs(reward_run, tokenizer)
+    seqs = chosen + rejected
+    longest = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), longest), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        where = slice(0, len(s)) if side == "right" else slice(longest - len(s), longest)
+        ids[i, where], mask[i, where] = torch.tensor(s), 1
+    with torch.no_grad():
+        rewards = model(ids, mask).numpy()
+    np.testing.assert_allclose(rewards[: len(chosen)] - rewards[len(chosen) :], margins, atol=1e-4)
+
+
 def test_saved_reward_model_is_a_transformers_sequence_classifier(reward_run, tmp_path):
     """`hpref save` -> AutoModelForSequenceClassification (num_labels 1) scores each answer alone;
     Davidson's probabilities from those scores and the saved nu reproduce hpref's predictions. If

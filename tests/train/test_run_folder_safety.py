@@ -7,6 +7,7 @@ written atomically and durably by the trainer itself.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,61 @@ def test_a_second_run_in_the_same_folder_is_refused_or_replaces_the_first_whole(
     assert user_file.read_text() == "mine"
     spy.assert_durable(run_dir / "summary.json")
     spy.assert_durable(run_dir / "recipe.toml")
+
+
+def test_every_file_of_a_run_folder_is_written_atomically_except_the_appended_logs(
+    tmp_path, capsys, monkeypatch
+):
+    """README: files hpref owns are written to a temporary name, fsynced and renamed; the logs
+    (`metrics.jsonl`, `logs/*.log`) are appended. A real run (checkpoints, evals with predictions,
+    summary, recipe): every file in the folder is either renamed into
+    place from a fsynced temporary file, inside a checkpoint folder that was renamed into place
+    after its files were fsynced, or one of the appended logs. A new file written in place would
+    fail here, naming it, before the README's sentence stops being true."""
+    recipe = write_recipe(tmp_path)
+    spy = DurableWrites(monkeypatch)
+    code, err = _train(capsys, recipe, "--set", "train.max_steps=3", "--set", "train.checkpoint_interval=2")
+    assert code == 0, err
+    run_dir = (tmp_path / "runs" / "run").resolve()
+    appended, checked = [], []
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(run_dir)
+        if rel.parts[0] == "logs" or rel.name == "metrics.jsonl":
+            appended.append(str(rel))
+        elif rel.parts[0] == CHECKPOINTS and len(rel.parts) > 2:
+            folder = run_dir / rel.parts[0] / rel.parts[1]
+            sources = [src for src, dst in spy.renamed if dst == folder]
+            assert sources, f"{folder} was not renamed into place"
+            inside = sources[-1] / Path(*rel.parts[2:])  # the file under the temporary folder's name
+            written = [src for src, dst in spy.renamed if dst == inside]  # atomically, there
+            synced = inside in spy.fsynced or (written and written[-1] in spy.fsynced)
+            assert synced, f"{rel}: not fsynced before the folder's rename"
+        else:
+            spy.assert_durable(path)
+            checked.append(str(rel))
+    assert appended == ["logs/rank0.log", "metrics.jsonl"]
+    # what the run wrote atomically: the README's list, each one present
+    assert {"recipe.toml", "summary.json", "predictions.csv", "checkpoints/latest"} <= set(checked)
+    assert any(c.startswith("predictions/step-") for c in checked)
+
+
+def test_an_appended_log_cut_by_a_crash_loses_only_its_last_line(tmp_path, monkeypatch):
+    """`metrics.jsonl` is appended a line at a time: a crash mid-append leaves a cut last line,
+    which readers drop (a resume must not fail on it), while a bad line elsewhere is still an
+    error; the resume's rewrite up to the checkpoint's step is atomic and durable."""
+    from hpref.train.metrics import MetricsFile, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsFile(path)
+    for step in (1, 2, 3):
+        metrics.write({"kind": "train", "step": step})
+    with open(path, "a") as fh:
+        fh.write('{"kind": "train", "st')  # the crash
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    spy = DurableWrites(monkeypatch)
+    metrics.start(resumed_step=2)
+    spy.assert_durable(path)
+    assert path.read_text().splitlines() == [json.dumps({"kind": "train", "step": s}) for s in (1, 2)]
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(json.JSONDecodeError):
+        read_metrics(path)

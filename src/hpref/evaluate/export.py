@@ -157,6 +157,35 @@ def _run_metrics(run_dir: Path, step: int | None) -> dict[str, Any]:
     return out
 
 
+def reward_export_targets(pooling: str) -> str:
+    """What loads a reward model's export, by its pooling: the model card's line, and `hpref save`'s.
+
+    Each tool pools one way, and only a matching pooling scores as hpref trained: transformers'
+    sequence classifier (TRL's `RewardTrainer` loads that class) reads a decoder's last non-pad token,
+    or BERT's CLS token through its pooler; OpenRLHF (`get_llm_for_sequence_regression`) reads the
+    last non-pad token's hidden state through a bias-free linear named by `value_head_prefix`
+    ("score"), so it fits a decoder's export and not an encoder's (no pooler, no classifier bias);
+    sentence-transformers mean-pools (`hpref.models.sentence_export`)."""
+    if pooling == "last":
+        return (
+            "`AutoModelForSequenceClassification` (one label), so TRL's `RewardTrainer` and OpenRLHF's "
+            "`get_llm_for_sequence_regression` (value head `score`, the last non-pad token) load it "
+            "and give hpref's scores"
+        )
+    if pooling == "first":
+        return (
+            "`AutoModelForSequenceClassification` (one label: BERT's CLS pooler and `classifier`), so "
+            "TRL's `RewardTrainer` loads it and gives hpref's scores; not OpenRLHF, which scores the "
+            "last token's hidden state with a bias-free head (no pooler): its scores would differ"
+        )
+    return (
+        "sentence-transformers (`SentenceTransformer(folder).encode(texts)`: stock Transformer, mean "
+        "Pooling and Dense modules, remote code off) and hpref; not TRL or OpenRLHF: no transformers "
+        "class mean-pools this backbone, and `AutoModelForSequenceClassification` would put a new, "
+        "random head on it"
+    )
+
+
 def model_card(
     *,
     recipe_toml: str,
@@ -167,23 +196,25 @@ def model_card(
     reward: bool = False,
     sequence_classifier: bool = True,
     adapter: bool = False,
+    pooling: str = "last",
 ) -> str:
     files = (
         "- files: `config.json` + `model.safetensors` (a transformers sequence classifier with one "
-        "label: `AutoModelForSequenceClassification.from_pretrained(folder)` gives each answer's reward, "
-        "as TRL and OpenRLHF load reward models), tokenizer files, `head.safetensors` and "
-        "`hpref_model.json` (the tie parameter `tie_log_nu` of Davidson's model, pooling)"
+        "label: `AutoModelForSequenceClassification.from_pretrained(folder)` gives each answer's "
+        "reward), tokenizer files, `head.safetensors` and `hpref_model.json` (the tie parameter "
+        "`tie_log_nu` of Davidson's model, pooling)"
         if reward and sequence_classifier
         else "- files: `config.json` + `model.safetensors` (the backbone, loadable with "
         "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the reward "
-        "`score` linear and Davidson's tie parameter), `hpref_model.json` (pooling = mean: no "
-        "transformers class pools that way, so `hpref eval` and `hpref rl` load this folder; train with "
-        '`model.pooling = "first"` for a sequence classifier that TRL and OpenRLHF load)'
+        "`score` linear and Davidson's tie parameter), `hpref_model.json` (pooling = mean), and "
+        "sentence-transformers' `modules.json`, `1_Pooling/`, `2_Dense/` (the same mean and `score`)"
         if reward
         else "- files: `config.json` + `model.safetensors` (the backbone, loadable with "
         "`transformers.AutoModel.from_pretrained`), tokenizer files, `head.safetensors` (the "
         "classification head), `hpref_model.json` (labels, pooling, head settings)"
     )
+    if reward and not adapter:
+        files += f"\n- pooling `{pooling}`: other tools: {reward_export_targets(pooling)}"
     if adapter:
         files = (
             "- files: `adapter_config.json` + `adapter_model.safetensors` (a PEFT LoRA adapter for the "
@@ -388,6 +419,7 @@ def save_export(
             reward=getattr(model, "head_kind", "judge") == "reward",
             sequence_classifier=getattr(model, "exports_sequence_classifier", False),
             adapter=adapter,
+            pooling=getattr(model, "pooling", "last"),
         )
         write_text_atomic(tmp / MODEL_CARD, card)
         write_text_atomic(tmp / "recipe.toml", recipe.to_toml())
@@ -408,4 +440,8 @@ def save_export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info(f"exported {checkpoint_dir} (step {run_step}, {dtype}) to {to}")
+    if getattr(model, "head_kind", "judge") == "reward" and not adapter:
+        logger.info(
+            f"a reward model pooled by '{model.pooling}' loads in {reward_export_targets(model.pooling)}"
+        )
     return to

@@ -31,7 +31,8 @@ reward  a scalar reward model: each example is two sequences (A's conversation, 
         with nu -> 0 Bradley-Terry, P(A) = sigmoid(s_A - s_B). So predictions, loss, metrics and
         checkpoints see one example = one battle with 3 logits, as with a judge. `save_pretrained`
         writes the backbone and `score` in the layout of transformers' sequence-classification model
-        with one label, which TRL and OpenRLHF load as a reward model; nu goes in hpref_model.json.
+        with one label (TRL loads it; OpenRLHF a decoder's), or, mean-pooled, as a sentence-
+        transformers model (`hpref.models.sentence_export`); nu goes in hpref_model.json.
 """
 
 from __future__ import annotations
@@ -427,6 +428,13 @@ class PreferenceModel(nn.Module):
         }
         if self.reward_layout is not None:
             meta["tie_log_nu"] = float(head["head.log_tie"].float().reshape(()))
+        if self.reward_layout is not None and self.pooling == "mean":
+            from hpref.models.sentence_export import write_sentence_transformers_layout
+
+            score = {k.removeprefix("head.score."): v for k, v in head.items() if k.startswith("head.score.")}
+            write_sentence_transformers_layout(
+                folder, score, hidden_size=config.hidden_size, max_seq_length=self.max_position_embeddings
+            )
         (folder / EXPORT_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return folder
 
@@ -434,7 +442,8 @@ class PreferenceModel(nn.Module):
     def exports_sequence_classifier(self) -> bool:
         """True when `save_pretrained` writes a transformers sequence classifier with one label (a
         reward model pooled as that class pools); False for a judge and a mean-pooled reward model,
-        whose folder holds the plain backbone and hpref's head (loaded by hpref alone)."""
+        whose folder holds the plain backbone and hpref's head (a mean-pooled reward model's is also
+        a sentence-transformers model: `hpref.models.sentence_export`)."""
         return self.reward_layout is not None and self.pooling != "mean"
 
     def _sequence_classification(

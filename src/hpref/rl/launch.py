@@ -314,6 +314,18 @@ def run_rl(
         return 1
     finally:
         teardown.close()
+    leaderboard = result.leaderboard(order)
+    leaderboard_by = result.evals[-1].get("leaderboard_by") if result.evals else None
+    if not leaderboard:
+        logger.info(
+            f"no leaderboard in {RL_SUMMARY}: "
+            + (
+                "the last eval's answers had no pointwise scores (no ground truth, no [rl.eval_scorer], a "
+                "pairwise reward)"
+                if result.evals
+                else "no eval ran (eval_interval = 0)"
+            )
+        )
     write_json_atomic(
         run_dir / RL_SUMMARY,
         {
@@ -325,7 +337,8 @@ def run_rl(
                 {k: v for k, v in e.items() if k not in ("battles", "leaderboard_battles")}
                 for e in result.evals
             ],
-            "leaderboard": result.leaderboard(order),
+            "leaderboard": leaderboard,  # {} when no eval ran or nothing scored pointwise
+            "leaderboard_by": leaderboard_by,  # "ground truth", "eval scorer", "reward" or None
             "warmup_checkpoints": warm_started,
             "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
             "drive_s": result.seconds,  # the policies' loops: what concurrency speeds up

@@ -8,10 +8,12 @@ ratings finite when one policy wins every battle.
 
 from __future__ import annotations
 
-import json
+import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
+
+from hpref.runfolder.files import read_json_lines, write_bytes_atomic
 
 ELO_SCALE = 400.0
 ELO_CENTRE = 1000.0
@@ -78,7 +80,7 @@ def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
     for p in policies:
         path = folder / f"{p}.jsonl"
         if path.is_file():
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            rows = read_json_lines(path)
             series[p] = [r for r in rows if not r.get("eval")]
             evals[p] = [r for r in rows if r.get("eval") and "eval_win_rate_vs_start" in r]
     if not series:
@@ -117,6 +119,7 @@ def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
         ax_win.legend()
     fig.tight_layout()
     out = folder / "rewards.png"
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    return out
+    return write_bytes_atomic(out, png.getvalue())

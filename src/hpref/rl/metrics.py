@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
+from hpref.runfolder.files import append_json_line, read_json_lines, write_text_atomic
 from hpref.runfolder.layout import RL_METRICS
 
 
@@ -28,19 +28,16 @@ class MetricsWriter:
         if self.folder is None or not (self.folder / f"{policy}.jsonl").is_file():
             return 0
         path = self.folder / f"{policy}.jsonl"
-        lines = path.read_text(encoding="utf-8").splitlines()
-        kept = [line for line in lines if keep_row(json.loads(line), start)]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, path)
-        return len(lines) - len(kept)
+        rows = read_json_lines(path)  # a last line cut by a crash mid-append is dropped
+        kept = [row for row in rows if keep_row(row, start)]
+        write_text_atomic(path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in kept))
+        return len(rows) - len(kept)
 
     def write(self, policy: str, row: dict[str, Any]) -> None:
         self.rows.setdefault(policy, []).append(row)
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with open(self.folder / f"{policy}.jsonl", "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(row, sort_keys=True) + "\n")
+            append_json_line(self.folder / f"{policy}.jsonl", row, sort_keys=True)  # a log: appended
 
     def write_answers(self, name: str, answers: dict[str, list[dict[str, Any]]]) -> Path | None:
         """An eval's greedy answers, one JSON row per (player, prompt) with its scores, to

@@ -290,7 +290,8 @@ class RolloutExecutor:
         Returns `true_utility`, `win_rate_vs_start` and `battles` (the ground truth's, empty without
         one), `reward` / `scorer`: {"means", "win_rate_vs_start"} per scorer, `answer_tokens` (mean
         greedy answer length per player), and `leaderboard_battles`: the battles of the Bradley-Terry
-        leaderboard (the ground truth's, else the eval scorer's, else the reward's, when pointwise).
+        leaderboard (the ground truth's, else the eval scorer's, else the reward's, when pointwise),
+        and `leaderboard_by`, which of them (None: none scored the answers pointwise).
         """
         prompts = self._eval_prompts()
         if not prompts:
@@ -320,6 +321,7 @@ class RolloutExecutor:
             report = eval_report(utilities, policies)
         report["answer_tokens"] = {who: sum(n) / len(n) for who, n in lengths.items()}
         report["leaderboard_battles"] = report["battles"]
+        report["leaderboard_by"] = "ground truth" if report["battles"] else None
         # every answer with its scores, for the run folder: a mean that moved says that something
         # changed, the answers say what (shorter, declining, repeating: reward hacking is read here)
         rows = {
@@ -338,8 +340,9 @@ class RolloutExecutor:
             for who, scores in scored["scores"].items():
                 for row, score in zip(rows[who], scores, strict=True):
                     row[name] = score
-            if not report["leaderboard_battles"]:
+            if not report["leaderboard_battles"] and scored["battles"]:
                 report["leaderboard_battles"] = scored["battles"]
+                report["leaderboard_by"] = "eval scorer" if name == "scorer" else "reward"
         report["answers"] = rows
         return report
 

@@ -1,10 +1,15 @@
-"""Atomic, durable writes for every file hpref owns.
+"""Atomic, durable writes for every file hpref owns, and the one exception: appended logs.
 
 Why: a crash (or a full disk, or `kill -9`) in the middle of `Path.write_text` leaves a truncated
 file under the real name, and a `rename` that was never fsynced can be undone by a power cut. So a
 file is written to a temporary name beside its target, flushed and fsynced, renamed over the target
 (atomic on POSIX), and the folder entry itself is fsynced. A reader sees the old file or the new one,
 never half of one.
+
+Logs of one JSON line per step or rollout (`metrics.jsonl`, rl's `metrics/<policy>.jsonl`) are
+appended instead (`append_json_line`): rewriting them whole every step would copy the run's history
+each time. A crash can lose their last lines or cut the last one; `read_json_lines` drops a cut last
+line, and a resume rewrites the log atomically up to the checkpoint it starts from.
 """
 
 from __future__ import annotations
@@ -71,3 +76,27 @@ def fsync_tree(folder: str | Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(root)
+
+
+def append_json_line(path: str | Path, record: Any, **dumps: Any) -> None:
+    """Append one JSON object as a line of a log (see the module doc: not atomic, not fsynced)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record, **dumps) + "\n")
+
+
+def read_json_lines(path: str | Path) -> list[Any]:
+    """The objects of an appended JSON-lines log. A last line without its newline that does not
+    parse was cut by a crash mid-append and is dropped; any other bad line is an error."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records = []
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n == len(lines) - 1 and not text.endswith("\n"):
+                break
+            raise
+    return records

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from hpref.runfolder.files import append_json_line, read_json_lines, write_text_atomic
+
 #: Dense bf16 peak (no sparsity) in TFLOP/s, matched against `torch.cuda.get_device_name()`.
 GPU_PEAK_TFLOPS = {
     "H200": 989.0,
@@ -141,19 +143,16 @@ class MetricsFile:
         kept = []
         if resumed_step is not None:
             kept = [r for r in read_metrics(self.path) if int(r.get("step", 0)) <= resumed_step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        tmp.replace(self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.path is None:
-            return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.path is not None:
+            append_json_line(self.path, record)  # a log: appended (`hpref.runfolder.files`)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """`metrics.jsonl`'s records (a last line cut by a crash is dropped: `read_json_lines`)."""
+    return read_json_lines(path)
 
 
 def summary_table(rows: list[tuple[str, str]], title: str = "hpref train") -> Any:
