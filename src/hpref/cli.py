@@ -223,6 +223,9 @@ def train_command(
     rdzv_endpoint: str | None = typer.Option(
         None, "--rdzv-endpoint", help="HOST:PORT of the torchrun rendezvous (default: a free local port)."
     ),
+    rdzv_timeout: int | None = typer.Option(
+        None, "--rdzv-timeout", min=1, help="Seconds a node waits for the others (launch.rdzv_timeout_s)."
+    ),
     resume: str | None = typer.Option(
         None, "--resume", help="'auto' (latest complete checkpoint) or a path."
     ),
@@ -243,6 +246,7 @@ def train_command(
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
+        rdzv_timeout=rdzv_timeout,
         resume=resume,
         dry_run=dry_run,
         overwrite=overwrite,

@@ -111,6 +111,11 @@ class LaunchSection(Section):
     rdzv_endpoint: str | None = Field(
         None, description="HOST:PORT of the rendezvous (default: a free local port)"
     )
+    rdzv_timeout_s: int = Field(
+        900,
+        ge=1,
+        description="several nodes: seconds a node waits for the others at the rendezvous (torchrun's 900)",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="process group: auto = nccl on GPUs, else gloo"
     )

@@ -54,7 +54,9 @@ def synced(monkeypatch):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="uses /proc")
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
-def test_a_killed_actor_is_named_and_the_run_resumes(kind, tmp_path, monkeypatch, log_messages, synced):
+def test_a_killed_actor_is_named_and_the_run_resumes(
+    kind, tmp_path, monkeypatch, log_messages, synced, without_ray
+):
     """SIGKILL policy b's actor once b has trained two rollouts and a save is recorded. If the run
     hangs, a dead actor is not noticed; if it ends in a traceback or the line lacks "policy 'b':
     <kind> actor", the user cannot tell what died; if the resume fails, the record written before

@@ -267,6 +267,72 @@ def test_abort_update_keeps_the_live_weights(actors):
     assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in before.items())
 
 
+@pytest.mark.parametrize("damage", ["missing", "wrong shape", "unknown"])
+def test_a_commit_of_a_partial_or_misshapen_state_leaves_every_weight_as_it_was(actors, damage):
+    """Half the weights (or one misshapen, or one extra) committed: refused whole, naming what
+    differs and the version that keeps serving. If this fails, torch's strict `load_state_dict`
+    copied every matching tensor before it raised, and the engine served part of the new weights
+    under the old version (what the transformers engine did before #26)."""
+    _cfg, engines, _trainers = actors
+    engine = engines["b"].wrapped
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    new = {k: v + 1.0 for k, v in before.items()}
+    if damage == "missing":
+        new = dict(sorted(new.items())[: len(new) // 2])
+    elif damage == "wrong shape":
+        new["model.norm.weight"] = torch.ones(7)
+    else:
+        new["model.extra.weight"] = torch.ones(2)
+    engine.begin_update(engine.version + 1)
+    engine.load_weights(new)
+    with pytest.raises(
+        ValueError, match=rf"engine 'b': weight update refused \({damage} .*version 0 keeps serving"
+    ):
+        engine.commit_update()
+    assert engine.get_version() == 0
+    assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_transfer_that_breaks_half_way_is_aborted_and_named(actors):
+    """The driver's weight push, its transfer broken after half the tensors reached the engine: the
+    staged half is dropped, the engine answers exactly as before on its old version, and the error
+    names the policy, the version that failed and the one still serving. If this fails, a broken
+    sync leaves a half-staged update that a later commit would complete with the wrong weights, or
+    the run cannot say which weights its engine is generating with."""
+    from hpref.rl.driver import WeightSyncError, push_weights
+
+    cfg, engines, trainers = actors
+    engine = engines["b"]
+    prompts = rollout_prompts(build_prompt_source(cfg), cfg.rollout, 0)
+    before = engine.wrapped.generate(prompts, 2, 6, 1.0, 0, 5)
+
+    class BrokenTransfer:
+        """b's engine handle, whose `load_weights` delivers half the state and then loses the link."""
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        class load_weights:  # noqa: N801 - a Ray method handle
+            @staticmethod
+            async def remote(state_ref):
+                state = await state_ref  # what Ray would deliver, had the link held
+                state = dict(sorted(state.items())[: len(state) // 2])
+                await engine.load_weights.remote(state)
+                raise ConnectionError("the link dropped half-way")
+
+    trainer = LocalActor(trainers["b"])
+    version = trainers["b"].rollouts_done // cfg.update_weights_interval
+    with pytest.raises(WeightSyncError) as err:
+        asyncio.run(push_weights(trainer, BrokenTransfer(), "b"))
+    assert str(err.value) == (
+        f"policy 'b': the weight update to version {version} failed on its way to the engine "
+        "(ConnectionError: the link dropped half-way); the engine keeps serving version 0"
+    )
+    assert engine.wrapped._staging is None  # aborted: nothing staged for a later commit
+    after = engine.wrapped.generate(prompts, 2, 6, 1.0, 0, 5)
+    assert after["version"] == 0 and after["logprobs"] == before["logprobs"]
+
+
 def test_kl_policy_has_a_frozen_reference(actors):
     _cfg, _engines, trainers = actors
     assert trainers["a"].reference is None

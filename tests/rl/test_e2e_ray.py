@@ -26,13 +26,6 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def recipe(run_dir, **rl_over):
     rl = {
         "num_rollouts": 3,
@@ -65,7 +58,7 @@ def read_metrics(run_dir, policy):
     return [json.loads(line) for line in lines]
 
 
-def test_run_stop_resume_and_refuse_a_wrong_leader(cluster, tmp_path):
+def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path):
     run_dir = tmp_path / "arena"
 
     # 1. stop after rollout 2 as if interrupted: the save there is the one to resume from

@@ -379,10 +379,9 @@ def test_hpref_rl_refuses_a_wrong_target_before_any_actor_starts(tmp_path, monke
 
 
 @pytest.mark.slow
-def test_hpref_rl_with_lora_on_ray_saves_adapters(tmp_path):
+def test_hpref_rl_with_lora_on_ray_saves_adapters(ray_cluster, tmp_path):
     # Wrong if the recipe's [lora] (and a policy's own lora table) did not reach the trainer actors
     # on Ray: rl.json and the saves would show full weights. (Resume is checked in-process above.)
-    ray = pytest.importorskip("ray")
     from hpref.recipe import recipe_from_dict
     from hpref.rl.launch import run_rl
     from hpref.rl.record import read_record
@@ -397,11 +396,7 @@ def test_hpref_rl_with_lora_on_ray_saves_adapters(tmp_path):
     }
     run = {"name": "arena", "output_dir": str(tmp_path)}
     recipe = recipe_from_dict({"run": run, "rl": rl, "lora": {"r": R}}, resolve=False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        assert run_rl(recipe, ["b"]) == 0
-    finally:
-        ray.shutdown()
+    assert run_rl(recipe, ["b"]) == 0
     run_dir = tmp_path / "arena"
     final = read_record(run_dir)
     assert final.rollout_ids == {"b": 2}

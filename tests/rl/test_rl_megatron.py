@@ -332,11 +332,10 @@ def test_close_releases_the_process_group_the_trainer_made(world):
 
 
 @pytest.mark.slow
-def test_hpref_rl_with_a_megatron_trainer_on_ray(tmp_path):
+def test_hpref_rl_with_a_megatron_trainer_on_ray(ray_cluster, tmp_path):
     # Wrong if the backend switch did not reach the trainer actor on Ray, if megatron's parallel
     # state could not be set up inside an actor (no process group there), or if the engine did not
     # serve the synced weights: the trainer's log-probs of each rollout are the engine's own.
-    ray = pytest.importorskip("ray")
     from hpref.recipe import recipe_from_dict
     from hpref.rl.launch import run_rl
     from hpref.rl.record import read_record
@@ -350,11 +349,7 @@ def test_hpref_rl_with_a_megatron_trainer_on_ray(tmp_path):
     }
     run = {"name": "arena", "output_dir": str(tmp_path)}
     recipe = recipe_from_dict({"run": run, "rl": rl}, resolve=False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        assert run_rl(recipe, ["m"]) == 0
-    finally:
-        ray.shutdown()
+    assert run_rl(recipe, ["m"]) == 0
     run_dir = tmp_path / "arena"
     final = read_record(run_dir)
     assert final.rollout_ids == {"m": 3}

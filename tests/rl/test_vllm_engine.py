@@ -34,13 +34,6 @@ PROMPTS = [("Write a short poem about the sea.",), ("Name three fruits.",)]
 TEMPERATURE = 0.8
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def engine(model: PolicyModelConfig, **settings):
     config = resolve_engine(
         RLConfig.model_validate({"policies": {"a": {}}, "engine": {"name": "vllm", **settings}}).engine
@@ -67,63 +60,73 @@ def gap(model, out, temperature):
     )
 
 
-def test_logprobs_match_the_trainer_before_and_after_a_sync_and_a_refused_sync_keeps_serving(
-    cluster, tmp_path
-):
-    spec = PolicyModelConfig(**TINY_VLLM)
-    host = engine(spec, dtype="float32")
-    model, _ = build_policy_model(spec)  # the trainer's start: the same seeded weights (version 0)
-    out = ray.get(host.generate.remote(PROMPTS, 4, 12, TEMPERATURE, seed=3))
-    assert len(out["completions"]) == 8 and out["version"] == 0
-    assert all(len(c) == len(lp) for c, lp in zip(out["completions"], out["logprobs"], strict=True))
-    assert out["tokens"] == sum(len(c) for c in out["completions"]) > 8
-    # fp32 engine vs fp32 trainer, same tokens: if this fails the PPO ratio starts away from 1 and
-    # every clip decision is wrong
-    assert gap(model, out, TEMPERATURE)[0] < 1e-4
+@pytest.fixture(scope="class")
+def fp32_engine(ray_cluster):
+    """One fp32 vLLM engine of the tiny policy for the tests of `TestOneFp32Engine` (starting one
+    is ~15 s here), with its greedy answers taken before any test changed its weights; stopped
+    after them, so that its memory is free for the engines of the tests below."""
+    host = engine(PolicyModelConfig(**TINY_VLLM), dtype="float32")
+    yield host, ray.get(host.generate.remote(PROMPTS, 1, 10, 1.0, greedy=True))
+    ray.kill(host)
 
-    # greedy answers before the sync, then a sync to visibly different weights
-    greedy_before = ray.get(host.generate.remote(PROMPTS, 1, 8, 1.0, greedy=True))
-    torch.manual_seed(7)
-    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    model.load_state_dict(state)
-    ray.get(host.begin_update.remote(1))
-    ray.get(host.load_weights.remote(state))
-    assert ray.get(host.commit_update.remote()) == 1
-    # the same prompts again: with a stale prefix cache the prompt's KV blocks would be the old
-    # weights' and the log-probs would match neither model
-    after = ray.get(host.generate.remote(PROMPTS, 4, 12, TEMPERATURE, seed=4))
-    assert after["version"] == 1
-    assert gap(model, after, TEMPERATURE)[0] < 1e-4
-    greedy_after = ray.get(host.generate.remote(PROMPTS, 1, 8, 1.0, greedy=True))
-    assert gap(model, greedy_after, 1.0)[0] < 1e-4  # greedy log-probs are the unscaled ones
-    assert greedy_after["completions"] != greedy_before["completions"]  # the new weights answer
 
-    # a transfer with a wrong shape is refused before anything is copied: version 1 keeps serving
-    bad = dict(state)
-    bad["model.norm.weight"] = torch.ones(3)
-    ray.get(host.begin_update.remote(2))
-    ray.get(host.load_weights.remote(bad))
-    with pytest.raises(
-        ray.exceptions.RayTaskError, match=r"refused \(wrong shape .*model.norm.weight.*version 1 keeps"
+class TestOneFp32Engine:
+    def test_logprobs_match_the_trainer_before_and_after_a_sync_and_a_refused_sync_keeps_serving(
+        self, fp32_engine
     ):
-        ray.get(host.commit_update.remote())
-    assert ray.get(host.get_version.remote()) == 1
-    again = ray.get(host.generate.remote(PROMPTS, 1, 8, 1.0, greedy=True))
-    assert again["completions"] == greedy_after["completions"]
+        spec = PolicyModelConfig(**TINY_VLLM)
+        host, _ = fp32_engine
+        model, _ = build_policy_model(spec)  # the trainer's start: the same seeded weights (version 0)
+        out = ray.get(host.generate.remote(PROMPTS, 4, 12, TEMPERATURE, seed=3))
+        assert len(out["completions"]) == 8 and out["version"] == 0
+        assert all(len(c) == len(lp) for c, lp in zip(out["completions"], out["logprobs"], strict=True))
+        assert out["tokens"] == sum(len(c) for c in out["completions"]) > 8
+        # fp32 engine vs fp32 trainer, same tokens: if this fails the PPO ratio starts away from 1 and
+        # every clip decision is wrong
+        assert gap(model, out, TEMPERATURE)[0] < 1e-4
+
+        # greedy answers before the sync, then a sync to visibly different weights
+        greedy_before = ray.get(host.generate.remote(PROMPTS, 1, 8, 1.0, greedy=True))
+        torch.manual_seed(7)
+        state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        ray.get(host.begin_update.remote(1))
+        ray.get(host.load_weights.remote(state))
+        assert ray.get(host.commit_update.remote()) == 1
+        # the same prompts again: with a stale prefix cache the prompt's KV blocks would be the old
+        # weights' and the log-probs would match neither model
+        after = ray.get(host.generate.remote(PROMPTS, 4, 12, TEMPERATURE, seed=4))
+        assert after["version"] == 1
+        assert gap(model, after, TEMPERATURE)[0] < 1e-4
+        greedy_after = ray.get(host.generate.remote(PROMPTS, 1, 8, 1.0, greedy=True))
+        assert gap(model, greedy_after, 1.0)[0] < 1e-4  # greedy log-probs are the unscaled ones
+        assert greedy_after["completions"] != greedy_before["completions"]  # the new weights answer
+
+        # a transfer with a wrong shape is refused before anything is copied: version 1 keeps serving
+        bad = dict(state)
+        bad["model.norm.weight"] = torch.ones(3)
+        ray.get(host.begin_update.remote(2))
+        ray.get(host.load_weights.remote(bad))
+        with pytest.raises(
+            ray.exceptions.RayTaskError, match=r"refused \(wrong shape .*model.norm.weight.*version 1 keeps"
+        ):
+            ray.get(host.commit_update.remote())
+        assert ray.get(host.get_version.remote()) == 1
+        again = ray.get(host.generate.remote(PROMPTS, 1, 8, 1.0, greedy=True))
+        assert again["completions"] == greedy_after["completions"]
+
+    def test_greedy_answers_are_the_transformers_engines(self, fp32_engine):
+        """Same weights, same prompts, greedy: vLLM and transformers `generate` give the same tokens (if
+        not, the chat template, stop tokens or start weights differ between the engines)."""
+        spec = PolicyModelConfig(**TINY_VLLM)
+        _, ours = fp32_engine  # the start weights' answers
+        transformers_engine = ray.remote(EngineHost).remote("transformers", None, "a", spec)
+        theirs = ray.get(transformers_engine.generate.remote(PROMPTS, 1, 10, 1.0, greedy=True))
+        assert ours["completions"] == theirs["completions"]
+        assert ours["texts"] == theirs["texts"]
 
 
-def test_greedy_answers_are_the_transformers_engines(cluster):
-    """Same weights, same prompts, greedy: vLLM and transformers `generate` give the same tokens (if
-    not, the chat template, stop tokens or start weights differ between the engines)."""
-    spec = PolicyModelConfig(**TINY_VLLM)
-    ours = ray.get(engine(spec, dtype="float32").generate.remote(PROMPTS, 1, 10, 1.0, greedy=True))
-    transformers_engine = ray.remote(EngineHost).remote("transformers", None, "a", spec)
-    theirs = ray.get(transformers_engine.generate.remote(PROMPTS, 1, 10, 1.0, greedy=True))
-    assert ours["completions"] == theirs["completions"]
-    assert ours["texts"] == theirs["texts"]
-
-
-def test_bf16_engine_logprobs_are_close_not_equal(cluster):
+def test_bf16_engine_logprobs_are_close_not_equal(ray_cluster):
     """bf16 weights and compute against the fp32 trainer: the stated tolerance (module docstring of
     hpref.rl.vllm_engine) is a mean per-token gap of a few 1e-2; more means a loading bug, not bf16."""
     spec = PolicyModelConfig(**TINY_VLLM)
@@ -153,7 +156,7 @@ def test_without_vllm_the_engine_is_one_line_naming_the_extra(monkeypatch):
     assert "\n" not in str(info.value)
 
 
-def test_two_policies_on_vllm_stop_and_resume_exactly(cluster, tmp_path):
+def test_two_policies_on_vllm_stop_and_resume_exactly(ray_cluster, tmp_path):
     run_dir = tmp_path / "vllm-run"
 
     def recipe(**over):
@@ -188,7 +191,7 @@ def test_two_policies_on_vllm_stop_and_resume_exactly(cluster, tmp_path):
     assert any(r.get("eval") for r in rows)
 
 
-def test_tensor_parallel_engines_sync_through_their_worker_processes(cluster):
+def test_tensor_parallel_engines_sync_through_their_worker_processes(ray_cluster):
     """tensor_parallel_size 2: vLLM's own worker processes (two on this CPU), so a sync travels as
     bytes, not by reference; each worker must load its shard of the new weights."""
     spec = PolicyModelConfig(**TINY_VLLM)

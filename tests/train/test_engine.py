@@ -154,6 +154,12 @@ def test_multi_node_command_uses_the_given_rendezvous(tmp_path):
     )
     assert "--nnodes 2" in static.command()
     assert "--rdzv-backend static --node-rank 1 --master-addr h0 --master-port 29500" in static.command()
+    # a node waits torchrun's 900 s for the others unless told (launch.rdzv_timeout_s, --rdzv-timeout)
+    assert "--rdzv-conf timeout=900 " in static.command()
+    shorter = plan_launch(
+        recipe_path, [], recipe, nproc_per_node=8, nnodes=2, rdzv_endpoint="h0:1", rdzv_timeout=30
+    )
+    assert "--node-rank 0 " in shorter.command() and "--rdzv-conf timeout=30 " in shorter.command()
     with pytest.raises(UserError, match="rdzv-endpoint"):
         plan_launch(recipe_path, [], recipe, nproc_per_node=8, nnodes=2)
 

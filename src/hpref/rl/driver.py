@@ -30,7 +30,7 @@ from loguru import logger
 from hpref.recipe_rl import RLConfig
 from hpref.rl.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
 from hpref.rl.parking import Parker
-from hpref.rl.ray_cluster import actor_death
+from hpref.rl.ray_cluster import actor_death, ray_cause
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
 from hpref.runfolder.checkpoints import ROLLOUT_PREFIX
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
@@ -72,9 +72,14 @@ class DriveResult:
         return bradley_terry(players, battles)
 
 
-async def push_weights(trainer: Any, engine: Any) -> int:
-    """Trainer -> engine in begin/load/commit steps; an interrupted transfer is aborted, so the
-    engine keeps serving its previous version rather than a half-loaded one.
+class WeightSyncError(RuntimeError):
+    """A weight update that did not reach an engine whole; the engine still serves its old version."""
+
+
+async def push_weights(trainer: Any, engine: Any, policy: str) -> int:
+    """Trainer -> engine in begin/load/commit steps; an interrupted or refused transfer is aborted,
+    so the engine keeps serving its previous version rather than a half-loaded one, and the
+    `WeightSyncError` says which version that is (asked of the engine after the abort).
 
     The state dict travels as an object reference (the trainer's two return values are two
     objects): Ray hands it from the trainer's process to the engine's, and the driver never
@@ -86,9 +91,17 @@ async def push_weights(trainer: Any, engine: Any) -> int:
     try:
         await engine.load_weights.remote(state_ref)
         return await engine.commit_update.remote()
-    except BaseException:
+    except BaseException as exc:
         await asyncio.shield(engine.abort_update.remote())
-        raise
+        if not isinstance(exc, Exception) or actor_death(exc) is not None:
+            raise  # cancelled, or a dead actor (`run_rl` names it)
+        serving = await engine.get_version.remote()
+        cause = ray_cause(exc)
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise WeightSyncError(
+            f"policy '{policy}': the weight update to version {version} failed on its way to the "
+            f"engine ({type(cause).__name__}: {reason}); the engine keeps serving version {serving}"
+        ) from exc
 
 
 async def save_all(
@@ -159,13 +172,16 @@ async def drive(
         stats = await handles.trainers[p].train.remote(rollout)
         positions[p] = r + 1
         version = None
-        if positions[p] % config.update_weights_interval == 0:
-            version = await push_weights(handles.trainers[p], handles.engines[p])
-        row = rollout_metrics(rollout, stats, version)
-        if "kl" in stats:
-            kl_since_eval[p].append(float(stats["kl"]))
-        row["elapsed_s"] = time.perf_counter() - began  # for "reached X within N minutes"
-        metrics.write(p, row)
+        try:
+            if positions[p] % config.update_weights_interval == 0:
+                version = await push_weights(handles.trainers[p], handles.engines[p], p)
+        finally:
+            # the rollout trained, and a save may count it, even when its push failed (no version)
+            row = rollout_metrics(rollout, stats, version)
+            if "kl" in stats:
+                kl_since_eval[p].append(float(stats["kl"]))
+            row["elapsed_s"] = time.perf_counter() - began  # for "reached X within N minutes"
+            metrics.write(p, row)
 
     # each policy's KL to its start in the rollouts since the last eval (a trainer measures it when
     # kl_coef > 0 or measure_kl): the eval's KL, beside its answer lengths and scores
@@ -249,9 +265,9 @@ async def drive(
             for task in done:
                 exc = task.exception()
                 if exc is not None:
-                    if (
-                        actor_death(exc) is None
-                    ):  # a lost actor is named by run_rl, whose loop met it is noise
+                    # a lost actor and a failed weight update are named by run_rl (with where to
+                    # resume from); which loop met them is noise
+                    if actor_death(exc) is None and not isinstance(exc, WeightSyncError):
                         logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
                     raise exc
     finally:
@@ -281,6 +297,8 @@ async def restore(
     starts = dict(zip(order, loaded, strict=True))
     executor_positions = await handles.executor.load.remote(str(folder / "executor"))
     check_resume(record, leader, starts, executor_positions)
-    await asyncio.gather(*(push_weights(handles.trainers[p], handles.engines[p]) for p in order if starts[p]))
+    await asyncio.gather(
+        *(push_weights(handles.trainers[p], handles.engines[p], p) for p in order if starts[p])
+    )
     logger.info(f"resumed from {folder}: " + ", ".join(f"{p} at rollout {starts[p]}" for p in order))
     return starts, record

@@ -96,13 +96,15 @@ class VersionedWeights:
 
     Three steps so a failed transfer never leaves half-loaded weights serving: `begin_update(version)`
     opens a staging area, `load_weights(state)` fills it (in parts, if the sender splits it),
-    `commit_update()` hands it to the engine's `_swap_in` (or `abort_update()` drops it). An engine
-    sets `policy` and `version = 0` and implements `_swap_in(state)`, which must leave the old
-    weights serving when it raises.
+    `commit_update()` checks it is whole (`check_state`) and hands it to the engine's `_swap_in`
+    (or `abort_update()` drops it). An engine sets `policy`, `shapes` (every weight name of its
+    model with its shape) and `version = 0`, and implements `_swap_in(state)`, which must leave the
+    old weights serving when it raises.
     """
 
     policy: str
     version: int
+    shapes: dict[str, tuple[int, ...]]
     _staging: tuple[int, dict[str, Any]] | None = None
 
     def begin_update(self, version: int) -> None:
@@ -122,9 +124,30 @@ class VersionedWeights:
             raise RuntimeError(f"engine '{self.policy}': commit_update without begin_update")
         version, state = self._staging
         self._staging = None
+        # before the first copy: torch's strict load_state_dict copies every matching tensor and
+        # only then raises for a missing or misshapen one, which left a part of the new weights
+        # serving under the old version
+        self.check_state(state)
         self._swap_in(state)
         self.version = version
         return version
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Every weight name of the model, each with its shape, and nothing else; else a refusal
+        that names what differs and the version that keeps serving."""
+        missing = sorted(set(self.shapes) - set(state))
+        unknown = sorted(set(state) - set(self.shapes))
+        wrong = sorted(n for n in set(state) & set(self.shapes) if tuple(state[n].shape) != self.shapes[n])
+        if missing or unknown or wrong:
+            parts = [
+                f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
+                for what, names in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong))
+                if names
+            ]
+            raise ValueError(
+                f"engine '{self.policy}': weight update refused ({'; '.join(parts)}); "
+                f"version {self.version} keeps serving"
+            )
 
     def abort_update(self) -> None:
         self._staging = None
@@ -161,6 +184,7 @@ class EngineActor(VersionedWeights):
         hidden = getattr(self.model.config, "hidden_size", None)
         self.prefill_dtype = resolve_precision(prefill_precision, torch.device("cpu"), hidden)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
+        self.shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.version = 0
 
     def prompt_ids(self, prompts: list[tuple[str, ...]]) -> list[list[int]]:
@@ -250,7 +274,7 @@ class EngineActor(VersionedWeights):
         return cache
 
     def _swap_in(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state, strict=True)  # strict: a partial state is refused whole
+        self.model.load_state_dict(state, strict=True)  # whole: `commit_update` checked every name
 
 
 class EngineHost:

@@ -23,7 +23,7 @@ from loguru import logger
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
 from hpref.recipe_rl import RLConfig, resolve_engine, rl_rewards
-from hpref.rl.driver import DriveResult, Handles, drive, restore
+from hpref.rl.driver import DriveResult, Handles, WeightSyncError, drive, restore
 from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
 from hpref.rl.record import ResumeError, check_record_leader, read_record
@@ -301,7 +301,7 @@ def run_rl(
         if isinstance(cause, UserError):
             raise cause from None
         lost = lost_actor(exc, actors)
-        if lost is None:
+        if lost is None and not isinstance(exc, WeightSyncError):
             raise
         record = read_record(run_dir)
         where = (
@@ -309,8 +309,9 @@ def run_rl(
             if record is not None
             else "no save was recorded yet, so a new run starts from the beginning"
         )
-        logger.opt(exception=exc).debug("actor lost")
-        logger.error(f"{lost} died ({type(actor_death(exc)).__name__}); the run stopped; {where}")
+        logger.opt(exception=exc).debug("the run stopped")
+        what = f"{exc}" if lost is None else f"{lost} died ({type(actor_death(exc)).__name__})"
+        logger.error(f"{what}; the run stopped; {where}")
         return 1
     finally:
         teardown.close()

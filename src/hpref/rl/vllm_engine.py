@@ -249,25 +249,7 @@ class VLLMEngine(VersionedWeights):
         return generation_result(self.tokenizer, rows, completions, logprobs, self.version, start)
 
     def _swap_in(self, state: dict[str, Any]) -> None:
-        self._check(state)  # before the first copy: a refused update leaves the old weights whole
-        self._reload(state)
-
-    def _check(self, state: dict[str, Any]) -> None:
-        """Every name of the model, each with its shape, and nothing else (as the transformers
-        engine's strict `load_state_dict`)."""
-        missing = sorted(set(self.shapes) - set(state))
-        unknown = sorted(set(state) - set(self.shapes))
-        wrong = sorted(n for n in set(state) & set(self.shapes) if tuple(state[n].shape) != self.shapes[n])
-        if missing or unknown or wrong:
-            parts = [
-                f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
-                for what, names in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong))
-                if names
-            ]
-            raise ValueError(
-                f"engine '{self.policy}': weight update refused ({'; '.join(parts)}); "
-                f"version {self.version} keeps serving"
-            )
+        self._reload(state)  # `commit_update` checked every name and shape before this first copy
 
     def _reload(self, state: dict[str, Any]) -> None:
         if self.in_process:  # the worker is in this process: the tensors go by reference

@@ -18,6 +18,7 @@ def train_command(
     nnodes: int | None,
     node_rank: int | None,
     rdzv_endpoint: str | None,
+    rdzv_timeout: int | None,
     resume: str | None,
     dry_run: bool,
     overwrite: bool,
@@ -45,6 +46,7 @@ def train_command(
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
+        rdzv_timeout=rdzv_timeout,
         resume=resume,
         dry_run=dry_run,
     )

@@ -85,6 +85,7 @@ def plan_launch(
     nnodes: int | None = None,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
+    rdzv_timeout: int | None = None,
     resume: str | Path | None = None,
 ) -> LaunchPlan:
     nproc = nproc_per_node or default_nproc(recipe)
@@ -109,6 +110,9 @@ def plan_launch(
     else:
         rank = node_rank if node_rank is not None else recipe.launch.node_rank
         host, _, port = endpoint.rpartition(":")
+        # torchrun's `timeout` of the static rendezvous: how long node 0's store waits for the
+        # others to join and how long another node tries to reach it, before the launch fails
+        timeout = rdzv_timeout or recipe.launch.rdzv_timeout_s
         args += [
             "--rdzv-backend",
             "static",
@@ -118,6 +122,8 @@ def plan_launch(
             host,
             "--master-port",
             port,
+            "--rdzv-conf",
+            f"timeout={timeout}",
         ]
     args += ["--module", WORKER_MODULE, *worker_args]
     return LaunchPlan(nproc, nodes, worker_args, args)
@@ -131,6 +137,7 @@ def run_train(
     nnodes: int | None = None,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
+    rdzv_timeout: int | None = None,
     resume: str | Path | None = None,
     dry_run: bool = False,
 ) -> int:
@@ -152,6 +159,7 @@ def run_train(
         nnodes=nnodes,
         node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint,
+        rdzv_timeout=rdzv_timeout,
         resume=resume,
     )
     if dry_run:
@@ -276,6 +284,7 @@ def _quiet_torchrun():
 
 def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = None) -> int:
     """torchrun in this process; a failed or stalled rank becomes one log line and an exit code."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -317,6 +326,12 @@ def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = 
         if others:
             logger.debug(f"stopped with it: rank(s) {', '.join(map(str, others))}")
         return failure.exitcode if failure.exitcode > 0 else 1
+    except DistError as exc:
+        # out of the agent itself, not a worker: the nodes' static rendezvous store never formed
+        if args.rdzv_backend != "static":
+            raise
+        logger.error(_rendezvous_failure(args, exc))
+        return 1
     finally:
         for key, value in saved.items():
             if value is None:
@@ -327,6 +342,17 @@ def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = 
             watchdog.stop()
             shutil.rmtree(watchdog.folder, ignore_errors=True)
     return 0
+
+
+def _rendezvous_failure(args: Any, exc: Exception) -> str:
+    """One line for a rendezvous that never formed: which node, where, and what to check."""
+    timeout = (args.rdzv_conf or "").partition("timeout=")[2].split(",")[0] or "900"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"node {args.node_rank} of {args.nnodes}: no rendezvous with the other node(s) at "
+        f"{args.master_addr}:{args.master_port} within {timeout} s ({reason}); start every node with "
+        "the same --nnodes and --rdzv-endpoint, or wait longer with --rdzv-timeout"
+    )
 
 
 def run_init(recipe_path: str | Path, overrides: list[str] | None = None) -> Path:
