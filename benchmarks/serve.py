@@ -10,12 +10,14 @@ sequence classifier; `--export` takes a trained one, e.g. `hpref train minilm-re
 model.pooling='"first"'` then `hpref save`; the head's weights do not change the speed):
 
 - `hpref`: `hpref serve EXPORT --replicas R --threads T` (Ray Serve; concurrent requests batched
-  into packed forward passes), asked on its miles / slime endpoint `POST /remote_rm`.
+  into packed forward passes; `--precision auto`, i.e. bf16 on this CPU), asked on its miles / slime
+  endpoint `POST /remote_rm`; `hpref-fp32`: the same with `--precision fp32`.
 - `baseline`: the usual hand-written service: `AutoModelForSequenceClassification.from_pretrained`
   on the same folder, behind a plain FastAPI app under uvicorn (one process), the same endpoint and
   request shape, one forward per request (`tokenizer(prompt, response, truncation=True)` then
   `model(**inputs).logits`), a synchronous handler (FastAPI runs it in its thread pool), torch
-  threads = T x R, the same cores.
+  threads = T x R, the same cores; `baseline-bf16`: the same under bf16 autocast (its best setting
+  here). Ratios are given against `baseline` and against the faster of the two baselines.
 
 Requests: {"prompt": an HH-RLHF conversation up to the last "Assistant:", "response": its chosen
 answer} from ../shared's helpful-base test split (synthetic text when ../shared is absent). Each of
@@ -48,7 +50,16 @@ from pydantic import BaseModel
 from benchmarks.common import REPO, python_module, write_json
 
 HELPFUL = REPO.parent / "shared" / "data" / "hh-rlhf-helpful-base-test.jsonl.gz"
-CONTENDERS = ("hpref", "baseline")
+#: contender -> (server, compute precision). hpref's default is `--precision auto` (bf16 on this
+#: CPU, as `hpref train` picks); the baseline as a user writes it runs fp32, and at its best here
+#: under bf16 autocast (the peer at its best setting, compared as well as at its default)
+CONTENDERS = {
+    "hpref": ("hpref", "auto"),
+    "hpref-fp32": ("hpref", "fp32"),
+    "baseline": ("baseline", "fp32"),
+    "baseline-bf16": ("baseline", "bf16"),
+}
+DEFAULT_CONTENDERS = "hpref,baseline,baseline-bf16"
 ENDPOINT = "/remote_rm"
 WARMUP_S = 3.0
 
@@ -65,8 +76,11 @@ class Sample(BaseModel):
     label: str | None = None
 
 
-def baseline_app(export: str, threads: int):
-    """The hand-written service: FastAPI, transformers' sequence classifier, one forward per request."""
+def baseline_app(export: str, threads: int, precision: str = "fp32"):
+    """The hand-written service: FastAPI, transformers' sequence classifier, one forward per request
+    (under bf16 autocast with `precision = "bf16"`)."""
+    import contextlib
+
     import torch
     from fastapi import FastAPI
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -85,16 +99,20 @@ def baseline_app(export: str, threads: int):
         inputs = tokenizer(
             sample.prompt, sample.response, truncation=True, max_length=512, return_tensors="pt"
         )
-        with torch.no_grad():
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        )
+        with torch.no_grad(), autocast:
             return float(model(**inputs).logits[0, 0])
 
     return app
 
 
-def run_baseline_server(export: str, port: int, threads: int) -> None:
+def run_baseline_server(export: str, port: int, threads: int, precision: str) -> None:
     import uvicorn
 
-    uvicorn.run(baseline_app(export, threads), host="127.0.0.1", port=port, log_level="warning")
+    app = baseline_app(export, threads, precision)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,16 +218,18 @@ def start(name: str, export: Path, args, log: Path) -> tuple[subprocess.Popen, s
     port = free_port()
     threads = args.threads * args.replicas
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-    if name == "hpref":
+    server, precision = CONTENDERS[name]
+    if server == "hpref":
         cmd = python_module(
             "hpref", "serve", str(export), "--port", str(port), "--replicas", str(args.replicas)
         )
         cmd += ["--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size)]
+        cmd += ["--precision", precision]
         probe = "/ready"
     else:
         env["OMP_NUM_THREADS"] = str(threads)
         cmd = python_module("benchmarks.serve", "--baseline-server", str(export), "--port", str(port))
-        cmd += ["--threads", str(threads)]
+        cmd += ["--threads", str(threads), "--baseline-precision", precision]
         probe = "/health"
     with open(log, "a") as out:
         process = subprocess.Popen(
@@ -275,15 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per replica")
     parser.add_argument("--replicas", type=int, default=1, help="hpref serve replicas")
     parser.add_argument("--max-batch-size", type=int, default=32, help="hpref serve --max-batch-size")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS, help=f"of {', '.join(CONTENDERS)}")
     parser.add_argument("--export", type=Path, default=None, help="a MiniLM reward export (CLS pooling)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/hpref-bench-serve"))
     parser.add_argument("--out", type=Path, default=None, help="write every round (JSON) here")
     parser.add_argument("--baseline-server", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-precision", default="fp32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.baseline_server:
-        run_baseline_server(args.baseline_server, args.port, args.threads)
+        run_baseline_server(args.baseline_server, args.port, args.threads, args.baseline_precision)
         return 0
     args.clients = [int(c) for c in args.clients.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
@@ -300,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.contenders.split(","):
             print(f"round {round_ + 1} {name}", flush=True)
             rows += [dict(r, round=round_ + 1) for r in measure(name, export, args, bodies, log)]
-    print("\n| contender | clients | requests / s | p50 ms | p99 ms | vs baseline req/s | load |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| contender | clients | requests / s | p50 ms | p99 ms | vs baseline | vs best baseline | load |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     summary = []
     for clients in args.clients:
         medians = {}
@@ -311,13 +334,18 @@ def main(argv: list[str] | None = None) -> int:
                 k: statistics.median(r[k] for r in mine)
                 for k in ("requests_per_s", "p50_ms", "p99_ms", "load_before")
             }
+        baselines = [m["requests_per_s"] for n, m in medians.items() if CONTENDERS[n][0] == "baseline"]
+        best = max(baselines, default=float("nan"))
         for name, m in medians.items():
             base = medians.get("baseline", {}).get("requests_per_s")
             ratio = m["requests_per_s"] / base if base else float("nan")
-            summary.append({"contender": name, "clients": clients, **m, "vs_baseline": ratio})
+            summary.append(
+                {"contender": name, "clients": clients, **m, "vs_baseline": ratio,
+                 "vs_fastest_baseline": m["requests_per_s"] / best}
+            )  # fmt: skip
             print(
                 f"| {name} | {clients} | {m['requests_per_s']:.1f} | {m['p50_ms']:.1f} | {m['p99_ms']:.1f} | "
-                f"{ratio:.2f}x | {m['load_before']:.2f} |"
+                f"{ratio:.2f}x | {m['requests_per_s'] / best:.2f}x | {m['load_before']:.2f} |"
             )
     if args.out:
         write_json(

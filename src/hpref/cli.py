@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Literal
 
 import typer
 
@@ -403,12 +404,16 @@ def serve_cmd(
     max_batch_size: int = typer.Option(
         32, "--max-batch-size", min=1, help="Concurrent requests scored together in one packed pass."
     ),
+    precision: Literal["auto", "fp32", "bf16"] = typer.Option(
+        "auto", "--precision", help="Compute dtype (auto: bf16 on CPUs with AMX or AVX512-BF16)."
+    ),
 ) -> None:
     """Serve an exported judge or reward model over HTTP on Ray Serve (hpref's, OpenRLHF's, miles' shapes)."""
     from hpref.serve.command import serve_command
 
     options = dict(host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file)
-    raise typer.Exit(serve_command(export, **options, threads=threads, max_batch_size=max_batch_size))
+    options.update(threads=threads, max_batch_size=max_batch_size, precision=precision)
+    raise typer.Exit(serve_command(export, **options))
 
 
 # --------------------------------------------------------------------------------------------------

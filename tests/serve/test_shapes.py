@@ -206,3 +206,28 @@ def test_text_that_is_not_valid_unicode_is_scored_not_crashed(scorers):
     job, respond = shapes.parse_score(body, scorers["reward"], Limits())
     [score] = respond(shapes.score_jobs(scorers["reward"], [job])[0])["scores"]
     assert isinstance(score, float)
+
+
+def test_bf16_compute_scores_like_fp32_with_the_head_in_fp32(exports, scorers):
+    """`hpref serve --precision bf16` (auto picks it on bf16 CPUs for a model >= 256 wide): the
+    backbone under bf16 autocast must give the fp32 scores to bf16's precision, and the head must
+    still compute in fp32 — bf16 logits would round every score to ~3 significant digits and put
+    many answers on the same few values (a GRPO group's advantages would then be mostly ties)."""
+    import torch
+
+    from hpref.builtin.scoring import ExportScorer
+
+    bf16 = ExportScorer.load(exports["reward"], precision="bf16")
+    assert bf16.compute_dtype == torch.bfloat16
+    assert ExportScorer.load(exports["reward"], precision="auto").compute_dtype is None  # 64 wide: fp32
+    prompts = [("What is two plus two?",), ("Name a colour.",)]
+    groups = [["Four.", "It is 4, of course.", "five"], ["Blue.", "Red, or green.", "I cannot say."]]
+    exact = scorers["reward"].score_groups(prompts, groups)
+    fast = bf16.score_groups(prompts, groups)
+    flat_exact = [s for g in exact for s in g]
+    flat_fast = [s for g in fast for s in g]
+    spread = max(flat_exact) - min(flat_exact)
+    assert spread > 0
+    assert max(abs(a - b) for a, b in zip(flat_exact, flat_fast, strict=True)) < 0.05 * spread + 1e-3
+    as_bf16 = [float(torch.tensor(s).bfloat16().float()) for s in flat_fast]
+    assert as_bf16 != flat_fast, "every score is a bf16 number: the head ran in bf16"

@@ -105,8 +105,18 @@ class ScoringJob:
 class ExportScorer:
     """A loaded export, its formatter and a token budget per packed forward pass."""
 
-    def __init__(self, model: Any, formatter: Any, *, micro_batch_tokens: int, settings: dict[str, Any]):
+    def __init__(
+        self,
+        model: Any,
+        formatter: Any,
+        *,
+        micro_batch_tokens: int,
+        settings: dict[str, Any],
+        compute_dtype: Any = None,
+    ):
         self.model = model
+        #: the backbone's autocast dtype (None: the weights' own, fp32); the head always runs in fp32
+        self.compute_dtype = compute_dtype
         self.formatter = formatter
         self.micro_batch_tokens = micro_batch_tokens
         self.settings = settings
@@ -122,10 +132,13 @@ class ExportScorer:
         formatter: str | None = None,
         max_length: int | None = None,
         micro_batch_tokens: int = 16384,
+        precision: str = "fp32",
     ) -> ExportScorer:
         """The export at `path` on the CPU, in eval mode. `formatter` and `max_length` default to what
         the export was trained with (`hpref_checkpoint.json`), else 'pab' and 512; a reward model
-        always reads its answers with the 'answers' formatter."""
+        always reads its answers with the 'answers' formatter. `precision` ("fp32", "bf16" or "auto",
+        `hpref.models.precision.resolve_precision`: bf16 on CPUs with AMX or AVX512-BF16) is the
+        backbone's compute dtype; the weights stay fp32 and the head computes in fp32."""
         from hpref.errors import UserError
         from hpref.models import PreferenceModel
         from hpref.plugins import load_plugins
@@ -140,7 +153,19 @@ class ExportScorer:
         length = int(max_length or settings.get("max_length") or 512)
         component = load_plugins().get("formatter", name)
         built = component.build(component.config(), model.tokenizer, length)
-        return cls(model, built, micro_batch_tokens=micro_batch_tokens, settings=settings)
+        import torch
+
+        from hpref.models.precision import resolve_precision
+
+        hidden = getattr(getattr(model.backbone, "config", None), "hidden_size", None)
+        dtype = resolve_precision(precision, torch.device("cpu"), hidden)
+        return cls(
+            model,
+            built,
+            micro_batch_tokens=micro_batch_tokens,
+            settings=settings,
+            compute_dtype=None if dtype == torch.float32 else dtype,
+        )
 
     # ------------------------------------------------------------------------------------ running
     def logits(self, battles: Sequence[Battle]) -> list[list[float]]:
@@ -185,7 +210,18 @@ class ExportScorer:
             TokenizedExample(ids=ids, label=None, row=i, split=split)
             for i, (ids, split) in enumerate(examples)
         ]
-        return packed_logits(self.model, tokenized, micro_batch_tokens=self.micro_batch_tokens).tolist()
+        import contextlib
+
+        import torch
+
+        autocast = (
+            torch.autocast("cpu", dtype=self.compute_dtype)
+            if self.compute_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            logits = packed_logits(self.model, tokenized, micro_batch_tokens=self.micro_batch_tokens)
+        return logits.tolist()
 
     def _davidson(self, pairs: list[tuple[float, float]]) -> list[list[float]]:
         """A reward model's 3 logits of each (s_A, s_B), as its head computes them."""

@@ -50,6 +50,9 @@ class ServeSettings:
     max_batch_size: int = 32
     batch_wait_s: float = 0.005
     micro_batch_tokens: int = 16384
+    #: the backbone's compute dtype (`hpref.models.precision`: auto = bf16 on CPUs with AMX or
+    #: AVX512-BF16, as `hpref train` picks); the head computes in fp32 whatever this is
+    precision: str = "auto"
     token: str | None = field(default=None, repr=False)
     limits: shapes.Limits = field(default_factory=shapes.Limits)
 
@@ -109,6 +112,7 @@ def export_info(settings: ServeSettings, scorer: Any) -> dict[str, Any]:
         "tie_log_nu": meta.get("tie_log_nu"),
         "step": meta.get("step"),
         "dtype": meta.get("dtype"),
+        "compute_dtype": str(scorer.compute_dtype or "torch.float32").removeprefix("torch."),
         "lora": meta.get("lora"),
         "metrics": card_metrics(card.read_text(encoding="utf-8")) if card.is_file() else {},
         "hpref_version": __version__,
@@ -134,7 +138,9 @@ class HprefScorer:
         setup_logging(console=True, level="WARNING")
         torch.set_num_threads(settings.threads)
         self.settings = settings
-        self.scorer = ExportScorer.load(settings.export, micro_batch_tokens=settings.micro_batch_tokens)
+        self.scorer = ExportScorer.load(
+            settings.export, micro_batch_tokens=settings.micro_batch_tokens, precision=settings.precision
+        )
         self._run.set_max_batch_size(settings.max_batch_size)
         self._run.set_batch_wait_timeout_s(settings.batch_wait_s)
         self.info = export_info(settings, self.scorer)

@@ -69,6 +69,7 @@ def serve_command(
     token_file: Path | None = None,
     threads: int | None = None,
     max_batch_size: int = 32,
+    precision: str = "auto",
 ) -> int:
     from hpref.builtin.scoring import export_problem
 
@@ -99,6 +100,7 @@ def serve_command(
         replicas=replicas,
         threads=threads,
         max_batch_size=max_batch_size,
+        precision=precision,
         token=token,
     )
     started = connect_ray(ray_address)
@@ -110,6 +112,9 @@ def serve_command(
             ray_actor_options={"num_cpus": threads},
             # Ray Serve's default (5) would cap a replica's batch at 5 concurrent requests
             max_ongoing_requests=2 * max_batch_size,
+            # one access-log line per request costs the replica and the driver CPU on a small
+            # machine (the replica's errors are still logged)
+            logging_config={"enable_access_log": False},
         ).bind(settings)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
