@@ -11,7 +11,9 @@ model.pooling='"first"'` then `hpref save`; the head's weights do not change the
 
 - `hpref`: `hpref serve EXPORT --replicas R --threads T` (Ray Serve; concurrent requests batched
   into packed forward passes; `--precision auto`, i.e. bf16 on this CPU), asked on its miles / slime
-  endpoint `POST /remote_rm`; `hpref-fp32`: the same with `--precision fp32`.
+  endpoint `POST /remote_rm`; `hpref-fp32`: the same with `--precision fp32`; `hpref-haproxy`: the
+  same with Ray Serve's high-throughput mode (`RAY_SERVE_ENABLE_HA_PROXY=1`,
+  `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`: HAProxy as the HTTP ingress instead of the Python proxy actor).
 - `baseline`: the usual hand-written service: `AutoModelForSequenceClassification.from_pretrained`
   on the same folder, behind a plain FastAPI app under uvicorn (one process), the same endpoint and
   request shape, one forward per request (`tokenizer(prompt, response, truncation=True)` then
@@ -56,10 +58,14 @@ HELPFUL = REPO.parent / "shared" / "data" / "hh-rlhf-helpful-base-test.jsonl.gz"
 CONTENDERS = {
     "hpref": ("hpref", "auto"),
     "hpref-fp32": ("hpref", "fp32"),
+    # Ray Serve's own high-throughput mode (Ray >= 2.56, environment variables read when Ray starts):
+    # HAProxy instead of the Python proxy actor as the HTTP ingress, direct gRPC to the replicas
+    "hpref-haproxy": ("hpref", "auto"),
     "baseline": ("baseline", "fp32"),
     "baseline-bf16": ("baseline", "bf16"),
 }
 DEFAULT_CONTENDERS = "hpref,baseline,baseline-bf16"
+FAST_INGRESS = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 ENDPOINT = "/remote_rm"
 WARMUP_S = 3.0
 
@@ -225,6 +231,8 @@ def start(name: str, export: Path, args, log: Path) -> tuple[subprocess.Popen, s
         )
         cmd += ["--threads", str(args.threads), "--max-batch-size", str(args.max_batch_size)]
         cmd += ["--precision", precision]
+        if name == "hpref-haproxy":
+            env.update(FAST_INGRESS)
         probe = "/ready"
     else:
         env["OMP_NUM_THREADS"] = str(threads)
