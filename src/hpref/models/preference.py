@@ -296,10 +296,13 @@ class PreferenceModel(nn.Module):
             # BERT's own pooler (dense + tanh on CLS), as its sequence-classification model applies
             # it; it reads position 0 of a [batch, seq, H] input, so each CLS state is a batch row
             pooled = self.backbone.pooler(pooled[:, None, :])
-        # the head in fp32 even under a caller's bf16 autocast (`hpref serve`): bf16 logits round
-        # scores to ~3 significant digits and put many pairs on the same few values
-        with torch.autocast(device_type=pooled.device.type, enabled=False):
-            return self.head(pooled.float()).float()
+        if torch.is_autocast_enabled(pooled.device.type):
+            # the head in its own (fp32) weights' dtype under a caller's bf16 autocast (`hpref
+            # serve`): bf16 logits round scores to ~3 significant digits and tie many pairs
+            with torch.autocast(device_type=pooled.device.type, enabled=False):
+                head_dtype = next(self.head.parameters()).dtype
+                return self.head(pooled.to(head_dtype)).float()
+        return self.head(pooled).float()
 
     def set_output_bias(self, bias: torch.Tensor) -> None:
         """Overwrite the head's output bias (`[num_labels]`), sharded (FSDP2 DTensor) or not.
