@@ -17,22 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.rl.tiny import TINY as TINY_LLAMA
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-#: a 1-block, 32-wide Llama: seconds to build, export and load
-TINY = {
-    "name": "tiny-llama",
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "intermediate_size": 64,
-    "vocab_size": 300,
-    "tokenizer_texts": 300,
-    "head_dropout": 0.0,
-}
+#: a 1-block, 32-wide Llama: seconds to build, export and load (the rl tests' tiny shape)
+TINY = {"name": "tiny-llama", **TINY_LLAMA, "head_dropout": 0.0}
 TOKEN = "s3cret-token"
 PROMPT = ("What is 12 + 30?",)
 

@@ -219,7 +219,7 @@ def test_bf16_compute_scores_like_fp32_with_the_head_in_fp32(exports, scorers):
 
     bf16 = ExportScorer.load(exports["reward"], precision="bf16")
     assert bf16.compute_dtype == torch.bfloat16
-    assert ExportScorer.load(exports["reward"], precision="auto").compute_dtype is None  # 64 wide: fp32
+    assert ExportScorer.load(exports["reward"], precision="auto").compute_dtype is None  # 32 wide: fp32
     prompts = [("What is two plus two?",), ("Name a colour.",)]
     groups = [["Four.", "It is 4, of course.", "five"], ["Blue.", "Red, or green.", "I cannot say."]]
     exact = scorers["reward"].score_groups(prompts, groups)
