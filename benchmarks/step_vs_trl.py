@@ -7,12 +7,12 @@ hpref: `minilm-reward` built as a rank of `hpref train` builds it (`benchmarks.p
 bf16 autocast, packed micro-batches, its optimizer), stepping through its own step plans. TRL: the
 model `RewardTrainer` trains (`AutoModelForSequenceClassification`, one label, BERT's pooler, dropout
 off as `RewardConfig.disable_dropout` does, no gradient checkpointing: TRL at its fastest here), fed
-the SAME pairs of each step the way TRL's collator feeds them (chosen then rejected, right-padded to the
-longest of the 2 x batch), Bradley-Terry loss, grad clip 1, AdamW with the same groups
-(`benchmarks.hf_worker.optimizer_and_schedule`), bf16 autocast (`--trl-fp32`: none). Rounds alternate
-the two sides over the same steps. Per side: seconds a step, real tokens (and TRL's padded positions)
-per second; `--profile` adds torch.profiler's top ops by self CPU time for one round of each side.
-Needs ../shared (skips without it) and `hpref[minilm]`.
+the SAME pairs of each step through TRL's own collator (`DataCollatorForPreference`: chosen then
+rejected, right-padded to the longest of the 2 x batch), Bradley-Terry loss, grad clip 1, AdamW with
+the same groups (`benchmarks.hf_worker.optimizer_and_schedule`), bf16 autocast (`--trl-fp32`: none).
+Rounds alternate the two sides over the same steps. Per side: seconds a step, real tokens (and TRL's
+padded positions) per second; `--profile` adds torch.profiler's top ops by self CPU time for one round
+of each side. Needs ../shared (skips without it) and `hpref[minilm]`.
 """
 
 from __future__ import annotations
@@ -66,18 +66,14 @@ def _trl_side(setup, lr: float, head_lr: float, bf16: bool):
 
 
 def _trl_batch(setup, plan):
-    """TRL's collator on the step's pairs: chosen ids then rejected ids, right-padded together."""
-    import torch
+    """The step's pairs through TRL's own collator (chosen ids then rejected ids, right-padded together)."""
+    from trl.trainer.reward_trainer import DataCollatorForPreference
 
     indices = [i for mbs in plan.micro_batches for mb in mbs for i in mb if i >= 0]
     examples = [setup.train_data.examples[i] for i in indices]
-    sides = [list(e.ids[: e.split]) for e in examples] + [list(e.ids[e.split :]) for e in examples]
-    longest = max(len(s) for s in sides)
-    ids = torch.full((len(sides), longest), setup.filler_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sides), longest), dtype=torch.long)
-    for row, s in enumerate(sides):
-        ids[row, : len(s)] = torch.tensor(s)
-        mask[row, : len(s)] = 1
+    pairs = [{"chosen_ids": list(e.ids[: e.split]), "rejected_ids": list(e.ids[e.split :])} for e in examples]
+    batch = DataCollatorForPreference(pad_token_id=setup.filler_token_id)(pairs)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
     return ids, mask, int(mask.sum()), ids.numel()
 
 

@@ -109,3 +109,26 @@ def test_hpref_is_compared_with_trls_default_and_with_trl_at_its_fastest():
     assert [line.split(":")[0] for line in ratios if line.startswith("hpref-reward-lora")] == [
         "hpref-reward-lora / trl-lora"
     ]
+
+
+def test_step_comparison_feeds_trl_the_same_pairs_through_its_own_collator():
+    """benchmarks.step_vs_trl compares one step of each side on the SAME pairs: TRL's batch must hold
+    every real token of hpref's step plan (fillers left out), chosen rows first then rejected, each
+    right-padded with the pad id; if it did not, the per-token rates it prints compare different work."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from benchmarks import step_vs_trl
+
+    from hpref.data.packing import FILLER, TokenizedExample
+
+    examples = [
+        TokenizedExample(ids=np.array([1, 2, 3, 4, 5], dtype=np.int32), label=None, row=0, split=3),
+        TokenizedExample(ids=np.array([6, 7, 8], dtype=np.int32), label=None, row=1, split=1),
+    ]
+    setup = SimpleNamespace(train_data=SimpleNamespace(examples=examples), filler_token_id=0)
+    plan = SimpleNamespace(micro_batches=(((0, FILLER), (1,)),), num_tokens=8)  # one rank, two micro-batches
+    ids, mask, real, positions = step_vs_trl._trl_batch(setup, plan)
+    assert ids.tolist() == [[1, 2, 3], [6, 0, 0], [4, 5, 0], [7, 8, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]
+    assert (real, positions) == (plan.num_tokens, 12)
