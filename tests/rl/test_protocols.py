@@ -71,7 +71,7 @@ def test_builtin_rewards_are_rewards():
 def test_builtin_engines_are_engines():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hpref.recipe_rl import PolicyModelConfig
+    from hpref.recipe.rl import PolicyModelConfig
     from hpref.rl.engines import EngineActor, EngineHost
     from tests.rl.tiny import TINY
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hpref.arena import generate_battles
-from hpref.data.baselines import cheap_baselines
 from hpref.data.readers import write_arena_file
 from hpref.data.records import Battle
+from hpref.prediction.baselines import cheap_baselines
 from tests.train.conftest import RECIPE
 
 pytestmark = pytest.mark.slow

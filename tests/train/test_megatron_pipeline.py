@@ -126,7 +126,7 @@ def test_a_pipeline_reward_model_evaluates_as_the_unsplit_model(
     its first eval, or the stages' eval differs from the model's."""
     from hpref.evaluate.cli import eval_command
     from hpref.prediction.files import read_predictions
-    from hpref.recipe_catalog import resolve_recipe_path
+    from hpref.recipe.catalog import resolve_recipe_path
     from hpref.train import run_train
 
     overrides = [

@@ -136,7 +136,7 @@ def test_without_bitsandbytes_qlora_is_a_one_line_user_error(tmp_path, monkeypat
     from hpref.errors import RecipeError, UserError
     from hpref.models.adapters import apply_lora
     from hpref.recipe import load_recipe
-    from hpref.recipe_checks import check_train
+    from hpref.train.checks import check_train
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -334,7 +334,7 @@ def test_recipe_check_refuses_a_reward_model_with_a_judge_input(pairs, tmp_path,
     would give two verdicts per battle; swap on a reward model doubles compute for nothing."""
     from hpref.errors import RecipeError
     from hpref.recipe import load_recipe
-    from hpref.recipe_checks import check_train
+    from hpref.train.checks import check_train
 
     recipe = load_recipe(write_recipe(tmp_path, pairs), overrides)
     with pytest.raises(RecipeError, match=key):

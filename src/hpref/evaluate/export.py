@@ -28,7 +28,8 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.recipe import remote_code_keys
-from hpref.runfolder.checkpoints import TRAIN_STATE, resolve_checkpoint, validate_checkpoint
+from hpref.runfolder.checkpoints import resolve_checkpoint, validate_checkpoint
+from hpref.runfolder.layout import METRICS, RECIPE, SUMMARY, TRAIN_STATE
 from hpref.runfolder.safe_load import CheckpointError, dcp_load
 
 MODEL_CARD = "README.md"
@@ -72,7 +73,7 @@ def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
 
     if recipe_path is not None:
         return load_recipe(recipe_path)
-    candidate = Path(checkpoint_dir).resolve().parent.parent / "recipe.toml"
+    candidate = Path(checkpoint_dir).resolve().parent.parent / RECIPE
     if not candidate.is_file():
         raise CheckpointError(
             f"{checkpoint_dir}: no recipe.toml in its run folder ({candidate}); pass the recipe explicitly"
@@ -138,14 +139,14 @@ def load_model_from_checkpoint(
 def _run_metrics(run_dir: Path, step: int | None) -> dict[str, Any]:
     """The run's eval numbers for the model card: summary.json, else the last eval at or before step."""
     out: dict[str, Any] = {}
-    summary = run_dir / "summary.json"
+    summary = run_dir / SUMMARY
     if summary.is_file():
         data = json.loads(summary.read_text())
         if step is None or data.get("eval_step") == step:
             for key in ("eval_log_loss", "eval_accuracy", "gap_closed", "eval_step"):
                 if key in data:
                     out[key] = data[key]
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS
     if not out and metrics.is_file():
         for line in metrics.read_text().splitlines():
             try:
@@ -422,7 +423,7 @@ def save_export(
             pooling=getattr(model, "pooling", "last"),
         )
         write_text_atomic(tmp / MODEL_CARD, card)
-        write_text_atomic(tmp / "recipe.toml", recipe.to_toml())
+        write_text_atomic(tmp / RECIPE, recipe.to_toml())
         info = {
             "checkpoint": str(checkpoint_dir),
             "step": run_step,

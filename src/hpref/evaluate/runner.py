@@ -25,6 +25,7 @@ from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
+from hpref.runfolder.layout import EVAL, EVAL_PREDICTIONS
 
 
 @dataclass
@@ -233,7 +234,7 @@ def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides,
         tta=tta == "swap",
         device=device,
     )
-    out_path = Path(out) if out is not None else recipe.run.run_dir / "eval" / "predictions.csv"
+    out_path = Path(out) if out is not None else recipe.run.run_dir / EVAL / EVAL_PREDICTIONS
     extra = {
         "checkpoint": str(checkpoint),
         "tta": tta,

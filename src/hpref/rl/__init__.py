@@ -16,7 +16,7 @@
 - `warmup`: the cached supervised warm-up that makes tiny policies' starting checkpoint.
 - `leaderboard`: Bradley-Terry ratings and the metric plots.
 
-The `[rl]` recipe section is typed with the rest of the recipe (`hpref.recipe_rl`). Importing this
+The `[rl]` recipe section is typed with the rest of the recipe (`hpref.recipe.rl`). Importing this
 package imports nothing heavy; `run_rl` loads torch and Ray when called.
 """
 

@@ -22,13 +22,13 @@ from loguru import logger
 
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
-from hpref.recipe_rl import RLConfig, resolve_engine, rl_rewards
+from hpref.recipe.rl import RLConfig, resolve_engine, rl_rewards
 from hpref.rl.driver import DriveResult, Handles, WeightSyncError, drive, restore
 from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
 from hpref.rl.record import ResumeError, check_record_leader, read_record
 from hpref.runfolder.files import write_json_atomic
-from hpref.runfolder.layout import RL_JSON, RL_SUMMARY
+from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
 
 ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
@@ -141,7 +141,7 @@ def check_rewards_fit_prompts(config: RLConfig, prompts: Any, where: str) -> Non
 
 
 def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
-    """The typed `[rl]` section of a Recipe (`hpref.recipe_rl`: validated once, when the recipe
+    """The typed `[rl]` section of a Recipe (`hpref.recipe.rl`: validated once, when the recipe
     loaded, with the recipe's `[lora]` as every policy's default) and its run folder."""
     if recipe.rl is None:
         where = str(getattr(recipe, "_source", None) or "recipe")
@@ -305,7 +305,7 @@ def run_rl(
             raise
         record = read_record(run_dir)
         where = (
-            f"--resume auto continues from {record.save_dir} ({run_dir / 'record.json'})"
+            f"--resume auto continues from {record.save_dir} ({run_dir / RECORD_FILE})"
             if record is not None
             else "no save was recorded yet, so a new run starts from the beginning"
         )

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from hpref.errors import UserError
-from hpref.recipe_rl import PolicyModelConfig, RLConfig
+from hpref.recipe.rl import PolicyModelConfig, RLConfig
 
 MEGATRON = "megatron"
 #: the megatron-core keys of the final norm and the LM output layer (the rest are the backbone's)

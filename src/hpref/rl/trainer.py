@@ -21,7 +21,7 @@ from typing import Any
 
 from hpref.errors import UserError
 from hpref.memory import release_freed_memory
-from hpref.recipe_rl import PolicyConfig
+from hpref.recipe.rl import PolicyConfig
 from hpref.rl.policy import (
     apply_env,
     build_policy_model,
@@ -33,8 +33,7 @@ from hpref.rl.policy import (
     whole_groups,
 )
 from hpref.rl.rollouts import expected_version
-
-TRAINER_STATE = "trainer.pt"
+from hpref.runfolder.layout import TRAINER_STATE
 
 
 class TrainerActor:

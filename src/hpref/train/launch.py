@@ -146,7 +146,7 @@ def run_train(
     A recipe error raises `UserError` before anything starts. `dry_run` prints the exact command
     and the resolved recipe, and returns 0.
     """
-    from hpref.recipe_checks import check_train
+    from hpref.train.checks import check_train
 
     overrides = list(overrides or [])
     recipe = load_recipe(recipe_path, overrides)
@@ -361,14 +361,14 @@ def run_init(recipe_path: str | Path, overrides: list[str] | None = None) -> Pat
     `hpref train` with the same run folder starts from these weights. Returns the folder.
     """
     from hpref.components import Components
-    from hpref.train.sharding import INIT_FOLDER
+    from hpref.runfolder.layout import INIT
 
     recipe = load_recipe(recipe_path, list(overrides or []))
     if recipe.model is None:
         raise UserError(f"{recipe_path}: the recipe has no [model] section")
     # the plain layout, without adapters: a LoRA run applies its own to these weights
     model = Components(recipe).model(device="cpu", adapters=False)
-    folder = recipe.run.run_dir / INIT_FOLDER
+    folder = recipe.run.run_dir / INIT
     model.save_pretrained(folder)
     recipe.write(recipe.run.run_dir)
     params = sum(p.numel() for p in model.parameters())

@@ -36,6 +36,7 @@ from hpref.prediction.files import write_predictions
 from hpref.prediction.metrics import accuracy, log_loss
 from hpref.prediction.predict import predict
 from hpref.recipe import Recipe
+from hpref.runfolder import layout
 from hpref.train import checkpoint
 from hpref.train.data import Tokenized
 from hpref.train.head_prior import init_head_to_prior
@@ -274,7 +275,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     train_cfg = setup.recipe.train
     rank = setup.rank
     data_rank, data_world, data_group = setup.data_rank_and_size
-    metrics = MetricsFile(setup.run_dir / "metrics.jsonl" if rank == 0 else None)
+    metrics = MetricsFile(setup.run_dir / layout.METRICS if rank == 0 else None)
     stats = RunStats()
     if resume_from is not None:
         stats.step = _restore(setup, resume_from)
@@ -410,7 +411,7 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
         rows = summary_rows(setup, summary)  # adds the baselines to the summary
         from hpref.runfolder.files import write_text_atomic
 
-        write_text_atomic(setup.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_text_atomic(setup.run_dir / layout.SUMMARY, json.dumps(summary, indent=2) + "\n")
         from rich.console import Console
 
         Console().print(summary_table(rows, title=f"hpref train: {setup.run_dir}"))
@@ -487,8 +488,8 @@ def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: Metri
     if setup.rank == 0:
         ids = [b.id for b in battles]
         for path in (
-            setup.run_dir / "predictions" / f"step-{step:06d}.csv",
-            setup.run_dir / "predictions.csv",
+            setup.run_dir / layout.PREDICTIONS_DIR / layout.STEP_PREDICTIONS.format(step=step),
+            setup.run_dir / layout.PREDICTIONS,
         ):
             write_predictions(path, ids, result.probs, unique_ids=False)
     seconds = time.perf_counter() - t

@@ -4,7 +4,7 @@
     ->  `load_initial_weights` (materialise; rank 0 reads, the others receive)
 
 `hpref.models.precision.resolve_precision` picks the compute dtype from measurements; `hpref init`
-writes the weights a run starts from (`INIT_FOLDER`).
+writes the weights a run starts from (`hpref.runfolder.layout.INIT`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-#: Written by `hpref init`; `hpref train` starts from it when present.
-INIT_FOLDER = "init"
+from hpref.runfolder.layout import INIT
 
 
 def init_weights_folder(run_dir: Path) -> Path | None:
     """`run_dir/init` when `hpref init` wrote it, else None."""
-    folder = Path(run_dir) / INIT_FOLDER
+    folder = Path(run_dir) / INIT
     return folder if (folder / "model.safetensors").is_file() else None
 
 

@@ -105,7 +105,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
     from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
     from hpref.models.precision import resolve_precision
-    from hpref.recipe_checks import check_train
+    from hpref.train.checks import check_train
     from hpref.train.data import require_labels, tokenize, tokenize_cached
     from hpref.train.loop import TrainSetup
     from hpref.train.metrics import peak_flops
