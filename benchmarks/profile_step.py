@@ -29,7 +29,8 @@ def _build(recipe_path: str, overrides: list[str]):
     import torch
 
     from hpref.recipe import load_recipe
-    from hpref.train.worker import DistInfo, build_setup
+    from hpref.runtime.distributed import DistInfo
+    from hpref.train.worker import build_setup
 
     out_dir = tempfile.mkdtemp(prefix="hpref-prof-")
     recipe = load_recipe(recipe_path, [*overrides, f"run.output_dir={out_dir}"])

@@ -204,9 +204,9 @@ def init_command(
     overrides: list[str] = SetOption,
 ) -> None:
     """Build the recipe's model (backbone + new head), save it as safetensors in the run folder, exit."""
-    from hpref.train.launch import run_init
+    from hpref.train.command import init_command as run_init_command
 
-    folder = run_init(resolve_recipe_path(recipe), overrides)
+    folder = run_init_command(resolve_recipe_path(recipe), overrides)
     typer.echo(str(folder))
 
 
@@ -323,7 +323,7 @@ def eval_cmd(
     overrides: list[str] = SetOption,
 ) -> None:
     """Predict (Kaggle format), score with log loss / accuracy / ECE, swap TTA, blend ensembles."""
-    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.command import eval_command
 
     code = eval_command(
         resolve_recipe_path(recipe) if recipe else None,
@@ -368,7 +368,7 @@ def save_cmd(
     ),
 ) -> None:
     """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""
-    from hpref.evaluate.cli import save_command
+    from hpref.save.command import save_command
 
     code = save_command(
         run_dir,

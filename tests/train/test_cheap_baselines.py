@@ -137,7 +137,7 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
 
     # each baseline's eval predictions sit beside the model's, for the same battles, and blend
     # with them through hpref eval, with an out-of-fold figure for the fitted weights
-    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
 
     run = tmp_path / "runs" / "arena"

@@ -124,7 +124,7 @@ def test_a_pipeline_reward_model_evaluates_as_the_unsplit_model(
     of its checkpoint on one process (the model unsplit) to 1e-5. If this fails, a stage other than
     the last allocates the logits with the judge's shape (one row per sequence) and the run dies at
     its first eval, or the stages' eval differs from the model's."""
-    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
     from hpref.recipe.catalog import resolve_recipe_path
     from hpref.train import run_train

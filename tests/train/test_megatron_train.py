@@ -138,8 +138,9 @@ def assert_export_reproduces_predictions(run_dir: Path, recipe: Path, tmp_path: 
     predictions to 1e-5."""
     from transformers import AutoConfig, AutoModel
 
-    from hpref.evaluate.cli import eval_command, save_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
+    from hpref.save.command import save_command
 
     export = tmp_path / "export"
     assert save_command(run_dir, to=export) == 0

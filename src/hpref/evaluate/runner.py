@@ -8,7 +8,7 @@ swapped views mapped back and averaged). Or an ensemble: prediction files blende
 0 writes the predictions, the optional soft-label file, and, for labelled battles, `metrics.json`,
 the table and the reliability diagram (`hpref.prediction.metrics`).
 
-`hpref.evaluate.cli.eval_command` calls `run_eval` in its own process, or starts N ranks through
+`hpref.evaluate.command.eval_command` calls `run_eval` in its own process, or starts N ranks through
 `hpref.evaluate.launch`, each of which (`hpref.evaluate.worker`) calls `run_eval`.
 """
 
@@ -52,8 +52,9 @@ def is_export_folder(path: Path) -> bool:
 
 def load_model(source: str | Path, recipe: Any = None, *, device: Any = "cpu") -> Any:
     """An export folder (`hpref save` output), a checkpoint folder or a run folder (latest checkpoint)."""
-    from hpref.evaluate.export import load_model_from_checkpoint, resolve_checkpoint
     from hpref.models.preference import PreferenceModel
+    from hpref.runfolder.checkpoints import resolve_checkpoint
+    from hpref.runtime.checkpoint import load_model_from_checkpoint
 
     source = Path(source)
     if is_export_folder(source):

@@ -30,11 +30,11 @@ from loguru import logger
 from hpref.recipe.rl import RLConfig
 from hpref.rl.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
 from hpref.rl.parking import Parker
-from hpref.rl.ray_cluster import actor_death, ray_cause
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
 from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX
 from hpref.runfolder.save_trigger import check_save_trigger
+from hpref.runtime.ray_cluster import actor_death, ray_cause
 
 HEARTBEAT_INTERVAL_S = 5.0  # well under HEARTBEAT_STALE_S: a slow rollout does not read as a hung run
 

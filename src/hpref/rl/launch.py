@@ -3,7 +3,7 @@
     run_rl(recipe, ["a", "b"], ray_address=None, resume=None)
 
 The Ray shell around the driver (`hpref.rl.driver.drive`): the resume source and its checks, the
-policies' tokenizers and warm-ups, `rl.json`, the cluster (`hpref.rl.ray_cluster`), the actors
+policies' tokenizers and warm-ups, `rl.json`, the cluster (`hpref.runtime.ray_cluster`), the actors
 (engines, rollout executor, trainers; created in that order and torn down in reverse, also when a
 policy fails or the user presses Ctrl-C), the restore, the drive, and the run's summary. An actor
 that dies is named in one line with where `--resume auto` would continue from.
@@ -25,10 +25,10 @@ from hpref.errors import RecipeError, UserError
 from hpref.recipe.rl import RLConfig, resolve_engine, rl_rewards
 from hpref.rl.driver import DriveResult, Handles, WeightSyncError, drive, restore
 from hpref.rl.metrics import MetricsWriter, eval_line
-from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
 from hpref.rl.record import ResumeError, check_record_leader, read_record
 from hpref.runfolder.files import write_json_atomic
 from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
+from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
 
 ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it

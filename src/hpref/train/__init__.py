@@ -1,8 +1,11 @@
 """Training preference models: `hpref train` and `hpref init`.
 
-launch      validate the recipe, run one process in-process or N through torchrun (`run_train`,
-            `run_init`)
-worker      one rank: process group, logging, the recipe's parts (`hpref.components`), data, the loop
+command     `hpref train` from the command line: the run folder checks, then the launcher
+checks      what `hpref train` refuses in a recipe, before any process starts
+launch      plan the launch, run one process in-process or N through torchrun (`run_train`,
+            `run_init`; torchrun itself: `hpref.runtime.torchrun`)
+worker      one rank: logging, the recipe's parts (`hpref.components`), data, the loop (its process
+            group: `hpref.runtime.distributed`)
 sharding    the compute precision, and the weights loaded after sharding (`hpref.models.parallelize`)
 loop        the train step, the in-training eval (`hpref.prediction`), `fit`
 summary     what a finished run reports: summary.json and the table, with the cheap baselines

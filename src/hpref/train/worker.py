@@ -13,14 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from loguru import logger
 
@@ -28,45 +23,8 @@ from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
 from hpref.runfolder.start import log_file as run_log_file
 from hpref.runfolder.start import write_resolved_recipe
-from hpref.train.watchdog import LAUNCHER_PID_ENV, die_with_parent, start_heartbeat
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-
-def init_distributed(backend: str, collective_timeout_s: float | None = None) -> DistInfo:
-    """nccl on GPUs, gloo on CPU (or as the recipe says). Without torchrun's environment: a
-    one-process group on an in-memory store. `collective_timeout_s` bounds how long a rank waits
-    in one collective for a peer that never arrives (torch's default: 30 min for gloo)."""
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise UserError("launch.backend = 'nccl' needs CUDA GPUs, and none is visible")
-    backend = "nccl" if use_cuda else "gloo"
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
-    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device if use_cuda else None, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return DistInfo(rank, world, local_rank, device, backend)
-
-
-def seed_everything(seed: int, rank: int) -> None:
-    """Global RNGs (dropout) differ by rank; data order and init use their own seeded generators."""
-    random.seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-    torch.manual_seed(seed + rank)
+from hpref.runtime.distributed import DistInfo, init_distributed, seed_everything
+from hpref.runtime.watchdog import LAUNCHER_PID_ENV, die_with_parent, start_heartbeat
 
 
 def _console_sink(message) -> None:
