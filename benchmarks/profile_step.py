@@ -54,7 +54,7 @@ def _step(setup, plan) -> None:
 
 
 def _flops(setup, plans) -> float:
-    from hpref.train.loop import _step_flops
+    from hpref.train.progress import step_flops as _step_flops
 
     lengths = setup.train_data.lengths
     return sum(

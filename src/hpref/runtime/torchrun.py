@@ -120,8 +120,11 @@ def _quiet_torchrun():
             lg.setLevel(level)
 
 
-def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = None) -> int:
-    """torchrun in this process; a failed or stalled rank becomes one log line and an exit code."""
+def run_torchrun(
+    argv: list[str], run_dir: Path, launch: LaunchSection | None = None, env: dict[str, str] | None = None
+) -> int:
+    """torchrun in this process; a failed or stalled rank becomes one log line and an exit code.
+    `env`: set for the workers (and restored here afterwards)."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -131,7 +134,7 @@ def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = 
     launch = launch or LaunchSection()
     logger.info(f"launching: torchrun {shlex.join(argv)}")
     args = parse_args(argv)
-    env: dict[str, str] = {}
+    env = dict(env or {})
     host = args.rdzv_endpoint.rpartition(":")[0].strip("[]")
     if args.rdzv_backend == "c10d" and str(args.nnodes) == "1" and host in LOOPBACK_HOSTS:
         _register_loopback_backend()

@@ -49,6 +49,7 @@ def train_command(
         rdzv_timeout=rdzv_timeout,
         resume=resume,
         dry_run=dry_run,
+        recipe=loaded,  # read once in this process: the launcher checks it and hands it on
     )
 
 

@@ -25,6 +25,7 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
+from hpref.runfolder.start import RESOLVED_RECIPE_ENV, write_resolved_recipe
 from hpref.runtime.torchrun import free_port, run_torchrun
 
 WORKER_MODULE = "hpref.train.worker"
@@ -117,16 +118,23 @@ def run_train(
     rdzv_timeout: int | None = None,
     resume: str | Path | None = None,
     dry_run: bool = False,
+    recipe: Recipe | None = None,
 ) -> int:
     """Validate the recipe, then train; returns the exit code (0 done, 2 user error, else failure).
 
     A recipe error raises `UserError` before anything starts. `dry_run` prints the exact command
-    and the resolved recipe, and returns 0.
+    and the resolved recipe, and returns 0. `recipe`: the recipe `recipe_path` and `overrides`
+    already loaded in this process (`hpref.train.command`), so that it is read once.
+
+    The recipe is checked here, once, and its resolved form written to the run folder's
+    `recipe.toml`: the in-process worker is handed the same `Recipe`, and torchrun's workers read that
+    file (`RESOLVED_RECIPE_ENV`) rather than the recipe and its overrides again.
     """
     from hpref.train.checks import check_train
 
     overrides = list(overrides or [])
-    recipe = load_recipe(recipe_path, overrides)
+    if recipe is None:
+        recipe = load_recipe(recipe_path, overrides)
     check_train(recipe, recipe_path)  # the same checks as `hpref recipes check`, before any process
     plan = plan_launch(
         recipe_path,
@@ -145,13 +153,15 @@ def run_train(
         print(recipe.to_toml())
         return 0
     check_cpu_ranks(plan.nproc_per_node, recipe)
+    resolved = write_resolved_recipe(recipe, recipe.run.run_dir)
     if plan.torchrun_args is None:
         from hpref.train.worker import run_worker
 
-        return run_worker(
-            recipe_path, overrides, resume=None if resume is None else str(resume), console=False
-        )
-    return run_torchrun(plan.torchrun_args, recipe.run.run_dir, recipe.launch)
+        resume_arg = None if resume is None else str(resume)
+        return run_worker(recipe_path, overrides, resume=resume_arg, console=False, recipe=recipe)
+    return run_torchrun(
+        plan.torchrun_args, recipe.run.run_dir, recipe.launch, env={RESOLVED_RECIPE_ENV: str(resolved)}
+    )
 
 
 def cpu_cores() -> int:
