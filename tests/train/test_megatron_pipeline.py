@@ -1,5 +1,5 @@
 """megatron-gpt with pipeline_parallel = 2 through the real trainer (issue #15): `hpref train` on 2
-gloo ranks, one decoder layer per rank (hpref's GPipe schedule, `hpref.models.megatron_pipeline`),
+gloo ranks, one decoder layer per rank (hpref's GPipe schedule, `hpref.models.megatron.pipeline`),
 kill and resume, `hpref save` to a transformers folder and `hpref eval` of it.
 
 The model is test_megatron_train.py's: the tiny Llama of tests/train/conftest.py built by

@@ -112,7 +112,7 @@ def test_tensor_parallel_run_killed_mid_epoch_resumes_to_the_same_losses(tmp_pat
 @pytest.fixture
 def release_process_group():
     """`hpref save` of a megatron run builds the model in this process, on a one-process group that
-    stays for the model's life (hpref.models.megatron_preference.init_model_parallel): end it."""
+    stays for the model's life (hpref.models.megatron.preference.init_model_parallel): end it."""
     yield
     import torch.distributed as dist
     from megatron.core import parallel_state
