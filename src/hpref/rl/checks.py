@@ -20,7 +20,7 @@ def check_rl(recipe: Recipe, where: str | Path | None = None, *, machine: bool =
     where = str(where if where is not None else recipe._source or "recipe")
     _check_rl_lora(recipe, where, machine)
     if machine:
-        _check_rl_megatron(recipe, where)
+        _check_rl_backends(recipe, where)
         from hpref.builtin.rewards import check_reward_exports
         from hpref.recipe.rl import rl_rewards
 
@@ -47,13 +47,11 @@ def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:
     check_policy_lora(config, with_lora, where, skip_paths=not machine)
 
 
-def _check_rl_megatron(recipe: Recipe, where: str) -> None:
-    """`hpref rl` policies with `trainer_backend = "megatron"`: megatron-core installed here, and an
-    architecture it maps (`hpref.rl.megatron_policy.check_megatron_policies`)."""
+def _check_rl_backends(recipe: Recipe, where: str) -> None:
+    """Each policy's trainer backend can be built here (`hpref.rl.backends`: for
+    `trainer_backend = "megatron"`, megatron-core installed and an architecture it maps)."""
+    from hpref.rl.backends import check_backends
+
     config = recipe.rl
     assert config is not None
-    on_megatron = sorted(p for p, policy in config.policies.items() if policy.trainer_backend == "megatron")
-    if on_megatron:
-        from hpref.rl.megatron_policy import check_megatron_policies
-
-        check_megatron_policies(config, on_megatron, where)
+    check_backends(config, sorted(config.policies), where)

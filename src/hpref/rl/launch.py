@@ -23,6 +23,7 @@ from loguru import logger
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
 from hpref.recipe.rl import RLConfig, resolve_engine, rl_rewards
+from hpref.rl.backends import check_backends, trainer_backend
 from hpref.rl.driver import DriveResult, Handles, WeightSyncError, drive, restore
 from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.record import ResumeError, check_record_leader, read_record
@@ -101,7 +102,7 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown, pr
             .options(**opts)
             .remote(p, config.policies[p], config.update_weights_interval, env=env)
         )
-        if config.policies[p].trainer_backend == "megatron":  # its parallel state and process group
+        if trainer_backend(config.policies[p].trainer_backend).holds_process_state:
             teardown.add(f"trainer '{p}'", close_then_kill(trainers[p]))
         else:
             teardown.add(f"trainer '{p}'", kill(trainers[p]))
@@ -208,10 +209,7 @@ def preflight(recipe: Any, policies: list[str]) -> Any:
 
         # a wrong target name is one line here, not an actor that dies while it is being built
         check_policy_lora(config, order, where)
-    if any(config.policies[p].trainer_backend == "megatron" for p in order):
-        from hpref.rl.megatron_policy import check_megatron_policies
-
-        check_megatron_policies(config, order, where)
+    check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
     check_policy_models(config, order, where)
     # an engine may refuse policies it cannot run (vLLM: head sizes its kernels lack)
     engine = config.engine_config or resolve_engine(config.engine, where)
