@@ -36,6 +36,7 @@ from hpref.models.loss import soft_cross_entropy
 from hpref.prediction.files import write_predictions
 from hpref.prediction.metrics import accuracy, log_loss
 from hpref.prediction.predict import predict
+from hpref.protocols import ReducesOwnGradients, RunsOwnSchedule, SyncsGradientsOnDemand
 from hpref.recipe import Recipe
 from hpref.runfolder import layout
 from hpref.runfolder.files import write_text_atomic
@@ -67,9 +68,8 @@ def _forward(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 
 
 def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(enabled)
+    if isinstance(model, SyncsGradientsOnDemand):
+        model.set_requires_gradient_sync(enabled)
 
 
 def train_step(
@@ -89,9 +89,8 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     scale = world_size / step_sequences  # world_size: the ranks the data is split over
     # a model that runs its own schedule (megatron-gpt's pipeline stages) does every micro-batch
-    own_schedule = getattr(model, "forward_backward", None)
-    if own_schedule is not None:
-        loss_sum = own_schedule([b.to(device, non_blocking=True) for b in batches], loss, scale)
+    if isinstance(model, RunsOwnSchedule):
+        loss_sum = model.forward_backward([b.to(device, non_blocking=True) for b in batches], loss, scale)
     else:
         for k, batch in enumerate(batches):
             _set_gradient_sync(model, k == len(batches) - 1)
@@ -101,9 +100,8 @@ def train_step(
             loss_sum += per_sequence.detach().sum()
     # a model that reduces its own gradients (megatron-gpt: over its data-parallel group, with a
     # norm over tensor-parallel shards) clips them too; FSDP2 has reduced them during backward
-    own_reduction = getattr(model, "reduce_and_clip_gradients", None)
-    if own_reduction is not None:
-        grad_norm = own_reduction(grad_clip)
+    if isinstance(model, ReducesOwnGradients):
+        grad_norm = model.reduce_and_clip_gradients(grad_clip)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     if hasattr(grad_norm, "full_tensor"):

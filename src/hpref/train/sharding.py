@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from hpref.protocols import LoadsPlainState
 from hpref.runfolder.layout import INIT
 
 
@@ -57,9 +58,8 @@ def load_initial_weights(model: torch.nn.Module, *, device: torch.device, init_f
     model.load_pretrained_weights(device=device, broadcast_from_rank0=broadcast)
     if init_folder is None:
         return
-    own_loader = getattr(model, "load_plain_state", None)
-    if own_loader is not None:  # megatron-gpt: every rank converts and keeps its own shard
-        own_loader(read_init_weights(init_folder))
+    if isinstance(model, LoadsPlainState):  # megatron-gpt: every rank converts and keeps its own shard
+        model.load_plain_state(read_init_weights(init_folder))
         logger.info(f"initial weights from {init_folder}")
         return
     state = read_init_weights(init_folder) if dist.get_rank() == 0 or not broadcast else {}
