@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.arena_probe [--folds 5] [--scales 0,0.03,0.1,0.3,1]
 
 The 999 LMSYS battles in ../shared, 5 folds by prompt (`ArenaReader`). Per fold: the style features
-(`hpref.data.baselines.style_features`) and MiniLM's normalised mean-pooled embedding (256 tokens) of
+(`hpref.prediction.baselines.style_features`) and MiniLM's normalised mean-pooled embedding (256 tokens) of
 each answer and of the last user turn, as e_A - e_B, the answers' cosine to the prompt (difference
 and its absolute value) and to each other; the embedding block is multiplied by each `--scales`
 value (0 = the style baseline alone; smaller = a weaker prior on the embeddings under the shared
@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from hpref.data.baselines import fit_select, labels_of, predict_logistic, style_features
     from hpref.data.readers import ArenaConfig, ArenaReader
     from hpref.models.hf import minilm_path
+    from hpref.prediction.baselines import fit_select, labels_of, predict_logistic, style_features
     from hpref.prediction.metrics import log_loss
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 def reward_transfer(exports: list[str], folds: int) -> int:
     """Style alone, the exports' scores alone, and both, per fold (see the module docstring)."""
     from hpref.builtin.rewards import JudgeConfig, JudgeReward
-    from hpref.data.baselines import fit_select, labels_of, predict_logistic, style_features
     from hpref.data.readers import ArenaConfig, ArenaReader
+    from hpref.prediction.baselines import fit_select, labels_of, predict_logistic, style_features
     from hpref.prediction.metrics import log_loss
 
     battles = list(ArenaReader(ArenaConfig(path=str(DATA)), 0).battles())

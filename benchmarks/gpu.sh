@@ -154,7 +154,7 @@ import sys
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from hpref.rl.policy import policy_folder
-from hpref.recipe_rl import PolicyModelConfig
+from hpref.recipe.rl import PolicyModelConfig
 
 folder = sys.argv[1]
 config = LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,

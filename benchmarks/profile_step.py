@@ -29,7 +29,8 @@ def _build(recipe_path: str, overrides: list[str]):
     import torch
 
     from hpref.recipe import load_recipe
-    from hpref.train.worker import DistInfo, build_setup
+    from hpref.runtime.distributed import DistInfo
+    from hpref.train.worker import build_setup
 
     out_dir = tempfile.mkdtemp(prefix="hpref-prof-")
     recipe = load_recipe(recipe_path, [*overrides, f"run.output_dir={out_dir}"])
@@ -53,7 +54,7 @@ def _step(setup, plan) -> None:
 
 
 def _flops(setup, plans) -> float:
-    from hpref.train.loop import _step_flops
+    from hpref.train.progress import step_flops as _step_flops
 
     lengths = setup.train_data.lengths
     return sum(

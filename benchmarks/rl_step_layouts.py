@@ -18,7 +18,7 @@ import time
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from hpref.recipe_rl import PolicyModelConfig
+    from hpref.recipe.rl import PolicyModelConfig
     from hpref.rl.policy import build_policy_model, completion_logprobs, group_batch, pad_batch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

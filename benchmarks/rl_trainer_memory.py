@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import hpref.rl.trainer as trainer_module
     from hpref.memory import ONEDNN_CACHE_ENV
-    from hpref.recipe_rl import PolicyConfig
+    from hpref.recipe.rl import PolicyConfig
     from hpref.rl.policy import apply_env
 
     # apply_env caps oneDNN's cache (what every rl actor does); the user's own setting wins

@@ -210,7 +210,7 @@ def test_wheel_ships_the_recipes(tmp_path):
     assert packaged == shipped
     # The installed package (outside any checkout) resolves `quickstart` to its packaged copy.
     probe = (
-        "from hpref.recipe_catalog import resolve_recipe_path, shipped_recipes_dir; "
+        "from hpref.recipe.catalog import resolve_recipe_path, shipped_recipes_dir; "
         "print(shipped_recipes_dir()); print(resolve_recipe_path('quickstart'))"
     )
     out = subprocess.run(

@@ -153,3 +153,48 @@ def test_builtin_optimizers_are_optimizers():
     assert set(builtin) == {"adamw"}
     for component in builtin.values():
         assert_conforms(component.build(component.config(), model), protocols.Optimizer)
+
+
+def _class_conforms(cls: type, protocol: type) -> None:
+    """Every method of `protocol` on the class `cls`, with the Protocol's parameters (by name and
+    kind) and nothing more it requires."""
+    for name, spec in _methods(protocol).items():
+        implementation = getattr(cls, name, None)
+        assert callable(implementation), f"{cls.__name__} has no {name}() ({protocol.__name__})"
+        want = list(inspect.signature(spec).parameters.items())
+        have = list(inspect.signature(implementation).parameters.items())
+        assert [(n, p.kind) for n, p in have if p.default is p.empty] == [
+            (n, p.kind) for n, p in want if p.default is p.empty
+        ], (cls.__name__, name)
+
+
+CAPABILITIES = (
+    protocols.ParallelizesItself,
+    protocols.ReducesOwnGradients,
+    protocols.ViewsCheckpoint,
+    protocols.LoadsPlainState,
+)
+
+
+def test_the_megatron_family_has_the_capabilities_the_trainer_asks_for():
+    """Wrong if a megatron model lost a method the train step, `Components.parallelize`, checkpoints
+    or `hpref init` weights find it by (issue #27: `isinstance` with these Protocols, no name probes):
+    the model would silently take the FSDP2 path instead."""
+    pytest.importorskip("megatron.core")
+    from hpref.models.megatron.pipeline import MegatronPipelineModel
+    from hpref.models.megatron.preference import MegatronPreferenceModel
+
+    for protocol in CAPABILITIES:
+        _class_conforms(MegatronPreferenceModel, protocol)
+        _class_conforms(MegatronPipelineModel, protocol)
+    for protocol in (protocols.RunsOwnSchedule, protocols.KeysCheckpoint):
+        _class_conforms(MegatronPipelineModel, protocol)
+
+
+def test_a_transformers_model_has_none_of_them_and_fsdp2_syncs_on_demand():
+    model = _tiny_model()
+    every = (*CAPABILITIES, protocols.RunsOwnSchedule, protocols.KeysCheckpoint)
+    assert not any(isinstance(model, protocol) for protocol in every)
+    from torch.distributed.fsdp import FSDPModule
+
+    _class_conforms(FSDPModule, protocols.SyncsGradientsOnDemand)

@@ -1,4 +1,4 @@
-"""`hpref recipes check` refuses what `hpref train` would refuse (hpref.recipe_checks), and
+"""`hpref recipes check` refuses what `hpref train` would refuse (hpref.train.checks), and
 `run.name` can only name a folder inside `run.output_dir`. Every refusal: one line, the file, the
 dotted key, exit 2."""
 
@@ -12,7 +12,7 @@ import torch
 from hpref.errors import RecipeError, UserError
 from hpref.models.attention import BackendUnavailable, resolve_backend
 from hpref.recipe import load_recipe
-from hpref.recipe_checks import check_train
+from hpref.train.checks import check_train
 from tests.conftest import MINIMAL_RECIPE, REPO, run_hpref
 
 GOOD = MINIMAL_RECIPE

@@ -18,7 +18,7 @@ import typer
 
 from hpref import __version__
 from hpref.errors import UserError
-from hpref.recipe_catalog import resolve_recipe_path
+from hpref.recipe.catalog import resolve_recipe_path
 
 app = typer.Typer(
     name="hpref",
@@ -141,7 +141,7 @@ def recipes_list(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List the shipped recipes and those in any folder given."""
-    from hpref.recipe_catalog import list_recipes
+    from hpref.recipe.catalog import list_recipes
 
     rows = list_recipes(list(folders or []))
     if as_json:
@@ -187,8 +187,8 @@ def recipes_check(
     """Validate recipes as `hpref train` does before it starts anything; exit 2 on the first error.
 
     The schema, every component's parameters, and what training needs (a model, training data,
-    settings this machine can run: `hpref.recipe_checks`)."""
-    from hpref.recipe_catalog import check_recipes
+    settings this machine can run: `hpref.train.checks`)."""
+    from hpref.check.command import check_recipes
 
     for line in check_recipes(recipes, overrides, portable=portable):
         typer.echo(line)
@@ -204,9 +204,9 @@ def init_command(
     overrides: list[str] = SetOption,
 ) -> None:
     """Build the recipe's model (backbone + new head), save it as safetensors in the run folder, exit."""
-    from hpref.train.launch import run_init
+    from hpref.train.command import init_command as run_init_command
 
-    folder = run_init(resolve_recipe_path(recipe), overrides)
+    folder = run_init_command(resolve_recipe_path(recipe), overrides)
     typer.echo(str(folder))
 
 
@@ -323,7 +323,7 @@ def eval_cmd(
     overrides: list[str] = SetOption,
 ) -> None:
     """Predict (Kaggle format), score with log loss / accuracy / ECE, swap TTA, blend ensembles."""
-    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.command import eval_command
 
     code = eval_command(
         resolve_recipe_path(recipe) if recipe else None,
@@ -368,7 +368,7 @@ def save_cmd(
     ),
 ) -> None:
     """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""
-    from hpref.evaluate.cli import save_command
+    from hpref.save.command import save_command
 
     code = save_command(
         run_dir,
@@ -442,8 +442,8 @@ def data_stats_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     """Rows read/used/skipped, label shares, turns, token lengths; the Bayes floor for synthetic data."""
-    from hpref.data.stats import format_stats
-    from hpref.data_command import stats_command
+    from hpref.stats.command import stats_command
+    from hpref.stats.counts import format_stats
 
     stats = stats_command(
         source,

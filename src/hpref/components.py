@@ -26,6 +26,7 @@ from typing import Any, Literal
 from hpref.data.records import LABELS
 from hpref.errors import UserError
 from hpref.plugins import Registry, load_plugins
+from hpref.protocols import ParallelizesItself
 from hpref.recipe import Recipe
 
 #: Classes a preference model predicts: A wins, B wins, tie.
@@ -122,8 +123,9 @@ class Components:
         from hpref.models.parallelize import parallelize
 
         def apply(model: Any, **kwargs: Any) -> Any:
-            own = getattr(model, "parallelize_self", None)
-            return own(**kwargs) if own is not None else parallelize(model, **kwargs)
+            if isinstance(model, ParallelizesItself):
+                return model.parallelize_self(**kwargs)
+            return parallelize(model, **kwargs)
 
         return apply
 

@@ -146,7 +146,7 @@ def register_engines(register) -> None:
     token, at `temperature`), `texts`, `version`, `tokens`, `seconds`); the weight-update steps
     `begin_update(version)`, `load_weights(state_dict)`, `commit_update() -> version`,
     `abort_update()`; and `get_version() -> int`. `model` is the policy's
-    `hpref.recipe_rl.PolicyModelConfig` (its `path` is a transformers folder, e.g. the warm-up
+    `hpref.recipe.rl.PolicyModelConfig` (its `path` is a transformers folder, e.g. the warm-up
     checkpoint); `env` holds cache/offline variables to apply. The config's `num_cpus` and
     `num_gpus` fields, when it has them, are the actor's Ray resources.
     """

@@ -10,6 +10,17 @@ built). They are `runtime_checkable`, so `isinstance(obj, Formatter)` checks tha
     formatter  [formatter]      Formatter         one battle (one view) -> token ids
     optimizer  [optimizer]      Optimizer         steps the trainable parameters
 
+What a model family can do beyond `PreferenceModel` is a Protocol of its own, one per capability,
+and the code that uses a capability asks `isinstance(model, <Protocol>)` (never a name probe):
+
+    ParallelizesItself     `Components.parallelize`: the model's own parallelism instead of FSDP2
+    ReducesOwnGradients    the train step: the model reduces and clips its gradients
+    RunsOwnSchedule        the train step: the model runs a step's micro-batches (a pipeline stage)
+    ViewsCheckpoint        train checkpoints and `hpref save`: tensors as views of the stored ones
+    KeysCheckpoint         ... stored under the model's own keys (a pipeline stage's layer numbers)
+    LoadsPlainState        `hpref init` weights: the model converts and loads the plain layout itself
+
+The megatron-core family (`hpref.models.megatron`) has them all; a transformers backbone none.
 Reward and engine components (`hpref rl`) have theirs beside the RL code that calls them.
 This module imports nothing of hpref's, so any layer may name these types.
 """
@@ -121,3 +132,59 @@ PROTOCOLS: dict[str, type] = {
     "formatter": Formatter,
     "optimizer": Optimizer,
 }
+
+
+# --------------------------------------------------------------------------------------------------
+# what a model family can do beyond PreferenceModel (each checked with isinstance where it is used)
+
+
+@runtime_checkable
+class ParallelizesItself(Protocol):
+    """Parallelises itself (megatron-gpt: tensor parallel inside, data parallel by a gradient
+    all-reduce) rather than through hpref's FSDP2 (`hpref.models.parallelize`)."""
+
+    def parallelize_self(self, *, param_dtype: Any, activation_checkpointing: bool) -> Any: ...
+
+
+@runtime_checkable
+class ReducesOwnGradients(Protocol):
+    """Reduces its gradients over its own groups and clips them by the global norm; returns it."""
+
+    def reduce_and_clip_gradients(self, max_norm: float | None) -> Any: ...
+
+
+@runtime_checkable
+class RunsOwnSchedule(Protocol):
+    """Runs forward and backward of a step's micro-batches itself (a pipeline stage); returns the
+    summed per-sequence loss."""
+
+    def forward_backward(self, batches: Sequence[Any], loss: Any, scale: float) -> Any: ...
+
+
+@runtime_checkable
+class ViewsCheckpoint(Protocol):
+    """Gives each state tensor as a view of the full tensor a checkpoint stores (its shards)."""
+
+    def checkpoint_view(self, key: str, tensor: Any) -> Any: ...
+
+
+@runtime_checkable
+class KeysCheckpoint(Protocol):
+    """Stores each tensor under its own key (a pipeline stage: local layer numbers made global)."""
+
+    def checkpoint_key(self, key: str) -> str: ...
+
+
+@runtime_checkable
+class LoadsPlainState(Protocol):
+    """Loads a plain (transformers-layout, unsharded) state dict itself, each rank its own shard."""
+
+    def load_plain_state(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class SyncsGradientsOnDemand(Protocol):
+    """FSDP2's switch for reducing gradients in this backward or not (on all but the last
+    micro-batch of a step it is off)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None: ...

@@ -12,8 +12,8 @@ from tests.conftest import run_hpref
 
 from hpref.data.readers import ArenaConfig, ArenaReader, TableFile, arena_rows, write_arena_file
 from hpref.data.records import Battle
-from hpref.data.stats import data_stats, format_stats, open_data_file
 from hpref.errors import DataError
+from hpref.stats.counts import data_stats, format_stats, open_data_file
 
 BATTLES = [
     Battle(str(i), (f"héllo wörld {i} – ✓",), (f"answer a {i}",), (f"answer b {i}",), (1.0, 0.0, 0.0))

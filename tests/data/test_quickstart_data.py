@@ -7,7 +7,7 @@ import pytest
 from hpref.arena import parse_task
 from hpref.components import Components
 from hpref.recipe import load_recipe
-from hpref.recipe_catalog import resolve_recipe_path
+from hpref.recipe.catalog import resolve_recipe_path
 
 #: Families whose questions are a small fixed set (30 countries x 2 templates, 50 words x 2): a
 #: single-turn prompt repeats across hundreds of battles, so a fold split grouped by prompt holds

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from hpref.arena.source import SyntheticArena, SyntheticArenaConfig
 from hpref.data.cache import tokenize_dataset
 from hpref.data.formatting import DEFAULT_INSTRUCTION, AnswersConfig, AnswersFormatter
 from hpref.data.packing import FILLER, TokenizedExample, collate, filler, plan_eval, plan_steps
 from hpref.data.records import Battle
-from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
 
 TWO_TURNS = Battle(
     "x",

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from hpref.arena import generate_battles
+from hpref.arena.source import SyntheticArena, SyntheticArenaConfig
 from hpref.data.formatting import FormatterConfig, JudgeFormatter
 from hpref.data.readers import ArenaReader, PairwiseReader, write_arena_file
-from hpref.data.stats import data_stats, format_stats, open_data_file
-from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
 from hpref.errors import DataError
+from hpref.stats.counts import data_stats, format_stats, open_data_file
 
 SHARED_HH = Path(__file__).resolve().parents[3] / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 

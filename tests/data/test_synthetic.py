@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from hpref import arena as syn
+from hpref.arena.source import SyntheticArena, SyntheticArenaConfig
 from hpref.builtin import datasets as builtin_datasets
-from hpref.data.baselines import log_loss
-from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
+from hpref.prediction.baselines import log_loss
 
 
 def test_battles_are_deterministic_and_prefix_stable():

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from hpref.arena import generate_battles
+from hpref.arena.source import SyntheticArena, SyntheticArenaConfig
 from hpref.data.cache import cache_root, tokenize_arrays, tokenize_dataset
 from hpref.data.formatting import FormatterConfig, JudgeFormatter
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
-from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
 
 
 class CountingFormatter(JudgeFormatter):

@@ -11,9 +11,10 @@ import pytest
 from hpref.arena import generate_battles
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
 from hpref.errors import UserError
-from hpref.evaluate.cli import eval_command, save_command
+from hpref.evaluate.command import eval_command
 from hpref.prediction.files import read_predictions
 from hpref.prediction.metrics import log_loss
+from hpref.save.command import save_command
 
 from .conftest import make_run
 

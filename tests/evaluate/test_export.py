@@ -15,8 +15,8 @@ import torch
 
 from hpref.arena import generate_battles
 from hpref.errors import UserError
-from hpref.evaluate import export
 from hpref.evaluate.runner import formatter_for, load_model, predict_battles
+from hpref.save import export
 
 from .conftest import TINY_MODEL, make_run, write_recipe
 
@@ -160,7 +160,7 @@ def test_a_reward_model_card_says_which_tools_load_it(pooling, says, denies):
     (README's table): a decoder's for TRL and OpenRLHF, BERT's CLS for TRL only, a mean-pooled one
     for sentence-transformers only. A card claiming TRL for a mean export would send users to a
     model with a random head."""
-    from hpref.evaluate.export import model_card
+    from hpref.save.export import model_card
 
     card = model_card(
         recipe_toml="",

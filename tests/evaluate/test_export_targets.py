@@ -13,10 +13,10 @@ import pytest
 from hpref.arena import generate_battles
 from hpref.data.readers import write_arena_file
 from hpref.errors import UserError
-from hpref.evaluate import export
-from hpref.evaluate.cli import eval_command
+from hpref.evaluate.command import eval_command
 from hpref.prediction.files import write_predictions
 from hpref.recipe import remote_code_keys
+from hpref.save import export
 from tests.durable import DurableWrites
 
 from .conftest import make_run

@@ -25,8 +25,8 @@ def main(folder: str, out: str, mode: str = "") -> None:
 
     from hpref.models.attention import CONTEXT_KWARG, VarlenContext
     from hpref.models.megatron import MegatronBackbone
-    from hpref.models.megatron_convert import megatron_to_hf, shape_of
-    from hpref.models.megatron_sequence_parallel import sum_partial_gradients
+    from hpref.models.megatron.convert import megatron_to_hf, shape_of
+    from hpref.models.megatron.sequence_parallel import sum_partial_gradients
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     shape = shape_of(AutoConfig.from_pretrained(folder))

@@ -241,11 +241,11 @@ def test_smollm2_reward_recipe_trains_and_exports_a_transformers_reward_model(sm
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from hpref.data.formatting import AnswersConfig, AnswersFormatter
-    from hpref.evaluate.cli import save_command
     from hpref.models import PreferenceModel
     from hpref.plugins import load_plugins
     from hpref.prediction.files import read_predictions
     from hpref.recipe import load_recipe
+    from hpref.save.command import save_command
     from hpref.train import run_train
     from hpref.train.metrics import read_metrics
 

@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is the optional [mega
 from hpref.errors import UserError  # noqa: E402
 from hpref.models.attention import CONTEXT_KWARG, VarlenContext  # noqa: E402
 from hpref.models.megatron import MegatronBackbone  # noqa: E402
-from hpref.models.megatron_convert import (  # noqa: E402
+from hpref.models.megatron.convert import (  # noqa: E402
     hf_to_megatron,
     megatron_to_hf,
     shape_of,  # noqa: E402

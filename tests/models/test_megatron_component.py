@@ -160,7 +160,7 @@ def test_a_pipeline_stage_names_its_layers_as_the_unsplit_model_does():
     weights); the embedding belongs to the first stage, the final norm and the head to the last.
     If this fails, a stage loads another layer's weights, or stores its layers under keys a
     one-process `hpref save` (or another stage) reads as other layers."""
-    from hpref.models.megatron_pipeline import PipelineStage
+    from hpref.models.megatron.pipeline import PipelineStage
 
     def stage(rank: int) -> PipelineStage:
         return PipelineStage(rank, 2, None, None, None, 1, layer_offset=2 * rank, num_layers=2)
@@ -239,7 +239,7 @@ def test_megatron_gpt_takes_tiny_llamas_optimizer_steps_at_the_quickstart_settin
 
     from hpref.builtin.models import TinyLlamaConfig, build_tiny_llama
     from hpref.builtin.optimizers import AdamWConfig, build_adamw
-    from hpref.models.megatron_convert import megatron_to_hf
+    from hpref.models.megatron.convert import megatron_to_hf
     from hpref.train.loop import train_step
 
     def rms_norm_in_input_dtype(self, hidden):  # transformers' computes in float32 whatever the input
@@ -279,7 +279,7 @@ def test_sequence_parallel_pads_a_row_with_one_extra_sequence_only_when_needed()
     padded to a multiple of them by one extra sequence of its own (a new `cu_seqlens` bound), so no
     real sequence's attention or last token changes; a row that already divides is left alone. If
     this fails, padding would join a real sequence (its last token would move) or split unequally."""
-    from hpref.models.megatron_sequence_parallel import pad_packed_row
+    from hpref.models.megatron.sequence_parallel import pad_packed_row
 
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)

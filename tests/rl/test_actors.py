@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpref.recipe_rl import parse_rl_section  # noqa: E402
+from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import completion_logprobs, group_batch, pad_batch, trim_completion  # noqa: E402
 from hpref.rl.rollouts import (  # noqa: E402
@@ -55,8 +55,8 @@ def test_group_batch_runs_each_prompt_once_and_gives_pad_batchs_logprobs_and_gra
     answer after its own copy of the prompt (`pad_batch`): log-probs and gradients. If not, shared
     prefixes would train another objective than the one the engine sampled from."""
     from hpref.models.lm_adapters import apply_lora_to_causal_lm
-    from hpref.recipe_rl import PolicyModelConfig
-    from hpref.recipe_schema import LoraSection
+    from hpref.recipe.rl import PolicyModelConfig
+    from hpref.recipe.schema import LoraSection
     from hpref.rl.policy import build_policy_model
 
     model, tok = build_policy_model(PolicyModelConfig(**{**TINY, "num_hidden_layers": 2}))

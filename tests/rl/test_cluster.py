@@ -179,7 +179,7 @@ def test_the_local_cluster_listens_on_loopback_only(tmp_path):
     it, to the network."""
     script = textwrap.dedent("""
         import os, sys, time, ray
-        from hpref.rl.ray_cluster import connect_ray
+        from hpref.runtime.ray_cluster import connect_ray
         assert connect_ray(None)
         @ray.remote(num_cpus=0.1)
         class A:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpref.errors import RecipeError, UserError
-from hpref.recipe_rl import POLICY_ROLLOUT_OVERRIDES, RLConfig, parse_rl_section
+from hpref.recipe.rl import POLICY_ROLLOUT_OVERRIDES, RLConfig, parse_rl_section
 
 
 def section(**over):
@@ -94,7 +94,7 @@ def test_select_checks_policy_ids_leader_first():
 
 
 def test_whitelist_is_exactly_the_override_model():
-    from hpref.recipe_rl import PolicyRolloutOverrides
+    from hpref.recipe.rl import PolicyRolloutOverrides
 
     assert tuple(PolicyRolloutOverrides.model_fields) == POLICY_ROLLOUT_OVERRIDES
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hpref.recipe_rl import parse_rl_section
+from hpref.recipe.rl import parse_rl_section
 from hpref.rl.driver import Handles, drive, restore
 from hpref.rl.launch import Teardown
 from hpref.rl.metrics import rollout_metrics

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 from hpref.errors import RecipeError
 from hpref.hookspecs import hookimpl
 from hpref.plugins import load_plugins, reset_plugins
-from hpref.recipe_rl import parse_rl_section
+from hpref.recipe.rl import parse_rl_section
 from hpref.rl.engines import TransformersEngineConfig
 from tests.rl.tiny import TINY
 

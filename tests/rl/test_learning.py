@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hpref.recipe_rl import parse_rl_section  # noqa: E402
+from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.driver import Handles, drive  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.metrics import MetricsWriter  # noqa: E402

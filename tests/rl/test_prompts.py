@@ -19,7 +19,7 @@ from hpref.builtin.prompts import (
 from hpref.data.prompts import battle_with_answers, prompt_of_battle
 from hpref.data.splits import prompt_key
 from hpref.errors import DataError, RecipeError
-from hpref.recipe_rl import parse_rl_section
+from hpref.recipe.rl import parse_rl_section
 
 SHARED_HH = (
     Path(__file__).resolve().parents[2].parent / "shared" / "data" / "hh-rlhf-helpful-base-test.jsonl.gz"

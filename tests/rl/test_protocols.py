@@ -12,7 +12,9 @@ import typing
 import pytest
 
 from hpref.plugins import load_plugins
-from hpref.rl.protocols import Engine, GroundTruthReward, Reward
+from hpref.recipe.rl import PolicyConfig
+from hpref.rl.backends import trainer_backend
+from hpref.rl.protocols import Engine, GroundTruthReward, Reward, TrainerBackend
 
 
 def _protocol_methods(protocol: type) -> dict[str, inspect.Signature]:
@@ -71,7 +73,7 @@ def test_builtin_rewards_are_rewards():
 def test_builtin_engines_are_engines():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from hpref.recipe_rl import PolicyModelConfig
+    from hpref.recipe.rl import PolicyModelConfig
     from hpref.rl.engines import EngineActor, EngineHost
     from tests.rl.tiny import TINY
 
@@ -88,3 +90,13 @@ def test_an_object_without_the_weight_updates_is_not_an_engine():
             return {}
 
     assert not isinstance(GenerateOnly(), Engine)
+
+
+@pytest.mark.parametrize("name", typing.get_args(typing.get_type_hints(PolicyConfig)["trainer_backend"]))
+def test_every_trainer_backend_a_recipe_may_name_satisfies_the_protocol(name):
+    """Wrong if a `trainer_backend` the recipe accepts had no backend, or one the trainer could not
+    drive through `TrainerBackend` alone (issue #27: no branch on the backend's name)."""
+    backend = trainer_backend(name)
+    assert backend.name == name
+    assert isinstance(backend, TrainerBackend)
+    _check_class(type(backend), TrainerBackend)

@@ -96,7 +96,7 @@ def test_judge_reward_is_symmetric_and_a_probability(judge_folder):
 def exported_judge(tmp_path_factory):
     """A judge as `hpref rl` users get one: a trainer checkpoint consolidated by `hpref save`."""
     pytest.importorskip("torch")
-    from hpref.evaluate import export
+    from hpref.save import export
     from tests.evaluate.conftest import make_run
 
     mp = pytest.MonkeyPatch()

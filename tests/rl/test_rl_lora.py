@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from hpref.errors import RecipeError  # noqa: E402
-from hpref.recipe_rl import parse_rl_section  # noqa: E402
+from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.driver import Handles, drive, restore  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.metrics import MetricsWriter  # noqa: E402
@@ -261,7 +261,7 @@ lora = { r = 2 }
 r = 8
 """
     path.write_text(text)
-    from hpref.recipe_catalog import check_recipes
+    from hpref.check.command import check_recipes
 
     # in-process (what the command runs) for the accepted recipe; the real command for the refusal
     assert next(check_recipes([str(path)], [], portable=False)).startswith(f"ok  {path}")
@@ -419,7 +419,7 @@ def test_merged_weights_cover_embedding_and_lm_head_adapters():
 
     from hpref.models.lm_adapters import apply_lora_to_causal_lm, merged_lm_state
     from hpref.recipe import LoraSection
-    from hpref.recipe_rl import PolicyModelConfig
+    from hpref.recipe.rl import PolicyModelConfig
     from hpref.rl.policy import tiny_policy_config
 
     config = tiny_policy_config(PolicyModelConfig(**TINY), vocab_size=300)

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="megatron-core is the optional [megatron] extra")
 
 from hpref.errors import RecipeError  # noqa: E402
-from hpref.recipe_rl import parse_rl_section  # noqa: E402
+from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  # noqa: E402
 from hpref.rl.trainer import TrainerActor  # noqa: E402

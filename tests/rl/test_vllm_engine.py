@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 
 from hpref.errors import RecipeError  # noqa: E402
 from hpref.recipe import recipe_from_dict  # noqa: E402
-from hpref.recipe_rl import PolicyModelConfig, RLConfig, resolve_engine  # noqa: E402
+from hpref.recipe.rl import PolicyModelConfig, RLConfig, resolve_engine  # noqa: E402
 from hpref.rl.engines import EngineHost  # noqa: E402
 from hpref.rl.launch import run_rl  # noqa: E402
 from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  # noqa: E402

@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 
 from hpref import arena as synthetic  # noqa: E402
 from hpref.builtin.prompts import SyntheticPrompts, SyntheticPromptsConfig  # noqa: E402
-from hpref.recipe_rl import PolicyModelConfig, WarmupConfig  # noqa: E402
+from hpref.recipe.rl import PolicyModelConfig, WarmupConfig  # noqa: E402
 from hpref.rl import warmup as warmup_mod  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import encode_prompt, policy_tokenizer  # noqa: E402

@@ -33,9 +33,9 @@ def make_export(base: Path, head: str) -> Path:
     init (a judge's classes, a reward model's scores and tie term all matter), exported by `hpref save`."""
     import torch
 
-    from hpref.evaluate import export
     from hpref.plugins import load_plugins
     from hpref.recipe import dump_toml, load_recipe
+    from hpref.save import export
     from hpref.train.checkpoint import save_checkpoint
 
     run_dir = base / f"{head}-run"

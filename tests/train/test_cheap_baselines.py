@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hpref.arena import generate_battles
-from hpref.data.baselines import cheap_baselines
 from hpref.data.readers import write_arena_file
 from hpref.data.records import Battle
+from hpref.prediction.baselines import cheap_baselines
 from tests.train.conftest import RECIPE
 
 pytestmark = pytest.mark.slow
@@ -137,7 +137,7 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
 
     # each baseline's eval predictions sit beside the model's, for the same battles, and blend
     # with them through hpref eval, with an out-of-fold figure for the fitted weights
-    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
 
     run = tmp_path / "runs" / "arena"

@@ -210,9 +210,9 @@ def test_lora_checkpoint_holds_only_what_trains_and_the_base_stays_as_built(lora
     """The checkpoint's model tensors are the adapters and the head, nothing of the base, and it
     names the base (`base_model` = the recipe's [model]); the summary counts what trained. The base
     weights loaded back for the checkpoint equal a fresh build's: training never changed them."""
-    from hpref.evaluate.export import load_model_from_checkpoint
     from hpref.models.adapters import count_parameters
     from hpref.runfolder.safe_load import read_dcp_index
+    from hpref.runtime.checkpoint import load_model_from_checkpoint
 
     step = lora_run / "checkpoints" / f"step-{STEPS:06d}"
     keys = [k for k in read_dcp_index(step).state_dict_metadata if k.startswith("model.")]
@@ -241,8 +241,9 @@ def test_merged_and_adapter_exports_give_the_in_training_predictions(lora_run, t
     format + hpref's head), each evaluated by `hpref eval`, and the checkpoint itself, reproduce the
     predictions the 2-rank run wrote at its last eval (to the CSV's 6 decimals; merging adds B A
     into W in fp32, a ~1e-7 change). If not, an export is a different model from the one trained."""
-    from hpref.evaluate.cli import eval_command, save_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
+    from hpref.save.command import save_command
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     assert save_command(lora_run, to=merged) == 0
@@ -299,8 +300,8 @@ def test_minilm_reward_lora_checkpoint_is_small_and_its_adapter_loads_in_plain_p
     from safetensors.torch import load_file
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-    from hpref.evaluate.cli import save_command
     from hpref.models.hf import minilm_path
+    from hpref.save.command import save_command
     from hpref.train import run_train
     from tests.conftest import REPO
     from tests.train.test_learns_pairwise import write_pairs

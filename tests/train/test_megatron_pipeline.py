@@ -1,5 +1,5 @@
 """megatron-gpt with pipeline_parallel = 2 through the real trainer (issue #15): `hpref train` on 2
-gloo ranks, one decoder layer per rank (hpref's GPipe schedule, `hpref.models.megatron_pipeline`),
+gloo ranks, one decoder layer per rank (hpref's GPipe schedule, `hpref.models.megatron.pipeline`),
 kill and resume, `hpref save` to a transformers folder and `hpref eval` of it.
 
 The model is test_megatron_train.py's: the tiny Llama of tests/train/conftest.py built by
@@ -124,9 +124,9 @@ def test_a_pipeline_reward_model_evaluates_as_the_unsplit_model(
     of its checkpoint on one process (the model unsplit) to 1e-5. If this fails, a stage other than
     the last allocates the logits with the judge's shape (one row per sequence) and the run dies at
     its first eval, or the stages' eval differs from the model's."""
-    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
-    from hpref.recipe_catalog import resolve_recipe_path
+    from hpref.recipe.catalog import resolve_recipe_path
     from hpref.train import run_train
 
     overrides = [

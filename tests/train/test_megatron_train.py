@@ -112,7 +112,7 @@ def test_tensor_parallel_run_killed_mid_epoch_resumes_to_the_same_losses(tmp_pat
 @pytest.fixture
 def release_process_group():
     """`hpref save` of a megatron run builds the model in this process, on a one-process group that
-    stays for the model's life (hpref.models.megatron_preference.init_model_parallel): end it."""
+    stays for the model's life (hpref.models.megatron.preference.init_model_parallel): end it."""
     yield
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -138,8 +138,9 @@ def assert_export_reproduces_predictions(run_dir: Path, recipe: Path, tmp_path: 
     predictions to 1e-5."""
     from transformers import AutoConfig, AutoModel
 
-    from hpref.evaluate.cli import eval_command, save_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
+    from hpref.save.command import save_command
 
     export = tmp_path / "export"
     assert save_command(run_dir, to=export) == 0

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from hpref.train.launch import free_port
+from hpref.runtime.torchrun import free_port
 from tests.conftest import REPO
 from tests.train.conftest import TOTAL_STEPS, train_losses, write_recipe
 

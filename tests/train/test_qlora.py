@@ -136,7 +136,7 @@ def test_without_bitsandbytes_qlora_is_a_one_line_user_error(tmp_path, monkeypat
     from hpref.errors import RecipeError, UserError
     from hpref.models.adapters import apply_lora
     from hpref.recipe import load_recipe
-    from hpref.recipe_checks import check_train
+    from hpref.train.checks import check_train
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -288,8 +288,9 @@ def test_qlora_exports_adapter_rebuilds_the_4bit_model_merged_folds_into_full_pr
     trained, or the merge went into the 4-bit copy."""
     from safetensors.torch import load_file
 
-    from hpref.evaluate.cli import eval_command, save_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
+    from hpref.save.command import save_command
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     assert save_command(qlora_run, to=merged) == 0

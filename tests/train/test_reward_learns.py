@@ -111,7 +111,7 @@ def test_reward_model_learns_an_obvious_preference(reward_run):
 def test_hpref_eval_scores_it_and_swap_tta_changes_nothing(reward_run, tmp_path, log_messages):
     """`hpref eval` on the run folder gives the training eval's numbers; `--tta swap` is a no-op (a
     reward model is symmetric by construction), said in one log line, not twice the compute."""
-    from hpref.evaluate.cli import eval_command
+    from hpref.evaluate.command import eval_command
     from hpref.prediction.files import read_predictions
 
     recipe = reward_run / "recipe.toml"
@@ -129,7 +129,7 @@ def test_hpref_eval_scores_it_and_swap_tta_changes_nothing(reward_run, tmp_path,
 @pytest.fixture(scope="module")
 def reward_export(reward_run, tmp_path_factory):
     """`hpref save` of the trained run: the folder other tools are handed."""
-    from hpref.evaluate.cli import save_command
+    from hpref.save.command import save_command
 
     export = tmp_path_factory.mktemp("export") / "reward"
     assert save_command(reward_run, to=export) == 0
@@ -276,10 +276,10 @@ def test_saved_reward_model_is_a_transformers_sequence_classifier(reward_run, tm
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from hpref.data.formatting import AnswersConfig, AnswersFormatter
-    from hpref.evaluate.cli import save_command
     from hpref.plugins import load_plugins
     from hpref.prediction.files import read_predictions
     from hpref.recipe import load_recipe
+    from hpref.save.command import save_command
 
     export = tmp_path / "export"
     assert save_command(reward_run, to=export) == 0
@@ -334,7 +334,7 @@ def test_recipe_check_refuses_a_reward_model_with_a_judge_input(pairs, tmp_path,
     would give two verdicts per battle; swap on a reward model doubles compute for nothing."""
     from hpref.errors import RecipeError
     from hpref.recipe import load_recipe
-    from hpref.recipe_checks import check_train
+    from hpref.train.checks import check_train
 
     recipe = load_recipe(write_recipe(tmp_path, pairs), overrides)
     with pytest.raises(RecipeError, match=key):

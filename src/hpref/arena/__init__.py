@@ -1,13 +1,14 @@
 """The synthetic arena: a world model of battles whose true outcome probabilities are known.
 
 A quality anchor no real data set gives (every battle carries the distribution its label was drawn
-from), used by the `synthetic-arena` dataset (`hpref.data.synthetic`, the source adapter), by
+from), used by the `synthetic-arena` dataset (`hpref.arena.source`, the source adapter), by
 `hpref rl` (prompts, the `rule` reward, evals) and by the tiny tokenizer (its corpus).
 
 - `world`: task families, their vocabulary, `parse_task` / `is_correct`, prompts.
 - `judge`: the latent utility of an answer, Davidson's outcome model, the ground-truth `judge`.
 - `answers`: the eight simulated assistants and the battles they fight.
 - `report`: the Bayes floor, the cheap baselines and the skill ceilings of a split.
+- `source`: the `synthetic-arena` dataset component (a `BattleSource` over `generate_battles`).
 
 Public helpers (stable; other parts of hpref build on them):
     generate_battles(n, seed, *, max_turns=3, labels="drawn", families=None) -> Iterator[Battle]
@@ -69,7 +70,7 @@ _REPORT = ("SyntheticReport", "arena_report", "skill_ceilings")
 
 
 def __getattr__(name: str):
-    # The report fits the cheap baselines (hpref.data.baselines, which imports torch), so it is
+    # The report fits the cheap baselines (hpref.prediction.baselines, which imports torch), so it is
     # imported on first use: the synthetic-arena dataset is loaded by `hpref --help`.
     if name in _REPORT:
         from hpref.arena import report

@@ -19,8 +19,8 @@ import numpy as np
 from hpref.arena.answers import ASSISTANTS
 from hpref.arena.judge import W_CORRECT, davidson, is_refusal, turn_utility
 from hpref.arena.world import FAMILIES, is_correct, parse_task
-from hpref.data.baselines import cheap_baselines, labels_of
 from hpref.data.records import Battle
+from hpref.prediction.baselines import cheap_baselines, labels_of
 from hpref.prediction.metrics import log_loss
 
 

@@ -8,8 +8,8 @@ records, `summary` counts rows read / used / skipped (with reasons) once the str
 
 from __future__ import annotations
 
+from hpref.arena.source import SyntheticArena, SyntheticArenaConfig
 from hpref.data.readers import ArenaConfig, ArenaReader, PairwiseConfig, PairwiseReader
-from hpref.data.synthetic import SyntheticArena, SyntheticArenaConfig
 from hpref.hookspecs import hookimpl
 
 

@@ -9,11 +9,11 @@ or, instead of `path`, `[model.tiny_llama]` (the `tiny-llama` component's settin
 random-init tiny Llama and tokenizer `tiny-llama` builds, made in memory, nothing downloaded
 (`recipes/megatron-quickstart.toml`).
 
-`pipeline_parallel = N` splits the layers into N stages (`hpref.models.megatron_pipeline`: hpref
+`pipeline_parallel = N` splits the layers into N stages (`hpref.models.megatron.pipeline`: hpref
 runs the schedule, GPipe-style, over torch.distributed point-to-point).
 
 `sequence_parallel = true` (with tensor_parallel > 1) splits the activations between megatron's
-tensor-parallel regions by tokens (`hpref.models.megatron_sequence_parallel`); with
+tensor-parallel regions by tokens (`hpref.models.megatron.sequence_parallel`); with
 tensor_parallel = 1 it changes nothing.
 
 What is refused, in one line each: tensor_parallel x pipeline_parallel not dividing the number of
@@ -33,7 +33,7 @@ from hpref.builtin.models import HeadConfig, TinyLlamaArchitecture, head_kwargs
 from hpref.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from hpref.models.megatron_preference import MegatronPreferenceModel
+    from hpref.models.megatron.preference import MegatronPreferenceModel
 
 
 class MegatronGPTConfig(HeadConfig):
@@ -66,7 +66,7 @@ def _refuse_unsupported(config: MegatronGPTConfig) -> None:
     from hpref.errors import UserError
 
     if config.sequence_parallel and config.pipeline_parallel > 1:
-        # a stage passes whole rows on (hpref.models.megatron_pipeline), not sequence-split ones
+        # a stage passes whole rows on (hpref.models.megatron.pipeline), not sequence-split ones
         raise UserError("model.sequence_parallel with model.pipeline_parallel > 1 is not supported")
 
 
@@ -123,13 +123,13 @@ def build_megatron_gpt(
     config: MegatronGPTConfig, *, num_labels: int = 3, device: Any = "cpu", meta: bool = False
 ) -> MegatronPreferenceModel:
     """A judge (or reward model) whose backbone is a megatron-core GPTModel, tensor parallel over
-    megatron's groups (set up here from the process group, see hpref.models.megatron_preference)."""
-    from hpref.models.megatron import require_megatron
+    megatron's groups (set up here from the process group, see hpref.models.megatron.preference)."""
+    from hpref.models.megatron.backbone import require_megatron
 
     _refuse_unsupported(config)
     require_megatron()
-    from hpref.models.megatron_pipeline import MegatronPipelineModel
-    from hpref.models.megatron_preference import build_megatron_model
+    from hpref.models.megatron.pipeline import MegatronPipelineModel
+    from hpref.models.megatron.preference import build_megatron_model
 
     parts = _tiny_llama_parts(config) if config.tiny_llama is not None else _folder_parts(config)
     hf_config, tokenizer, hf_state = parts

@@ -37,11 +37,28 @@ from hpref.data.records import Battle
 
 Prompt = tuple[str, ...]
 #: written by `PreferenceModel.save_pretrained` (`hpref.models.preference.EXPORT_JSON`) and by `hpref
-#: save` (`hpref.evaluate.export.CHECKPOINT_JSON`); named here so reading them needs no torch
+#: save` (`hpref.save.export`, with the model card); named here so reading them needs no torch
 MODEL_JSON = "hpref_model.json"
 CHECKPOINT_JSON = "hpref_checkpoint.json"
+MODEL_CARD = "README.md"
 #: a judge's default formatter when the export does not name one (a reward model always uses "answers")
 DEFAULT_JUDGE_FORMATTER = "pab"
+
+
+def card_metrics(card: str) -> dict[str, Any]:
+    """The eval metrics `model_card` wrote into a card's "## Eval metrics" table (numbers as numbers),
+    for readers of an export (`hpref serve`'s /info); {} when it has none."""
+    section = card.partition("## Eval metrics")[2].partition("\n## ")[0]
+    out: dict[str, Any] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 2 or cells[0] in ("metric", "") or set(cells[0]) <= {"-"}:
+            continue
+        try:
+            out[cells[0]] = int(cells[1]) if cells[1].lstrip("-").isdigit() else float(cells[1])
+        except ValueError:
+            out[cells[0]] = cells[1]
+    return out
 
 
 def export_problem(path: str | Path) -> str | None:

@@ -3,11 +3,9 @@
 records   the one internal `Battle` record every reader produces
 readers   `arena` (Chatbot-Arena / Kaggle LMSYS schema) and `pairwise` (chosen/rejected) readers
 splits    k-fold selection grouped by prompt and stratified by label
-synthetic the synthetic arena: battles with known outcome probabilities, its judge and its report
 formatting judge-prompt formatters (`pab`, `papb`) with token-budget truncation
 cache     tokenize once, keyed by data + tokenizer + formatter
 packing   padding-free packed micro-batches and the per-step, per-rank plan
-stats     the numbers `hpref data stats` prints
 
 Importing this package is cheap: torch and transformers are imported only by `packing` and inside the
 functions that need them.

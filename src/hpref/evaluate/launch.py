@@ -15,7 +15,7 @@ from typing import Any
 
 def launch_eval(spec: dict[str, Any], nproc: int, run_dir: Path) -> int:
     """Run `run_eval(**spec)` on `nproc` local processes through torchrun; the exit code."""
-    from hpref.train.launch import free_port, run_torchrun
+    from hpref.runtime.torchrun import free_port, run_torchrun
 
     run_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", dir=run_dir, delete=False) as f:

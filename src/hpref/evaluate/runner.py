@@ -8,7 +8,7 @@ swapped views mapped back and averaged). Or an ensemble: prediction files blende
 0 writes the predictions, the optional soft-label file, and, for labelled battles, `metrics.json`,
 the table and the reliability diagram (`hpref.prediction.metrics`).
 
-`hpref.evaluate.cli.eval_command` calls `run_eval` in its own process, or starts N ranks through
+`hpref.evaluate.command.eval_command` calls `run_eval` in its own process, or starts N ranks through
 `hpref.evaluate.launch`, each of which (`hpref.evaluate.worker`) calls `run_eval`.
 """
 
@@ -25,6 +25,7 @@ from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
+from hpref.runfolder.layout import EVAL, EVAL_PREDICTIONS
 
 
 @dataclass
@@ -51,8 +52,9 @@ def is_export_folder(path: Path) -> bool:
 
 def load_model(source: str | Path, recipe: Any = None, *, device: Any = "cpu") -> Any:
     """An export folder (`hpref save` output), a checkpoint folder or a run folder (latest checkpoint)."""
-    from hpref.evaluate.export import load_model_from_checkpoint, resolve_checkpoint
     from hpref.models.preference import PreferenceModel
+    from hpref.runfolder.checkpoints import resolve_checkpoint
+    from hpref.runtime.checkpoint import load_model_from_checkpoint
 
     source = Path(source)
     if is_export_folder(source):
@@ -233,7 +235,7 @@ def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides,
         tta=tta == "swap",
         device=device,
     )
-    out_path = Path(out) if out is not None else recipe.run.run_dir / "eval" / "predictions.csv"
+    out_path = Path(out) if out is not None else recipe.run.run_dir / EVAL / EVAL_PREDICTIONS
     extra = {
         "checkpoint": str(checkpoint),
         "tta": tta,

@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpref.evaluate.runner import run_eval
     from hpref.logs import setup_logging
-    from hpref.train.watchdog import die_with_parent, start_heartbeat
-    from hpref.train.worker import init_distributed
+    from hpref.runtime.distributed import init_distributed
+    from hpref.runtime.watchdog import die_with_parent, start_heartbeat
 
     parser = argparse.ArgumentParser(prog="hpref.evaluate.worker")
     parser.add_argument("--spec", required=True, help="JSON file with run_eval's arguments")

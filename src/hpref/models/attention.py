@@ -156,7 +156,7 @@ def backend_problem(
     """Why `requested` cannot run on `device_type` in `dtype` (None when it can).
 
     The one list of requirements, used per call by `resolve_backend` and before any process starts
-    by `hpref.recipe_checks` (which knows the device and precision a run will get, but not yet a
+    by `hpref.train.checks` (which knows the device and precision a run will get, but not yet a
     layer's softcap or dropout)."""
     if requested not in BACKENDS:
         return f"is not a known attention backend; known: {', '.join(BACKENDS)}"

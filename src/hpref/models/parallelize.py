@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from hpref.protocols import KeysCheckpoint, ViewsCheckpoint
+
 
 def parallelize(
     model: torch.nn.Module,
@@ -94,13 +96,13 @@ def checkpoint_layout(
     `optim_state` in place; other models' state is stored as it is. A model with a
     `checkpoint_key(key)` (a megatron-gpt pipeline stage: its local layer numbers made global)
     stores each tensor under that key."""
-    view = getattr(model, "checkpoint_view", None)
     state: dict[str, Any] = {"model": model_state}
     if optim_state is not None:
         state["optim"] = optim_state
-    if view is None:
+    if not isinstance(model, ViewsCheckpoint):
         return state
-    stored_key = getattr(model, "checkpoint_key", None) or (lambda key: key)
+    view = model.checkpoint_view
+    stored_key = model.checkpoint_key if isinstance(model, KeysCheckpoint) else (lambda key: key)
     # megatron's `_extra_state` entries are None (its local layers keep no FP8 metadata)
     state["model"] = {stored_key(k): view(k, v) for k, v in model_state.items() if v is not None}
     if optim_state is not None:

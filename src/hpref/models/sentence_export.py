@@ -75,6 +75,6 @@ def write_sentence_transformers_layout(
 
 def _write_json(path: Path, data: object) -> None:
     # plain writes: the export is assembled in a temporary folder, fsynced and renamed as a whole
-    # (`hpref.evaluate.export.save_export`), like every other file of it
+    # (`hpref.save.export.save_export`), like every other file of it
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -10,8 +10,10 @@ metrics   log loss, accuracy, per-class calibration (ECE), confusion matrix, Bay
           report all call it.
 files     prediction files (`id, winner_model_a, winner_model_b, winner_tie`) written as CSV /
           Parquet / JSONL and read back with strict checks.
+baselines the cheap baselines (the label prior, the style and length features' logistic fits) that a
+          run's summary and the synthetic arena's report score beside the model.
 
-It sits beside `hpref.data` and `hpref.models`: it imports them (and core modules), never the command
-packages (`train`, `evaluate`, `rl`) or the plugin layer. Importing the package is cheap; only
-`predict` imports torch.
+It sits above `hpref.data` (it imports data and the core modules) and below the synthetic arena and
+the models; it never imports the command packages (`train`, `evaluate`, `rl`) or the plugin layer.
+Importing the package is cheap; only `predict` imports torch.
 """

@@ -2,7 +2,7 @@
 
 - `command`: `hpref rl` and `hpref rl-warmup` from the command line (checks, then the run).
 - `driver`: one asyncio task per policy; `run_rl` is the entry point of a run.
-- `ray_cluster`: starting or joining the Ray cluster the actors run on.
+- `checks`: what `hpref rl` refuses in a recipe beyond its types (adapters, megatron, reward exports).
 - `policy`: a policy's causal LM and tokenizer, its prompts, the padding maths of a step.
 - `engines`: generation (the built-in `transformers` engine, registered through `register_engines`,
   and `EngineHost`, the Ray actor around any registered engine).
@@ -16,8 +16,9 @@
 - `warmup`: the cached supervised warm-up that makes tiny policies' starting checkpoint.
 - `leaderboard`: Bradley-Terry ratings and the metric plots.
 
-The `[rl]` recipe section is typed with the rest of the recipe (`hpref.recipe_rl`). Importing this
-package imports nothing heavy; `run_rl` loads torch and Ray when called.
+The Ray cluster the actors run on is `hpref.runtime.ray_cluster`'s. The `[rl]` recipe section is
+typed with the rest of the recipe (`hpref.recipe.rl`). Importing this package imports nothing heavy;
+`run_rl` loads torch and Ray when called.
 """
 
 from __future__ import annotations

@@ -27,15 +27,14 @@ from typing import Any
 
 from loguru import logger
 
-from hpref.recipe_rl import RLConfig
+from hpref.recipe.rl import RLConfig
 from hpref.rl.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
 from hpref.rl.parking import Parker
-from hpref.rl.ray_cluster import actor_death, ray_cause
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
-from hpref.runfolder.checkpoints import ROLLOUT_PREFIX
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
-from hpref.runfolder.layout import CHECKPOINTS
+from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX
 from hpref.runfolder.save_trigger import check_save_trigger
+from hpref.runtime.ray_cluster import actor_death, ray_cause
 
 HEARTBEAT_INTERVAL_S = 5.0  # well under HEARTBEAT_STALE_S: a slow rollout does not read as a hung run
 
@@ -189,7 +188,7 @@ async def drive(
 
     async def evaluate() -> None:
         evaluation = await handles.executor.evaluate.remote(order)
-        metrics.write_answers(f"rollout-{positions[leader]:06d}", evaluation.pop("answers", {}))
+        metrics.write_answers(f"{ROLLOUT_PREFIX}{positions[leader]:06d}", evaluation.pop("answers", {}))
         evaluation["rollout"] = positions[leader]
         evaluation["kl"] = {p: sum(k) / len(k) for p, k in kl_since_eval.items() if k}
         result.evals.append(evaluation)

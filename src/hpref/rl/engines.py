@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
-from hpref.recipe_rl import PolicyModelConfig
+from hpref.recipe.rl import PolicyModelConfig
 from hpref.rl.policy import (
     apply_env,
     build_policy_model,

@@ -3,7 +3,7 @@
     run_rl(recipe, ["a", "b"], ray_address=None, resume=None)
 
 The Ray shell around the driver (`hpref.rl.driver.drive`): the resume source and its checks, the
-policies' tokenizers and warm-ups, `rl.json`, the cluster (`hpref.rl.ray_cluster`), the actors
+policies' tokenizers and warm-ups, `rl.json`, the cluster (`hpref.runtime.ray_cluster`), the actors
 (engines, rollout executor, trainers; created in that order and torn down in reverse, also when a
 policy fails or the user presses Ctrl-C), the restore, the drive, and the run's summary. An actor
 that dies is named in one line with where `--resume auto` would continue from.
@@ -22,13 +22,14 @@ from loguru import logger
 
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
-from hpref.recipe_rl import RLConfig, resolve_engine, rl_rewards
+from hpref.recipe.rl import RLConfig, resolve_engine, rl_rewards
+from hpref.rl.backends import check_backends, trainer_backend
 from hpref.rl.driver import DriveResult, Handles, WeightSyncError, drive, restore
 from hpref.rl.metrics import MetricsWriter, eval_line
-from hpref.rl.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
 from hpref.rl.record import ResumeError, check_record_leader, read_record
 from hpref.runfolder.files import write_json_atomic
-from hpref.runfolder.layout import RL_JSON, RL_SUMMARY
+from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
+from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
 
 ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
@@ -101,7 +102,7 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown, pr
             .options(**opts)
             .remote(p, config.policies[p], config.update_weights_interval, env=env)
         )
-        if config.policies[p].trainer_backend == "megatron":  # its parallel state and process group
+        if trainer_backend(config.policies[p].trainer_backend).holds_process_state:
             teardown.add(f"trainer '{p}'", close_then_kill(trainers[p]))
         else:
             teardown.add(f"trainer '{p}'", kill(trainers[p]))
@@ -141,7 +142,7 @@ def check_rewards_fit_prompts(config: RLConfig, prompts: Any, where: str) -> Non
 
 
 def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
-    """The typed `[rl]` section of a Recipe (`hpref.recipe_rl`: validated once, when the recipe
+    """The typed `[rl]` section of a Recipe (`hpref.recipe.rl`: validated once, when the recipe
     loaded, with the recipe's `[lora]` as every policy's default) and its run folder."""
     if recipe.rl is None:
         where = str(getattr(recipe, "_source", None) or "recipe")
@@ -208,10 +209,7 @@ def preflight(recipe: Any, policies: list[str]) -> Any:
 
         # a wrong target name is one line here, not an actor that dies while it is being built
         check_policy_lora(config, order, where)
-    if any(config.policies[p].trainer_backend == "megatron" for p in order):
-        from hpref.rl.megatron_policy import check_megatron_policies
-
-        check_megatron_policies(config, order, where)
+    check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
     check_policy_models(config, order, where)
     # an engine may refuse policies it cannot run (vLLM: head sizes its kernels lack)
     engine = config.engine_config or resolve_engine(config.engine, where)
@@ -305,7 +303,7 @@ def run_rl(
             raise
         record = read_record(run_dir)
         where = (
-            f"--resume auto continues from {record.save_dir} ({run_dir / 'record.json'})"
+            f"--resume auto continues from {record.save_dir} ({run_dir / RECORD_FILE})"
             if record is not None
             else "no save was recorded yet, so a new run starts from the beginning"
         )

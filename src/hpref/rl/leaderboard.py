@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpref.runfolder.files import read_json_lines, write_bytes_atomic
+from hpref.runfolder.layout import RL_METRICS
 
 ELO_SCALE = 400.0
 ELO_CENTRE = 1000.0
@@ -75,7 +76,7 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
     """`metrics/rewards.png`: reward and true utility against rollout (raw, thin, and a trailing
     mean), and each eval's win rate against the starting checkpoint; one colour per policy."""
-    folder = run_dir / "metrics"
+    folder = run_dir / RL_METRICS
     series, evals = {}, {}
     for p in policies:
         path = folder / f"{p}.jsonl"

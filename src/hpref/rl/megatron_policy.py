@@ -21,7 +21,7 @@ One process, tensor-parallel size 1: megatron's parallel state is set up on a on
 
 Refused in one line each: LoRA (PEFT wraps transformers linears, not megatron's fused ones) and
 trainer_tensor_parallel > 1 when the recipe is read (`PolicyConfig`); an architecture megatron does
-not map (`hpref.models.megatron.shape_of`) and megatron-core missing before any actor starts
+not map (`hpref.models.megatron.convert.shape_of`) and megatron-core missing before any actor starts
 (`check_megatron_policies`).
 """
 
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from hpref.errors import UserError
-from hpref.recipe_rl import PolicyModelConfig, RLConfig
+from hpref.recipe.rl import PolicyModelConfig, RLConfig
 
 MEGATRON = "megatron"
 #: the megatron-core keys of the final norm and the LM output layer (the rest are the backbone's)
@@ -47,8 +47,8 @@ def check_megatron_policies(config: RLConfig, policies: list[str], where: str) -
     for one of `policies` (megatron-core missing, or an architecture it does not map). LoRA and
     trainer_tensor_parallel > 1 are refused by `PolicyConfig` itself, when the recipe is read."""
     from hpref.errors import RecipeError
-    from hpref.models.megatron import require_megatron
-    from hpref.models.megatron_convert import shape_of
+    from hpref.models.megatron.backbone import require_megatron
+    from hpref.models.megatron.convert import shape_of
     from hpref.rl.policy import policy_skeleton
 
     for p in policies:
@@ -75,7 +75,7 @@ def init_single_process_parallel() -> bool:
     store when the process has none). Returns whether this call created the process group."""
     import torch.distributed as dist
 
-    from hpref.models.megatron_preference import init_model_parallel
+    from hpref.models.megatron.preference import init_model_parallel
 
     created = not dist.is_initialized()
     init_model_parallel(1)
@@ -100,7 +100,7 @@ def release_model_parallel(created_group: bool) -> None:
 
 def hf_causal_to_megatron(hf_state: dict[str, Any], shape: Any, *, tied: bool) -> dict[str, Any]:
     """A transformers causal LM's state dict -> `MegatronCausalLM`'s (tensor-parallel size 1)."""
-    from hpref.models.megatron_convert import hf_to_megatron
+    from hpref.models.megatron.convert import hf_to_megatron
 
     out = hf_to_megatron(hf_state, shape)
     out[FINAL_NORM] = out.pop("norm.weight")
@@ -112,7 +112,7 @@ def hf_causal_to_megatron(hf_state: dict[str, Any], shape: Any, *, tied: bool) -
 def megatron_causal_to_hf(state: dict[str, Any], shape: Any, *, tied: bool) -> dict[str, Any]:
     """`MegatronCausalLM`'s state dict -> the transformers causal LM's keys and shapes (`model.*`
     and `lm_head.weight`, which is a copy of the embedding when the two are tied)."""
-    from hpref.models.megatron_convert import megatron_to_hf
+    from hpref.models.megatron.convert import megatron_to_hf
 
     backbone = {k: v for k, v in state.items() if not k.endswith("_extra_state") and k != OUTPUT_LAYER}
     backbone["norm.weight"] = backbone.pop(FINAL_NORM)
@@ -137,8 +137,8 @@ class MegatronCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any):
         super().__init__()
-        from hpref.models.megatron import cpu_rotary, transformer_config, varlen_layer_spec
-        from hpref.models.megatron_convert import shape_of
+        from hpref.models.megatron.backbone import cpu_rotary, transformer_config, varlen_layer_spec
+        from hpref.models.megatron.convert import shape_of
 
         spec = varlen_layer_spec()  # first: it imports megatron's gpt package with its notes silenced
         from megatron.core.models.gpt import GPTModel
@@ -225,7 +225,7 @@ class MegatronCausalLM(nn.Module):
 def build_megatron_policy(model: PolicyModelConfig) -> tuple[MegatronCausalLM, Any]:
     """(megatron causal LM, tokenizer) holding exactly the weights `build_policy_model` gives the
     engine (it is built first and converted; its memory is freed before this returns)."""
-    from hpref.models.megatron import require_megatron
+    from hpref.models.megatron.backbone import require_megatron
     from hpref.rl.policy import build_policy_model
 
     require_megatron()

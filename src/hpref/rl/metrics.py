@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpref.runfolder.files import append_json_line, read_json_lines, write_text_atomic
-from hpref.runfolder.layout import RL_METRICS
+from hpref.runfolder.layout import RL_EVAL_ANSWERS, RL_METRICS
 
 
 class MetricsWriter:
@@ -52,14 +52,10 @@ class MetricsWriter:
             for who, rows in answers.items()
             for row in rows
         ]
-        path = self.folder / EVAL_ANSWERS / f"{name}.jsonl"
+        path = self.folder / RL_EVAL_ANSWERS / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(path, "".join(line + "\n" for line in lines).encode("utf-8"))
         return path
-
-
-#: the folder under `metrics/` that holds each eval's answers (`MetricsWriter.write_answers`)
-EVAL_ANSWERS = "eval_answers"
 
 
 def keep_row(row: dict[str, Any], start: int) -> bool:

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from hpref.errors import UserError
-from hpref.recipe_rl import PolicyModelConfig, RLConfig
+from hpref.recipe.rl import PolicyModelConfig, RLConfig
 
 TOKENIZER_MIN_FREQUENCY = 2
 TOKENIZER_SEED = 0

@@ -93,3 +93,44 @@ class Engine(Protocol):
     def abort_update(self) -> None: ...
 
     def get_version(self) -> int: ...
+
+
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """What a policy's trainer is built on (`rl.policies.<id>.trainer_backend`): the model it trains
+    and what it hands the engine, `hpref.rl.trainer.TrainerActor`'s only view of it. Whatever it
+    trains, the engine and the saves see the transformers layout (`plain_state`)."""
+
+    #: the `trainer_backend` value
+    name: str
+    #: the model keeps process-wide state (a process group) that `close` must release
+    holds_process_state: bool
+
+    def check(self, config: Any, policies: list[str], where: str) -> None:
+        """Before any actor starts: one `RecipeError` line for a policy of `policies` this backend
+        cannot build (it skips policies on another backend)."""
+        ...
+
+    def build(self, model: Any) -> tuple[Any, Any]:
+        """(causal LM, tokenizer) for the policy's `model` settings."""
+        ...
+
+    def frozen_copy(self, model: Any, settings: Any) -> Any:
+        """The starting policy, for the KL reference (not yet frozen; the trainer freezes it)."""
+        ...
+
+    def compute_dtype(self, precision: str, model: Any) -> Any:
+        """The torch dtype the trainer's forward computes in."""
+        ...
+
+    def plain_state(self, model: Any) -> dict[str, Any]:
+        """A CPU state dict in the transformers layout (what engines load and saves hold)."""
+        ...
+
+    def load_plain_state(self, model: Any, state: dict[str, Any]) -> None:
+        """Load such a state dict into `model` (strictly)."""
+        ...
+
+    def close(self, model: Any) -> None:
+        """Release what `build` set up beyond memory."""
+        ...

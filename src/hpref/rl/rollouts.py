@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hpref.data.prompts import Prompt, stream_rng
-from hpref.recipe_rl import RLConfig, RolloutConfig
+from hpref.recipe.rl import RLConfig, RolloutConfig
 from hpref.rl.evaluation import eval_report, scorer_report
 from hpref.rl.policy import apply_env
 
@@ -23,7 +23,7 @@ def build_prompt_source(config: RLConfig) -> Any:
     """The `[rl.prompts]` component (`hpref.rl.protocols.PromptSource`); reads its file now, so a bad
     file or one without usable prompts is a `UserError` before any actor starts."""
     from hpref.plugins import load_plugins
-    from hpref.recipe_rl import resolve_prompts
+    from hpref.recipe.rl import resolve_prompts
 
     if config.prompts_config is None:
         config.prompts_config = resolve_prompts(config.prompts)
@@ -105,7 +105,7 @@ class RolloutExecutor:
         prompts: Any = None,
     ) -> None:
         apply_env(env)
-        from hpref.recipe_rl import resolve_reward
+        from hpref.recipe.rl import resolve_reward
 
         self.config = config if isinstance(config, RLConfig) else RLConfig.model_validate(config)
         if self.config.reward_config is None:

@@ -11,7 +11,6 @@ run folder's restricted reader) with the checksums of every file beside it.
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import resource
@@ -21,10 +20,10 @@ from typing import Any
 
 from hpref.errors import UserError
 from hpref.memory import release_freed_memory
-from hpref.recipe_rl import PolicyConfig
+from hpref.recipe.rl import PolicyConfig
+from hpref.rl.backends import trainer_backend
 from hpref.rl.policy import (
     apply_env,
-    build_policy_model,
     completion_logprobs,
     group_batch,
     micro_batches,
@@ -33,8 +32,7 @@ from hpref.rl.policy import (
     whole_groups,
 )
 from hpref.rl.rollouts import expected_version
-
-TRAINER_STATE = "trainer.pt"
+from hpref.runfolder.layout import TRAINER_STATE
 
 
 class TrainerActor:
@@ -55,8 +53,8 @@ class TrainerActor:
         self.policy = policy
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         self.update_interval = update_interval
-        self.megatron = self.config.trainer_backend == "megatron"  # hpref.rl.megatron_policy
-        self.model, self.tokenizer = self._build_model()
+        self.backend = trainer_backend(self.config.trainer_backend)  # hpref.rl.backends
+        self.model, self.tokenizer = self.backend.build(self.config.model)
         self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
         if self.config.lora is not None:
             from hpref.models.lm_adapters import apply_lora_to_causal_lm
@@ -79,9 +77,8 @@ class TrainerActor:
         self.reference = None
         self.wants_reference = self.config.kl_coef > 0 or self.config.measure_kl
         if self.wants_reference and self.lora is None:  # the frozen starting policy
-            # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off;
-            # a megatron model is built again, its modules hold process groups deepcopy cannot copy)
-            start = self._build_model()[0] if self.megatron else copy.deepcopy(self.model)
+            # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
+            start = self.backend.frozen_copy(self.model, self.config.model)
             self.reference = start.eval().requires_grad_(False)
         # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -93,18 +90,8 @@ class TrainerActor:
         )
         self.rollouts_done = 0
         self.version = 0
-        self.compute_dtype = self._compute_dtype()
-
-    def _compute_dtype(self) -> Any:
-        """bf16 autocast or fp32 (`precision`); the megatron trainer always computes in fp32."""
-        import torch
-
-        from hpref.models.precision import resolve_precision
-
-        if self.megatron:
-            return torch.float32
-        hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
-        return resolve_precision(self.config.precision, torch.device("cpu"), hidden)
+        # bf16 autocast or fp32 (`precision`); the megatron trainer always computes in fp32
+        self.compute_dtype = self.backend.compute_dtype(self.config.precision, self.model)
 
     def _logprobs(self, model: Any, batch: dict[str, Any], temperature: float) -> Any:
         """`completion_logprobs` under the trainer's compute dtype (log-softmax stays in fp32)."""
@@ -114,21 +101,10 @@ class TrainerActor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             return completion_logprobs(model, batch, temperature)
 
-    def _build_model(self) -> tuple[Any, Any]:
-        """(causal LM, tokenizer) on the policy's trainer backend."""
-        if self.megatron:
-            from hpref.rl.megatron_policy import build_megatron_policy
-
-            return build_megatron_policy(self.config.model)
-        return build_policy_model(self.config.model)
-
     def close(self) -> None:
-        """Release what the trainer set up beyond its memory: megatron's parallel state and the
-        one-rank process group made for it (a Ray actor that is killed has nothing else to free)."""
-        if self.megatron:
-            from hpref.rl.megatron_policy import release_model_parallel
-
-            release_model_parallel(self.model.created_group)
+        """Release what the trainer set up beyond its memory (the backend's: megatron's parallel
+        state and the one-rank process group made for it; a killed Ray actor has nothing else to free)."""
+        self.backend.close(self.model)
 
     def train(self, rollout: dict[str, Any]) -> dict[str, float]:
         """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics.
@@ -271,10 +247,7 @@ class TrainerActor:
             from hpref.models.lm_adapters import merged_lm_state
 
             return self.version, merged_lm_state(self.model)
-        if self.megatron:  # un-fused back to the transformers layout the engine loads
-            return self.version, self.model.hf_state_dict()
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return self.version, state
+        return self.version, self.backend.plain_state(self.model)  # the transformers layout
 
     def save(self, folder: str) -> None:
         """The model as a transformers folder (a usable starting checkpoint), optimizer and counters.
@@ -344,10 +317,7 @@ class TrainerActor:
                 )
             try:
                 weights = load_file(str(weights_file))
-                if self.megatron:
-                    self.model.load_hf_state(weights)
-                else:
-                    self.model.load_state_dict(weights, strict=True)
+                self.backend.load_plain_state(self.model, weights)
             except Exception as exc:  # safetensors' header errors and shape mismatches
                 raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
         try:

@@ -46,7 +46,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpref.hookspecs import hookimpl
-from hpref.recipe_rl import PolicyModelConfig
+from hpref.recipe.rl import PolicyModelConfig
 from hpref.rl.engines import VersionedWeights, generation_result
 from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
 

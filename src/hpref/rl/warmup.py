@@ -31,7 +31,7 @@ from typing import Any
 
 from loguru import logger
 
-from hpref.recipe_rl import PolicyModelConfig, WarmupConfig
+from hpref.recipe.rl import PolicyModelConfig, WarmupConfig
 
 WARMUP_FORMAT = 1  # bump when the warm-up's data or training changes, so caches are not reused
 META_FILE = "hpref_warmup.json"

@@ -22,15 +22,17 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.runfolder.integrity import require_verified
-from hpref.runfolder.layout import CHECKPOINT_INDEX, CHECKPOINTS
+from hpref.runfolder.layout import (
+    CHECKPOINT_INDEX,
+    CHECKPOINTS,
+    LATEST,
+    ROLLOUT_PREFIX,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    TRAIN_STATE,
+)
 from hpref.runfolder.record import read_record
 from hpref.runfolder.safe_load import CheckpointError, read_dcp_index
-
-LATEST = "latest"
-TMP_PREFIX = ".tmp-"
-TRAIN_STATE = "train_state.json"
-STEP_PREFIX = "step-"
-ROLLOUT_PREFIX = "rollout-"
 
 
 def checkpoint_name(step: int) -> str:

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from hpref.runfolder.files import write_json_atomic
+from hpref.runfolder.layout import CHECKSUMS
 from hpref.runfolder.safe_load import CheckpointError
 
-MANIFEST = "checksums.json"
+MANIFEST = CHECKSUMS
 _CHUNK = 1 << 20
 
 

@@ -19,22 +19,38 @@ from pathlib import Path
 
 from hpref.errors import UserError
 
-RECIPE = "recipe.toml"
+# The one place these names are spelt: every reader and writer of a run folder imports them from here.
+RECIPE = "recipe.toml"  # the resolved recipe the launcher writes; workers and `hpref save` read it
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 PREDICTIONS = "predictions.csv"
 PREDICTIONS_DIR = "predictions"
+STEP_PREDICTIONS = "step-{step:06d}.csv"  # in PREDICTIONS_DIR: one eval's predictions
 BASELINE_PREDICTIONS = "baseline-{name}.csv"  # in PREDICTIONS_DIR: a cheap baseline's eval predictions
 LOGS = "logs"
 HEARTBEAT = "heartbeat.json"
 SAVE_NOW = "SAVE_NOW"
-INIT = "init"
+INIT = "init"  # `hpref init`'s weights, which a fresh run starts from
 RL_JSON = "rl.json"
 RL_SUMMARY = "rl_summary.json"
 RL_METRICS = "metrics"
+RL_EVAL_ANSWERS = "eval_answers"  # in RL_METRICS: the answers of each eval, per policy
 EVAL = "eval"  # `hpref eval`'s default output folder inside a run folder
 EVAL_PREDICTIONS = "predictions.csv"  # ... and its default predictions file there
+
+# Inside CHECKPOINTS: a train run's `step-NNNNNN/` saves and the `latest` pointer, an rl run's global
+# `rollout-NNNNNN/` saves and their `record.json`; a save is written under a `.tmp-` name first.
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+STEP_PREFIX = "step-"
+ROLLOUT_PREFIX = "rollout-"
+RECORD_FILE = "record.json"
+# Inside one save: DCP's index, the train state, the checksums, an rl trainer's optimizer state.
+CHECKPOINT_INDEX = ".metadata"
+TRAIN_STATE = "train_state.json"
+CHECKSUMS = "checksums.json"
+TRAINER_STATE = "trainer.pt"
 
 #: Entries a started training or RL run leaves: any of them means the folder holds a run.
 #: (Not `predictions.csv`: `hpref eval` writes that name too, in folders that hold no run.)
@@ -46,8 +62,6 @@ OWNED = (*RUN_MARKERS, PREDICTIONS, PREDICTIONS_DIR, RECIPE, LOGS, SAVE_NOW, RL_
 # Temporary names of the owned files, left by a write that was killed: `.NAME.<pid>.part` (atomic
 # writes), `NAME.part` (prediction files) and `NAME.tmp` (metrics.jsonl's rewrite on resume).
 _TEMP = re.compile(r"^(?:\.(?P<a>.+)\.\d+\.part|(?P<b>.+)\.(?:part|tmp))$")
-
-CHECKPOINT_INDEX = ".metadata"
 
 
 def side_files(out: str | Path) -> tuple[Path, Path]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpref.errors import UserError
+from hpref.runfolder.layout import RECORD_FILE
 
-RECORD_FILE = "record.json"
 RECORD_FORMAT = 1
 
 

@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hpref.errors import UserError
-
-DCP_INDEX = ".metadata"
+from hpref.runfolder.layout import CHECKPOINT_INDEX
 
 
 class CheckpointError(UserError):
@@ -91,7 +90,7 @@ def read_dcp_index(folder: str | Path) -> Any:
     """The DCP `Metadata` of a checkpoint folder, unpickled with the exact allow-list."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    index = Path(folder) / DCP_INDEX
+    index = Path(folder) / CHECKPOINT_INDEX
     try:
         data = index.read_bytes()
     except FileNotFoundError:

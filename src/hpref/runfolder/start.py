@@ -25,6 +25,12 @@ def log_file(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / LOGS / f"{name}.log"
 
 
+#: Set by `hpref train`'s launcher for its torchrun workers: the resolved recipe it checked and wrote
+#: (their `--recipe` and `--set` arguments, kept so the printed command stays the whole truth, are
+#: then not read).
+RESOLVED_RECIPE_ENV = "HPREF_RESOLVED_RECIPE"
+
+
 def write_resolved_recipe(recipe: Any, run_dir: str | Path | None = None) -> Path:
     """The resolved recipe as `recipe.toml` in the run folder (default: the recipe's own), written
     atomically: a crash mid-write must leave the old file, not half of one."""

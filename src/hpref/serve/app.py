@@ -97,7 +97,7 @@ def running_replicas() -> int:
 def export_info(settings: ServeSettings, scorer: Any) -> dict[str, Any]:
     """`/info`: what the export's model card and metadata say, and what this service accepts."""
     from hpref import __version__
-    from hpref.evaluate.export import MODEL_CARD, card_metrics
+    from hpref.builtin.scoring import MODEL_CARD, card_metrics
 
     meta = scorer.settings
     card = Path(settings.export) / MODEL_CARD

@@ -3,7 +3,7 @@
 Everything a user can get wrong is checked before Ray starts (a one-line `UserError`, exit 2): the
 export, the token file, the port (on this machine), replicas x threads against this machine's
 cores, and that Ray Serve is installed. A local Ray cluster listens on loopback only
-(`hpref.rl.ray_cluster.connect_ray`, as `hpref rl` starts it); `--ray-address` joins a cluster,
+(`hpref.runtime.ray_cluster.connect_ray`, as `hpref rl` starts it); `--ray-address` joins a cluster,
 whose nodes must have hpref installed, and then only this application is removed on exit.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from loguru import logger
 
 from hpref.errors import UserError
-from hpref.rl.ray_cluster import LOOPBACK_HOSTS
+from hpref.runtime.ray_cluster import LOOPBACK_HOSTS
 
 SERVE_EXTRA = "pip install 'hpref[serve]'"
 
@@ -92,7 +92,7 @@ def serve_command(
 
     from ray import serve
 
-    from hpref.rl.ray_cluster import connect_ray
+    from hpref.runtime.ray_cluster import connect_ray
     from hpref.serve.app import APP_NAME, HprefScorer, ServeSettings
 
     settings = ServeSettings(

@@ -1,10 +1,16 @@
 """Training preference models: `hpref train` and `hpref init`.
 
-launch      validate the recipe, run one process in-process or N through torchrun (`run_train`,
-            `run_init`)
-worker      one rank: process group, logging, the recipe's parts (`hpref.components`), data, the loop
+command     `hpref train` from the command line: the run folder checks, then the launcher
+checks      what `hpref train` refuses in a recipe, before any process starts
+launch      plan the launch, run one process in-process or N through torchrun (`run_train`,
+            `run_init`; torchrun itself: `hpref.runtime.torchrun`)
+worker      one rank: logging, the recipe's parts (`hpref.components`), data, the loop (its process
+            group: `hpref.runtime.distributed`)
 sharding    the compute precision, and the weights loaded after sharding (`hpref.models.parallelize`)
-loop        the train step, the in-training eval (`hpref.prediction`), `fit`
+loop        the train step, the in-training eval (`hpref.prediction`), `fit`: start_run ->
+            train_epoch ... -> end_run -> save_summary
+progress    the run's totals, the interval since the last log line, the progress bar
+resume      the whole run state saved after a step and restored on resume (files: `checkpoint`)
 summary     what a finished run reports: summary.json and the table, with the cheap baselines
 checkpoint  DCP checkpoints written to a temporary folder and renamed when complete; resume
 metrics     tokens/s, MFU against a stated peak, memory, metrics.jsonl, the summary table

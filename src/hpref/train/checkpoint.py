@@ -45,10 +45,6 @@ from hpref.errors import UserError
 from hpref.models.parallelize import checkpoint_layout
 from hpref.runfolder import integrity
 from hpref.runfolder.checkpoints import (
-    CHECKPOINTS,
-    LATEST,
-    TMP_PREFIX,
-    TRAIN_STATE,
     checkpoint_name,
     complete_checkpoints,
     find_latest,
@@ -56,6 +52,7 @@ from hpref.runfolder.checkpoints import (
     step_of,
 )
 from hpref.runfolder.files import fsync_dir, write_json_atomic, write_text_atomic
+from hpref.runfolder.layout import CHECKPOINTS, LATEST, TMP_PREFIX, TRAIN_STATE
 from hpref.runfolder.safe_load import CheckpointError, UnsafeCheckpointError, dcp_load
 
 # Re-exported: callers catch the errors from here, and find the layout names beside the writer.

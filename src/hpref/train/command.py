@@ -1,4 +1,4 @@
-"""`hpref train` from the command line: the run folder checks, then the launcher.
+"""`hpref train` and `hpref init` from the command line: the run folder checks, then the launcher.
 
 The order matters: the run folder is checked (and with `--overwrite` cleared) before any process
 starts, so a fresh run never lands on another run's checkpoints; then `hpref.train.launch.run_train`
@@ -49,4 +49,13 @@ def train_command(
         rdzv_timeout=rdzv_timeout,
         resume=resume,
         dry_run=dry_run,
+        recipe=loaded,  # read once in this process: the launcher checks it and hands it on
     )
+
+
+def init_command(recipe_path: Path, overrides: list[str]) -> Path:
+    """`hpref init`: build the recipe's model (backbone + new head) and write it to the run folder's
+    `init/` (`hpref.train.launch.run_init`); returns the folder."""
+    from hpref.train.launch import run_init
+
+    return run_init(recipe_path, overrides)

@@ -9,48 +9,26 @@ there and a cluster needs nothing new:
   `--node-rank`: torchrun's static rendezvous (HOST:PORT is rank 0's node, node ranks as given),
   which is what schedulers such as SLURM hand out.
 
-A rank that fails stops the others (torchrun's agent watches them every 0.1 s) and the launcher
-reports which rank died, with what, and where its log is; its exit code becomes `hpref`'s. A rank
-that stops running without exiting is found by its heartbeat (`hpref.train.watchdog`), and every
-worker dies with the launcher, even one killed with SIGKILL.
-
-A one-node run on the default endpoint listens on loopback only. torchrun's own stores bind every
-interface whatever host they are given (`TCPStore` passes no address to bind(); both the libuv and
-the legacy server), so the launcher hosts the rendezvous store itself on a socket it bound to
-127.0.0.1 (`TCPStore(master_listen_fd=...)`) through a static one-node rendezvous registered as
-`hpref-loopback`; the workers reach it as clients (torchrun's shared agent store) and gloo is pinned
-to the loopback interface. The printed command (`--dry-run`) is torchrun's standard c10d launch,
-which run from a shell would listen on every interface. Several nodes, or an endpoint that is not
-loopback, are the user's choice of network, and bind as torchrun does.
+Starting them, watching them (a failed or stalled rank named in one line) and the one-node
+loopback rendezvous are `hpref.runtime.torchrun`'s, shared with `hpref eval`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
-import shutil
-import socket
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from loguru import logger
 
 from hpref.errors import UserError
-from hpref.recipe import LaunchSection, Recipe, load_recipe
+from hpref.recipe import Recipe, load_recipe
+from hpref.runfolder.start import RESOLVED_RECIPE_ENV, write_resolved_recipe
+from hpref.runtime.torchrun import free_port, run_torchrun
 
 WORKER_MODULE = "hpref.train.worker"
-LOOPBACK_BACKEND = "hpref-loopback"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def default_nproc(recipe: Recipe) -> int:
@@ -140,16 +118,23 @@ def run_train(
     rdzv_timeout: int | None = None,
     resume: str | Path | None = None,
     dry_run: bool = False,
+    recipe: Recipe | None = None,
 ) -> int:
     """Validate the recipe, then train; returns the exit code (0 done, 2 user error, else failure).
 
     A recipe error raises `UserError` before anything starts. `dry_run` prints the exact command
-    and the resolved recipe, and returns 0.
+    and the resolved recipe, and returns 0. `recipe`: the recipe `recipe_path` and `overrides`
+    already loaded in this process (`hpref.train.command`), so that it is read once.
+
+    The recipe is checked here, once, and its resolved form written to the run folder's
+    `recipe.toml`: the in-process worker is handed the same `Recipe`, and torchrun's workers read that
+    file (`RESOLVED_RECIPE_ENV`) rather than the recipe and its overrides again.
     """
-    from hpref.recipe_checks import check_train
+    from hpref.train.checks import check_train
 
     overrides = list(overrides or [])
-    recipe = load_recipe(recipe_path, overrides)
+    if recipe is None:
+        recipe = load_recipe(recipe_path, overrides)
     check_train(recipe, recipe_path)  # the same checks as `hpref recipes check`, before any process
     plan = plan_launch(
         recipe_path,
@@ -168,13 +153,15 @@ def run_train(
         print(recipe.to_toml())
         return 0
     check_cpu_ranks(plan.nproc_per_node, recipe)
+    resolved = write_resolved_recipe(recipe, recipe.run.run_dir)
     if plan.torchrun_args is None:
         from hpref.train.worker import run_worker
 
-        return run_worker(
-            recipe_path, overrides, resume=None if resume is None else str(resume), console=False
-        )
-    return run_torchrun(plan.torchrun_args, recipe.run.run_dir, recipe.launch)
+        resume_arg = None if resume is None else str(resume)
+        return run_worker(recipe_path, overrides, resume=resume_arg, console=False, recipe=recipe)
+    return run_torchrun(
+        plan.torchrun_args, recipe.run.run_dir, recipe.launch, env={RESOLVED_RECIPE_ENV: str(resolved)}
+    )
 
 
 def cpu_cores() -> int:
@@ -205,170 +192,20 @@ def check_cpu_ranks(nproc: int, recipe: Recipe) -> None:
     )
 
 
-def _loopback_handler(params):
-    """torchrun rendezvous for one node whose store listens on loopback only (module docstring)."""
-    import datetime
-
-    from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    host, port = parse_rendezvous_endpoint(params.endpoint, -1)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
-    listener.listen(socket.SOMAXCONN)
-    timeout = int(params.config.get("timeout", 600))
-
-    class LoopbackRendezvous(StaticTCPRendezvous):
-        def get_backend(self) -> str:
-            return LOOPBACK_BACKEND
-
-    rendezvous = LoopbackRendezvous(host, port, 0, 1, params.run_id, timeout)
-    # StaticTCPRendezvous creates its store (on every interface) only when it has none.
-    # The store takes over the socket; `listener` must outlive it, so it rides along.
-    rendezvous._store = TCPStore(
-        host,
-        port,
-        world_size=1,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout),
-        wait_for_workers=False,
-        multi_tenant=True,
-        master_listen_fd=listener.fileno(),
-    )
-    rendezvous._hpref_listener = listener
-    return rendezvous
-
-
-def _register_loopback_backend() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(LOOPBACK_BACKEND, _loopback_handler)
-
-
-def _loopback_environment() -> dict[str, str]:
-    """gloo listens on the address of the machine's hostname unless told an interface."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return {}
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    loopback = next((n for n in ("lo", "lo0") if n in names), None)
-    return {"GLOO_SOCKET_IFNAME": loopback} if loopback else {}
-
-
-def _first_real_failure(exc: Any) -> tuple[int, Any]:
-    """The rank whose failure explains the run: the earliest with an error of its own (exit code
-    > 0, which carries a message) before ranks that torchrun stopped with a signal afterwards."""
-    failures = sorted(exc.failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp))
-    return failures[0] if failures else exc.get_first_failure()
-
-
-@contextlib.contextmanager
-def _quiet_torchrun():
-    """torchrun's agent logs each failure on its own (warnings about SIGTERMs it sends, an error
-    per failed rank, an OMP_NUM_THREADS banner): hpref reports a failure in one line naming the
-    rank and its log, so the agent's loggers are raised to CRITICAL while it runs."""
-    import logging
-
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
-def run_torchrun(argv: list[str], run_dir: Path, launch: LaunchSection | None = None) -> int:
-    """torchrun in this process; a failed or stalled rank becomes one log line and an exit code."""
-    from torch.distributed import DistError
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from hpref.train.watchdog import Watchdog
-
-    launch = launch or LaunchSection()
-    logger.info(f"launching: torchrun {shlex.join(argv)}")
-    args = parse_args(argv)
-    env: dict[str, str] = {}
-    host = args.rdzv_endpoint.rpartition(":")[0].strip("[]")
-    if args.rdzv_backend == "c10d" and str(args.nnodes) == "1" and host in LOOPBACK_HOSTS:
-        _register_loopback_backend()
-        args.rdzv_backend = LOOPBACK_BACKEND
-        env.update(_loopback_environment())
-    watchdog = None
-    if launch.heartbeat_timeout_s > 0:
-        watchdog = Watchdog(Path(tempfile.mkdtemp(prefix="hpref-heartbeat-")), launch.heartbeat_timeout_s)
-        env.update(watchdog.environment())
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # torchrun hands its environment to the workers
-    try:
-        if watchdog is not None:
-            watchdog.start()
-        with _quiet_torchrun():
-            run(args)
-    except ChildFailedError as exc:
-        if watchdog is not None and watchdog.stall is not None:
-            logger.error(watchdog.stall.message(run_dir))
-            return 1
-        rank, failure = _first_real_failure(exc)
-        message = failure.message
-        if isinstance(message, dict):
-            message = message.get("message", message)
-        what = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.signal_name()
-        logger.error(
-            f"rank {rank} failed ({what}): {message}; log: {Path(run_dir) / 'logs' / f'rank{rank}.log'}"
-        )
-        others = sorted(r for r in exc.failures if r != rank)
-        if others:
-            logger.debug(f"stopped with it: rank(s) {', '.join(map(str, others))}")
-        return failure.exitcode if failure.exitcode > 0 else 1
-    except DistError as exc:
-        # out of the agent itself, not a worker: the nodes' static rendezvous store never formed
-        if args.rdzv_backend != "static":
-            raise
-        logger.error(_rendezvous_failure(args, exc))
-        return 1
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if watchdog is not None:
-            watchdog.stop()
-            shutil.rmtree(watchdog.folder, ignore_errors=True)
-    return 0
-
-
-def _rendezvous_failure(args: Any, exc: Exception) -> str:
-    """One line for a rendezvous that never formed: which node, where, and what to check."""
-    timeout = (args.rdzv_conf or "").partition("timeout=")[2].split(",")[0] or "900"
-    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return (
-        f"node {args.node_rank} of {args.nnodes}: no rendezvous with the other node(s) at "
-        f"{args.master_addr}:{args.master_port} within {timeout} s ({reason}); start every node with "
-        "the same --nnodes and --rdzv-endpoint, or wait longer with --rdzv-timeout"
-    )
-
-
 def run_init(recipe_path: str | Path, overrides: list[str] | None = None) -> Path:
     """Build the recipe's model (backbone + new head) and save it as safetensors in `run_dir/init`.
 
     `hpref train` with the same run folder starts from these weights. Returns the folder.
     """
     from hpref.components import Components
-    from hpref.train.sharding import INIT_FOLDER
+    from hpref.runfolder.layout import INIT
 
     recipe = load_recipe(recipe_path, list(overrides or []))
     if recipe.model is None:
         raise UserError(f"{recipe_path}: the recipe has no [model] section")
     # the plain layout, without adapters: a LoRA run applies its own to these weights
     model = Components(recipe).model(device="cpu", adapters=False)
-    folder = recipe.run.run_dir / INIT_FOLDER
+    folder = recipe.run.run_dir / INIT
     model.save_pretrained(folder)
     recipe.write(recipe.run.run_dir)
     params = sum(p.numel() for p in model.parameters())

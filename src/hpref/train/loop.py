@@ -1,4 +1,5 @@
-"""The training loop: one optimizer step over packed micro-batches, evaluation, and `fit`.
+"""The training loop: one optimizer step over packed micro-batches, evaluation, and `fit`
+(start_run -> train_epoch ... -> end_run -> save_summary).
 
 The loss of a step is the mean soft-label cross-entropy over the step's real sequences on all ranks,
 whatever the packing. Each micro-batch contributes `sum(weights * ce) / step_sequences`, scaled by
@@ -35,11 +36,18 @@ from hpref.models.loss import soft_cross_entropy
 from hpref.prediction.files import write_predictions
 from hpref.prediction.metrics import accuracy, log_loss
 from hpref.prediction.predict import predict
+from hpref.protocols import ReducesOwnGradients, RunsOwnSchedule, SyncsGradientsOnDemand
 from hpref.recipe import Recipe
-from hpref.train import checkpoint
+from hpref.runfolder import layout
+from hpref.runfolder.files import write_text_atomic
+from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
+from hpref.runfolder.save_trigger import check_save_trigger_all_ranks
+from hpref.train import checkpoint, resume
 from hpref.train.data import Tokenized
 from hpref.train.head_prior import init_head_to_prior
-from hpref.train.metrics import MetricsFile, Peak, peak_memory_gib, summary_table
+from hpref.train.metrics import MetricsFile, Peak, summary_table
+from hpref.train.progress import Interval, RunStats, progress_bar, step_flops
+from hpref.train.sharding import init_weights_folder
 from hpref.train.summary import summarise, summary_rows
 
 #: Test hooks: make one rank raise at its first step / make every rank stop after step k.
@@ -60,9 +68,8 @@ def _forward(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 
 
 def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(enabled)
+    if isinstance(model, SyncsGradientsOnDemand):
+        model.set_requires_gradient_sync(enabled)
 
 
 def train_step(
@@ -82,9 +89,8 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     scale = world_size / step_sequences  # world_size: the ranks the data is split over
     # a model that runs its own schedule (megatron-gpt's pipeline stages) does every micro-batch
-    own_schedule = getattr(model, "forward_backward", None)
-    if own_schedule is not None:
-        loss_sum = own_schedule([b.to(device, non_blocking=True) for b in batches], loss, scale)
+    if isinstance(model, RunsOwnSchedule):
+        loss_sum = model.forward_backward([b.to(device, non_blocking=True) for b in batches], loss, scale)
     else:
         for k, batch in enumerate(batches):
             _set_gradient_sync(model, k == len(batches) - 1)
@@ -94,9 +100,8 @@ def train_step(
             loss_sum += per_sequence.detach().sum()
     # a model that reduces its own gradients (megatron-gpt: over its data-parallel group, with a
     # norm over tensor-parallel shards) clips them too; FSDP2 has reduced them during backward
-    own_reduction = getattr(model, "reduce_and_clip_gradients", None)
-    if own_reduction is not None:
-        grad_norm = own_reduction(grad_clip)
+    if isinstance(model, ReducesOwnGradients):
+        grad_norm = model.reduce_and_clip_gradients(grad_clip)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
     if hasattr(grad_norm, "full_tensor"):
@@ -186,231 +191,193 @@ class TrainSetup:
         return self.data_parallel.rank, self.data_parallel.size, self.data_parallel.group
 
 
-@dataclass
-class RunStats:
-    """Totals over the run, for the summary."""
-
-    step: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    flops: float = 0.0
-    last_loss: float = float("nan")
-    eval: EvalResult | None = None
-    eval_step: int = -1
-
-    def add(self, record: dict[str, Any]) -> None:
-        self.tokens += record["tokens"]
-        self.seconds += record["seconds"]
-        self.flops += record["flops"]
-        self.last_loss = record["loss"]
+# --------------------------------------------------------------------------------------------------
+# fit: setup -> train -> cleanup -> summary
 
 
 @dataclass
-class Interval:
-    """What happened since the last log line: step losses, real tokens, FLOPs, training seconds
-    (eval and checkpoint time is excluded by `pause`)."""
+class RunState:
+    """What one `fit` carries from step to step."""
 
-    losses: list[torch.Tensor] = field(default_factory=list)
-    tokens: int = 0
-    flops: float = 0.0
-    start: float = field(default_factory=time.perf_counter)
-
-    def pause(self, seconds: float) -> None:
-        self.start += seconds
-
-    def record(
-        self, setup: TrainSetup, *, step: int, epoch: int, lr: float, grad_norm: float
-    ) -> dict[str, Any]:
-        if setup.device.type == "cuda":
-            torch.cuda.synchronize(setup.device)
-        elapsed = time.perf_counter() - self.start
-        losses = torch.stack(self.losses).tolist()
-        tps = self.tokens / elapsed
-        return {
-            "kind": "train",
-            "step": step,
-            "epoch": epoch,
-            "loss": sum(losses) / len(losses),
-            "step_loss": losses[-1],
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tps,
-            "tokens_per_s_per_device": tps / setup.world_size,
-            "mfu": self.flops / elapsed / setup.world_size / setup.peak.flops,
-            "step_time_s": elapsed / len(losses),
-            "peak_memory_gib": peak_memory_gib(setup.device),
-            "seconds": elapsed,
-            "tokens": self.tokens,
-            "flops": self.flops,
-        }
-
-
-def _step_flops(setup: TrainSetup, lengths: Sequence[int]) -> float:
-    if setup.backbone_flops is None or not lengths:
-        return 0.0
-    tokens = sum(lengths)
-    effective = sum(n * n for n in lengths) / tokens
-    return setup.backbone_flops(effective) * tokens
-
-
-def _progress(enabled: bool, total: int, completed: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    progress = Progress(
-        TextColumn("train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[info]}"),
-        disable=not enabled,
-        transient=False,
-    )
-    task = progress.add_task("train", total=total, completed=completed, info="")
-    return progress, task
+    metrics: MetricsFile
+    stats: RunStats
+    progress: Any
+    task: Any
+    interval: Interval = field(default_factory=Interval)
+    started: float = field(default_factory=time.perf_counter)
+    fail_rank: str | None = None  # the HPREF_DEBUG_* test hooks
+    crash_after: int = 0
 
 
 def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
-    """Train to `total_steps`, evaluating, logging and checkpointing on the way; returns the summary."""
-    train_cfg = setup.recipe.train
+    """Train to `total_steps`, evaluating, logging and checkpointing on the way; returns the summary.
+
+    Read top to bottom: `start_run` (restore or a fresh head, the metrics file, the first heartbeat),
+    `train_epoch` until the last step (each step's log line, evals and checkpoints: `_after_step`),
+    `end_run` (also after a failure: the heartbeat cleared), `save_summary` (the last eval,
+    `summary.json`, the table). Checkpoints are `hpref.train.resume`'s, the totals and the log
+    interval `hpref.train.progress`'s."""
+    run = start_run(setup, resume_from)
+    try:
+        while setup.sampler.epoch < setup.recipe.train.epochs and run.stats.step < setup.total_steps:
+            if train_epoch(setup, run):
+                break
+    finally:
+        end_run(setup, run)
+    return save_summary(setup, run)
+
+
+def start_run(setup: TrainSetup, resume_from: Path | None) -> RunState:
+    """Setup: the checkpoint restored (or a fresh head fitted to the label prior), the metrics file
+    opened, the model in training mode and a first heartbeat (`hpref save --now` refuses a run
+    without a fresh one)."""
     rank = setup.rank
-    data_rank, data_world, data_group = setup.data_rank_and_size
-    metrics = MetricsFile(setup.run_dir / "metrics.jsonl" if rank == 0 else None)
+    metrics = MetricsFile(setup.run_dir / layout.METRICS if rank == 0 else None)
     stats = RunStats()
     if resume_from is not None:
-        stats.step = _restore(setup, resume_from)
-    else:
-        from hpref.train.sharding import init_weights_folder
-
-        if init_weights_folder(setup.run_dir) is None:  # `hpref init` weights are used as they are
-            init_head_to_prior(setup.model, setup.train_data)
+        stats.step = resume.restore(setup, resume_from)
+    elif init_weights_folder(setup.run_dir) is None:  # `hpref init` weights are used as they are
+        init_head_to_prior(setup.model, setup.train_data)
     metrics.start(stats.step if resume_from is not None else None)
-    fail_rank = os.environ.get(FAIL_RANK_ENV)
-    crash_after = int(os.environ.get(CRASH_AFTER_ENV, "0") or 0)
-    lengths = setup.train_data.lengths
-    interval = Interval()
-
-    def do_eval(epoch: int) -> None:
-        if setup.eval_data is None:
-            return
-        t = time.perf_counter()
-        stats.eval, stats.eval_step = _evaluate_and_write(setup, stats.step, epoch, metrics), stats.step
-        interval.pause(time.perf_counter() - t)
-
-    def save(epoch: int) -> None:
-        t = time.perf_counter()
-        checkpoint.save_checkpoint(
-            setup.run_dir,
-            stats.step,
-            model=setup.model,
-            optimizer=setup.optimizer,
-            train_state={
-                "epoch": epoch,
-                "sampler": setup.sampler.state_dict(),
-                "scheduler": setup.scheduler.state_dict(),
-                "total_steps": setup.total_steps,
-                **_base_pointer(setup),
-            },
-            keep=train_cfg.keep_checkpoints,
-            rank_state={"scheduler": setup.scheduler.state_dict()},  # its groups may differ by rank
-        )
-        interval.pause(time.perf_counter() - t)
-
-    from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
-    from hpref.runfolder.save_trigger import check_save_trigger_all_ranks
-
-    def _train_epochs() -> None:
-        nonlocal interval
-        with progress:
-            while setup.sampler.epoch < train_cfg.epochs and stats.step < setup.total_steps:
-                epoch = setup.sampler.epoch
-                steps_in_epoch = len(setup.sampler.plans(epoch))
-                for plan in setup.sampler:
-                    if fail_rank is not None and int(fail_rank) == rank:
-                        raise SimulatedCrash(f"{FAIL_RANK_ENV}={fail_rank}: rank {rank} fails on purpose")
-                    loss_sum, grad_norm = train_step(
-                        setup.model,
-                        setup.optimizer,
-                        plan.batches(data_rank, setup.train_data.examples, setup.filler_token_id),
-                        step_sequences=plan.num_sequences,
-                        world_size=data_world,
-                        grad_clip=train_cfg.grad_clip,
-                        device=setup.device,
-                        loss=setup.loss,
-                    )
-                    if setup.device.type == "cpu":
-                        release_freed_memory()  # see hpref.memory: flat RSS across step lengths
-                    lr = setup.scheduler.get_last_lr()[0]
-                    setup.scheduler.step()
-                    dist.all_reduce(loss_sum, group=data_group)  # the one loss reduction of the step
-                    stats.step += 1
-                    # every rank sees the same summed loss and global grad norm, so all stop together,
-                    # before this step's weights can reach a checkpoint
-                    if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
-                        raise _diverged(setup.run_dir, stats.step, loss_sum / plan.num_sequences, grad_norm)
-                    interval.losses.append(loss_sum / plan.num_sequences)
-                    interval.tokens += plan.num_tokens
-                    interval.flops += _step_flops(
-                        setup, [lengths[i] for mbs in plan.micro_batches for mb in mbs for i in mb if i >= 0]
-                    )
-                    epoch_end = setup.sampler.step == steps_in_epoch
-                    last = stats.step >= setup.total_steps
-                    progress.update(task, completed=stats.step)
-                    if rank == 0:
-                        write_heartbeat(setup.run_dir, stats.step)
-                    # Collective (rank 0 reads the trigger file, every rank learns the answer): a
-                    # checkpoint must be taken by all ranks at the same step boundary.
-                    save_requested = check_save_trigger_all_ranks(setup.run_dir)
-
-                    if stats.step % train_cfg.log_interval == 0 or last:
-                        record = interval.record(
-                            setup, step=stats.step, epoch=epoch, lr=lr, grad_norm=float(grad_norm)
-                        )
-                        metrics.write(record)
-                        stats.add(record)
-                        logger.info(
-                            f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f} lr {lr:.2e} "
-                            f"grad {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s "
-                            f"mfu {record['mfu']:.1%} {record['step_time_s']:.2f} s/step "
-                            f"mem {record['peak_memory_gib']:.2f} GiB"
-                        )
-                        progress.update(task, info=f"loss {record['loss']:.4f}")
-                        interval = Interval()
-
-                    if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
-                        do_eval(epoch)
-                    eval_epoch = train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0
-                    if epoch_end and eval_epoch and stats.eval_step != stats.step:
-                        do_eval(epoch)
-                    interval_due = (
-                        train_cfg.checkpoint_interval and stats.step % train_cfg.checkpoint_interval == 0
-                    )
-                    if interval_due or epoch_end or last or save_requested:
-                        save(epoch)
-                    if crash_after and stats.step == crash_after:
-                        raise SimulatedCrash(
-                            f"{CRASH_AFTER_ENV}={crash_after}: stopping after step {stats.step}"
-                        )
-                    if last:
-                        break
-
+    run = RunState(
+        metrics,
+        stats,
+        *progress_bar(rank == 0 and sys.stderr.isatty(), setup.total_steps, stats.step),
+        fail_rank=os.environ.get(FAIL_RANK_ENV),
+        crash_after=int(os.environ.get(CRASH_AFTER_ENV, "0") or 0),
+    )
     setup.model.train()
-    run_start = time.perf_counter()
-    progress, task = _progress(rank == 0 and sys.stderr.isatty(), setup.total_steps, stats.step)
-    if rank == 0:  # `hpref save --now` refuses a run without a fresh heartbeat
-        write_heartbeat(setup.run_dir, stats.step)
-    try:
-        _train_epochs()
-    finally:
-        if rank == 0:
-            clear_heartbeat(setup.run_dir)
-    if train_cfg.eval_interval and stats.eval_step != stats.step:
-        do_eval(setup.sampler.epoch)
-    summary = summarise(setup, stats, time.perf_counter() - run_start)
+    run.started = time.perf_counter()
     if rank == 0:
-        rows = summary_rows(setup, summary)  # adds the baselines to the summary
-        from hpref.runfolder.files import write_text_atomic
+        write_heartbeat(setup.run_dir, stats.step)
+    run.progress.start()
+    return run
 
-        write_text_atomic(setup.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+def train_epoch(setup: TrainSetup, run: RunState) -> bool:
+    """Train: the sampler's steps of this epoch, each followed by its logging, evals and checkpoints.
+    True once the run's last step is done."""
+    epoch = setup.sampler.epoch
+    steps_in_epoch = len(setup.sampler.plans(epoch))
+    for plan in setup.sampler:
+        lr, grad_norm = _one_step(setup, run, plan)
+        last = run.stats.step >= setup.total_steps
+        epoch_end = setup.sampler.step == steps_in_epoch
+        _after_step(setup, run, epoch, lr, grad_norm, epoch_end=epoch_end, last=last)
+        if last:
+            return True
+    return False
+
+
+def _one_step(setup: TrainSetup, run: RunState, plan: Any) -> tuple[float, torch.Tensor]:
+    """One optimizer step on this rank's share of `plan`; returns its learning rate and grad norm."""
+    train_cfg = setup.recipe.train
+    data_rank, data_world, data_group = setup.data_rank_and_size
+    if run.fail_rank is not None and int(run.fail_rank) == setup.rank:
+        raise SimulatedCrash(f"{FAIL_RANK_ENV}={run.fail_rank}: rank {setup.rank} fails on purpose")
+    loss_sum, grad_norm = train_step(
+        setup.model,
+        setup.optimizer,
+        plan.batches(data_rank, setup.train_data.examples, setup.filler_token_id),
+        step_sequences=plan.num_sequences,
+        world_size=data_world,
+        grad_clip=train_cfg.grad_clip,
+        device=setup.device,
+        loss=setup.loss,
+    )
+    if setup.device.type == "cpu":
+        release_freed_memory()  # see hpref.memory: flat RSS across step lengths
+    lr = setup.scheduler.get_last_lr()[0]
+    setup.scheduler.step()
+    dist.all_reduce(loss_sum, group=data_group)  # the one loss reduction of the step
+    run.stats.step += 1
+    # every rank sees the same summed loss and global grad norm, so all stop together, before this
+    # step's weights can reach a checkpoint
+    if not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+        raise _diverged(setup.run_dir, run.stats.step, loss_sum / plan.num_sequences, grad_norm)
+    lengths = setup.train_data.lengths
+    run.interval.losses.append(loss_sum / plan.num_sequences)
+    run.interval.tokens += plan.num_tokens
+    run.interval.flops += step_flops(
+        setup, [lengths[i] for mbs in plan.micro_batches for mb in mbs for i in mb if i >= 0]
+    )
+    return lr, grad_norm
+
+
+def _after_step(
+    setup: TrainSetup,
+    run: RunState,
+    epoch: int,
+    lr: float,
+    grad_norm: torch.Tensor,
+    *,
+    epoch_end: bool,
+    last: bool,
+) -> None:
+    """The step's progress, heartbeat, log line, evals and checkpoint, in that order."""
+    train_cfg, stats = setup.recipe.train, run.stats
+    run.progress.update(run.task, completed=stats.step)
+    if setup.rank == 0:
+        write_heartbeat(setup.run_dir, stats.step)
+    # Collective (rank 0 reads the trigger file, every rank learns the answer): a checkpoint must be
+    # taken by all ranks at the same step boundary.
+    save_requested = check_save_trigger_all_ranks(setup.run_dir)
+    if stats.step % train_cfg.log_interval == 0 or last:
+        _log_interval(setup, run, epoch, lr, grad_norm)
+    if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
+        _eval(setup, run, epoch)
+    eval_epoch = train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0
+    if epoch_end and eval_epoch and stats.eval_step != stats.step:
+        _eval(setup, run, epoch)
+    interval_due = train_cfg.checkpoint_interval and stats.step % train_cfg.checkpoint_interval == 0
+    if interval_due or epoch_end or last or save_requested:
+        t = time.perf_counter()
+        resume.save(setup, stats.step, epoch)
+        run.interval.pause(time.perf_counter() - t)
+    if run.crash_after and stats.step == run.crash_after:
+        raise SimulatedCrash(f"{CRASH_AFTER_ENV}={run.crash_after}: stopping after step {stats.step}")
+
+
+def _log_interval(setup: TrainSetup, run: RunState, epoch: int, lr: float, grad_norm: torch.Tensor) -> None:
+    """One `metrics.jsonl` record and log line for the steps since the last one."""
+    stats = run.stats
+    record = run.interval.record(setup, step=stats.step, epoch=epoch, lr=lr, grad_norm=float(grad_norm))
+    run.metrics.write(record)
+    stats.add(record)
+    logger.info(
+        f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f} lr {lr:.2e} "
+        f"grad {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s "
+        f"mfu {record['mfu']:.1%} {record['step_time_s']:.2f} s/step "
+        f"mem {record['peak_memory_gib']:.2f} GiB"
+    )
+    run.progress.update(run.task, info=f"loss {record['loss']:.4f}")
+    run.interval = Interval()
+
+
+def _eval(setup: TrainSetup, run: RunState, epoch: int) -> None:
+    if setup.eval_data is None:
+        return
+    t = time.perf_counter()
+    run.stats.eval = _evaluate_and_write(setup, run.stats.step, epoch, run.metrics)
+    run.stats.eval_step = run.stats.step
+    run.interval.pause(time.perf_counter() - t)
+
+
+def end_run(setup: TrainSetup, run: RunState) -> None:
+    """Cleanup, after the last step or a failure: the progress bar stopped, the heartbeat cleared."""
+    run.progress.stop()
+    if setup.rank == 0:
+        clear_heartbeat(setup.run_dir)
+
+
+def save_summary(setup: TrainSetup, run: RunState) -> dict[str, Any]:
+    """The last eval (unless the last step had one), then `summary.json` and the table (rank 0)."""
+    if setup.recipe.train.eval_interval and run.stats.eval_step != run.stats.step:
+        _eval(setup, run, setup.sampler.epoch)
+    summary = summarise(setup, run.stats, time.perf_counter() - run.started)
+    if setup.rank == 0:
+        rows = summary_rows(setup, summary)  # adds the baselines to the summary
+        write_text_atomic(setup.run_dir / layout.SUMMARY, json.dumps(summary, indent=2) + "\n")
         from rich.console import Console
 
         Console().print(summary_table(rows, title=f"hpref train: {setup.run_dir}"))
@@ -433,44 +400,6 @@ def _diverged(run_dir: Path, step: int, loss: torch.Tensor, grad_norm: torch.Ten
     )
 
 
-def _restore(setup: TrainSetup, path: Path) -> int:
-    """Load a checkpoint into the setup; returns the number of completed steps."""
-    from hpref.errors import UserError
-
-    expected = _base_pointer(setup).get("base_model")
-    saved = _read_base_pointer(path)
-    if expected is not None and saved is not None and saved != expected:
-        # the adapters only mean something on the base they were trained on
-        raise UserError(
-            f"cannot resume from {path}: its adapters were trained on the base model {json.dumps(saved)}, "
-            f"and this recipe's [model] is {json.dumps(expected)}"
-        )
-    restored = checkpoint.load_checkpoint(path, model=setup.model, optimizer=setup.optimizer)
-    try:
-        setup.sampler.load_state_dict(restored.train_state["sampler"])
-    except ValueError as exc:
-        raise UserError(f"cannot resume from {path}: {exc}") from None
-    # this rank's own (a pipeline stage's parameter groups differ), else rank 0's (older checkpoints)
-    setup.scheduler.load_state_dict(restored.rank_state.get("scheduler", restored.train_state["scheduler"]))
-    return int(restored.train_state["step"])
-
-
-def _base_pointer(setup: TrainSetup) -> dict[str, Any]:
-    """For a LoRA run, what a checkpoint needs to name the frozen base weights it leaves out."""
-    if setup.recipe.lora is None:
-        return {}
-    from hpref.models.adapters import base_pointer
-
-    return {"base_model": base_pointer(setup.recipe)}
-
-
-def _read_base_pointer(path: Path) -> Any:
-    try:
-        return json.loads((Path(path) / checkpoint.TRAIN_STATE).read_text(encoding="utf-8")).get("base_model")
-    except (OSError, ValueError, AttributeError):
-        return None  # load_checkpoint names what is wrong with the file
-
-
 def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: MetricsFile) -> EvalResult:
     """Evaluate, write the predictions (rank 0), log and record the metrics."""
     assert setup.eval_data is not None and setup.eval_data.battles is not None
@@ -487,8 +416,8 @@ def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: Metri
     if setup.rank == 0:
         ids = [b.id for b in battles]
         for path in (
-            setup.run_dir / "predictions" / f"step-{step:06d}.csv",
-            setup.run_dir / "predictions.csv",
+            setup.run_dir / layout.PREDICTIONS_DIR / layout.STEP_PREDICTIONS.format(step=step),
+            setup.run_dir / layout.PREDICTIONS,
         ):
             write_predictions(path, ids, result.probs, unique_ids=False)
     seconds = time.perf_counter() - t

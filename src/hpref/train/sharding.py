@@ -4,7 +4,7 @@
     ->  `load_initial_weights` (materialise; rank 0 reads, the others receive)
 
 `hpref.models.precision.resolve_precision` picks the compute dtype from measurements; `hpref init`
-writes the weights a run starts from (`INIT_FOLDER`).
+writes the weights a run starts from (`hpref.runfolder.layout.INIT`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-#: Written by `hpref init`; `hpref train` starts from it when present.
-INIT_FOLDER = "init"
+from hpref.protocols import LoadsPlainState
+from hpref.runfolder.layout import INIT
 
 
 def init_weights_folder(run_dir: Path) -> Path | None:
     """`run_dir/init` when `hpref init` wrote it, else None."""
-    folder = Path(run_dir) / INIT_FOLDER
+    folder = Path(run_dir) / INIT
     return folder if (folder / "model.safetensors").is_file() else None
 
 
@@ -58,9 +58,8 @@ def load_initial_weights(model: torch.nn.Module, *, device: torch.device, init_f
     model.load_pretrained_weights(device=device, broadcast_from_rank0=broadcast)
     if init_folder is None:
         return
-    own_loader = getattr(model, "load_plain_state", None)
-    if own_loader is not None:  # megatron-gpt: every rank converts and keeps its own shard
-        own_loader(read_init_weights(init_folder))
+    if isinstance(model, LoadsPlainState):  # megatron-gpt: every rank converts and keeps its own shard
+        model.load_plain_state(read_init_weights(init_folder))
         logger.info(f"initial weights from {init_folder}")
         return
     state = read_init_weights(init_folder) if dist.get_rank() == 0 or not broadcast else {}

@@ -3,7 +3,7 @@
 Beside the run's own numbers, the eval log loss is put next to what cheap baselines reach on the
 same battles: the synthetic arena's Bayes floor and baselines when the eval source can compute them
 (`report()`), else a label-prior, length-only and bag-of-words baseline fitted on the train split
-(`hpref.data.baselines`), whose eval predictions are written beside the model's so that `hpref eval
+(`hpref.prediction.baselines`), whose eval predictions are written beside the model's so that `hpref eval
 --ensemble` can blend them. A baseline is a nicety: failing to compute one never fails a run.
 """
 
@@ -90,7 +90,7 @@ def _cheap_baseline_rows(setup: Any, summary: dict[str, Any]) -> list[tuple[str,
     learned nothing about the answers."""
     if setup.train_source is None or setup.eval_source is None:
         return []
-    from hpref.data.baselines import baseline_probabilities, score_baselines
+    from hpref.prediction.baselines import baseline_probabilities, score_baselines
     from hpref.prediction.files import write_predictions
     from hpref.runfolder.layout import BASELINE_PREDICTIONS, PREDICTIONS, PREDICTIONS_DIR
 
@@ -138,7 +138,7 @@ def _cross_fitted_blend(
     cover exactly these battles (repeated ids): `hpref eval --ensemble` is the general tool."""
     import numpy as np
 
-    from hpref.data.baselines import labels_of
+    from hpref.prediction.baselines import labels_of
     from hpref.prediction.blend import cross_fitted_mixture_loss
     from hpref.prediction.files import read_predictions
 

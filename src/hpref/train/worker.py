@@ -2,8 +2,10 @@
 
 torchrun starts one per rank (RANK / WORLD_SIZE / LOCAL_RANK in the environment); `hpref train`
 with one process calls `run_worker` directly, with a one-rank gloo (or nccl) group on a HashStore,
-so both paths run exactly the same code. The recipe is re-read and re-validated by every rank from
-the same file and overrides, which keeps the launch command the whole truth about a run.
+so both paths run exactly the same code. The recipe is read once per process: the in-process worker
+is handed the launcher's `Recipe`; a rank under hpref's launcher reads the resolved `recipe.toml`
+the launcher checked and wrote (`hpref.runfolder.start.RESOLVED_RECIPE_ENV`); a worker started by hand
+(the `--dry-run` command) reads `--recipe` with its `--set`s, checks it and writes the resolved copy.
 
 setup -> (resume) -> fit -> cleanup. Exit codes: 0 done, 2 a user error (bad recipe, data, resume
 folder), 1 anything else; a failing rank writes torchelastic's error file so the launcher can name it.
@@ -13,60 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from loguru import logger
 
 from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
+from hpref.runfolder.start import RESOLVED_RECIPE_ENV, write_resolved_recipe
 from hpref.runfolder.start import log_file as run_log_file
-from hpref.runfolder.start import write_resolved_recipe
-from hpref.train.watchdog import LAUNCHER_PID_ENV, die_with_parent, start_heartbeat
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-
-def init_distributed(backend: str, collective_timeout_s: float | None = None) -> DistInfo:
-    """nccl on GPUs, gloo on CPU (or as the recipe says). Without torchrun's environment: a
-    one-process group on an in-memory store. `collective_timeout_s` bounds how long a rank waits
-    in one collective for a peer that never arrives (torch's default: 30 min for gloo)."""
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise UserError("launch.backend = 'nccl' needs CUDA GPUs, and none is visible")
-    backend = "nccl" if use_cuda else "gloo"
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
-    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device if use_cuda else None, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return DistInfo(rank, world, local_rank, device, backend)
-
-
-def seed_everything(seed: int, rank: int) -> None:
-    """Global RNGs (dropout) differ by rank; data order and init use their own seeded generators."""
-    random.seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-    torch.manual_seed(seed + rank)
+from hpref.runtime.distributed import DistInfo, init_distributed, seed_everything
+from hpref.runtime.watchdog import LAUNCHER_PID_ENV, die_with_parent, start_heartbeat
 
 
 def _console_sink(message) -> None:
@@ -105,7 +65,6 @@ def build_setup(recipe: Recipe, info: DistInfo):
     from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
     from hpref.models.precision import resolve_precision
-    from hpref.recipe_checks import check_train
     from hpref.train.data import require_labels, tokenize, tokenize_cached
     from hpref.train.loop import TrainSetup
     from hpref.train.metrics import peak_flops
@@ -113,7 +72,6 @@ def build_setup(recipe: Recipe, info: DistInfo):
 
     parts = Components(recipe)
     train_cfg = recipe.train
-    check_train(recipe, machine=False)  # a worker started without the launcher gets the same checks
     model = parts.model(device=info.device, meta=True)
     if train_cfg.max_length > model.max_position_embeddings:
         raise UserError(
@@ -203,19 +161,24 @@ def run_worker(
     *,
     resume: str | None = None,
     console: bool = True,
+    recipe: Recipe | None = None,
 ) -> int:
     """Train on this process's rank; returns the exit code (see the module docstring).
 
     `console=False` leaves console logging to the caller (an in-process run from the CLI, which has
-    its own console handler); the per-rank log file is always written."""
+    its own console handler); the per-rank log file is always written. `recipe`: the launcher's,
+    already checked and written to the run folder (then `recipe_path` and `overrides` are not read)."""
     from hpref.memory import cap_onednn_cache
     from hpref.train.checkpoint import resolve_resume
     from hpref.train.loop import fit
 
     cap_onednn_cache()  # before the first matmul builds oneDNN's cache (hpref.memory)
     rank = int(os.environ.get("RANK", "0"))
+    by_hand = recipe is None and RESOLVED_RECIPE_ENV not in os.environ
     try:
-        recipe = load_recipe(recipe_path, overrides)
+        if recipe is None:
+            resolved = os.environ.get(RESOLVED_RECIPE_ENV)
+            recipe = load_recipe(resolved) if resolved else load_recipe(recipe_path, overrides)
     except UserError as exc:
         _record_failure(exc)
         print(f"error: {exc}", file=sys.stderr)
@@ -228,11 +191,15 @@ def run_worker(
     try:
         info = init_distributed(recipe.launch.backend, recipe.launch.collective_timeout_s)
         seed_everything(recipe.run.seed, info.rank)
-        if info.rank == 0:
+        if by_hand and info.rank == 0:
             write_resolved_recipe(recipe, run_dir)
         logger.info(
             f"rank {info.rank}/{info.world_size} on {info.device} ({info.backend}); run folder {run_dir}"
         )
+        if by_hand:  # a worker started without the launcher gets the launcher's recipe checks
+            from hpref.train.checks import check_train
+
+            check_train(recipe, machine=False)
         setup = build_setup(recipe, info)
         resume_from = resolve_resume(run_dir, resume)
         fit(setup, resume_from)

@@ -1,15 +1,15 @@
-"""`hpref data stats`: a data file's or a recipe dataset's statistics (`hpref.data.stats`), with
+"""`hpref data stats`: a data file's or a recipe dataset's statistics (`hpref.stats.counts`), with
 the recipe's components built for it when asked for token counts.
 
 It sits at the command layer, beside train/evaluate/rl, because it builds components from a
-recipe; `hpref.data.stats` itself only reads battles and counts.
+recipe; `hpref.stats.counts` itself only reads battles and counts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hpref.data.stats import data_stats, open_data_file
+from hpref.stats.counts import data_stats, open_data_file
 
 
 def stats_command(
@@ -29,7 +29,7 @@ def stats_command(
     them from `recipe_for_tokens`). Every misuse of the options is a `RecipeError` of one line.
     """
     from hpref.errors import RecipeError
-    from hpref.recipe_catalog import resolve_recipe_path
+    from hpref.recipe.catalog import resolve_recipe_path
 
     overrides = list(overrides or [])
     path = resolve_recipe_path(source)

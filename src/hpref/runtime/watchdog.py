@@ -1,4 +1,4 @@
-"""Liveness between the `hpref train` launcher and its torchrun workers.
+"""Liveness between a launcher (`hpref train`, `hpref eval`) and its torchrun workers.
 
 Two failure modes torchrun does not catch on its own:
 
@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
+
+from hpref.runfolder.start import log_file
 
 HEARTBEAT_DIR_ENV = "HPREF_HEARTBEAT_DIR"
 HEARTBEAT_INTERVAL_ENV = "HPREF_HEARTBEAT_INTERVAL_S"
@@ -108,7 +110,7 @@ class Stall:
         state = f", process {self.pid} state {self.state}" if self.state else f", process {self.pid}"
         return (
             f"rank {self.rank} stopped making progress: no heartbeat for {self.seconds:.0f} s{state}; "
-            f"killed it and ended the run; log: {Path(run_dir) / 'logs' / f'rank{self.rank}.log'}"
+            f"killed it and ended the run; log: {log_file(run_dir, f'rank{self.rank}')}"
         )
 
 

@@ -20,7 +20,7 @@ from the trainer, and each is a method the trainer looks for (`hpref.train`):
 - `save_pretrained`: converts back to transformers keys (`megatron_to_hf`), so an export is a plain
   transformers folder that `hpref eval` reads through the transformers path.
 
-With `pipeline_parallel` > 1 the model is `hpref.models.megatron_pipeline.MegatronPipelineModel`,
+With `pipeline_parallel` > 1 the model is `hpref.models.megatron.pipeline.MegatronPipelineModel`,
 this rank's pipeline stage, which adds its own schedule (`forward_backward`) to these hooks.
 """
 
@@ -37,8 +37,8 @@ from loguru import logger
 from torch import nn
 
 from hpref.errors import UserError
-from hpref.models.megatron import MegatronBackbone
-from hpref.models.megatron_convert import megatron_to_hf, shape_of
+from hpref.models.megatron.backbone import MegatronBackbone
+from hpref.models.megatron.convert import megatron_to_hf, shape_of
 from hpref.models.preference import PreferenceModel
 
 FC1 = "mlp.linear_fc1."
@@ -59,7 +59,7 @@ class ModelParallel:
     tp_size: int
     data: DataParallel
     requested_tp: int = 1  # the recipe's; a process alone builds the model unsplit (tp_size 1)
-    pp_size: int = 1  # pipeline stages (hpref.models.megatron_pipeline); 1 for a process alone
+    pp_size: int = 1  # pipeline stages (hpref.models.megatron.pipeline); 1 for a process alone
     requested_pp: int = 1
 
 
@@ -199,7 +199,7 @@ class MegatronPreferenceModel(PreferenceModel):
 
     def _megatron_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A transformers-layout state dict (`backbone.*`, `head.*`) in this model's keys and shards."""
-        from hpref.models.megatron_convert import hf_to_megatron
+        from hpref.models.megatron.convert import hf_to_megatron
 
         backbone = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
         ours = hf_to_megatron(
@@ -272,7 +272,7 @@ class MegatronPreferenceModel(PreferenceModel):
         `max_norm` by their global norm over every tensor-parallel shard; returns that norm."""
         params = [p for p in self.parameters() if p.grad is not None]
         if self.backbone.sequence_parallel:
-            from hpref.models.megatron_sequence_parallel import sum_partial_gradients
+            from hpref.models.megatron.sequence_parallel import sum_partial_gradients
 
             sum_partial_gradients(params)
         data = self.data_parallel
@@ -349,7 +349,7 @@ def build_megatron_model(
     """A `MegatronPreferenceModel` over `hf_config`'s architecture; `hf_state()` gives the full
     transformers state dict, read when the weights are loaded (at once unless `meta`: the trainer
     loads them after parallelising). With more than one pipeline stage the model is a
-    `pipeline_class` (`hpref.models.megatron_pipeline.MegatronPipelineModel`), this rank's stage."""
+    `pipeline_class` (`hpref.models.megatron.pipeline.MegatronPipelineModel`), this rank's stage."""
     shape = shape_of(hf_config)
     if shape.num_layers % pipeline_parallel:
         raise UserError(
@@ -372,7 +372,7 @@ def build_megatron_model(
         )
 
     def backbone_items() -> Iterator[tuple[str, torch.Tensor]]:
-        from hpref.models.megatron_convert import iter_hf_to_megatron
+        from hpref.models.megatron.convert import iter_hf_to_megatron
 
         return iter_hf_to_megatron(
             hf_state(),

@@ -1,9 +1,10 @@
-"""`hpref save`: a training checkpoint -> a self-contained HF-style folder.
+"""`hpref save`'s export: a training checkpoint -> a self-contained HF-style folder.
 
 Consolidation. The trainer writes DCP checkpoints (`hpref.train.checkpoint`): tensors sharded as
 they were trained, under `model.*` and `optim.*`. `save` rebuilds the model from the run's resolved
 `recipe.toml` on one CPU process, loads only the `model.*` tensors into it (DCP reshards any world
-size into one), and writes `PreferenceModel.save_pretrained`'s folder plus a README model card.
+size into one; `hpref.runtime.checkpoint`, the loader `hpref eval` uses too), and writes
+`PreferenceModel.save_pretrained`'s folder plus a README model card.
 
 Safe loading, never half-loaded. Finding and checking the checkpoint is the run folder's job
 (`hpref.runfolder.checkpoints`: `resolve_checkpoint`, and `validate_checkpoint`, which checks the
@@ -20,115 +21,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from loguru import logger
 
+from hpref.builtin.scoring import CHECKPOINT_JSON, MODEL_CARD
 from hpref.errors import UserError
-from hpref.recipe import remote_code_keys
-from hpref.runfolder.checkpoints import TRAIN_STATE, resolve_checkpoint, validate_checkpoint
-from hpref.runfolder.safe_load import CheckpointError, dcp_load
-
-MODEL_CARD = "README.md"
-CHECKPOINT_JSON = "hpref_checkpoint.json"
+from hpref.runfolder.checkpoints import resolve_checkpoint
+from hpref.runfolder.layout import METRICS, RECIPE, SUMMARY
+from hpref.runfolder.safe_load import CheckpointError  # noqa: F401  (callers catch it from here)
+from hpref.runtime.checkpoint import load_model_from_checkpoint, recipe_of_run
 
 Dtype = Literal["fp32", "bf16"]
-
-
-# --------------------------------------------------------------------------------------------------
-# loading a checkpoint into the recipe's model
-
-
-def load_model_state(path: Path, model: Any) -> dict[str, Any]:
-    """The model's tensors from a (validated) checkpoint, as a fresh CPU state dict: every tensor,
-    or with LoRA what trained (adapters, head), the frozen base being the model's own."""
-    import torch
-
-    from hpref.models.adapters import frozen_state_keys
-    from hpref.models.parallelize import checkpoint_layout
-
-    frozen = frozen_state_keys(model)
-    template = {
-        k: torch.empty_like(v, device="cpu")
-        for k, v in model.state_dict().items()
-        if k not in frozen and not k.endswith("_extra_state")
-    }
-    stored = checkpoint_layout(model, template)  # views of the template, in the checkpoint's layout
-    validate_checkpoint(path, stored["model"])
-    dcp_load(stored, path, no_dist=True)
-    return template
-
-
-def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
-    """The run's resolved recipe: given, or `recipe.toml` beside `checkpoints/`.
-
-    The folder's own recipe comes with the folder, from whoever made it (a downloaded run, a shared
-    checkpoint), so it may not turn on remote code: loading the model would run that folder's Python.
-    A recipe the user names explicitly (`--recipe`) is the user's decision and is taken as given.
-    """
-    from hpref.recipe import load_recipe, read_toml
-
-    if recipe_path is not None:
-        return load_recipe(recipe_path)
-    candidate = Path(checkpoint_dir).resolve().parent.parent / "recipe.toml"
-    if not candidate.is_file():
-        raise CheckpointError(
-            f"{checkpoint_dir}: no recipe.toml in its run folder ({candidate}); pass the recipe explicitly"
-        )
-    # The raw file, then the resolved recipe (a component's default could turn it on).
-    keys = remote_code_keys(read_toml(candidate))
-    recipe = None
-    if not keys:
-        recipe = load_recipe(candidate)
-        keys = remote_code_keys(recipe.to_dict())
-    if keys:
-        raise UserError(
-            f"{candidate}: {keys[0]} = true: a recipe found inside the folder being loaded may not "
-            "enable remote code; if you trust that folder's code, pass the recipe explicitly "
-            f"(--recipe {candidate})"
-        )
-    return recipe
-
-
-def frozen_keys(model: Any) -> set[str]:
-    from hpref.models.adapters import frozen_state_keys
-
-    return frozen_state_keys(model)
-
-
-@dataclass
-class LoadedCheckpoint:
-    model: Any
-    recipe: Any
-    path: Path
-    train_state: dict[str, Any]
-
-
-def load_model_from_checkpoint(
-    checkpoint_dir: Path, recipe: Any = None, device: str = "cpu", *, quantize: bool = True
-) -> LoadedCheckpoint:
-    """Build the recipe's model on one CPU process and fill it from the checkpoint. A QLoRA run's
-    base is 4-bit as trained; `quantize=False` puts its adapters on the full-precision base instead."""
-    from hpref.components import Components
-
-    checkpoint_dir = Path(checkpoint_dir)
-    recipe = recipe if recipe is not None else recipe_of_run(checkpoint_dir)
-    # with the recipe's LoRA adapters, as trained
-    model = Components(recipe).model(device="cpu", quantize=quantize)
-    state = load_model_state(checkpoint_dir, model)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]  # megatron's, never stored
-    if unexpected or set(missing) - frozen_keys(model):
-        raise CheckpointError(
-            f"{checkpoint_dir}: does not fit the recipe's model (missing {sorted(missing)[:3]}, "
-            f"unexpected {sorted(unexpected)[:3]})"
-        )
-    model.to(device)
-    model.eval()
-    train_state = json.loads((checkpoint_dir / TRAIN_STATE).read_text())
-    return LoadedCheckpoint(model, recipe, checkpoint_dir, train_state)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -138,14 +43,14 @@ def load_model_from_checkpoint(
 def _run_metrics(run_dir: Path, step: int | None) -> dict[str, Any]:
     """The run's eval numbers for the model card: summary.json, else the last eval at or before step."""
     out: dict[str, Any] = {}
-    summary = run_dir / "summary.json"
+    summary = run_dir / SUMMARY
     if summary.is_file():
         data = json.loads(summary.read_text())
         if step is None or data.get("eval_step") == step:
             for key in ("eval_log_loss", "eval_accuracy", "gap_closed", "eval_step"):
                 if key in data:
                     out[key] = data[key]
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS
     if not out and metrics.is_file():
         for line in metrics.read_text().splitlines():
             try:
@@ -260,22 +165,6 @@ def model_card(
         lines.append("No evaluation was recorded for this checkpoint.")
     lines += ["", "## Training recipe", "", "```toml", recipe_toml.rstrip(), "```", ""]
     return "\n".join(lines)
-
-
-def card_metrics(card: str) -> dict[str, Any]:
-    """The eval metrics `model_card` wrote into a card's "## Eval metrics" table (numbers as numbers),
-    for readers of an export (`hpref serve`'s /info); {} when it has none."""
-    section = card.partition("## Eval metrics")[2].partition("\n## ")[0]
-    out: dict[str, Any] = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 2 or cells[0] in ("metric", "") or set(cells[0]) <= {"-"}:
-            continue
-        try:
-            out[cells[0]] = int(cells[1]) if cells[1].lstrip("-").isdigit() else float(cells[1])
-        except ValueError:
-            out[cells[0]] = cells[1]
-    return out
 
 
 def _check_export_target(to: Path, overwrite: bool) -> None:
@@ -422,7 +311,7 @@ def save_export(
             pooling=getattr(model, "pooling", "last"),
         )
         write_text_atomic(tmp / MODEL_CARD, card)
-        write_text_atomic(tmp / "recipe.toml", recipe.to_toml())
+        write_text_atomic(tmp / RECIPE, recipe.to_toml())
         info = {
             "checkpoint": str(checkpoint_dir),
             "step": run_step,

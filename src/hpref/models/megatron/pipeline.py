@@ -42,7 +42,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from hpref.models.attention import CONTEXT_KWARG, VarlenContext
-from hpref.models.megatron_preference import MegatronPreferenceModel
+from hpref.models.megatron.preference import MegatronPreferenceModel
 
 _LOCAL_LAYER = re.compile(r"^(.*\bbackbone\.gpt\.decoder\.layers\.)(\d+)(\..*)$")
 #: dtypes an activation may have (under autocast), by their index in the header

@@ -20,8 +20,8 @@ import tomllib
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from hpref.errors import RecipeError
-from hpref.recipe_rl import RLConfig, parse_rl_section
-from hpref.recipe_schema import ComponentSection, LoraSection, Section, describe_error, resolve_component
+from hpref.recipe.rl import RLConfig, parse_rl_section
+from hpref.recipe.schema import ComponentSection, LoraSection, Section, describe_error, resolve_component
 
 
 class RunSection(Section):
@@ -144,7 +144,7 @@ class Recipe(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     launch: LaunchSection = Field(default_factory=LaunchSection)
     lora: LoraSection | None = Field(None, description="LoRA adapters (absent: full fine-tuning)")
-    rl: RLConfig | None = Field(None, description="multi-policy RL settings (hpref rl; hpref.recipe_rl)")
+    rl: RLConfig | None = Field(None, description="multi-policy RL settings (hpref rl; hpref.recipe.rl)")
 
     _source: Path | None = PrivateAttr(default=None)
 
@@ -253,7 +253,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, *, resolve
 def recipe_from_dict(data: dict[str, Any], *, source: Path | None = None, resolve: bool = True) -> Recipe:
     """Validate a recipe given as a dict (what `load_recipe` read); see the module docstring.
 
-    `[rl]` is validated after the other sections (`hpref.recipe_rl.parse_rl_section`: its policies
+    `[rl]` is validated after the other sections (`hpref.recipe.rl.parse_rl_section`: its policies
     are merged over `rl.defaults` and the recipe's `[lora]`); `resolve=False` leaves the component
     sections (and `[rl]`'s reward and engine) unchecked against the plugin registry."""
     where = str(source) if source else "recipe"

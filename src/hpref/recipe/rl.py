@@ -54,7 +54,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpref.errors import RecipeError, UserError, did_you_mean
-from hpref.recipe_schema import LoraSection, describe_error, resolve_component
+from hpref.recipe.schema import LoraSection, describe_error, resolve_component
 
 POLICY_ID = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
@@ -348,7 +348,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _describe(exc: ValidationError, model: type[BaseModel], prefix: str) -> str:
-    """`hpref.recipe_schema.describe_error` for a table under the dotted `prefix`."""
+    """`hpref.recipe.schema.describe_error` for a table under the dotted `prefix`."""
     return describe_error(exc, model, tuple(prefix.split(".")), plain_value_errors=True)
 
 

@@ -8,7 +8,7 @@ text, code blocks, an opening refusal; the answer-format signals LMSYS competito
 feature models) and a *bag-of-words* baseline (on the difference of the two answers' word counts),
 each with its penalty chosen by cross-validation on the train split (`fit_select`).
 They need only the battles' text and labels, so they work on any data: a real arena file, chosen/
-rejected pairs, or the synthetic arena (which adds its Bayes floor on top, `hpref.data.synthetic`).
+rejected pairs, or the synthetic arena (which adds its Bayes floor on top, `hpref.arena.source`).
 numpy and torch only: scikit-learn is not a dependency.
 """
 

@@ -5,7 +5,7 @@ tensor parallel over megatron's model-parallel group) that takes the place of a 
 backbone inside hpref's `PreferenceModel`: it is called the same way (one packed row of token ids,
 restarting position ids, hpref's `VarlenContext`) and returns `last_hidden_state`, so pooling and
 heads are unchanged. Weights come from, and go back to, a plain transformers folder:
-`hpref.models.megatron_convert` fuses Q/K/V per query group and gate/up into megatron's layouts
+`hpref.models.megatron.convert` fuses Q/K/V per query group and gate/up into megatron's layouts
 and cuts this rank's tensor-parallel shard, and undoes it from the gathered shards.
 
 What megatron-core needs CUDA for, and the seams that keep it off this CPU-only path:
@@ -17,7 +17,7 @@ What megatron-core needs CUDA for, and the seams that keep it off this CPU-only 
 - RoPE: `RotaryEmbedding.get_emb` moves its frequencies to `torch.cuda.current_device()` on every
   forward. `_CpuRotaryEmbedding` computes the same table where it is (only when CUDA is absent).
 - Weights are created on the CPU (`use_cpu_initialization`; on the meta device when the trainer
-  builds the model, `hpref.models.megatron_preference`) and then overwritten by the converted
+  builds the model, `hpref.models.megatron.preference`) and then overwritten by the converted
   checkpoint, so megatron's CUDA RNG tracker is never used; dropout inside the backbone is off
   (preference-model fine-tuning runs without it; a recipe asking for it is refused).
 
@@ -37,7 +37,7 @@ from torch import nn
 
 from hpref.errors import UserError
 from hpref.models.attention import CONTEXT_KWARG, VarlenContext, varlen_attention_forward
-from hpref.models.megatron_convert import MegatronShape
+from hpref.models.megatron.convert import MegatronShape
 
 
 def require_megatron() -> None:
@@ -67,7 +67,7 @@ def transformer_config(
     pipeline_parallel: int = 1,
 ):
     """megatron-core's `TransformerConfig` for `shape`, with every fused CUDA kernel off;
-    `sequence_parallel` applies only where `tp_size` > 1 (`hpref.models.megatron_sequence_parallel`);
+    `sequence_parallel` applies only where `tp_size` > 1 (`hpref.models.megatron.sequence_parallel`);
     `pipeline_parallel` stages: megatron builds this rank's share of the layers."""
     require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -182,7 +182,7 @@ def varlen_layer_spec() -> Any:
     attention in its `core_attention` slot (the packed THD path on CPU and CUDA), and torch's RMSNorm
     in the norm slots marked for sequence parallelism when it is on (`SequenceParallelRMSNorm`: the
     same module megatron's spec builds without Apex, which refuses sequence parallelism)."""
-    from hpref.models.megatron_sequence_parallel import SequenceParallelRMSNorm
+    from hpref.models.megatron.sequence_parallel import SequenceParallelRMSNorm
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron's import-time deprecation notes
@@ -226,9 +226,9 @@ class MegatronBackbone(nn.Module):
         `PreferenceModel` reads; `vocab_multiple` pads the vocabulary to a multiple other than
         `tp_size` (a one-process model that loads a tensor-parallel run's checkpoint);
         `sequence_parallel` (only with `tp_size` > 1) splits the row's tokens between the
-        tensor-parallel regions (`hpref.models.megatron_sequence_parallel`); `pipeline_parallel` > 1
+        tensor-parallel regions (`hpref.models.megatron.sequence_parallel`); `pipeline_parallel` > 1
         builds this rank's stage only (megatron's pipeline rank picks the layers; the embedding on
-        the first stage, the final norm on the last, `hpref.models.megatron_pipeline`)."""
+        the first stage, the final norm on the last, `hpref.models.megatron.pipeline`)."""
         super().__init__()
         require_megatron()
         spec = varlen_layer_spec()  # first: it imports megatron's gpt package with its notes silenced
@@ -249,7 +249,7 @@ class MegatronBackbone(nn.Module):
         )
         self.sequence_parallel = self.transformer_config.sequence_parallel
         if self.sequence_parallel:
-            from hpref.models.megatron_sequence_parallel import (
+            from hpref.models.megatron.sequence_parallel import (
                 no_op_rng_tracker,
                 place_collective_buffers_on_cpu,
             )
@@ -296,7 +296,7 @@ class MegatronBackbone(nn.Module):
             cu = torch.tensor([0, total], dtype=torch.int32, device=input_ids.device)
             ctx = VarlenContext(backend="auto", cu_seqlens=cu, max_seqlen=total)
         if self.sequence_parallel:
-            from hpref.models.megatron_sequence_parallel import pad_packed_row
+            from hpref.models.megatron.sequence_parallel import pad_packed_row
 
             input_ids, cu, longest = pad_packed_row(input_ids, ctx.cu_seqlens, ctx.max_seqlen, self.tp_size)
             ctx = VarlenContext(backend=ctx.backend, cu_seqlens=cu, max_seqlen=longest)
@@ -314,7 +314,7 @@ class MegatronBackbone(nn.Module):
             input_ids=input_ids, position_ids=position_ids, attention_mask=None, packed_seq_params=packed
         )
         if self.sequence_parallel:
-            from hpref.models.megatron_sequence_parallel import gather_tokens
+            from hpref.models.megatron.sequence_parallel import gather_tokens
 
             hidden = gather_tokens(hidden)[:total]
         return BackboneOutput(last_hidden_state=self.norm(hidden.transpose(0, 1)))
@@ -340,7 +340,7 @@ class MegatronBackbone(nn.Module):
 
     def load_hf_state(self, hf_state: dict[str, torch.Tensor], tp_rank: int = 0) -> None:
         """Load a transformers state dict (this rank's tensor-parallel shard of it); strict."""
-        from hpref.models.megatron_convert import hf_to_megatron
+        from hpref.models.megatron.convert import hf_to_megatron
 
         ours = hf_to_megatron(
             hf_state, self.shape, tp_rank=tp_rank, tp_size=self.tp_size, vocab_multiple=self.vocab_multiple

@@ -3,9 +3,9 @@
 `load_recipe` validates what every command shares (keys, types, component parameters). Training
 needs more: a model and training data, a `train.max_length` the model can hold, and settings this
 machine can run. `check_train` is the one list of those checks: `hpref recipes check` runs it, and
-`hpref train` runs it before it launches, so a recipe that passes the check does not fail on them
-after the data and model are set up (`flash_varlen` on a machine without CUDA used to fail in the
-first forward pass, exit 1).
+`hpref train` runs it once, in the launcher, before it starts anything, so a recipe that passes the
+check does not fail on them after the data and model are set up (`flash_varlen` on a machine
+without CUDA used to fail in the first forward pass, exit 1).
 
 Two kinds of check:
 - about the recipe alone (the same answer on every machine): a `[model]` and `[dataset.train]`
@@ -16,8 +16,7 @@ Two kinds of check:
   dataset section buildable (its file there, readable, with the right columns). `hpref recipes
   check --portable` skips these, for a recipe written here for another machine (the GPU references).
 
-An `hpref rl` recipe trains no judge: for it only the adapters of its policies are checked (`[lora]`
-or `rl.policies.<id>.lora`: peft, and target modules each policy's LM has).
+An `hpref rl` recipe trains no judge: its checks are `hpref.rl.checks.check_rl`.
 """
 
 from __future__ import annotations
@@ -28,19 +27,17 @@ from hpref.errors import RecipeError, UserError
 from hpref.recipe import Recipe
 
 
+def is_rl_recipe(recipe: Recipe) -> bool:
+    """An `hpref rl` recipe: an `[rl]` section and no judge `[model]` to train."""
+    return recipe.rl is not None and recipe.model is None
+
+
 def check_train(recipe: Recipe, where: str | Path | None = None, *, machine: bool = True) -> None:
     """Raise `RecipeError` (one line: file, dotted key, what is wrong) for the first thing
-    `hpref train` would refuse; `machine=False` leaves out what depends on this machine."""
+    `hpref train` would refuse; `machine=False` leaves out what depends on this machine. An `hpref
+    rl` recipe is not held to training (`hpref.rl.checks.check_rl` checks it)."""
     where = str(where if where is not None else recipe._source or "recipe")
-    if recipe.rl is not None and recipe.model is None:
-        # an `hpref rl` recipe: its [rl] section was checked when it loaded; it trains no judge
-        _check_rl_lora(recipe, where, machine)
-        if machine:
-            _check_rl_megatron(recipe, where)
-            from hpref.builtin.rewards import check_reward_exports
-            from hpref.recipe_rl import rl_rewards
-
-            check_reward_exports(rl_rewards(recipe.rl), where)  # the exports are this machine's files
+    if is_rl_recipe(recipe):
         return
     _check_recipe(recipe, where)
     if machine:
@@ -133,38 +130,6 @@ def _check_cuda(recipe: Recipe, where: str, attention: str) -> None:
     if device_type == "cpu":
         problem += " (no CUDA GPU is visible)" if not cuda else " (launch.backend = 'gloo' runs on CPU)"
     raise RecipeError(f"{where}: model.attention: '{attention}' {problem}")
-
-
-def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:
-    """`hpref rl` policies with adapters (the top-level `[lora]` or a policy's `lora` table): peft
-    installed, and target modules every such policy's LM has (from its architecture alone; a policy
-    whose model is a local folder only with `machine`, since the folder is this machine's)."""
-    import importlib.util
-
-    config = recipe.rl  # typed when the recipe loaded, with `[lora]` as every policy's default
-    assert config is not None
-    with_lora = sorted(p for p, policy in config.policies.items() if policy.lora is not None)
-    if not with_lora:
-        return
-    if importlib.util.find_spec("peft") is None:
-        if not machine:
-            return
-        raise RecipeError(f"{where}: lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
-    from hpref.rl.policy import check_policy_lora
-
-    check_policy_lora(config, with_lora, where, skip_paths=not machine)
-
-
-def _check_rl_megatron(recipe: Recipe, where: str) -> None:
-    """`hpref rl` policies with `trainer_backend = "megatron"`: megatron-core installed here, and an
-    architecture it maps (`hpref.rl.megatron_policy.check_megatron_policies`)."""
-    config = recipe.rl
-    assert config is not None
-    on_megatron = sorted(p for p, policy in config.policies.items() if policy.trainer_backend == "megatron")
-    if on_megatron:
-        from hpref.rl.megatron_policy import check_megatron_policies
-
-        check_megatron_policies(config, on_megatron, where)
 
 
 def _check_lora_machine(recipe: Recipe, where: str) -> None:

@@ -1,4 +1,4 @@
-"""Bodies of `hpref eval` and `hpref save`: plain arguments in, an exit code out.
+"""The body of `hpref eval`: plain arguments in, an exit code out.
 
 `hpref.cli` owns the Typer signatures and calls these; every user mistake raises a `UserError`
 (one line, exit 2), which the CLI's `main` already turns into its message.
@@ -74,42 +74,3 @@ def _check_outputs(**paths: str | Path | None) -> None:
             if reason is not None:
                 flag = "--" + option.replace("_", "-")
                 raise UserError(f"{flag} {path}: {reason}; write outputs outside it")
-
-
-def save_command(
-    run_dir: str | Path,
-    *,
-    to: str | Path | None = None,
-    step: str = "latest",
-    dtype: str = "fp32",
-    now: bool = False,
-    timeout: float = 1800.0,
-    overwrite: bool = False,
-    recipe: str | Path | None = None,
-    adapter: bool = False,
-) -> int:
-    """`hpref save`: export a checkpoint (`--to`), or with `--now` ask a live run for one first.
-    A LoRA run exports merged weights, or with `adapter` PEFT's adapter folder and hpref's head."""
-    from hpref.evaluate.export import save_export
-    from hpref.runfolder.save_trigger import request_save_now
-
-    if now:
-        path = request_save_now(run_dir, timeout=timeout)
-        print(path)
-        if to is None:
-            return 0
-        step = str(path)
-    if to is None:
-        raise UserError("hpref save needs --to DIR (or --now to only trigger a checkpoint)")
-    source: str | Path = step if now else run_dir
-    folder = save_export(
-        source,
-        to,
-        step=None if now else step,  # type: ignore[arg-type]
-        dtype=dtype,  # type: ignore[arg-type]
-        recipe_path=recipe,
-        overwrite=overwrite,
-        adapter=adapter,
-    )
-    print(folder)
-    return 0

@@ -1,4 +1,5 @@
-"""Starting or joining the Ray cluster `hpref rl` runs its actors on, listening on loopback only.
+"""Starting or joining the Ray cluster `hpref rl` runs its actors on and `hpref serve` deploys to,
+listening on loopback only.
 
 A local cluster is started addressed as 127.0.0.1 (Ray's default listens on every interface and
 runs any code sent to it); a cluster given by `--ray-address` is joined with the token Ray finds,
@@ -15,12 +16,12 @@ from typing import Any
 from loguru import logger
 
 from hpref.errors import UserError
+from hpref.runtime.torchrun import LOOPBACK_HOSTS
 
 #: Ray resolves a node address of 127.0.0.1 to the machine's network address (so that other nodes
 #: could reach it) unless this is 0, and its GCS, raylet and workers listen on every interface
 #: unless the node address is exactly 127.0.0.1. One switch gives a cluster that listens on loopback.
 RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @contextmanager

@@ -1,5 +1,5 @@
 """The building blocks every recipe section is made of, shared by `hpref.recipe` and its `[rl]`
-section (`hpref.recipe_rl`):
+section (`hpref.recipe.rl`):
 
 - `Section`: a typed table whose unknown keys are an error; `ComponentSection`: `name` picks a
   registered component and every other key is one of its parameters;

@@ -8,7 +8,6 @@ recipe accepts either a path or such a name (`hpref train quickstart`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ def shipped_recipes_dir() -> Path | None:
     env = os.environ.get("HPREF_RECIPES")
     if env:
         return Path(env)
-    here = Path(__file__).resolve().parent
-    for folder in (here.parents[1] / "recipes", here / "recipes"):
+    package = Path(__file__).resolve().parents[1]  # src/hpref (this module is hpref/recipe/catalog.py)
+    for folder in (package.parents[1] / "recipes", package / "recipes"):
         if folder.is_dir():
             return folder
     return None
@@ -45,7 +44,7 @@ def resolve_recipe_path(name_or_path: str) -> Path:
 
 def recipe_summary(path: Path) -> dict[str, Any]:
     """One row of `hpref recipes list`: name, path, model, training data, the first comment line."""
-    from hpref.recipe import read_toml
+    from hpref.recipe.loading import read_toml
 
     data = read_toml(path)
     first_line = ""
@@ -86,18 +85,3 @@ def list_recipes(folders: list[Path] | None = None) -> list[dict[str, Any]]:
                     }
                 )
     return rows
-
-
-def check_recipes(items: list[str], overrides: list[str], *, portable: bool) -> Iterator[str]:
-    """`hpref recipes check`: load and check each recipe as `hpref train` does before it starts
-    anything (`hpref.recipe_checks.check_train`); yields one `ok` line per recipe, raises on the
-    first error."""
-    from hpref.recipe import load_recipe
-    from hpref.recipe_checks import check_train
-
-    for item in items:
-        path = resolve_recipe_path(item)
-        resolved = load_recipe(path, overrides)
-        check_train(resolved, path, machine=not portable)
-        parts = ", ".join(f"{dotted}={sec.name}" for dotted, _kind, sec in resolved.component_sections())
-        yield f"ok  {path}  ({parts})"

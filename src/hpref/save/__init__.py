@@ -1,0 +1,11 @@
+"""`hpref save`: a training checkpoint -> a self-contained HF-style folder (or, with `--now`, a
+checkpoint asked of a live run first).
+
+command   the `save` command body (plain arguments in, exit code out)
+export    the export: the checkpoint loaded through `hpref.runtime.checkpoint` (safe loading only),
+          written as `PreferenceModel.save_pretrained`'s folder (or PEFT's adapter folder and the
+          head) with a model card, swapped into place whole
+
+The `save --now` trigger is the run folder's (`hpref.runfolder.save_trigger`), shared with the
+trainer and the rl leader. Importing this package is cheap: torch is imported inside functions.
+"""
