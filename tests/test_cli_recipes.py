@@ -15,7 +15,7 @@ import tomllib
 from hpref import __version__
 from hpref.errors import RecipeError
 from hpref.recipe import load_recipe, parse_override
-from tests.conftest import MINIMAL_RECIPE, REPO, SHARED, fake_plugin_site, run_hpref
+from tests.conftest import MINIMAL_RECIPE, REPO, SHARED, fake_plugin_site, run_hpref, run_hpref_together
 
 SHIPPED = sorted((REPO / "recipes").glob("*.toml"))
 GPU_REFERENCES = {"gemma2-9b-arena", "llama3-8b-arena"}
@@ -135,17 +135,37 @@ def test_plugins_table_lists_the_example_plugin():
     assert "register_commands" in row  # the first hook, alphabetically, shares the row
 
 
+def _needs_absent_shared(recipe) -> bool:
+    return "../shared/" in recipe.read_text(encoding="utf-8") and not SHARED.is_dir()
+
+
+@pytest.fixture(scope="module")
+def shipped_checks():
+    """`hpref recipes check` of the shipped recipes: one process for those checked as on this machine
+    and one (--portable) for the others, side by side. A process per recipe spent ~2-3 s each on
+    starting Python, torch and transformers; the command checks several recipes in one go. Returns
+    (portable?) -> the finished process."""
+    checked = [r for r in SHIPPED if not _needs_absent_shared(r)]
+    portable = [r for r in checked if r.stem in GPU_REFERENCES | NEEDS_USER_FILES]
+    here = [r for r in checked if r not in portable]
+    machine, anywhere = run_hpref_together(
+        ["recipes", "check", *map(str, here)], ["recipes", "check", *map(str, portable), "--portable"]
+    )
+    return {False: machine, True: anywhere}
+
+
 @pytest.mark.parametrize("recipe", SHIPPED, ids=[p.stem for p in SHIPPED])
-def test_shipped_recipes_check(recipe):
+def test_shipped_recipes_check(recipe, shipped_checks):
     # Every shipped recipe, the GPU references included, must validate on this CPU-only machine; the
     # GPU references (launch.backend = "nccl", their data on the GPU machine) with --portable, which
     # leaves out what train would refuse on this machine only (tests/test_recipe_checks.py).
-    if "../shared/" in recipe.read_text(encoding="utf-8") and not SHARED.is_dir():
+    if _needs_absent_shared(recipe):
         pytest.skip(f"{recipe.name} reads its data from ../shared, which is absent here")
-    portable = ["--portable"] if recipe.stem in GPU_REFERENCES | NEEDS_USER_FILES else []
-    result = run_hpref("recipes", "check", str(recipe), *portable)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ok  ")
+    # the command stops at the first recipe that fails: its error is on stderr, and the recipes after
+    # it have no `ok` line
+    result = shipped_checks[recipe.stem in GPU_REFERENCES | NEEDS_USER_FILES]
+    ok = [line for line in result.stdout.splitlines() if line.startswith(f"ok  {recipe}  (")]
+    assert len(ok) == 1, result.stdout + result.stderr[-3000:]
 
 
 def test_recipes_list_shows_shipped():
