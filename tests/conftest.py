@@ -73,6 +73,38 @@ def run_hpref(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
     )
 
 
+def run_hpref_together(
+    *calls: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> list[subprocess.CompletedProcess]:
+    """`run_hpref` for each argument list, the processes side by side: each still a fresh
+    `python -m hpref` with its own exit code and output, but their seconds of Python, torch and
+    transformers start-up overlap. Results in the order of `calls`."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "hpref", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+            cwd=cwd or REPO,
+        )
+        for args in calls
+    ]
+    results = []
+    try:
+        for args, proc in zip(calls, procs, strict=True):
+            out, err = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess([*args], proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
 #: the tiny-llama settings of the unit tests that build a model in-process (a 2-layer, 32-wide Llama)
 TINY_LLAMA = dict(
     hidden_size=32,

@@ -15,7 +15,7 @@ import tomllib
 from hpref import __version__
 from hpref.errors import RecipeError
 from hpref.recipe import load_recipe, parse_override
-from tests.conftest import MINIMAL_RECIPE, REPO, SHARED, fake_plugin_site, run_hpref
+from tests.conftest import MINIMAL_RECIPE, REPO, SHARED, fake_plugin_site, run_hpref, run_hpref_together
 
 SHIPPED = sorted((REPO / "recipes").glob("*.toml"))
 GPU_REFERENCES = {"gemma2-9b-arena", "llama3-8b-arena"}
@@ -135,17 +135,37 @@ def test_plugins_table_lists_the_example_plugin():
     assert "register_commands" in row  # the first hook, alphabetically, shares the row
 
 
+def _needs_absent_shared(recipe) -> bool:
+    return "../shared/" in recipe.read_text(encoding="utf-8") and not SHARED.is_dir()
+
+
+@pytest.fixture(scope="module")
+def shipped_checks():
+    """`hpref recipes check` of the shipped recipes: one process for those checked as on this machine
+    and one (--portable) for the others, side by side. A process per recipe spent ~2-3 s each on
+    starting Python, torch and transformers; the command checks several recipes in one go. Returns
+    (portable?) -> the finished process."""
+    checked = [r for r in SHIPPED if not _needs_absent_shared(r)]
+    portable = [r for r in checked if r.stem in GPU_REFERENCES | NEEDS_USER_FILES]
+    here = [r for r in checked if r not in portable]
+    machine, anywhere = run_hpref_together(
+        ["recipes", "check", *map(str, here)], ["recipes", "check", *map(str, portable), "--portable"]
+    )
+    return {False: machine, True: anywhere}
+
+
 @pytest.mark.parametrize("recipe", SHIPPED, ids=[p.stem for p in SHIPPED])
-def test_shipped_recipes_check(recipe):
+def test_shipped_recipes_check(recipe, shipped_checks):
     # Every shipped recipe, the GPU references included, must validate on this CPU-only machine; the
     # GPU references (launch.backend = "nccl", their data on the GPU machine) with --portable, which
     # leaves out what train would refuse on this machine only (tests/test_recipe_checks.py).
-    if "../shared/" in recipe.read_text(encoding="utf-8") and not SHARED.is_dir():
+    if _needs_absent_shared(recipe):
         pytest.skip(f"{recipe.name} reads its data from ../shared, which is absent here")
-    portable = ["--portable"] if recipe.stem in GPU_REFERENCES | NEEDS_USER_FILES else []
-    result = run_hpref("recipes", "check", str(recipe), *portable)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("ok  ")
+    # the command stops at the first recipe that fails: its error is on stderr, and the recipes after
+    # it have no `ok` line
+    result = shipped_checks[recipe.stem in GPU_REFERENCES | NEEDS_USER_FILES]
+    ok = [line for line in result.stdout.splitlines() if line.startswith(f"ok  {recipe}  (")]
+    assert len(ok) == 1, result.stdout + result.stderr[-3000:]
 
 
 def test_recipes_list_shows_shipped():
@@ -228,55 +248,65 @@ def test_shipped_recipe_by_name():
     assert json.loads(result.stdout)["run"]["name"] == "quickstart"
 
 
-@pytest.mark.parametrize(
-    ("text", "overrides", "expected"),
-    [
-        ("[train]\nepocs = 2\n", [], "train.epocs: unknown key (did you mean 'epochs'?)"),
-        ("[trian]\nepochs = 2\n", [], "trian: unknown key (did you mean 'train'?)"),
-        ("[train]\nepochs = 'two'\n", [], "train.epochs: Input should be a valid integer"),
-        ("[train]\nepochs = 0\n", [], "train.epochs: Input should be greater than or equal to 1, got 0"),
-        ("[train]\nprecision = 'fp8'\n", [], "train.precision: Input should be 'auto', 'bf16' or 'fp32'"),
-        (
-            '[model]\nname = "tiny-lama"\n',
-            [],
-            "model.name: unknown model 'tiny-lama' (did you mean 'tiny-llama'?)",
-        ),
-        (
-            '[model]\nname = "tiny-llama"\nhiden_size = 3\n',
-            [],
-            "model.hiden_size: unknown key (did you mean 'hidden_size'?)",
-        ),
-        ("[model]\nhidden_size = 3\n", [], "model.name: required key is missing"),
-        (
-            '[scheduler]\nname = "cosine"\nwarmup_fraction = 2.0\n',
-            [],
-            "scheduler.warmup_fraction: Input should be less than 1",
-        ),
-        ("[train\nepochs = 2\n", [], "invalid TOML"),
-        ("", ["train.epochs"], "--set 'train.epochs': expected section.key=value"),
-        ("", ["epochs=3"], "--set 'epochs=3': the key must be dotted"),
-        (
-            "[train]\nepochs = 2\n",
-            ["train.epochs.x=3"],
-            "--set 'train.epochs.x=3': 'train.epochs' is a value, not a section",
-        ),
-        ("", ["train.batchsize=3"], "train.batchsize: unknown key (did you mean 'batch_size'?)"),
-        ("", ["dataset.train.name=nope"], "dataset.train.name: unknown dataset 'nope'"),
-        ("[run]\nseed = [1]\n", [], "run.seed: Input should be a valid integer, got [1]"),
-        (
-            '[dataset.eval]\nname = "synthetic-arena"\nsplit = "eval"\n',
-            [],
-            "dataset.eval: Value error, split = 'eval' needs folds >= 2",
-        ),
-    ],
-)
-def test_bad_recipes_give_one_line_and_exit_2(tmp_path, text, overrides, expected):
+#: (recipe text, --set overrides, what the one error line must say): mistakes users make
+BAD_RECIPES = [
+    ("[train]\nepocs = 2\n", [], "train.epocs: unknown key (did you mean 'epochs'?)"),
+    ("[trian]\nepochs = 2\n", [], "trian: unknown key (did you mean 'train'?)"),
+    ("[train]\nepochs = 'two'\n", [], "train.epochs: Input should be a valid integer"),
+    ("[train]\nepochs = 0\n", [], "train.epochs: Input should be greater than or equal to 1, got 0"),
+    ("[train]\nprecision = 'fp8'\n", [], "train.precision: Input should be 'auto', 'bf16' or 'fp32'"),
+    (
+        '[model]\nname = "tiny-lama"\n',
+        [],
+        "model.name: unknown model 'tiny-lama' (did you mean 'tiny-llama'?)",
+    ),
+    (
+        '[model]\nname = "tiny-llama"\nhiden_size = 3\n',
+        [],
+        "model.hiden_size: unknown key (did you mean 'hidden_size'?)",
+    ),
+    ("[model]\nhidden_size = 3\n", [], "model.name: required key is missing"),
+    (
+        '[scheduler]\nname = "cosine"\nwarmup_fraction = 2.0\n',
+        [],
+        "scheduler.warmup_fraction: Input should be less than 1",
+    ),
+    ("[train\nepochs = 2\n", [], "invalid TOML"),
+    ("", ["train.epochs"], "--set 'train.epochs': expected section.key=value"),
+    ("", ["epochs=3"], "--set 'epochs=3': the key must be dotted"),
+    (
+        "[train]\nepochs = 2\n",
+        ["train.epochs.x=3"],
+        "--set 'train.epochs.x=3': 'train.epochs' is a value, not a section",
+    ),
+    ("", ["train.batchsize=3"], "train.batchsize: unknown key (did you mean 'batch_size'?)"),
+    ("", ["dataset.train.name=nope"], "dataset.train.name: unknown dataset 'nope'"),
+    ("[run]\nseed = [1]\n", [], "run.seed: Input should be a valid integer, got [1]"),
+    (
+        '[dataset.eval]\nname = "synthetic-arena"\nsplit = "eval"\n',
+        [],
+        "dataset.eval: Value error, split = 'eval' needs folds >= 2",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_recipe_checks(tmp_path_factory):
+    """`hpref recipes check` of each of BAD_RECIPES, the processes side by side (each ~1 s of start-up
+    on its own): [(recipe path, finished process)], in BAD_RECIPES' order."""
+    paths, calls = [], []
+    for i, (text, overrides, _) in enumerate(BAD_RECIPES):
+        path = write(tmp_path_factory.mktemp(f"bad-recipe-{i}"), text)
+        paths.append(path)
+        calls.append(["recipes", "check", str(path), *(a for o in overrides for a in ("--set", o))])
+    return list(zip(paths, run_hpref_together(*calls), strict=True))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_RECIPES)), ids=[e[:40] for _, _, e in BAD_RECIPES])
+def test_bad_recipes_give_one_line_and_exit_2(bad_recipe_checks, case):
     # Each is a mistake a user makes; each must be one readable line naming file and key, exit 2.
-    path = write(tmp_path, text)
-    args = ["recipes", "check", str(path)]
-    for o in overrides:
-        args += ["--set", o]
-    result = run_hpref(*args)
+    expected = BAD_RECIPES[case][2]
+    path, result = bad_recipe_checks[case]
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from tests.conftest import run_hpref
+from tests.conftest import run_hpref_together
 
 from hpref.data.readers import ArenaConfig, ArenaReader, TableFile, arena_rows, write_arena_file
 from hpref.data.records import Battle
@@ -52,12 +52,10 @@ def test_a_compressed_utf16_file_is_read_too(tmp_path):
     assert list(ArenaReader(ArenaConfig(path=str(path)), seed=0).battles()) == BATTLES
 
 
-def test_utf16_file_through_the_cli_has_no_logging_error_spam(tmp_path):
+def test_utf16_file_through_the_cli_has_no_logging_error_spam(stats_cli):
     """The reported bug: `hpref data stats` on a UTF-16 CSV printed ~50 lines of loguru "Logging
     error" before its message. Now it is read; stderr holds at most the one summary log line."""
-    path = tmp_path / "u16.csv"
-    path.write_bytes(ENCODINGS["utf-16-le"](_utf8_text(tmp_path, "csv")))
-    result = run_hpref("data", "stats", str(path))
+    _path, result = stats_cli["u16.csv"]
     assert result.returncode == 0, result.stderr
     assert "5 used" in result.stdout
     assert "Logging error" not in result.stderr and len(result.stderr.strip().splitlines()) <= 1
@@ -111,11 +109,28 @@ def test_bad_files_are_one_clear_data_error(tmp_path, name, data, expected):
     assert "\n" not in message and "\\x00" not in message and "\x00" not in message
 
 
-@pytest.mark.parametrize("name", ["random.csv", "latin1-header.csv", "array.json", "half.csv.gz"])
-def test_bad_files_through_the_cli_are_one_line_exit_2(tmp_path, name):
-    data, expected = next((d, e) for n, d, e in BAD_FILES if n == name)
-    path = _write(tmp_path, name, data(tmp_path) if callable(data) else data)
-    result = run_hpref("data", "stats", str(path))
+CLI_BAD_FILES = ["random.csv", "latin1-header.csv", "array.json", "half.csv.gz"]
+
+
+@pytest.fixture(scope="module")
+def stats_cli(tmp_path_factory):
+    """`hpref data stats FILE` of each file the CLI tests of this module read, the processes side by
+    side (each a fresh process: its exit code and every line it printed): name -> (path, result)."""
+    folder = tmp_path_factory.mktemp("stats-cli")
+    paths = {}
+    for name in CLI_BAD_FILES:
+        data = next(d for n, d, _ in BAD_FILES if n == name)
+        paths[name] = _write(folder, name, data(folder) if callable(data) else data)
+    paths["u16.csv"] = _write(folder, "u16.csv", ENCODINGS["utf-16-le"](_utf8_text(folder, "csv")))
+    paths["dup.jsonl"] = write_arena_file(folder / "dup.jsonl", [*BATTLES, BATTLES[0]])
+    results = run_hpref_together(*(["data", "stats", str(p)] for p in paths.values()))
+    return {name: (path, result) for (name, path), result in zip(paths.items(), results, strict=True)}
+
+
+@pytest.mark.parametrize("name", CLI_BAD_FILES)
+def test_bad_files_through_the_cli_are_one_line_exit_2(stats_cli, name):
+    expected = next(e for n, _, e in BAD_FILES if n == name)
+    path, result = stats_cli[name]
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr  # one line
     assert result.stderr.startswith(f"error: {path}: ") and expected in result.stderr
@@ -173,8 +188,7 @@ def test_stats_reports_duplicate_ids_that_eval_would_refuse(tmp_path):
     assert clean["duplicate_ids"]["rows"] == 0 and "repeat an earlier id" not in format_stats(clean)
 
 
-def test_stats_cli_prints_the_duplicates(tmp_path):
-    path = write_arena_file(tmp_path / "dup.jsonl", [*BATTLES, BATTLES[0]])
-    result = run_hpref("data", "stats", str(path))
+def test_stats_cli_prints_the_duplicates(stats_cli):
+    _path, result = stats_cli["dup.jsonl"]
     assert result.returncode == 0, result.stderr
     assert "1 rows repeat an earlier id ('0')" in result.stdout

@@ -16,6 +16,13 @@ def _private_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
 
 
+def start_ray() -> None:
+    """Start the shared local Ray cluster in this process (`ray_cluster`'s), unless one is up."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+
 @pytest.fixture(scope="session")
 def _ray_for_the_session():
     """Shuts down, at the end of the session, the local Ray cluster `ray_cluster` started."""
@@ -32,9 +39,7 @@ def ray_cluster(_ray_for_the_session):
     it running) as it joins any cluster already initialised in its process. A test that needs Ray
     down (one that checks what `hpref rl` starts and stops itself) asks for `without_ray`, which
     brings this one back afterwards."""
-    ray = pytest.importorskip("ray")
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray()
 
 
 @pytest.fixture
@@ -46,5 +51,5 @@ def without_ray():
     if was_up:
         ray.shutdown()
     yield
-    if was_up and not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    if was_up:
+        start_ray()

@@ -18,6 +18,7 @@ ray = pytest.importorskip("ray")
 from hpref.recipe import recipe_from_dict  # noqa: E402
 from hpref.rl import launch as driver  # noqa: E402
 from hpref.rl.record import read_record  # noqa: E402
+from tests.rl.conftest import start_ray  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -55,7 +56,7 @@ def synced(monkeypatch):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="uses /proc")
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
 def test_a_killed_actor_is_named_and_the_run_resumes(
-    kind, tmp_path, monkeypatch, log_messages, synced, without_ray
+    kind, tmp_path, monkeypatch, log_messages, synced, without_ray, _ray_for_the_session
 ):
     """SIGKILL policy b's actor once b has trained two rollouts and a save is recorded. If the run
     hangs, a dead actor is not noticed; if it ends in a traceback or the line lacks "policy 'b':
@@ -101,7 +102,10 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     assert record is not None and record.save_dir in lines[0] and "--resume auto" in lines[0]
     assert not ray.is_initialized()
 
-    # the record, not the metrics, says where the run stands; resume runs two leader rollouts more
+    # the record, not the metrics, says where the run stands; resume runs two leader rollouts more.
+    # It joins the tests' shared cluster (started here if it is not up yet, left up for the tests
+    # after): the resume is checked here, a cluster's start and stop were checked above
+    start_ray()
     stop = record.rollout_ids["a"] + 2
     assert driver.run_rl(recipe(run_dir, stop), ["a", "b"], resume="auto") == 0
     assert any("resumed from" in m and record.save_dir in m for m in log_messages)

@@ -134,9 +134,12 @@ def test_a_wrong_token_is_one_line_and_exit_2(head, tmp_path):
     (exit 1)."""
     address, _token = head
     recipe = write_rl_recipe(tmp_path, "refused")
+    # Ray's driver tries the head NUM_REDIS_GET_RETRIES times a second apart before it gives up:
+    # 20 s by default, spent idle here; two tries are enough to see the refusal and what follows
+    env = _env(tmp_path, RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_NUM_REDIS_GET_RETRIES="2")
     result = subprocess.run(
         [*HPREF, "rl", str(recipe), "--policies", "a,b", "--ray-address", address],
-        env=_env(tmp_path, RAY_AUTH_TOKEN=secrets.token_hex(16)),
+        env=env,
         capture_output=True,
         text=True,
         timeout=400,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_hpref
+from tests.conftest import run_hpref, run_hpref_together
 
 pytest.importorskip("peft")
 pytest.importorskip("gguf")
@@ -191,8 +191,8 @@ def test_bad_input_is_one_line_exit_2_before_any_actor(reward_export, tmp_path):
         (["--set", 'rl.prompts = { name = "file", path = "' + str(empty) + '", on_error = "skip" }'],
          "no usable training prompts"),
     ]  # fmt: skip
-    for extra, expected in cases:
-        result = run_hpref(*base, *extra, timeout=180)
+    results = run_hpref_together(*([*base, *extra] for extra, _ in cases), timeout=180)
+    for (extra, expected), result in zip(cases, results, strict=True):
         assert result.returncode == 2, (extra, result.stderr[-1500:])
         last = result.stderr.strip().splitlines()[-1]
         assert expected in last, (extra, last)
