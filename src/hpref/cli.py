@@ -238,21 +238,15 @@ def train_command(
     ),
 ) -> None:
     """Train a preference model: FSDP2 processes through torchrun (one process runs in-process)."""
+    from hpref.train.command import TrainRequest
     from hpref.train.command import train_command as run_train_command
 
-    code = run_train_command(
-        resolve_recipe_path(recipe),
-        overrides,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_timeout=rdzv_timeout,
-        resume=resume,
-        dry_run=dry_run,
-        overwrite=overwrite,
-    )
-    raise typer.Exit(code)
+    request = TrainRequest(
+        resolve_recipe_path(recipe), tuple(overrides), nproc_per_node=nproc_per_node, nnodes=nnodes,
+        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout=rdzv_timeout, resume=resume,
+        dry_run=dry_run, overwrite=overwrite,
+    )  # fmt: skip
+    raise typer.Exit(run_train_command(request))
 
 
 @app.command("rl")
@@ -323,24 +317,15 @@ def eval_cmd(
     overrides: list[str] = SetOption,
 ) -> None:
     """Predict (Kaggle format), score with log loss / accuracy / ECE, swap TTA, blend ensembles."""
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
 
-    code = eval_command(
-        resolve_recipe_path(recipe) if recipe else None,
-        checkpoint=checkpoint,
-        data=data,
-        out=out,
-        tta=tta,
-        ensemble=ensemble or None,
-        weights=weights,
-        fit_weights=fit_weights,
-        soft_labels=soft_labels,
-        overrides=overrides,
-        micro_batch_tokens=micro_batch_tokens,
-        plot=plot,
-        nproc_per_node=nproc_per_node,
-    )
-    raise typer.Exit(code)
+    request = EvalRequest(
+        resolve_recipe_path(recipe) if recipe else None, checkpoint=checkpoint, data=data, out=out,
+        tta=tta, ensemble=tuple(ensemble), weights=weights, fit_weights=fit_weights,
+        soft_labels=soft_labels, overrides=tuple(overrides), micro_batch_tokens=micro_batch_tokens,
+        plot=plot, nproc_per_node=nproc_per_node,
+    )  # fmt: skip
+    raise typer.Exit(eval_command(request))
 
 
 @app.command("save")
@@ -368,20 +353,13 @@ def save_cmd(
     ),
 ) -> None:
     """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
 
-    code = save_command(
-        run_dir,
-        to=to,
-        step=step,
-        dtype=dtype,
-        now=now,
-        timeout=timeout,
-        overwrite=overwrite,
-        recipe=recipe,
-        adapter=adapter,
-    )
-    raise typer.Exit(code)
+    request = SaveRequest(
+        run_dir, to=to, step=step, dtype=dtype, now=now, timeout=timeout, overwrite=overwrite,
+        recipe=recipe, adapter=adapter,
+    )  # fmt: skip
+    raise typer.Exit(save_command(request))
 
 
 @app.command("serve")

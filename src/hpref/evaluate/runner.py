@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
@@ -25,6 +25,9 @@ from hpref.data.records import Battle
 from hpref.errors import UserError
 from hpref.prediction.evaluation import Evaluation, evaluate_battles
 from hpref.runfolder.layout import EVAL, EVAL_PREDICTIONS
+
+if TYPE_CHECKING:
+    from hpref.evaluate.request import EvalRequest
 
 #: what `predict_battles` returns (`hpref.prediction.evaluation.Evaluation`)
 PredictResult = Evaluation
@@ -80,22 +83,7 @@ def predict_battles(
 # hpref eval
 
 
-def run_eval(
-    recipe: str | Path | None,
-    *,
-    checkpoint: str | Path | None = None,
-    data: str | Path | None = None,
-    out: str | Path | None = None,
-    tta: str = "none",
-    ensemble: list[str | Path] | None = None,
-    weights: str | None = None,
-    fit_weights: bool = False,
-    soft_labels: str | Path | None = None,
-    overrides: list[str] | None = None,
-    micro_batch_tokens: int | None = None,
-    plot: bool = True,
-    device: str = "cpu",
-) -> int:
+def run_eval(request: EvalRequest, *, device: str = "cpu") -> int:
     """Predictions for every battle (model or ensemble), metrics when labelled; the exit code.
 
     Collective for a model under a process group: every rank predicts its share, rank 0 writes."""
@@ -110,6 +98,7 @@ def run_eval(
     from hpref.evaluate.ensemble import fit_weights as fit
     from hpref.prediction.files import read_predictions, write_predictions
 
+    data, out, ensemble, checkpoint = request.data, request.out, request.ensemble, request.checkpoint
     battles = read_battles(data) if data is not None else None
     source = str(data) if data is not None else "dataset.eval"
     extra: dict[str, Any] = {}
@@ -118,7 +107,7 @@ def run_eval(
         if checkpoint is not None:
             raise UserError("--ensemble blends prediction files; it cannot be combined with --checkpoint")
         members = [read_predictions(p) for p in ensemble]
-        if fit_weights:
+        if request.fit_weights:
             if battles is None:
                 raise UserError("--fit-weights needs labelled --data to fit on")
             labels, _ = labels_for(members[0], battles, source=source)
@@ -130,34 +119,25 @@ def run_eval(
                     f"{extra['cross_fitted_log_loss']:.4f} (the table below is in-sample)"
                 )
         else:
-            w = parse_weights(weights, len(members))
+            w = parse_weights(request.weights, len(members))
         preds = blend(members, w)
         extra["weights"] = [float(v) for v in w]
         out_path = Path(out) if out is not None else Path("blend.csv")
     else:
-        if recipe is None or checkpoint is None:
+        if request.recipe is None or checkpoint is None:
             raise UserError("hpref eval needs a RECIPE and --checkpoint (or --ensemble FILES)")
-        preds, out_path, battles, extra = _predict_with_model(
-            recipe,
-            checkpoint,
-            battles,
-            out,
-            tta=tta,
-            overrides=overrides,
-            mbt=micro_batch_tokens,
-            device=device,
-        )
+        preds, out_path, battles, extra = _predict_with_model(request, battles, device=device)
         if _rank() != 0:  # every rank holds the gathered predictions; rank 0 has written them
             return 0
     if ensemble:
         write_predictions(out_path, preds.ids, preds.probs)
     logger.info(f"predictions for {len(preds):,} battles written to {out_path}")
-    if soft_labels is not None:
+    if request.soft_labels is not None:
         if battles is None:
             raise UserError("--soft-labels needs the battles the predictions are for (--data)")
-        path = write_soft_labels(soft_labels, preds, battles, source=source)
+        path = write_soft_labels(request.soft_labels, preds, battles, source=source)
         logger.info(f"soft-label training file written to {path}")
-    _report(preds, battles, out_path, source=source, extra=extra, plot=plot)
+    _report(preds, battles, out_path, source=source, extra=extra, plot=request.plot)
     if "rows_per_s" in extra:
         print(f"eval throughput: {extra['rows_per_s']:,.1f} rows/s ({extra['sequences']:,} sequences)")
     return 0
@@ -169,13 +149,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides, mbt, device):
+def _predict_with_model(request: EvalRequest, battles: list[Battle] | None, *, device: str):
     from hpref.components import Components
     from hpref.evaluate.adapter_export import is_adapter_export, load_adapter_export
     from hpref.prediction.files import Predictions
     from hpref.recipe import load_recipe
 
-    recipe = load_recipe(recipe_arg, overrides)
+    checkpoint, out, tta = request.checkpoint, request.out, request.tta
+    assert checkpoint is not None
+    recipe = load_recipe(request.recipe, list(request.overrides))
     if battles is None:
         source = Components(recipe).source("eval")
         if source is None:
@@ -191,7 +173,7 @@ def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides,
         battles,
         formatter=formatter_for(recipe, model.tokenizer),
         tta=tta == "swap",
-        micro_batch_tokens=mbt or recipe.train.micro_batch_tokens,
+        micro_batch_tokens=request.micro_batch_tokens or recipe.train.micro_batch_tokens,
         device=device,
         write_to=[out_path],
     )
