@@ -262,9 +262,11 @@ def rl_command(
     resume: str | None = typer.Option(None, "--resume", help="'auto' or a run folder to resume from."),
 ) -> None:
     """Multi-policy RL on Ray: several policies trained at once on shared rollouts, led by the first."""
+    from hpref.rl.command import RlRequest
     from hpref.rl.command import rl_command as run_rl_command
 
-    raise typer.Exit(run_rl_command(resolve_recipe_path(recipe), overrides, policies, ray_address, resume))
+    request = RlRequest(resolve_recipe_path(recipe), policies, tuple(overrides), ray_address, resume)
+    raise typer.Exit(run_rl_command(request))
 
 
 @app.command("rl-warmup")
@@ -387,11 +389,13 @@ def serve_cmd(
     ),
 ) -> None:
     """Serve an exported judge or reward model over HTTP on Ray Serve (hpref's, OpenRLHF's, miles' shapes)."""
-    from hpref.serve.command import serve_command
+    from hpref.serve.command import ServeRequest, serve_command
 
-    options = dict(host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file)
-    options.update(threads=threads, max_batch_size=max_batch_size, precision=precision)
-    raise typer.Exit(serve_command(export, **options))
+    request = ServeRequest(
+        export, host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file,
+        threads=threads, max_batch_size=max_batch_size, precision=precision,
+    )  # fmt: skip
+    raise typer.Exit(serve_command(request))
 
 
 # --------------------------------------------------------------------------------------------------
