@@ -7,6 +7,7 @@ replaced by a recorder, so each test shows what happens *before* any process wou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -48,11 +49,11 @@ def launches(monkeypatch):
 
     calls: list[dict] = []
 
-    def fake_run_train(recipe_path, overrides=None, **kwargs):
-        calls.append({"recipe": recipe_path, **kwargs})
+    def fake_launch_train(request, recipe=None):
+        calls.append({"recipe": request.recipe_path, **dataclasses.asdict(request)})
         return 0
 
-    monkeypatch.setattr(hpref.train.launch, "run_train", fake_run_train)
+    monkeypatch.setattr(hpref.train.launch, "launch_train", fake_launch_train)
     return calls
 
 

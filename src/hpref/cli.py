@@ -238,21 +238,15 @@ def train_command(
     ),
 ) -> None:
     """Train a preference model: FSDP2 processes through torchrun (one process runs in-process)."""
+    from hpref.train.command import TrainRequest
     from hpref.train.command import train_command as run_train_command
 
-    code = run_train_command(
-        resolve_recipe_path(recipe),
-        overrides,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_timeout=rdzv_timeout,
-        resume=resume,
-        dry_run=dry_run,
-        overwrite=overwrite,
-    )
-    raise typer.Exit(code)
+    request = TrainRequest(
+        resolve_recipe_path(recipe), tuple(overrides), nproc_per_node=nproc_per_node, nnodes=nnodes,
+        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout=rdzv_timeout, resume=resume,
+        dry_run=dry_run, overwrite=overwrite,
+    )  # fmt: skip
+    raise typer.Exit(run_train_command(request))
 
 
 @app.command("rl")
@@ -268,9 +262,11 @@ def rl_command(
     resume: str | None = typer.Option(None, "--resume", help="'auto' or a run folder to resume from."),
 ) -> None:
     """Multi-policy RL on Ray: several policies trained at once on shared rollouts, led by the first."""
+    from hpref.rl.command import RlRequest
     from hpref.rl.command import rl_command as run_rl_command
 
-    raise typer.Exit(run_rl_command(resolve_recipe_path(recipe), overrides, policies, ray_address, resume))
+    request = RlRequest(resolve_recipe_path(recipe), policies, tuple(overrides), ray_address, resume)
+    raise typer.Exit(run_rl_command(request))
 
 
 @app.command("rl-warmup")
@@ -323,24 +319,15 @@ def eval_cmd(
     overrides: list[str] = SetOption,
 ) -> None:
     """Predict (Kaggle format), score with log loss / accuracy / ECE, swap TTA, blend ensembles."""
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
 
-    code = eval_command(
-        resolve_recipe_path(recipe) if recipe else None,
-        checkpoint=checkpoint,
-        data=data,
-        out=out,
-        tta=tta,
-        ensemble=ensemble or None,
-        weights=weights,
-        fit_weights=fit_weights,
-        soft_labels=soft_labels,
-        overrides=overrides,
-        micro_batch_tokens=micro_batch_tokens,
-        plot=plot,
-        nproc_per_node=nproc_per_node,
-    )
-    raise typer.Exit(code)
+    request = EvalRequest(
+        resolve_recipe_path(recipe) if recipe else None, checkpoint=checkpoint, data=data, out=out,
+        tta=tta, ensemble=tuple(ensemble), weights=weights, fit_weights=fit_weights,
+        soft_labels=soft_labels, overrides=tuple(overrides), micro_batch_tokens=micro_batch_tokens,
+        plot=plot, nproc_per_node=nproc_per_node,
+    )  # fmt: skip
+    raise typer.Exit(eval_command(request))
 
 
 @app.command("save")
@@ -368,20 +355,13 @@ def save_cmd(
     ),
 ) -> None:
     """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
 
-    code = save_command(
-        run_dir,
-        to=to,
-        step=step,
-        dtype=dtype,
-        now=now,
-        timeout=timeout,
-        overwrite=overwrite,
-        recipe=recipe,
-        adapter=adapter,
-    )
-    raise typer.Exit(code)
+    request = SaveRequest(
+        run_dir, to=to, step=step, dtype=dtype, now=now, timeout=timeout, overwrite=overwrite,
+        recipe=recipe, adapter=adapter,
+    )  # fmt: skip
+    raise typer.Exit(save_command(request))
 
 
 @app.command("serve")
@@ -409,11 +389,13 @@ def serve_cmd(
     ),
 ) -> None:
     """Serve an exported judge or reward model over HTTP on Ray Serve (hpref's, OpenRLHF's, miles' shapes)."""
-    from hpref.serve.command import serve_command
+    from hpref.serve.command import ServeRequest, serve_command
 
-    options = dict(host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file)
-    options.update(threads=threads, max_batch_size=max_batch_size, precision=precision)
-    raise typer.Exit(serve_command(export, **options))
+    request = ServeRequest(
+        export, host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file,
+        threads=threads, max_batch_size=max_batch_size, precision=precision,
+    )  # fmt: skip
+    raise typer.Exit(serve_command(request))
 
 
 # --------------------------------------------------------------------------------------------------

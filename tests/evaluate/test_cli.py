@@ -11,10 +11,10 @@ import pytest
 from hpref.arena import generate_battles
 from hpref.data.readers import ArenaConfig, ArenaReader, write_arena_file
 from hpref.errors import UserError
-from hpref.evaluate.command import eval_command
+from hpref.evaluate.command import EvalRequest, eval_command
 from hpref.prediction.files import read_predictions
 from hpref.prediction.metrics import log_loss
-from hpref.save.command import save_command
+from hpref.save.command import SaveRequest, save_command
 
 from .conftest import make_run
 
@@ -30,7 +30,10 @@ def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
 
     # a checkpoint, with swap TTA
     assert (
-        eval_command(recipe, checkpoint=run_dir, data=labelled, out=tmp_path / "a" / "p.csv", tta="swap") == 0
+        eval_command(
+            EvalRequest(recipe, checkpoint=run_dir, data=labelled, out=tmp_path / "a" / "p.csv", tta="swap")
+        )
+        == 0
     )
     metrics = json.loads((tmp_path / "a" / "p.metrics.json").read_text())
     preds = read_predictions(tmp_path / "a" / "p.csv")
@@ -41,18 +44,24 @@ def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
     assert "rows/s" in capsys.readouterr().out
 
     # export, then the same eval on the export (no TTA) and an ensemble of the two files
-    assert save_command(run_dir, to=tmp_path / "export") == 0
+    assert save_command(SaveRequest(run_dir, to=tmp_path / "export")) == 0
     assert (
-        eval_command(recipe, checkpoint=tmp_path / "export", data=labelled, out=tmp_path / "b" / "p.csv") == 0
+        eval_command(
+            EvalRequest(recipe, checkpoint=tmp_path / "export", data=labelled, out=tmp_path / "b" / "p.csv")
+        )
+        == 0
     )
     b = read_predictions(tmp_path / "b" / "p.csv")
     out = tmp_path / "c" / "blend.csv"
     files = [tmp_path / "a" / "p.csv", tmp_path / "b" / "p.csv"]
-    assert eval_command(None, ensemble=files, weights="1,1", data=labelled, out=out) == 0
+    assert eval_command(EvalRequest(None, ensemble=files, weights="1,1", data=labelled, out=out)) == 0
     np.testing.assert_allclose(read_predictions(out).probs, (preds.probs + b.probs) / 2, atol=1e-12)
     assert json.loads((tmp_path / "c" / "blend.metrics.json").read_text())["weights"] == [0.5, 0.5]
     assert (
-        eval_command(None, ensemble=files, fit_weights=True, data=labelled, out=tmp_path / "d" / "f.csv") == 0
+        eval_command(
+            EvalRequest(None, ensemble=files, fit_weights=True, data=labelled, out=tmp_path / "d" / "f.csv")
+        )
+        == 0
     )
     fitted = json.loads((tmp_path / "d" / "f.metrics.json").read_text())
     assert fitted["log_loss"] <= min(metrics["log_loss"], log_loss(b.probs, labels)) + 1e-9
@@ -63,7 +72,9 @@ def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
     )
     soft = tmp_path / "soft.csv"
     assert (
-        eval_command(None, ensemble=files, data=unlabelled, out=tmp_path / "e" / "t.csv", soft_labels=soft)
+        eval_command(
+            EvalRequest(None, ensemble=files, data=unlabelled, out=tmp_path / "e" / "t.csv", soft_labels=soft)
+        )
         == 0
     )
     assert not (tmp_path / "e" / "t.metrics.json").exists()  # nothing to score without labels
@@ -75,11 +86,11 @@ def test_eval_save_ensemble_and_soft_labels(tmp_path, capsys):
 
 def test_usage_errors():
     with pytest.raises(UserError, match="--tta 'flip'"):
-        eval_command(None, tta="flip")
+        eval_command(EvalRequest(None, tta="flip"))
     with pytest.raises(UserError, match="RECIPE and --checkpoint"):
-        eval_command(None)
+        eval_command(EvalRequest(None))
     with pytest.raises(UserError, match="--to DIR"):
-        save_command("/nonexistent")
+        save_command(SaveRequest("/nonexistent"))
 
 
 def test_two_process_eval_gives_the_one_process_predictions(tmp_path):
@@ -94,7 +105,9 @@ def test_two_process_eval_gives_the_one_process_predictions(tmp_path):
     recipe = run_dir / "recipe.toml"
     labelled = write_arena_file(tmp_path / "eval.csv", list(generate_battles(30, seed=5)))
     assert (
-        eval_command(recipe, checkpoint=run_dir, data=labelled, out=tmp_path / "one" / "p.csv", plot=False)
+        eval_command(
+            EvalRequest(recipe, checkpoint=run_dir, data=labelled, out=tmp_path / "one" / "p.csv", plot=False)
+        )
         == 0
     )
     result = subprocess.run(
@@ -129,9 +142,15 @@ def test_teacher_predicts_then_student_trains_on_soft_labels(tmp_path):
         tmp_path / "test.csv", [dataclasses.replace(b, label=None) for b in generate_battles(40, seed=3)]
     )
     soft = tmp_path / "soft.parquet"
-    assert eval_command(run_dir / "recipe.toml", checkpoint=run_dir, data=unlabelled, out=teacher) == 0
     assert (
-        eval_command(None, ensemble=[teacher], data=unlabelled, out=tmp_path / "e.csv", soft_labels=soft) == 0
+        eval_command(EvalRequest(run_dir / "recipe.toml", checkpoint=run_dir, data=unlabelled, out=teacher))
+        == 0
+    )
+    assert (
+        eval_command(
+            EvalRequest(None, ensemble=[teacher], data=unlabelled, out=tmp_path / "e.csv", soft_labels=soft)
+        )
+        == 0
     )
 
     import tomllib

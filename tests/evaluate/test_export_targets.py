@@ -13,7 +13,7 @@ import pytest
 from hpref.arena import generate_battles
 from hpref.data.readers import write_arena_file
 from hpref.errors import UserError
-from hpref.evaluate.command import eval_command
+from hpref.evaluate.command import EvalRequest, eval_command
 from hpref.prediction.files import write_predictions
 from hpref.recipe import remote_code_keys
 from hpref.save import export
@@ -223,8 +223,8 @@ def test_eval_never_replaces_files_it_did_not_write_for_this_output(tmp_path, bl
     out_dir.mkdir()
     (out_dir / "metrics.json").write_text("the user's metrics")
     (out_dir / "reliability.png").write_bytes(b"the user's plot")
-    assert eval_command(None, ensemble=files, data=data, out=out_dir / "x.csv") == 0
-    assert eval_command(None, ensemble=files, data=data, out=out_dir / "y.csv", plot=False) == 0
+    assert eval_command(EvalRequest(None, ensemble=files, data=data, out=out_dir / "x.csv")) == 0
+    assert eval_command(EvalRequest(None, ensemble=files, data=data, out=out_dir / "y.csv", plot=False)) == 0
     assert (out_dir / "metrics.json").read_text() == "the user's metrics"
     assert (out_dir / "reliability.png").read_bytes() == b"the user's plot"
     assert sorted(os.listdir(out_dir)) == [
@@ -250,7 +250,7 @@ def test_eval_out_inside_a_run_s_checkpoints_is_refused(run, tmp_path, blend_inp
         run / "predictions.csv",
     ):
         with pytest.raises(UserError, match="write outputs outside it") as info:
-            eval_command(None, ensemble=files, data=data, out=out)
+            eval_command(EvalRequest(None, ensemble=files, data=data, out=out))
         assert "\n" not in str(info.value)
     assert snapshot(run) == before
 
@@ -261,6 +261,6 @@ def test_eval_outputs_are_written_durably(tmp_path, blend_inputs, monkeypatch):
     files, data = blend_inputs
     spy = DurableWrites(monkeypatch)
     out = tmp_path / "results" / "x.csv"
-    assert eval_command(None, ensemble=files, data=data, out=out) == 0
+    assert eval_command(EvalRequest(None, ensemble=files, data=data, out=out)) == 0
     for name in ("x.csv", "x.metrics.json", "x.reliability.png"):
         spy.assert_durable(out.with_name(name))

@@ -245,7 +245,7 @@ def test_smollm2_reward_recipe_trains_and_exports_a_transformers_reward_model(sm
     from hpref.plugins import load_plugins
     from hpref.prediction.files import read_predictions
     from hpref.recipe import load_recipe
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
     from hpref.train import run_train
     from hpref.train.metrics import read_metrics
 
@@ -276,7 +276,7 @@ def test_smollm2_reward_recipe_trains_and_exports_a_transformers_reward_model(sm
     assert final["eval_log_loss"] < losses[0] - 0.1 and final["eval_accuracy"] >= 0.75, (losses, final)
 
     export = tmp_path / "export"
-    assert save_command(run, to=export) == 0
+    assert save_command(SaveRequest(run, to=export)) == 0
     assert not list(export.glob("*.gguf"))
     info = json.loads((export / "hpref_model.json").read_text())
     hf, loading = AutoModelForSequenceClassification.from_pretrained(export, output_loading_info=True)

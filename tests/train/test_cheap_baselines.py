@@ -137,7 +137,7 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
 
     # each baseline's eval predictions sit beside the model's, for the same battles, and blend
     # with them through hpref eval, with an out-of-fold figure for the fitted weights
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
     from hpref.prediction.files import read_predictions
 
     run = tmp_path / "runs" / "arena"
@@ -149,11 +149,16 @@ def test_a_run_on_an_arena_file_reports_the_cheap_baselines(tmp_path):
     assert np.allclose(prior.probs, prior.probs[0])  # one distribution: the train split's shares
     out = tmp_path / "blend.csv"
     members = [run / "predictions.csv", run / "predictions" / "baseline-length.csv"]
-    assert eval_command(None, data=data, out=out, ensemble=members, fit_weights=True, plot=False) == 0
+    assert (
+        eval_command(EvalRequest(None, data=data, out=out, ensemble=members, fit_weights=True, plot=False))
+        == 0
+    )
     metrics = json.loads(out.with_name("blend.metrics.json").read_text())
     assert metrics["cross_fitted_log_loss"] >= metrics["log_loss"] - 1e-9 and len(metrics["weights"]) == 2
     # the run's own summary blends the model with the style baseline the same way (cross-fitted)
     style = [run / "predictions.csv", run / "predictions" / "baseline-style.csv"]
-    assert eval_command(None, data=data, out=out, ensemble=style, fit_weights=True, plot=False) == 0
+    assert (
+        eval_command(EvalRequest(None, data=data, out=out, ensemble=style, fit_weights=True, plot=False)) == 0
+    )
     metrics = json.loads(out.with_name("blend.metrics.json").read_text())
     assert summary["blend_with_style"] == pytest.approx(metrics["cross_fitted_log_loss"], abs=1e-9)

@@ -241,13 +241,13 @@ def test_merged_and_adapter_exports_give_the_in_training_predictions(lora_run, t
     format + hpref's head), each evaluated by `hpref eval`, and the checkpoint itself, reproduce the
     predictions the 2-rank run wrote at its last eval (to the CSV's 6 decimals; merging adds B A
     into W in fp32, a ~1e-7 change). If not, an export is a different model from the one trained."""
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
     from hpref.prediction.files import read_predictions
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    assert save_command(lora_run, to=merged) == 0
-    assert save_command(lora_run, to=adapter, adapter=True) == 0
+    assert save_command(SaveRequest(lora_run, to=merged)) == 0
+    assert save_command(SaveRequest(lora_run, to=adapter, adapter=True)) == 0
     assert (merged / "model.safetensors").is_file() and not (merged / "adapter_config.json").exists()
     assert {"adapter_config.json", "adapter_model.safetensors", "head.safetensors", "hpref_adapter.json"} <= {
         p.name for p in adapter.iterdir()
@@ -256,7 +256,7 @@ def test_merged_and_adapter_exports_give_the_in_training_predictions(lora_run, t
     recipe = lora_run / "recipe.toml"
     for name, source in (("checkpoint", lora_run), ("merged", merged), ("adapter", adapter)):
         out = tmp_path / f"{name}.csv"
-        assert eval_command(recipe, checkpoint=source, out=out, plot=False) == 0
+        assert eval_command(EvalRequest(recipe, checkpoint=source, out=out, plot=False)) == 0
         np.testing.assert_allclose(read_predictions(out).probs, trained, atol=2e-6, err_msg=name)
 
     # the merged backbone is plain transformers: no PEFT keys, and not the base any more
@@ -279,7 +279,7 @@ def test_merged_and_adapter_exports_give_the_in_training_predictions(lora_run, t
     text = (full / "recipe.toml").read_text()
     (full / "recipe.toml").write_text(text[: text.index("[lora]")])
     with pytest.raises(UserError, match="--adapter: .* is a full fine-tuning run"):
-        save_command(full, to=tmp_path / "nope", adapter=True)
+        save_command(SaveRequest(full, to=tmp_path / "nope", adapter=True))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_minilm_reward_lora_checkpoint_is_small_and_its_adapter_loads_in_plain_p
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
     from hpref.models.hf import minilm_path
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
     from hpref.train import run_train
     from tests.conftest import REPO
     from tests.train.test_learns_pairwise import write_pairs
@@ -333,8 +333,8 @@ def test_minilm_reward_lora_checkpoint_is_small_and_its_adapter_loads_in_plain_p
     assert size < 0.05 * 12 * summary["params"], (size, summary["params"])
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    assert save_command(run, to=merged) == 0
-    assert save_command(run, to=adapter, adapter=True) == 0
+    assert save_command(SaveRequest(run, to=merged)) == 0
+    assert save_command(SaveRequest(run, to=adapter, adapter=True)) == 0
     tokenizer = AutoTokenizer.from_pretrained(merged)
     batch = tokenizer(["I love cats, they are wonderful.", "I hate dogs."], return_tensors="pt", padding=True)
     classifier = AutoModelForSequenceClassification.from_pretrained(merged).eval()

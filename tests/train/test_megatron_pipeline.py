@@ -124,7 +124,7 @@ def test_a_pipeline_reward_model_evaluates_as_the_unsplit_model(
     of its checkpoint on one process (the model unsplit) to 1e-5. If this fails, a stage other than
     the last allocates the logits with the judge's shape (one row per sequence) and the run dies at
     its first eval, or the stages' eval differs from the model's."""
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
     from hpref.prediction.files import read_predictions
     from hpref.recipe.catalog import resolve_recipe_path
     from hpref.train import run_train
@@ -143,7 +143,7 @@ def test_a_pipeline_reward_model_evaluates_as_the_unsplit_model(
     assert run_train(recipe, overrides, nproc_per_node=2) == 0
     run_dir = tmp_path / "runs" / "megatron-quickstart"
     out = tmp_path / "one-process.csv"
-    assert eval_command(run_dir / "recipe.toml", checkpoint=run_dir, out=out, plot=False) == 0
+    assert eval_command(EvalRequest(run_dir / "recipe.toml", checkpoint=run_dir, out=out, plot=False)) == 0
     ours, theirs = read_predictions(out), read_predictions(run_dir / "predictions.csv")
     assert ours.ids == theirs.ids and len(ours.ids) >= 10, len(ours.ids)  # fold 0 of 5 of 100
     assert abs(ours.probs - theirs.probs).max() < 1e-5

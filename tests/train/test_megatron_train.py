@@ -138,19 +138,19 @@ def assert_export_reproduces_predictions(run_dir: Path, recipe: Path, tmp_path: 
     predictions to 1e-5."""
     from transformers import AutoConfig, AutoModel
 
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
     from hpref.prediction.files import read_predictions
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
 
     export = tmp_path / "export"
-    assert save_command(run_dir, to=export) == 0
+    assert save_command(SaveRequest(run_dir, to=export)) == 0
     assert AutoConfig.from_pretrained(export).model_type == "llama"
     backbone = AutoModel.from_pretrained(export)  # strict keys: a plain transformers checkpoint
     assert backbone.config.num_hidden_layers == 2
     assert json.loads((export / "hpref_model.json").read_text())["provenance"]["component"] == "megatron-gpt"
 
     out = tmp_path / "export-predictions.csv"
-    assert eval_command(recipe, checkpoint=export, out=out, plot=False) == 0
+    assert eval_command(EvalRequest(recipe, checkpoint=export, out=out, plot=False)) == 0
     ours, theirs = read_predictions(out), read_predictions(run_dir / "predictions.csv")
     assert ours.ids == theirs.ids
     assert abs(ours.probs - theirs.probs).max() < 1e-5

@@ -288,13 +288,13 @@ def test_qlora_exports_adapter_rebuilds_the_4bit_model_merged_folds_into_full_pr
     trained, or the merge went into the 4-bit copy."""
     from safetensors.torch import load_file
 
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
     from hpref.prediction.files import read_predictions
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
 
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
-    assert save_command(qlora_run, to=merged) == 0
-    assert save_command(qlora_run, to=adapter, adapter=True) == 0
+    assert save_command(SaveRequest(qlora_run, to=merged)) == 0
+    assert save_command(SaveRequest(qlora_run, to=adapter, adapter=True)) == 0
     meta = json.loads((adapter / "hpref_adapter.json").read_text())
     assert meta["base"]["quantize_base"] == "4bit" and meta["lora"]["quantize_base"] == "4bit"
 
@@ -303,7 +303,7 @@ def test_qlora_exports_adapter_rebuilds_the_4bit_model_merged_folds_into_full_pr
     probs = {}
     for name, source in (("checkpoint", qlora_run), ("adapter", adapter), ("merged", merged)):
         out = tmp_path / f"{name}.csv"
-        assert eval_command(recipe, checkpoint=source, out=out, plot=False) == 0
+        assert eval_command(EvalRequest(recipe, checkpoint=source, out=out, plot=False)) == 0
         probs[name] = read_predictions(out).probs
     np.testing.assert_allclose(probs["checkpoint"], trained, atol=2e-6)
     np.testing.assert_allclose(probs["adapter"], probs["checkpoint"], atol=2e-6)

@@ -111,12 +111,12 @@ def test_reward_model_learns_an_obvious_preference(reward_run):
 def test_hpref_eval_scores_it_and_swap_tta_changes_nothing(reward_run, tmp_path, log_messages):
     """`hpref eval` on the run folder gives the training eval's numbers; `--tta swap` is a no-op (a
     reward model is symmetric by construction), said in one log line, not twice the compute."""
-    from hpref.evaluate.command import eval_command
+    from hpref.evaluate.command import EvalRequest, eval_command
     from hpref.prediction.files import read_predictions
 
     recipe = reward_run / "recipe.toml"
-    assert eval_command(recipe, checkpoint=reward_run, out=tmp_path / "a.csv") == 0
-    assert eval_command(recipe, checkpoint=reward_run, out=tmp_path / "b.csv", tta="swap") == 0
+    assert eval_command(EvalRequest(recipe, checkpoint=reward_run, out=tmp_path / "a.csv")) == 0
+    assert eval_command(EvalRequest(recipe, checkpoint=reward_run, out=tmp_path / "b.csv", tta="swap")) == 0
     a, b = read_predictions(tmp_path / "a.csv"), read_predictions(tmp_path / "b.csv")
     np.testing.assert_array_equal(a.probs, b.probs)
     metrics = json.loads((tmp_path / "b.metrics.json").read_text())
@@ -129,10 +129,10 @@ def test_hpref_eval_scores_it_and_swap_tta_changes_nothing(reward_run, tmp_path,
 @pytest.fixture(scope="module")
 def reward_export(reward_run, tmp_path_factory):
     """`hpref save` of the trained run: the folder other tools are handed."""
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
 
     export = tmp_path_factory.mktemp("export") / "reward"
-    assert save_command(reward_run, to=export) == 0
+    assert save_command(SaveRequest(reward_run, to=export)) == 0
     return export
 
 
@@ -279,10 +279,10 @@ def test_saved_reward_model_is_a_transformers_sequence_classifier(reward_run, tm
     from hpref.plugins import load_plugins
     from hpref.prediction.files import read_predictions
     from hpref.recipe import load_recipe
-    from hpref.save.command import save_command
+    from hpref.save.command import SaveRequest, save_command
 
     export = tmp_path / "export"
-    assert save_command(reward_run, to=export) == 0
+    assert save_command(SaveRequest(reward_run, to=export)) == 0
     info = json.loads((export / "hpref_model.json").read_text())
     hf = AutoModelForSequenceClassification.from_pretrained(export).eval()
     tokenizer = AutoTokenizer.from_pretrained(export)

@@ -1,63 +1,45 @@
-"""The body of `hpref eval`: plain arguments in, an exit code out.
+"""The body of `hpref eval`: an `EvalRequest` in, an exit code out.
 
-`hpref.cli` owns the Typer signatures and calls these; every user mistake raises a `UserError`
-(one line, exit 2), which the CLI's `main` already turns into its message.
+`hpref.cli` owns the Typer signature, builds the request and calls `eval_command`; every user
+mistake raises a `UserError` (one line, exit 2), which the CLI's `main` already turns into its
+message.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from hpref.errors import UserError
+from hpref.evaluate.request import EvalRequest
+
+__all__ = ["EvalRequest", "eval_command"]
 
 
-def eval_command(
-    recipe: str | Path | None,
-    *,
-    checkpoint: str | Path | None = None,
-    data: str | Path | None = None,
-    out: str | Path | None = None,
-    tta: str = "none",
-    ensemble: list[str | Path] | None = None,
-    weights: str | None = None,
-    fit_weights: bool = False,
-    soft_labels: str | Path | None = None,
-    overrides: list[str] | None = None,
-    micro_batch_tokens: int | None = None,
-    plot: bool = True,
-    device: str = "cpu",
-    nproc_per_node: int | None = None,
-) -> int:
+def eval_command(request: EvalRequest, *, device: str = "cpu") -> int:
     """`hpref eval`: predictions for every battle (model or ensemble), metrics when labelled.
 
-    Checks the arguments, then runs `hpref.evaluate.runner.run_eval` here, or with
+    Checks the request, then runs `hpref.evaluate.runner.run_eval` here, or with
     `nproc_per_node > 1` on that many processes started through torchrun (`hpref.evaluate.launch`,
     each rank a `hpref.evaluate.worker`); rank 0 writes every output.
     """
-    if tta not in ("none", "swap"):
-        raise UserError(f"--tta {tta!r}: expected none or swap")
-    _check_outputs(out=out, soft_labels=soft_labels)
-    arguments: dict[str, Any] = dict(
-        checkpoint=checkpoint, data=data, out=out, tta=tta, ensemble=ensemble, weights=weights,
-        fit_weights=fit_weights, soft_labels=soft_labels, overrides=overrides,
-        micro_batch_tokens=micro_batch_tokens, plot=plot,
-    )  # fmt: skip
-    if nproc_per_node is not None and nproc_per_node > 1:
-        if ensemble:
+    if request.tta not in ("none", "swap"):
+        raise UserError(f"--tta {request.tta!r}: expected none or swap")
+    _check_outputs(out=request.out, soft_labels=request.soft_labels)
+    if request.nproc_per_node is not None and request.nproc_per_node > 1:
+        if request.ensemble:
             raise UserError(
                 "--nproc-per-node applies to model predictions; an --ensemble blend runs in one process"
             )
-        if checkpoint is None or recipe is None:
+        if request.checkpoint is None or request.recipe is None:
             raise UserError("--nproc-per-node needs a recipe and --checkpoint")
         from hpref.evaluate.launch import launch_eval
         from hpref.recipe import load_recipe
 
-        run_dir = load_recipe(recipe, overrides).run.run_dir
-        return launch_eval({"recipe": recipe, **arguments}, nproc_per_node, run_dir)
+        run_dir = load_recipe(request.recipe, list(request.overrides)).run.run_dir
+        return launch_eval(request, request.nproc_per_node, run_dir)
     from hpref.evaluate.runner import run_eval
 
-    return run_eval(recipe, device=device, **arguments)
+    return run_eval(request, device=device)
 
 
 def _check_outputs(**paths: str | Path | None) -> None:

@@ -2,9 +2,10 @@
 
 A model (export folder, adapter export, checkpoint or run folder) + battles -> views (each battle,
 and its swap with `--tta swap`) tokenized by the recipe's formatter at the recipe's max_length,
-exactly as in training (`hpref.data.cache.encode_views`) -> probabilities per battle from the shared
-`hpref.prediction.predict` (packed micro-batches, all_gather over ranks when a process group is up,
-swapped views mapped back and averaged). Or an ensemble: prediction files blended by id. Then rank
+exactly as in training (`hpref.data.cache.encode_views`) -> probabilities per battle -> the
+predictions file, all in `hpref.prediction.evaluation.evaluate_battles`, the call the train loop's
+eval makes too (packed micro-batches, all_gather over ranks when a process group is up, swapped views
+mapped back and averaged, rank 0 writing). Or an ensemble: prediction files blended by id. Then rank
 0 writes the predictions, the optional soft-label file, and, for labelled battles, `metrics.json`,
 the table and the reliability diagram (`hpref.prediction.metrics`).
 
@@ -14,34 +15,22 @@ the table and the reliability diagram (`hpref.prediction.metrics`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
+from hpref.prediction.evaluation import Evaluation, evaluate_battles
 from hpref.runfolder.layout import EVAL, EVAL_PREDICTIONS
 
+if TYPE_CHECKING:
+    from hpref.evaluate.request import EvalRequest
 
-@dataclass
-class PredictResult:
-    ids: list[str]
-    probs: np.ndarray  # [n, 3]
-    seconds: float
-    sequences: int
-    tokens: int
-    world_size: int = 1
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def rows_per_s(self) -> float:
-        """Battles per second over the whole predict call (tokenization included), all ranks."""
-        return len(self.ids) / self.seconds if self.seconds > 0 else float("inf")
+#: what `predict_battles` returns (`hpref.prediction.evaluation.Evaluation`)
+PredictResult = Evaluation
 
 
 def is_export_folder(path: Path) -> bool:
@@ -83,39 +72,10 @@ def predict_battles(
     tta: bool = False,
     device: Any = "cpu",
 ) -> PredictResult:
-    """Probabilities for every battle (ids in `battles` order); see the module docstring."""
-    from hpref.data.cache import encode_views
-    from hpref.data.formatting import check_pairing
-    from hpref.prediction.predict import predict
-
-    if not battles:
-        raise UserError("nothing to predict: the data has no battles")
-    check_pairing(formatter, model)
-    if tta and getattr(model, "paired", False):
-        # a reward model scores A and B alone: the swapped view is this one mirrored, exactly
-        logger.info("--tta swap: a reward model is symmetric in A and B; scoring each battle once")
-        tta = False
-    start = time.perf_counter()
-    examples = encode_views(battles, formatter, both_views=tta).examples()
-    tokenized = time.perf_counter()
-    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
-    prediction = predict(
-        model,
-        examples,
-        n_rows=len(battles),
-        micro_batch_tokens=micro_batch_tokens,
-        device=device,
-        filler_token_id=int(pad) if pad is not None else 0,
-    )
-    end = time.perf_counter()
-    return PredictResult(
-        ids=[b.id for b in battles],
-        probs=prediction.probs,
-        seconds=end - start,
-        sequences=prediction.sequences,
-        tokens=prediction.tokens,
-        world_size=prediction.world_size,
-        timings={"tokenize_s": tokenized - start, "score_s": end - tokenized},
+    """Probabilities for every battle (ids in `battles` order): the shared
+    `hpref.prediction.evaluation.evaluate_battles`, the views encoded by `formatter`."""
+    return evaluate_battles(
+        model, battles, formatter=formatter, tta=tta, micro_batch_tokens=micro_batch_tokens, device=device
     )
 
 
@@ -123,22 +83,7 @@ def predict_battles(
 # hpref eval
 
 
-def run_eval(
-    recipe: str | Path | None,
-    *,
-    checkpoint: str | Path | None = None,
-    data: str | Path | None = None,
-    out: str | Path | None = None,
-    tta: str = "none",
-    ensemble: list[str | Path] | None = None,
-    weights: str | None = None,
-    fit_weights: bool = False,
-    soft_labels: str | Path | None = None,
-    overrides: list[str] | None = None,
-    micro_batch_tokens: int | None = None,
-    plot: bool = True,
-    device: str = "cpu",
-) -> int:
+def run_eval(request: EvalRequest, *, device: str = "cpu") -> int:
     """Predictions for every battle (model or ensemble), metrics when labelled; the exit code.
 
     Collective for a model under a process group: every rank predicts its share, rank 0 writes."""
@@ -153,6 +98,7 @@ def run_eval(
     from hpref.evaluate.ensemble import fit_weights as fit
     from hpref.prediction.files import read_predictions, write_predictions
 
+    data, out, ensemble, checkpoint = request.data, request.out, request.ensemble, request.checkpoint
     battles = read_battles(data) if data is not None else None
     source = str(data) if data is not None else "dataset.eval"
     extra: dict[str, Any] = {}
@@ -161,7 +107,7 @@ def run_eval(
         if checkpoint is not None:
             raise UserError("--ensemble blends prediction files; it cannot be combined with --checkpoint")
         members = [read_predictions(p) for p in ensemble]
-        if fit_weights:
+        if request.fit_weights:
             if battles is None:
                 raise UserError("--fit-weights needs labelled --data to fit on")
             labels, _ = labels_for(members[0], battles, source=source)
@@ -173,33 +119,25 @@ def run_eval(
                     f"{extra['cross_fitted_log_loss']:.4f} (the table below is in-sample)"
                 )
         else:
-            w = parse_weights(weights, len(members))
+            w = parse_weights(request.weights, len(members))
         preds = blend(members, w)
         extra["weights"] = [float(v) for v in w]
         out_path = Path(out) if out is not None else Path("blend.csv")
     else:
-        if recipe is None or checkpoint is None:
+        if request.recipe is None or checkpoint is None:
             raise UserError("hpref eval needs a RECIPE and --checkpoint (or --ensemble FILES)")
-        preds, out_path, battles, extra = _predict_with_model(
-            recipe,
-            checkpoint,
-            battles,
-            out,
-            tta=tta,
-            overrides=overrides,
-            mbt=micro_batch_tokens,
-            device=device,
-        )
-        if _rank() != 0:  # every rank holds the gathered predictions; one writes them
+        preds, out_path, battles, extra = _predict_with_model(request, battles, device=device)
+        if _rank() != 0:  # every rank holds the gathered predictions; rank 0 has written them
             return 0
-    write_predictions(out_path, preds.ids, preds.probs)
+    if ensemble:
+        write_predictions(out_path, preds.ids, preds.probs)
     logger.info(f"predictions for {len(preds):,} battles written to {out_path}")
-    if soft_labels is not None:
+    if request.soft_labels is not None:
         if battles is None:
             raise UserError("--soft-labels needs the battles the predictions are for (--data)")
-        path = write_soft_labels(soft_labels, preds, battles, source=source)
+        path = write_soft_labels(request.soft_labels, preds, battles, source=source)
         logger.info(f"soft-label training file written to {path}")
-    _report(preds, battles, out_path, source=source, extra=extra, plot=plot)
+    _report(preds, battles, out_path, source=source, extra=extra, plot=request.plot)
     if "rows_per_s" in extra:
         print(f"eval throughput: {extra['rows_per_s']:,.1f} rows/s ({extra['sequences']:,} sequences)")
     return 0
@@ -211,13 +149,15 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides, mbt, device):
+def _predict_with_model(request: EvalRequest, battles: list[Battle] | None, *, device: str):
     from hpref.components import Components
     from hpref.evaluate.adapter_export import is_adapter_export, load_adapter_export
     from hpref.prediction.files import Predictions
     from hpref.recipe import load_recipe
 
-    recipe = load_recipe(recipe_arg, overrides)
+    checkpoint, out, tta = request.checkpoint, request.out, request.tta
+    assert checkpoint is not None
+    recipe = load_recipe(request.recipe, list(request.overrides))
     if battles is None:
         source = Components(recipe).source("eval")
         if source is None:
@@ -227,15 +167,16 @@ def _predict_with_model(recipe_arg, checkpoint, battles, out, *, tta, overrides,
         model = load_adapter_export(checkpoint, device=device)
     else:
         model = load_model(checkpoint, recipe, device=device)
-    result = predict_battles(
+    out_path = Path(out) if out is not None else recipe.run.run_dir / EVAL / EVAL_PREDICTIONS
+    result = evaluate_battles(  # rank 0 writes the predictions file
         model,
         battles,
-        formatter_for(recipe, model.tokenizer),
-        micro_batch_tokens=mbt or recipe.train.micro_batch_tokens,
+        formatter=formatter_for(recipe, model.tokenizer),
         tta=tta == "swap",
+        micro_batch_tokens=request.micro_batch_tokens or recipe.train.micro_batch_tokens,
         device=device,
+        write_to=[out_path],
     )
-    out_path = Path(out) if out is not None else recipe.run.run_dir / EVAL / EVAL_PREDICTIONS
     extra = {
         "checkpoint": str(checkpoint),
         "tta": tta,

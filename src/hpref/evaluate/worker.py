@@ -21,13 +21,14 @@ from hpref.errors import UserError
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
+    from hpref.evaluate.request import EvalRequest
     from hpref.evaluate.runner import run_eval
     from hpref.logs import setup_logging
     from hpref.runtime.distributed import init_distributed
     from hpref.runtime.watchdog import die_with_parent, start_heartbeat
 
     parser = argparse.ArgumentParser(prog="hpref.evaluate.worker")
-    parser.add_argument("--spec", required=True, help="JSON file with run_eval's arguments")
+    parser.add_argument("--spec", required=True, help="JSON file with the EvalRequest")
     args = parser.parse_args(argv)
     # the same liveness as training workers: gone with the launcher, watched by its heartbeat check
     die_with_parent()
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed("auto")
     setup_logging(None, rank=info.rank)
     try:
-        code = run_eval(spec.pop("recipe"), device=str(info.device), **spec)
+        code = run_eval(EvalRequest(**spec), device=str(info.device))
         # Rank 0 writes predictions and metrics after the gather; a rank that tore the gloo group
         # down under it first aborted the process at exit (seen in CI as SIGABRT on rank 1).
         dist.barrier()

@@ -8,6 +8,9 @@ metrics   log loss, accuracy, per-class calibration (ECE), confusion matrix, Bay
           closed; `metrics.json` and the printed table (numpy only). The one log loss of hpref:
           training eval, `hpref eval`, ensembles, the cheap baselines and the synthetic arena's
           report all call it.
+evaluation `evaluate_battles`: battles (tokenized or encoded here) -> predict -> log loss and
+          accuracy when labelled -> prediction files (rank 0). The one eval that the train loop
+          and `hpref eval` both call.
 files     prediction files (`id, winner_model_a, winner_model_b, winner_tie`) written as CSV /
           Parquet / JSONL and read back with strict checks.
 baselines the cheap baselines (the label prior, the style and length features' logistic fits) that a

@@ -7,9 +7,21 @@ does the run folder get its resolved recipe and log (`hpref.runfolder.start`), a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class RlRequest:
+    """`hpref rl`'s options, built once by the CLI."""
+
+    recipe_path: Path
+    policies: str
+    overrides: Sequence[str] = ()
+    ray_address: str | None = None
+    resume: str | None = None
 
 
 def policy_ids(text: str) -> list[str]:
@@ -27,22 +39,21 @@ def _rl_recipe(recipe_path: Path, overrides: list[str]) -> Any:
     return loaded
 
 
-def rl_command(
-    recipe_path: Path, overrides: list[str], policies: str, ray_address: str | None, resume: str | None
-) -> int:
+def rl_command(request: RlRequest) -> int:
     """`hpref rl`: check, start the run folder, run (`hpref.rl.run_rl`); returns the exit code."""
     import hpref.rl
     from hpref.rl.launch import preflight, resume_source
     from hpref.runfolder.start import start_run_folder
 
-    loaded = _rl_recipe(recipe_path, overrides)
-    ids = policy_ids(policies)
+    recipe_path, resume = request.recipe_path, request.resume
+    loaded = _rl_recipe(recipe_path, list(request.overrides))
+    ids = policy_ids(request.policies)
     loaded.rl.select(ids)  # an unknown policy id is a user error before the run folder is touched
     # A fresh start on a folder that holds another run's record is refused before anything is written.
     resume_source(loaded.run.run_dir, resume)
     prompts = preflight(loaded, ids)  # models, rewards, the prompt file: before the run folder too
     start_run_folder(loaded, "rl")
-    return hpref.rl.run_rl(loaded, ids, ray_address, resume, prompts=prompts)
+    return hpref.rl.run_rl(loaded, ids, request.ray_address, resume, prompts=prompts)
 
 
 def warmup_lines(recipe_path: Path, overrides: list[str], policies: str | None) -> Iterator[str]:

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
@@ -59,26 +60,34 @@ def _require_ray_serve() -> None:
         raise UserError(f"hpref serve needs Ray Serve ({exc.name} is missing): {SERVE_EXTRA}") from None
 
 
-def serve_command(
-    export: Path,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    replicas: int = 1,
-    ray_address: str | None = None,
-    token_file: Path | None = None,
-    threads: int | None = None,
-    max_batch_size: int = 32,
-    precision: str = "auto",
-) -> int:
+@dataclass(frozen=True)
+class ServeRequest:
+    """`hpref serve`'s options, built once by the CLI."""
+
+    export: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    replicas: int = 1
+    ray_address: str | None = None
+    token_file: Path | None = None
+    threads: int | None = None
+    max_batch_size: int = 32
+    precision: str = "auto"
+
+
+def serve_command(request: ServeRequest) -> int:
+    """`hpref serve`: check the export and the options, then run the Ray Serve app until stopped."""
     from hpref.builtin.scoring import export_problem
+
+    export, host, port, replicas = request.export, request.host, request.port, request.replicas
+    ray_address, max_batch_size, precision = request.ray_address, request.max_batch_size, request.precision
 
     problem = export_problem(export)
     if problem:
         raise UserError(f"EXPORT: {problem}")
-    token = read_token(token_file)
+    token = read_token(request.token_file)
     cores = os.cpu_count() or 1
-    threads = threads or max(1, cores // replicas)
+    threads = request.threads or max(1, cores // replicas)
     if ray_address is None:
         if replicas * threads > cores:
             raise UserError(

@@ -1,56 +1,40 @@
 """`hpref train` and `hpref init` from the command line: the run folder checks, then the launcher.
 
 The order matters: the run folder is checked (and with `--overwrite` cleared) before any process
-starts, so a fresh run never lands on another run's checkpoints; then `hpref.train.launch.run_train`
-validates the recipe and starts the workers.
+starts, so a fresh run never lands on another run's checkpoints; then
+`hpref.train.launch.launch_train` validates the recipe and starts the workers. The CLI builds one
+`TrainRequest`; it is handed down whole.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from hpref.train.request import TrainRequest
 
-def train_command(
-    recipe_path: Path,
-    overrides: list[str],
-    *,
-    nproc_per_node: int | None,
-    nnodes: int | None,
-    node_rank: int | None,
-    rdzv_endpoint: str | None,
-    rdzv_timeout: int | None,
-    resume: str | None,
-    dry_run: bool,
-    overwrite: bool,
-) -> int:
-    """Check the run folder (`hpref.runfolder.start.prepare_train_run_folder`), then train; returns
-    the exit code. Node 0 owns the run folder: the other nodes of a multi-node run leave it alone."""
+__all__ = ["TrainRequest", "init_command", "train_command"]
+
+
+def train_command(request: TrainRequest) -> int:
+    """Check the run folder (`hpref.runfolder.start.prepare_train_run_folder`), then train
+    (`hpref.train.launch.launch_train`); returns the exit code. Node 0 owns the run folder: the other
+    nodes of a multi-node run leave it alone."""
+    import hpref.train.launch
     from hpref.recipe import load_recipe
     from hpref.runfolder.start import prepare_train_run_folder
-    from hpref.train.launch import run_train
 
-    loaded = load_recipe(recipe_path, overrides)
-    nodes = nnodes or loaded.launch.nnodes
-    rank = node_rank if node_rank is not None else loaded.launch.node_rank
+    loaded = load_recipe(request.recipe_path, list(request.overrides))
+    nodes = request.nnodes or loaded.launch.nnodes
+    rank = request.node_rank if request.node_rank is not None else loaded.launch.node_rank
     prepare_train_run_folder(
         loaded.run.run_dir,
-        resume=resume,
-        overwrite=overwrite,
-        dry_run=dry_run,
+        resume=request.resume,
+        overwrite=request.overwrite,
+        dry_run=request.dry_run,
         owner=nodes == 1 or rank == 0,
     )
-    return run_train(
-        recipe_path,
-        overrides,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_timeout=rdzv_timeout,
-        resume=resume,
-        dry_run=dry_run,
-        recipe=loaded,  # read once in this process: the launcher checks it and hands it on
-    )
+    # read once in this process: the launcher checks it and hands it on
+    return hpref.train.launch.launch_train(request, recipe=loaded)
 
 
 def init_command(recipe_path: Path, overrides: list[str]) -> Path:

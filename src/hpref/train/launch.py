@@ -20,6 +20,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
@@ -27,6 +28,9 @@ from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
 from hpref.runfolder.start import RESOLVED_RECIPE_ENV, write_resolved_recipe
 from hpref.runtime.torchrun import free_port, run_torchrun
+
+if TYPE_CHECKING:
+    from hpref.train.request import TrainRequest
 
 WORKER_MODULE = "hpref.train.worker"
 
@@ -107,24 +111,21 @@ def plan_launch(
     return LaunchPlan(nproc, nodes, worker_args, args)
 
 
-def run_train(
-    recipe_path: str | Path,
-    overrides: list[str] | None = None,
-    *,
-    nproc_per_node: int | None = None,
-    nnodes: int | None = None,
-    node_rank: int | None = None,
-    rdzv_endpoint: str | None = None,
-    rdzv_timeout: int | None = None,
-    resume: str | Path | None = None,
-    dry_run: bool = False,
-    recipe: Recipe | None = None,
-) -> int:
+def run_train(recipe_path: str | Path, overrides: list[str] | None = None, **options: Any) -> int:
+    """`launch_train` from keywords (Python callers and tests): `TrainRequest`'s fields, and
+    `recipe`, an already loaded `Recipe`."""
+    from hpref.train.request import TrainRequest
+
+    recipe = options.pop("recipe", None)
+    return launch_train(TrainRequest(Path(recipe_path), tuple(overrides or ()), **options), recipe=recipe)
+
+
+def launch_train(request: TrainRequest, recipe: Recipe | None = None) -> int:
     """Validate the recipe, then train; returns the exit code (0 done, 2 user error, else failure).
 
     A recipe error raises `UserError` before anything starts. `dry_run` prints the exact command
-    and the resolved recipe, and returns 0. `recipe`: the recipe `recipe_path` and `overrides`
-    already loaded in this process (`hpref.train.command`), so that it is read once.
+    and the resolved recipe, and returns 0. `recipe`: the request's recipe and overrides already
+    loaded in this process (`hpref.train.command`), so that it is read once.
 
     The recipe is checked here, once, and its resolved form written to the run folder's
     `recipe.toml`: the in-process worker is handed the same `Recipe`, and torchrun's workers read that
@@ -132,7 +133,7 @@ def run_train(
     """
     from hpref.train.checks import check_train
 
-    overrides = list(overrides or [])
+    recipe_path, overrides, resume = request.recipe_path, list(request.overrides), request.resume
     if recipe is None:
         recipe = load_recipe(recipe_path, overrides)
     check_train(recipe, recipe_path)  # the same checks as `hpref recipes check`, before any process
@@ -140,14 +141,14 @@ def run_train(
         recipe_path,
         overrides,
         recipe,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_timeout=rdzv_timeout,
+        nproc_per_node=request.nproc_per_node,
+        nnodes=request.nnodes,
+        node_rank=request.node_rank,
+        rdzv_endpoint=request.rdzv_endpoint,
+        rdzv_timeout=request.rdzv_timeout,
         resume=resume,
     )
-    if dry_run:
+    if request.dry_run:
         print(plan.command())
         print()
         print(recipe.to_toml())

@@ -9,8 +9,7 @@ reduced once per step (`set_requires_gradient_sync(False)` on all but the last m
 loss is all-reduced once per step, for logging.
 
 The model, optimizer, scheduler and loss come from the worker (`hpref.components.Components`); eval
-is the shared `hpref.prediction.predict`, scored by `hpref.prediction.metrics`, exactly what
-`hpref eval` computes.
+is the shared `hpref.prediction.evaluation.evaluate_battles`, the same call `hpref eval` makes.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from loguru import logger
@@ -33,9 +31,7 @@ from loguru import logger
 from hpref.data.packing import PackedBatch, StepSampler
 from hpref.memory import release_freed_memory
 from hpref.models.loss import soft_cross_entropy
-from hpref.prediction.files import write_predictions
-from hpref.prediction.metrics import accuracy, log_loss
-from hpref.prediction.predict import predict
+from hpref.prediction.evaluation import Evaluation, evaluate_battles
 from hpref.protocols import ReducesOwnGradients, RunsOwnSchedule, SyncsGradientsOnDemand
 from hpref.recipe import Recipe
 from hpref.runfolder import layout
@@ -115,42 +111,8 @@ def train_step(
 # evaluation
 
 
-@dataclass
-class EvalResult:
-    probs: np.ndarray  # [n, 3], row i = battle i
-    labels: np.ndarray  # [n, 3]
-    log_loss: float
-    accuracy: float
-
-
-def evaluate(
-    model: torch.nn.Module,
-    data: Tokenized,
-    *,
-    micro_batch_tokens: int,
-    device: torch.device,
-    filler_token_id: int,
-    data_parallel: Any = None,
-) -> EvalResult:
-    """Score every eval battle once over all ranks (`hpref.prediction.predict`, collective) and
-    score the probabilities against the battles' labels (`hpref.prediction.metrics`)."""
-    assert data.battles is not None
-    prediction = predict(
-        model,
-        data.examples,
-        n_rows=len(data.battles),
-        micro_batch_tokens=micro_batch_tokens,
-        device=device,
-        filler_token_id=filler_token_id,
-        data_parallel=data_parallel,
-    )
-    labels = np.array([b.label for b in data.battles], dtype=np.float64)
-    return EvalResult(
-        probs=prediction.probs,
-        labels=labels,
-        log_loss=log_loss(prediction.probs, labels),
-        accuracy=accuracy(prediction.probs, labels),
-    )
+#: the last eval of a run (`hpref.prediction.evaluation.Evaluation`, labelled: scores set)
+EvalResult = Evaluation
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,22 +366,22 @@ def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: Metri
     """Evaluate, write the predictions (rank 0), log and record the metrics."""
     assert setup.eval_data is not None and setup.eval_data.battles is not None
     t = time.perf_counter()
-    result = evaluate(
+    battles = setup.eval_data.battles
+    result = evaluate_battles(  # the one evaluation `hpref eval` runs too; rank 0 writes the files
         setup.model,
-        setup.eval_data,
+        battles,
+        examples=setup.eval_data.examples,
         micro_batch_tokens=setup.recipe.train.micro_batch_tokens,
         device=setup.device,
         filler_token_id=setup.filler_token_id,
         data_parallel=setup.data_parallel,
-    )
-    battles = setup.eval_data.battles
-    if setup.rank == 0:
-        ids = [b.id for b in battles]
-        for path in (
+        write_to=[
             setup.run_dir / layout.PREDICTIONS_DIR / layout.STEP_PREDICTIONS.format(step=step),
             setup.run_dir / layout.PREDICTIONS,
-        ):
-            write_predictions(path, ids, result.probs, unique_ids=False)
+        ],
+        unique_ids=False,
+    )
+    assert result.log_loss is not None and result.accuracy is not None  # eval battles are labelled
     seconds = time.perf_counter() - t
     metrics.write(
         {
