@@ -15,7 +15,8 @@ import torch
 
 from hpref.arena import generate_battles
 from hpref.errors import UserError
-from hpref.evaluate.runner import formatter_for, load_model, predict_battles
+from hpref.evaluate.runner import formatter_for, load_model
+from hpref.prediction.evaluation import evaluate_battles
 from hpref.save import export
 
 from .conftest import TINY_MODEL, make_run, write_recipe
@@ -37,8 +38,8 @@ def run(tmp_path_factory):
 
 
 def _predict(model, recipe, battles):
-    return predict_battles(
-        model, battles, formatter_for(recipe, model.tokenizer), micro_batch_tokens=1024
+    return evaluate_battles(
+        model, battles, formatter=formatter_for(recipe, model.tokenizer), micro_batch_tokens=1024
     ).probs
 
 

@@ -15,7 +15,6 @@ the table and the reliability diagram (`hpref.prediction.metrics`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +22,11 @@ from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
-from hpref.prediction.evaluation import Evaluation, evaluate_battles
+from hpref.prediction.evaluation import evaluate_battles
 from hpref.runfolder.layout import EVAL, EVAL_PREDICTIONS
 
 if TYPE_CHECKING:
     from hpref.evaluate.request import EvalRequest
-
-#: what `predict_battles` returns (`hpref.prediction.evaluation.Evaluation`)
-PredictResult = Evaluation
 
 
 def is_export_folder(path: Path) -> bool:
@@ -61,22 +57,6 @@ def formatter_for(recipe: Any, tokenizer: Any, max_length: int | None = None) ->
     if recipe is None:
         return default_formatter(tokenizer, max_length)
     return Components(recipe).formatter(tokenizer, max_length)
-
-
-def predict_battles(
-    model: Any,
-    battles: Sequence[Battle],
-    formatter: Any,
-    *,
-    micro_batch_tokens: int = 8192,
-    tta: bool = False,
-    device: Any = "cpu",
-) -> PredictResult:
-    """Probabilities for every battle (ids in `battles` order): the shared
-    `hpref.prediction.evaluation.evaluate_battles`, the views encoded by `formatter`."""
-    return evaluate_battles(
-        model, battles, formatter=formatter, tta=tta, micro_batch_tokens=micro_batch_tokens, device=device
-    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -108,14 +108,6 @@ def train_step(
 
 
 # --------------------------------------------------------------------------------------------------
-# evaluation
-
-
-#: the last eval of a run (`hpref.prediction.evaluation.Evaluation`, labelled: scores set)
-EvalResult = Evaluation
-
-
-# --------------------------------------------------------------------------------------------------
 # the loop
 
 
@@ -362,7 +354,7 @@ def _diverged(run_dir: Path, step: int, loss: torch.Tensor, grad_norm: torch.Ten
     )
 
 
-def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: MetricsFile) -> EvalResult:
+def _evaluate_and_write(setup: TrainSetup, step: int, epoch: int, metrics: MetricsFile) -> Evaluation:
     """Evaluate, write the predictions (rank 0), log and record the metrics."""
     assert setup.eval_data is not None and setup.eval_data.battles is not None
     t = time.perf_counter()

@@ -24,7 +24,7 @@ class RunStats:
     seconds: float = 0.0
     flops: float = 0.0
     last_loss: float = float("nan")
-    eval: Any = None  # the last `hpref.train.loop.EvalResult`
+    eval: Any = None  # the last `hpref.prediction.evaluation.Evaluation`
     eval_step: int = -1
 
     def add(self, record: dict[str, Any]) -> None:
