@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -73,15 +74,14 @@ def _trl_batch(setup, plan):
     examples = [setup.train_data.examples[i] for i in indices]
     pairs = [{"chosen_ids": list(e.ids[: e.split]), "rejected_ids": list(e.ids[e.split :])} for e in examples]
     batch = DataCollatorForPreference(pad_token_id=setup.filler_token_id)(pairs)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    return ids, mask, int(mask.sum()), ids.numel()
+    return batch["input_ids"], batch["attention_mask"]
 
 
 def _trl_step(side, batch) -> None:
     import torch
 
     model, optimizer, schedule, bf16 = side
-    ids, mask, _, _ = batch
+    ids, mask = batch
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         scores = model(input_ids=ids, attention_mask=mask).logits.float().squeeze(-1)
     half = scores.shape[0] // 2
@@ -153,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     _step(setup, plans[0])  # warm-up of both: first-call allocations, oneDNN primitive caches
     _trl_step(trl, _trl_batch(setup, plans[0]))
     real = sum(p.num_tokens for p in steps)
-    padded = sum(b[3] for b in batches)
-    seconds: dict[str, list[float]] = {"hpref": [], "trl": []}
+    padded = sum(ids.numel() for ids, _ in batches)
+    sides = {
+        "hpref": lambda: [_step(setup, plan) for plan in steps],
+        "trl": lambda: [_trl_step(trl, batch) for batch in batches],
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
     profiles = {}
     for r in range(args.rounds):
-        for name in ("hpref", "trl"):
-            run = (lambda: [_step(setup, p) for p in steps]) if name == "hpref" else (
-                lambda: [_trl_step(trl, b) for b in batches]
-            )  # fmt: skip
+        for name, run in sides.items():
             start = time.perf_counter()
             if args.profile and r == 0:
                 from torch.profiler import ProfilerActivity, profile
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds[name].append((time.perf_counter() - start) / len(steps))
     # the profiled round aside: the profiler's own cost is in it
     timed = {n: s[1:] if args.profile and len(s) > 1 else s for n, s in seconds.items()}
+    medians = {n: statistics.median(s) for n, s in timed.items()}
     result = {
         "steps": len(steps),
         "pairs_per_step": setup.recipe.train.batch_size,
@@ -180,16 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         "trl_precision": "fp32" if args.trl_fp32 else "bf16 autocast",
         "real_tokens_per_step": real / len(steps),
         "trl_padded_positions_per_step": padded / len(steps),
-        "load_1min": round(__import__("os").getloadavg()[0], 2),
+        "load_1min": round(os.getloadavg()[0], 2),
         **{
-            f"{n}_s_per_step": {"median": round(statistics.median(s), 3), "all": [round(x, 3) for x in s]}
+            f"{n}_s_per_step": {"median": round(medians[n], 3), "all": [round(x, 3) for x in s]}
             for n, s in timed.items()
         },
     }
-    medians = {n: statistics.median(s) for n, s in timed.items()}
     result["hpref_over_trl"] = round(medians["hpref"] / medians["trl"], 3)
     result["real_tokens_per_s"] = {n: round(real / len(steps) / m) for n, m in medians.items()}
-    result["trl_padded_positions_per_s"] = round(padded / len(steps) / statistics.median(timed["trl"]))
+    result["trl_padded_positions_per_s"] = round(padded / len(steps) / medians["trl"])
     if profiles:
         result["profile_top_ops"] = profiles
     print(json.dumps(result, indent=2))
