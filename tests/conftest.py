@@ -61,22 +61,13 @@ def fake_plugin_site(tmp_path: Path, entry_point: str, source: str) -> dict[str,
 
 def run_hpref(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120):
     """Run `python -m hpref ARGS` in a fresh process: real exit codes, real stdout/stderr."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "hpref", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=cwd or REPO,
-        timeout=timeout,
-    )
+    return run_hpref_together(list(args), env=env, cwd=cwd, timeout=timeout)[0]
 
 
 def run_hpref_together(
     *calls: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> list[subprocess.CompletedProcess]:
-    """`run_hpref` for each argument list, the processes side by side: each still a fresh
+    """`python -m hpref ARGS` for each argument list, the processes side by side: each a fresh
     `python -m hpref` with its own exit code and output, but their seconds of Python, torch and
     transformers start-up overlap. Results in the order of `calls`."""
     full_env = dict(os.environ)
