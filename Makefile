@@ -32,8 +32,13 @@ quickstart: $(STAMP)
 
 # pytest exits 5 when it collects no tests. make turns every failing command into its own exit 2,
 # so the reason is said here, where pytest's own code is still known: no tests is a failure, named.
+# Two pytest-xdist workers, one module at a time (a module's shared runs stay in one process), the
+# longest modules first (tests/conftest.py): most tests wait on subprocesses, Ray or torchrun for part
+# of their time, and the other worker fills it. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	@$(BIN)/python -m pytest -q --durations=20 $(PYTEST_ARGS); status=$$?; \
+	@$(BIN)/python -m pytest -q --durations=20 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		$(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests (exit 5): failing" >&2; fi; \
 	exit $$status
 
