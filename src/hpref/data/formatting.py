@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.data.records import Battle
 from hpref.errors import DataError
+from hpref.protocols import Formatter, PreferenceModel
 
 DEFAULT_INSTRUCTION = (
     "You are a fair judge. Read the conversation and decide which assistant answered the user better."
@@ -90,12 +91,14 @@ class Encoded:
     split: int = 0
 
 
-def check_pairing(formatter: Any, model: Any) -> None:
-    """A reward model (`model.paired`) needs two sequences per battle (`formatter.paired`), a judge
-    one: a mismatch would pair unrelated sequences or split one battle into two verdicts."""
-    if bool(getattr(formatter, "paired", False)) != bool(getattr(model, "paired", False)):
-        kind = "a reward model" if getattr(model, "paired", False) else "a judge"
-        makes = "two sequences" if getattr(formatter, "paired", False) else "one sequence"
+def check_pairing(formatter: Formatter, model: PreferenceModel) -> None:
+    """A reward model (`model.paired`) needs two sequences per battle (`formatter.paired`, optional
+    for a plugin's formatter: absent, one sequence), a judge one: a mismatch would pair unrelated
+    sequences or split one battle into two verdicts."""
+    two_sequences = bool(getattr(formatter, "paired", False))
+    if two_sequences != model.paired:
+        kind = "a reward model" if model.paired else "a judge"
+        makes = "two sequences" if two_sequences else "one sequence"
         raise DataError(
             f"the formatter makes {makes} "
             f"per battle, and the model is {kind}: use formatter 'answers' with head = 'reward', "

@@ -83,13 +83,13 @@ def evaluate_battles(
         from hpref.data.formatting import check_pairing
 
         check_pairing(formatter, model)
-        if tta and getattr(model, "paired", False):
+        if tta and model.paired:
             # a reward model scores A and B alone: the swapped view is this one mirrored, exactly
             logger.info("--tta swap: a reward model is symmetric in A and B; scoring each battle once")
             tta = False
         examples = encode_views(battles, formatter, both_views=tta).examples()
     if filler_token_id is None:
-        pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+        pad = model.tokenizer.pad_token_id
         filler_token_id = int(pad) if pad is not None else 0
     tokenized = time.perf_counter()
     prediction = predict(

@@ -105,10 +105,9 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> Mod
 
 
 class MegatronPreferenceModel(PreferenceModel):
-    """A `PreferenceModel` whose backbone is tensor parallel (see the module docstring)."""
-
-    #: hpref's LoRA wraps transformers modules; megatron's fused parallel linears are not among them
-    supports_lora = False
+    """A `PreferenceModel` whose backbone is tensor parallel (see the module docstring); what its
+    family supports (no LoRA: megatron's fused parallel linears are no PEFT targets) is
+    `hpref.builtin.megatron.MEGATRON_FAMILY`'s."""
 
     def __init__(
         self,
@@ -148,7 +147,7 @@ class MegatronPreferenceModel(PreferenceModel):
         (a broadcast from rank 0 would give every rank rank 0's shard). Streamed: each converted
         tensor is copied into its parameter as it is made (`pretrained_items`), so a rank holds its
         shard of the model and one source tensor, not a converted copy of the whole model."""
-        target = device if device is not None else getattr(self, "target_device", "cpu")
+        target = device if device is not None else self.target_device
         if any(p.is_meta for p in self.parameters()):
             self._materialize(target)
         self._fill(self.pretrained_items())
