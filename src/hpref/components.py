@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hpref.data.records import LABELS
 from hpref.errors import ComponentError, UserError
@@ -29,6 +29,10 @@ from hpref.families import ModelFamilySpec
 from hpref.plugins import Registry, load_plugins
 from hpref.protocols import BattleSource, Formatter, Optimizer, PreferenceModel
 from hpref.recipe import Recipe
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import PreTrainedTokenizerBase
 
 #: Classes a preference model predicts: A wins, B wins, tie.
 NUM_LABELS = len(LABELS)
@@ -94,7 +98,7 @@ class Components:
                 model.target_device = torch.device(device)
         return model
 
-    def formatter(self, tokenizer: Any, max_length: int | None = None) -> Formatter:
+    def formatter(self, tokenizer: PreTrainedTokenizerBase, max_length: int | None = None) -> Formatter:
         """The `[formatter]` component at `train.max_length` (or `max_length`)."""
         section = self.recipe.formatter
         length = max_length or self.recipe.train.max_length
@@ -112,7 +116,7 @@ class Components:
         section = self.recipe.optimizer
         return self.registry.get("optimizer", section.name).build(section.config, model)
 
-    def scheduler(self, optimizer: Optimizer, total_steps: int) -> Any:
+    def scheduler(self, optimizer: Optimizer, total_steps: int) -> LambdaLR:
         """The `[scheduler]` component (a multiplier of each group's base LR) as a torch LambdaLR."""
         import torch
 
@@ -141,7 +145,7 @@ class Components:
 
 
 def default_formatter(
-    tokenizer: Any, max_length: int | None = None, registry: Registry | None = None
+    tokenizer: PreTrainedTokenizerBase, max_length: int | None = None, registry: Registry | None = None
 ) -> Formatter:
     """The `pab` formatter with its defaults: for scoring an exported model without a recipe."""
     component = (registry or load_plugins()).get("formatter", "pab")

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel
 
@@ -121,7 +121,7 @@ class ModelFamilySpec:
         """The family a `register_models` model gets: its own, with the defaults."""
         return cls(name=builder.name, models=(builder,), description=builder.description or "")
 
-    def problems(self, model: Any) -> list[str]:
+    def problems(self, model: PreferenceModel) -> list[str]:
         """How a built model disagrees with this spec (empty when it does not): a declared
         capability it lacks, or a head kind, pooling or export the family does not declare."""
         out = [

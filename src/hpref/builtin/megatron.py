@@ -36,6 +36,8 @@ from hpref.hookspecs import hookimpl
 from hpref.protocols import LoadsPlainState, ParallelizesItself, ReducesOwnGradients, ViewsCheckpoint
 
 if TYPE_CHECKING:
+    import torch
+
     from hpref.models.megatron.preference import MegatronPreferenceModel
 
 
@@ -152,7 +154,9 @@ def build_megatron_gpt(
     )
 
 
-def parallelize_megatron(model: Any, *, param_dtype: Any, activation_checkpointing: bool) -> Any:
+def parallelize_megatron(
+    model: MegatronPreferenceModel, *, param_dtype: torch.dtype, activation_checkpointing: bool
+) -> MegatronPreferenceModel:
     """megatron's own parallelism (`parallelize_self`): tensor parallel inside, data parallel by one
     gradient all-reduce per step, no FSDP2 (it would make megatron's shards DTensors its layers do
     not expect)."""

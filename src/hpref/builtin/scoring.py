@@ -34,6 +34,7 @@ from typing import Any
 
 from hpref.data.prompts import battle_with_answers
 from hpref.data.records import Battle
+from hpref.protocols import Formatter, PreferenceModel
 
 Prompt = tuple[str, ...]
 #: written by `PreferenceModel.save_pretrained` (`hpref.models.preference.EXPORT_JSON`) and by `hpref
@@ -124,8 +125,8 @@ class ExportScorer:
 
     def __init__(
         self,
-        model: Any,
-        formatter: Any,
+        model: PreferenceModel,
+        formatter: Formatter,
         *,
         micro_batch_tokens: int,
         settings: dict[str, Any],

@@ -39,13 +39,16 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.data.records import Battle
 from hpref.errors import DataError
 from hpref.protocols import Formatter, PreferenceModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_INSTRUCTION = (
     "You are a fair judge. Read the conversation and decide which assistant answered the user better."
@@ -106,7 +109,7 @@ def check_pairing(formatter: Formatter, model: PreferenceModel) -> None:
         )
 
 
-def encode_battles(formatter: Any, battles: Sequence[Battle]) -> list[Encoded]:
+def encode_battles(formatter: Formatter, battles: Sequence[Battle]) -> list[Encoded]:
     """Every caller's way to run a formatter plugin: `encode_many` when it has one (batched
     tokenization, truncation statistics, paired sequences), else the required `encode` alone."""
     if hasattr(formatter, "encode_many"):
@@ -157,7 +160,7 @@ class JudgeFormatter:
     paired = False
     layouts: dict[str, Any] = LAYOUTS
 
-    def __init__(self, name: str, config: Any, tokenizer: Any, max_length: int) -> None:
+    def __init__(self, name: str, config: Any, tokenizer: PreTrainedTokenizerBase, max_length: int) -> None:
         if name not in self.layouts:
             raise ValueError(f"unknown layout {name!r}")
         self.name = name
@@ -391,7 +394,7 @@ class AnswersFormatter(JudgeFormatter):
     paired = True
     layouts = {"answers": _layout_answers}
 
-    def __init__(self, config: AnswersConfig, tokenizer: Any, max_length: int) -> None:
+    def __init__(self, config: AnswersConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> None:
         super().__init__("answers", config, tokenizer, max_length)
 
     def _render(self, n_turns: int) -> tuple[str, list[Slot]]:

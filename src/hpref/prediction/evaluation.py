@@ -22,6 +22,7 @@ from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
+from hpref.protocols import DataParallelSplit, Formatter, PreferenceModel
 
 
 @dataclass
@@ -53,16 +54,16 @@ def _rank() -> int:
 
 
 def evaluate_battles(
-    model: Any,
+    model: PreferenceModel,
     battles: Sequence[Battle],
     *,
     examples: Sequence[Any] | None = None,
-    formatter: Any = None,
+    formatter: Formatter | None = None,
     tta: bool = False,
     micro_batch_tokens: int = 8192,
     device: Any = "cpu",
     filler_token_id: int | None = None,
-    data_parallel: Any = None,
+    data_parallel: DataParallelSplit | None = None,
     write_to: Sequence[str | Path] = (),
     unique_ids: bool = True,
 ) -> Evaluation:
