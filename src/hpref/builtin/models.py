@@ -16,6 +16,8 @@ from hpref.families import FamilySupport, ModelBuilder, ModelFamilySpec
 from hpref.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedTokenizerBase
+
     from hpref.models.preference import PreferenceModel
 
 Attention = Literal["auto", "sdpa_segments", "sdpa_block_mask", "flash_varlen", "torch_varlen"]
@@ -233,7 +235,9 @@ def build_smollm2(
     )
 
 
-def tiny_llama_backbone_config(config: TinyLlamaArchitecture, tokenizer: Any) -> Any:
+def tiny_llama_backbone_config(
+    config: TinyLlamaArchitecture, tokenizer: PreTrainedTokenizerBase
+) -> LlamaConfig:
     """The `LlamaConfig` for these settings, sized to the trained tokenizer's vocabulary."""
     from transformers import LlamaConfig
 

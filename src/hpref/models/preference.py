@@ -41,7 +41,7 @@ import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ from hpref.models.heads import (
     seeded_head_state,
     seeded_reward_head_state,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Pooling = Literal["last", "first", "mean"]
 Head = Literal["judge", "reward"]
@@ -146,7 +149,7 @@ class PreferenceModel(nn.Module):
     def __init__(
         self,
         backbone: nn.Module,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         num_labels: int,
         pooling: Pooling,

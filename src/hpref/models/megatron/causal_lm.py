@@ -30,10 +30,15 @@ not map (`hpref.models.megatron.convert.shape_of`) and megatron-core missing bef
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from transformers import PretrainedConfig, PreTrainedModel
 
 #: the megatron-core keys of the final norm and the LM output layer (the rest are the backbone's)
 FINAL_NORM = "gpt.decoder.final_layernorm.weight"
@@ -109,7 +114,7 @@ class MegatronCausalLM(nn.Module):
     """A megatron-core `GPTModel` with its output layer, called like a transformers causal LM on a
     right-padded batch (see the module docstring)."""
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: PretrainedConfig):
         super().__init__()
         from hpref.models.megatron.backbone import cpu_rotary, transformer_config, varlen_layer_spec
         from hpref.models.megatron.convert import shape_of
@@ -134,7 +139,9 @@ class MegatronCausalLM(nn.Module):
         )
         cpu_rotary(self.gpt, even_with_cuda=True)  # an rl trainer's weights stay on the CPU
 
-    def forward(self, input_ids: Any, attention_mask: Any = None, **_: Any) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any
+    ) -> CausalLMOutput:
         """Logits `[B, L, V]` of a right-padded batch (zeros at padding positions)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -180,7 +187,7 @@ class MegatronCausalLM(nn.Module):
             for k, v in megatron_causal_to_hf(state, self.shape, tied=self.tied).items()
         }
 
-    def save_pretrained(self, folder: Any) -> None:
+    def save_pretrained(self, folder: str | Path) -> None:
         """A transformers folder (config.json and model.safetensors) the engine or a transformers
         policy loads; a tied `lm_head.weight` is left out, as transformers itself saves it."""
         from pathlib import Path
@@ -196,7 +203,7 @@ class MegatronCausalLM(nn.Module):
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def from_transformers(hf_lm: Any) -> MegatronCausalLM:
+def from_transformers(hf_lm: PreTrainedModel) -> MegatronCausalLM:
     """A `MegatronCausalLM` holding exactly the weights of the transformers causal LM `hf_lm`, on
     megatron's single-process parallel state (`created_group`: whether this made the process group,
     what `release_model_parallel` may destroy)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from hpref.errors import UserError
 from hpref.models.megatron.backbone import MegatronBackbone
 from hpref.models.megatron.convert import megatron_to_hf, shape_of
 from hpref.models.preference import PreferenceModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 FC1 = "mlp.linear_fc1."
 
@@ -112,7 +115,7 @@ class MegatronPreferenceModel(PreferenceModel):
     def __init__(
         self,
         backbone: MegatronBackbone,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         parallel: ModelParallel,
         backbone_items: Callable[[], Iterator[tuple[str, torch.Tensor]]],
@@ -331,15 +334,15 @@ class MegatronPreferenceModel(PreferenceModel):
 
 
 def build_megatron_model(
-    hf_config: Any,
-    tokenizer: Any,
+    hf_config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
     hf_state: Any,
     *,
     tensor_parallel: int,
     pipeline_parallel: int,
     num_labels: int,
     sequence_parallel: bool = False,
-    device: Any,
+    device: torch.device | str,
     meta: bool,
     head_kwargs: dict[str, Any],
     provenance: dict[str, Any],
