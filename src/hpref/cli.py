@@ -204,9 +204,10 @@ def init_command(
     overrides: list[str] = SetOption,
 ) -> None:
     """Build the recipe's model (backbone + new head), save it as safetensors in the run folder, exit."""
+    from hpref.train.command import InitRequest
     from hpref.train.command import init_command as run_init_command
 
-    folder = run_init_command(resolve_recipe_path(recipe), overrides)
+    folder = run_init_command(InitRequest(resolve_recipe_path(recipe), tuple(overrides)))
     typer.echo(str(folder))
 
 
@@ -282,9 +283,9 @@ def rl_warmup_command(
     `hpref rl` does the same on its own before the first rollout; this command does it ahead of time
     and prints one line per policy: its id, a tab, the checkpoint folder (a transformers causal LM).
     """
-    from hpref.rl.command import warmup_lines
+    from hpref.rl.command import WarmupRequest, warmup_lines
 
-    for line in warmup_lines(resolve_recipe_path(recipe), overrides, policies):
+    for line in warmup_lines(WarmupRequest(resolve_recipe_path(recipe), policies, tuple(overrides))):
         typer.echo(line)
 
 
@@ -424,18 +425,11 @@ def data_stats_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     """Rows read/used/skipped, label shares, turns, token lengths; the Bayes floor for synthetic data."""
-    from hpref.stats.command import stats_command
+    from hpref.stats.command import StatsRequest, stats_command
     from hpref.stats.counts import format_stats
 
-    stats = stats_command(
-        source,
-        split=split,
-        tokens=tokens,
-        recipe_for_tokens=recipe_for_tokens,
-        on_error=on_error,
-        ceilings=ceilings,
-        overrides=overrides,
-    )
+    request = StatsRequest(source, split, tokens, recipe_for_tokens, on_error, ceilings, tuple(overrides))
+    stats = stats_command(request)
     if as_json:
         typer.echo(json.dumps(stats, indent=2, default=str))
     else:

@@ -33,8 +33,26 @@ hookimpl = pluggy.HookimplMarker("hpref")
 
 
 @hookspec
+def register_model_families(register) -> None:
+    """Register model families: `register(spec)` with one `hpref.families.ModelFamilySpec` each.
+
+    A spec lists its `[model]` components (`ModelBuilder(name, config, build)`, `build` as in
+    `register_models` below) and says how its models are parallelised (`parallelize`; None: hpref's
+    FSDP2), what they do themselves (`capabilities`: `hpref.protocols` Protocols such as
+    `ReducesOwnGradients`, `ViewsCheckpoint`, `LoadsPlainState`) and what the family supports
+    (`FamilySupport`: LoRA, head kinds, poolings, the sequence-classifier export, parallelisms).
+    The built-in families (`transformers` in `hpref.builtin.models`, `megatron-core` in
+    `hpref.builtin.megatron`) register through this hook. A model's built object has the attributes
+    of `hpref.protocols.PreferenceModel` (`head_kind`, `paired`, `pooling`, `fresh_head`, ...).
+    """
+
+
+@hookspec
 def register_models(register) -> None:
-    """Register model components (`[model]`).
+    """Register model components (`[model]`), each in a family of its own with the default
+    `hpref.families.ModelFamilySpec` (FSDP2, LoRA, every head kind); `register_model_families`
+    declares more. A model built here that lacks one of `PreferenceModel`'s judge attributes
+    (`head_kind`, `paired`, `pooling`, `fresh_head`, ...) is given the judge's value.
 
     `build(config, *, num_labels=3, device="cpu", meta=False)` returns a
     `hpref.models.PreferenceModel` (or an `nn.Module` with the same members):

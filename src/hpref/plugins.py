@@ -6,10 +6,18 @@ then asks every plugin to register its components. A third-party plugin that fai
 whose hook raises, is recorded with its reason (and its components, commands and hooks dropped)
 instead of taking the CLI down; its name is surfaced when a recipe asks for a component nobody
 provides. A built-in that raises is a bug in hpref and does propagate.
+
+Models come in families (`hpref.families.ModelFamilySpec`, the `register_model_families` hook):
+each model a family lists is registered as a `model` component that knows its family. A model
+registered through the older `register_models` hook gets a family of its own with the default
+spec, and its built model the judge's values of the attributes `hpref.protocols.PreferenceModel`
+guarantees when it lacks them (`_with_judge_defaults`), so a plugin written for that hook keeps
+working unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -24,6 +32,7 @@ from pydantic import BaseModel
 
 from hpref import hookspecs
 from hpref.errors import ComponentError, did_you_mean
+from hpref.families import Build, ModelBuilder, ModelFamilySpec
 
 ENTRY_POINT_GROUP = "hpref"
 PLUGINS_ENV = "HPREF_PLUGINS"
@@ -62,6 +71,8 @@ class Component:
     build: Callable[..., Any]
     description: str
     plugin: str
+    #: the model family's spec, for a `model` component (None for every other kind)
+    family: ModelFamilySpec | None = None
 
     def parameters(self) -> list[dict[str, Any]]:
         """Name, type, default, whether required, and description of each parameter, from the config
@@ -117,6 +128,36 @@ class FailedPlugin:
 class Registry:
     components: dict[str, dict[str, Component]] = field(default_factory=lambda: {k: {} for k in KINDS})
     failed: list[FailedPlugin] = field(default_factory=list)
+    #: family name -> (its spec, the plugin that registered it)
+    families: dict[str, tuple[ModelFamilySpec, str]] = field(default_factory=dict)
+
+    def add_family(self, spec: ModelFamilySpec, plugin: str) -> None:
+        """A model family and each of its models (a `model` component that knows its family)."""
+        existing = self.families.get(spec.name)
+        if existing is not None:
+            raise ComponentError(
+                f"model family '{spec.name}' is registered twice: by plugin '{existing[1]}' and by "
+                f"plugin '{plugin}'"
+            )
+        self.families[spec.name] = (spec, plugin)
+        for builder in spec.models:
+            self.add(
+                Component(
+                    "model",
+                    builder.name,
+                    builder.config,
+                    builder.build,
+                    _description(builder.description, builder.build),
+                    plugin,
+                    family=spec,
+                )
+            )
+
+    def family_of(self, model_name: str) -> ModelFamilySpec:
+        """The family of the model component `model_name` (a `ComponentError` for an unknown one)."""
+        family = self.get("model", model_name).family
+        assert family is not None, f"model '{model_name}' was registered without a family"
+        return family
 
     def add(self, component: Component) -> None:
         existing = self.components[component.kind].get(component.name)
@@ -231,6 +272,15 @@ def load_plugins(extra: list[object] | None = None) -> Registry:
 
     pm.check_pending()  # a misspelt hook name in a plugin is an error, not silently ignored
 
+    for impl in pm.hook.register_model_families.get_hookimpls():
+        if not pm.is_registered(impl.plugin):
+            continue
+
+        def register_family(spec: ModelFamilySpec, *, _plugin: str = pm.get_name(impl.plugin) or "?") -> None:
+            registry.add_family(spec, _plugin)
+
+        _call_plugin_hook(pm, registry, impl, "register_model_families", register=register_family)
+
     for kind, hook_name in KINDS.items():
         hook = getattr(pm.hook, hook_name)
         for impl in hook.get_hookimpls():
@@ -247,15 +297,56 @@ def load_plugins(extra: list[object] | None = None) -> Registry:
                 _kind: str = kind,
                 _plugin: str = plugin_name,
             ) -> None:
-                if description is None:
-                    description = (build.__doc__ or "").strip().splitlines()[0] if build.__doc__ else ""
-                registry.add(Component(_kind, name, config, build, description, _plugin))
+                if _kind == "model":  # a model without a family: one of its own, the defaults'
+                    builder = ModelBuilder(
+                        name, config, _with_judge_defaults(build), _description(description, build)
+                    )
+                    registry.add_family(ModelFamilySpec.for_builder(builder), _plugin)
+                    return
+                registry.add(Component(_kind, name, config, build, _description(description, build), _plugin))
 
             _call_plugin_hook(pm, registry, impl, hook_name, register=register)
 
     _state.pm = pm
     _state.registry = registry
     return registry
+
+
+def _description(description: str | None, build: Callable[..., Any]) -> str:
+    """The one line `hpref components` shows: the given one, else the first of build's docstring."""
+    if description is not None:
+        return description
+    return (build.__doc__ or "").strip().splitlines()[0] if build.__doc__ else ""
+
+
+#: What a judge model is, for a `register_models` model that predates these attributes
+#: (`hpref.protocols.PreferenceModel` guarantees them to the code that reads them).
+JUDGE_DEFAULTS: dict[str, Any] = {
+    "head_kind": "judge",
+    "paired": False,
+    "pooling": "last",
+    "fresh_head": False,
+    "exports_sequence_classifier": False,
+    "head": None,
+    "data_parallel": None,
+}
+
+
+def _with_judge_defaults(build: Build) -> Build:
+    """`build`, whose model is given each `JUDGE_DEFAULTS` attribute it does not have (the one place
+    a model is asked what it has: the compatibility of the older hook)."""
+
+    @functools.wraps(build)
+    def build_with_defaults(*args: Any, **kwargs: Any) -> Any:
+        model = build(*args, **kwargs)
+        for name, value in JUDGE_DEFAULTS.items():
+            if not hasattr(model, name):
+                setattr(model, name, value)
+        if not callable(getattr(model, "set_output_bias", None)):
+            model.fresh_head = False  # nothing to set a prior with: the head is left as built
+        return model
+
+    return build_with_defaults
 
 
 def _call_plugin_hook(
@@ -279,6 +370,8 @@ def _call_plugin_hook(
         for by_name in registry.components.values():
             for comp_name in [n for n, c in by_name.items() if c.plugin == name]:
                 del by_name[comp_name]
+        for family_name in [n for n, (_, plugin) in registry.families.items() if plugin == name]:
+            del registry.families[family_name]
         registry.failed.append(
             FailedPlugin(name, info.distribution, f"{hook_name} raised {type(exc).__name__}: {exc}")
         )

@@ -38,11 +38,34 @@ class PreferenceModel(Protocol):
     `torch.nn.Module` that scores one packed, padding-free micro-batch.
 
     Attributes: `tokenizer` (a Hugging Face fast tokenizer), `backbone_config` (its HF config, with
-    `hidden_size`), `max_position_embeddings`, and `paired` (True for a reward model, which reads
-    two sequences per battle)."""
+    `hidden_size`), `max_position_embeddings`, and what this model is, which commands read rather
+    than probe for (`hpref.families.ModelFamilySpec` says what its family allows):
+
+        head_kind       'judge' (one sequence, 3 logits) or 'reward' (a scalar per answer)
+        paired          True for a reward model, which reads two sequences per battle
+        pooling         the token(s) the head reads: 'last', 'first' or 'mean'
+        fresh_head      a new (seeded) head, not a trained one: the trainer may set its output
+                        bias to the labels' prior (`set_output_bias`, called only then)
+        exports_sequence_classifier  `save_pretrained` writes transformers' one-label sequence
+                        classifier (a reward model pooled as that class pools)
+        head            the head module the FSDP2 path keeps in fp32 (None: none on this rank)
+        data_parallel   how the data is split when not over every rank (`DataParallelSplit`, a
+                        tensor-parallel model's data-parallel group); None: every rank
+
+    A `register_models` plugin's model that lacks one is given the judge's value when it is built
+    (`hpref.plugins`), so these are always there."""
 
     tokenizer: Any
     backbone_config: Any
+    head_kind: str
+    paired: bool
+    pooling: str
+    fresh_head: bool
+    head: Any
+    data_parallel: DataParallelSplit | None
+
+    @property
+    def exports_sequence_classifier(self) -> bool: ...
 
     @property
     def max_position_embeddings(self) -> int: ...
@@ -75,6 +98,21 @@ class PreferenceModel(Protocol):
     def save_pretrained(self, folder: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
         """An HF-style folder that `PreferenceModel.from_pretrained` reads back."""
         ...
+
+    def set_output_bias(self, bias: Any) -> None:
+        """Set the head's output bias (logits of the labels' prior); called only on a `fresh_head`."""
+        ...
+
+
+@runtime_checkable
+class DataParallelSplit(Protocol):
+    """Where a rank sits when the data is split over fewer ranks than the world (tensor parallel:
+    the ranks of one model copy see the same micro-batches): this rank's index among `size`, and
+    the process group they form (None: the world's)."""
+
+    rank: int
+    size: int
+    group: Any
 
 
 @runtime_checkable

@@ -37,11 +37,11 @@ def tiny_llama(**overrides):
     return builtin_models.build_tiny_llama(config, texts=builtin_models_texts, texts_source="test-builtin")
 
 
-def test_register_models_registers_the_four_components():
-    seen = {}
-    builtin_models.register_models(
-        register=lambda name, config, build, description=None: seen.update({name: config})
-    )
+def test_register_model_families_registers_the_four_components():
+    families = []
+    builtin_models.register_model_families(register=families.append)
+    assert [family.name for family in families] == ["transformers"]
+    seen = {builder.name: builder.config for builder in families[0].models}
     assert set(seen) == {"hf-classifier", "tiny-llama", "minilm", "smollm2"}
     for config in seen.values():  # every parameter is documented for `hpref components`
         assert all(field.description for field in config.model_fields.values()), config

@@ -52,7 +52,7 @@ def world(tmp_path_factory):
     cfg = rl_config()
     _, rollouts = length_scored_rollouts(tmp_path_factory, mp, cfg, "rl_megatron_length_reward")
     yield cfg, rollouts
-    from hpref.rl.megatron_policy import release_model_parallel
+    from hpref.models.megatron.causal_lm import release_model_parallel
 
     release_model_parallel(created_group=True)
     mp.undo()
@@ -100,7 +100,7 @@ def test_tied_embeddings_are_one_megatron_weight_and_two_transformers_keys(world
     # model's strict load still asks for.
     from transformers import LlamaForCausalLM
 
-    from hpref.rl.megatron_policy import MegatronCausalLM
+    from hpref.models.megatron.causal_lm import MegatronCausalLM
 
     _cfg, rollouts = world
     base, tokenizer = build_policy_model(rl_config().policies["a"].model)
@@ -310,7 +310,7 @@ def test_close_releases_the_process_group_the_trainer_made(world):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from hpref.rl.megatron_policy import release_model_parallel
+    from hpref.models.megatron.causal_lm import release_model_parallel
 
     _cfg, rollouts = world
     assert dist.is_initialized()  # the fixture's trainers made one ...

@@ -5,23 +5,30 @@ B's) for a judge, `answers` (each answer with its conversation, two sequences) f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpref.data.formatting import AnswersConfig, AnswersFormatter, FormatterConfig, JudgeFormatter
 from hpref.hookspecs import hookimpl
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def build_pab(config: FormatterConfig, tokenizer: Any, max_length: int) -> JudgeFormatter:
+
+def build_pab(config: FormatterConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> JudgeFormatter:
     """Judge prompt with each turn's user message, then Assistant A's and B's answers."""
     return JudgeFormatter("pab", config, tokenizer, max_length)
 
 
-def build_papb(config: FormatterConfig, tokenizer: Any, max_length: int) -> JudgeFormatter:
+def build_papb(
+    config: FormatterConfig, tokenizer: PreTrainedTokenizerBase, max_length: int
+) -> JudgeFormatter:
     """Judge prompt with A's whole conversation, then B's."""
     return JudgeFormatter("papb", config, tokenizer, max_length)
 
 
-def build_answers(config: AnswersConfig, tokenizer: Any, max_length: int) -> AnswersFormatter:
+def build_answers(
+    config: AnswersConfig, tokenizer: PreTrainedTokenizerBase, max_length: int
+) -> AnswersFormatter:
     """Reward-model input: A's conversation and B's as two sequences of max_length each (a model
     with head = "reward" scores each one)."""
     return AnswersFormatter(config, tokenizer, max_length)

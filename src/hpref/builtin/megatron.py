@@ -1,4 +1,5 @@
-"""The built-in `megatron-gpt` model component: a Llama / Mistral / Qwen2 judge on megatron-core.
+"""The built-in `megatron-gpt` model component, the `megatron-core` model family (`MEGATRON_FAMILY`):
+a Llama / Mistral / Qwen2 judge on megatron-core.
 
     [model]
     name = "megatron-gpt"
@@ -30,9 +31,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, model_validator
 
 from hpref.builtin.models import HeadConfig, TinyLlamaArchitecture, head_kwargs
+from hpref.families import FamilySupport, ModelBuilder, ModelFamilySpec
 from hpref.hookspecs import hookimpl
+from hpref.protocols import LoadsPlainState, ParallelizesItself, ReducesOwnGradients, ViewsCheckpoint
 
 if TYPE_CHECKING:
+    import torch
+
     from hpref.models.megatron.preference import MegatronPreferenceModel
 
 
@@ -149,6 +154,33 @@ def build_megatron_gpt(
     )
 
 
+def parallelize_megatron(
+    model: MegatronPreferenceModel, *, param_dtype: torch.dtype, activation_checkpointing: bool
+) -> MegatronPreferenceModel:
+    """megatron's own parallelism (`parallelize_self`): tensor parallel inside, data parallel by one
+    gradient all-reduce per step, no FSDP2 (it would make megatron's shards DTensors its layers do
+    not expect)."""
+    return model.parallelize_self(param_dtype=param_dtype, activation_checkpointing=activation_checkpointing)
+
+
+#: The megatron-core family: it parallelises itself, reduces and clips its own gradients, stores its
+#: tensor-parallel shards as views of the full tensors and converts `hpref init`'s plain weights;
+#: no LoRA, a decoder's last-token pooling.
+MEGATRON_FAMILY = ModelFamilySpec(
+    name="megatron-core",
+    description="a megatron-core GPTModel backbone + hpref's head: tensor, pipeline, sequence parallel",
+    models=(ModelBuilder("megatron-gpt", MegatronGPTConfig, build_megatron_gpt),),
+    parallelize=parallelize_megatron,
+    capabilities=(ParallelizesItself, ReducesOwnGradients, ViewsCheckpoint, LoadsPlainState),
+    supports=FamilySupport(
+        lora=False,
+        no_lora_reason="its layers are not transformers modules PEFT can wrap",
+        poolings=frozenset({"last"}),
+        parallelisms=frozenset({"tensor", "pipeline", "sequence"}),
+    ),
+)
+
+
 @hookimpl
-def register_models(register):
-    register(name="megatron-gpt", config=MegatronGPTConfig, build=build_megatron_gpt)
+def register_model_families(register):
+    register(MEGATRON_FAMILY)

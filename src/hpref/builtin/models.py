@@ -1,4 +1,5 @@
-"""Built-in model components: `hf-classifier`, `tiny-llama`, `minilm` and `smollm2`.
+"""Built-in model components: `hf-classifier`, `tiny-llama`, `minilm` and `smollm2`, the
+`transformers` model family (`TRANSFORMERS_FAMILY`, registered through `register_model_families`).
 
 Every build returns a `hpref.models.PreferenceModel` and has the same signature,
 `build(config, *, num_labels=3, device="cpu", meta=False)`. torch and transformers are imported
@@ -11,9 +12,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hpref.families import FamilySupport, ModelBuilder, ModelFamilySpec
 from hpref.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedTokenizerBase
+
     from hpref.models.preference import PreferenceModel
 
 Attention = Literal["auto", "sdpa_segments", "sdpa_block_mask", "flash_varlen", "torch_varlen"]
@@ -231,7 +235,9 @@ def build_smollm2(
     )
 
 
-def tiny_llama_backbone_config(config: TinyLlamaArchitecture, tokenizer: Any) -> Any:
+def tiny_llama_backbone_config(
+    config: TinyLlamaArchitecture, tokenizer: PreTrainedTokenizerBase
+) -> LlamaConfig:
     """The `LlamaConfig` for these settings, sized to the trained tokenizer's vocabulary."""
     from transformers import LlamaConfig
 
@@ -292,9 +298,22 @@ def build_tiny_llama(
     )
 
 
+#: The transformers preference model (`hpref.models.PreferenceModel` over any transformers backbone,
+#: a gguf file's included): hpref's FSDP2 (`parallelize` None), LoRA, judge and reward heads, every
+#: pooling, the sequence-classifier export: the defaults of `FamilySupport`.
+TRANSFORMERS_FAMILY = ModelFamilySpec(
+    name="transformers",
+    description="a transformers backbone + hpref's head, sharded with FSDP2",
+    models=(
+        ModelBuilder("hf-classifier", HFClassifierConfig, build_hf_classifier),
+        ModelBuilder("tiny-llama", TinyLlamaConfig, build_tiny_llama),
+        ModelBuilder("minilm", MiniLMConfig, build_minilm),
+        ModelBuilder("smollm2", SmolLM2Config, build_smollm2),
+    ),
+    supports=FamilySupport(),
+)
+
+
 @hookimpl
-def register_models(register):
-    register(name="hf-classifier", config=HFClassifierConfig, build=build_hf_classifier)
-    register(name="tiny-llama", config=TinyLlamaConfig, build=build_tiny_llama)
-    register(name="minilm", config=MiniLMConfig, build=build_minilm)
-    register(name="smollm2", config=SmolLM2Config, build=build_smollm2)
+def register_model_families(register):
+    register(TRANSFORMERS_FAMILY)

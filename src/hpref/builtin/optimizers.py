@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
+from hpref.protocols import Optimizer, PreferenceModel
 
 
 class AdamWConfig(BaseModel):
@@ -24,7 +25,7 @@ class AdamWConfig(BaseModel):
 
 
 def param_groups(
-    model: Any, *, lr: float, head_lr: float | None, weight_decay: float
+    model: PreferenceModel, *, lr: float, head_lr: float | None, weight_decay: float
 ) -> list[dict[str, Any]]:
     """Up to four groups of the trainable parameters: {backbone, head (`head_lr`)} x {decayed
     matrices, undecayed biases and norms}. A plugin optimizer can reuse it for the same grouping."""
@@ -42,7 +43,7 @@ def param_groups(
     ]
 
 
-def build_adamw(config: AdamWConfig, model: Any) -> Any:
+def build_adamw(config: AdamWConfig, model: PreferenceModel) -> Optimizer:
     """AdamW, fused where torch has a kernel for the device, else foreach.
 
     The fused kernel exists for CUDA, and for CPU since torch 2.4: on the 2-core box 3.1 ms a step

@@ -34,6 +34,7 @@ from typing import Any
 
 from hpref.data.prompts import battle_with_answers
 from hpref.data.records import Battle
+from hpref.protocols import Formatter, PreferenceModel
 
 Prompt = tuple[str, ...]
 #: written by `PreferenceModel.save_pretrained` (`hpref.models.preference.EXPORT_JSON`) and by `hpref
@@ -124,8 +125,8 @@ class ExportScorer:
 
     def __init__(
         self,
-        model: Any,
-        formatter: Any,
+        model: PreferenceModel,
+        formatter: Formatter,
         *,
         micro_batch_tokens: int,
         settings: dict[str, Any],
@@ -138,7 +139,7 @@ class ExportScorer:
         self.micro_batch_tokens = micro_batch_tokens
         self.settings = settings
         #: a scalar reward model: each answer scored alone (two sequences per battle)
-        self.paired = bool(getattr(model, "paired", False))
+        self.paired = model.paired
         self.kind = "reward" if self.paired else "judge"
 
     @classmethod
@@ -165,8 +166,9 @@ class ExportScorer:
             raise UserError(problem)
         settings = export_settings(path)
         model = PreferenceModel.from_pretrained(str(Path(path).expanduser())).eval()
-        paired = bool(getattr(model, "paired", False))
-        name = "answers" if paired else formatter or settings.get("formatter") or DEFAULT_JUDGE_FORMATTER
+        name = (
+            "answers" if model.paired else formatter or settings.get("formatter") or DEFAULT_JUDGE_FORMATTER
+        )
         length = int(max_length or settings.get("max_length") or 512)
         component = load_plugins().get("formatter", name)
         built = component.build(component.config(), model.tokenizer, length)
@@ -174,8 +176,7 @@ class ExportScorer:
 
         from hpref.models.precision import resolve_precision
 
-        hidden = getattr(getattr(model.backbone, "config", None), "hidden_size", None)
-        dtype = resolve_precision(precision, torch.device("cpu"), hidden)
+        dtype = resolve_precision(precision, torch.device("cpu"), model.backbone_config.hidden_size)
         return cls(
             model,
             built,

@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from loguru import logger
@@ -42,6 +42,10 @@ from loguru import logger
 from hpref.data.formatting import encode_battles
 from hpref.data.packing import TokenizedExample
 from hpref.data.records import Battle
+from hpref.protocols import BattleSource, Formatter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CACHE_ENV = "HPREF_CACHE"
 # 2: pairwise folds no longer depend on the run seed (same key, other rows)
@@ -55,7 +59,7 @@ def cache_root() -> Path:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "hpref" / "tokens"
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """Identity of a tokenizer's behaviour (its serialised vocab/model/normalizer, chat template,
     special tokens)."""
     h = hashlib.blake2b(digest_size=16)
@@ -71,7 +75,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return h.hexdigest()
 
 
-def formatter_fingerprint(formatter: Any) -> str:
+def formatter_fingerprint(formatter: Formatter) -> str:
     if hasattr(formatter, "fingerprint"):
         return str(formatter.fingerprint())
     config = getattr(formatter, "config", None)
@@ -119,11 +123,13 @@ class TokenArrays:
         return out
 
 
-def _formatters(formatter: Any) -> list[Any]:
+def _formatters(formatter: Formatter) -> list[Formatter]:
     return list(formatter) if isinstance(formatter, list | tuple) else [formatter]
 
 
-def cache_key(dataset: Any, formatter: Any, views: int, key_parts: Mapping[str, Any] | None = None) -> dict:
+def cache_key(
+    dataset: BattleSource, formatter: Formatter, views: int, key_parts: Mapping[str, Any] | None = None
+) -> dict:
     formatters = _formatters(formatter)
     return {
         "version": CACHE_VERSION,
@@ -135,7 +141,7 @@ def cache_key(dataset: Any, formatter: Any, views: int, key_parts: Mapping[str, 
     }
 
 
-def encode_views(battles: Iterable[Battle], formatter: Any, *, both_views: bool) -> TokenArrays:
+def encode_views(battles: Iterable[Battle], formatter: Formatter, *, both_views: bool) -> TokenArrays:
     """Every view of `battles` formatted and tokenized: hpref's one tokenization entry point.
 
     Row i is the i-th battle; with `both_views` its swapped copy (B/A, label swapped) follows it.
@@ -196,7 +202,7 @@ def encode_views(battles: Iterable[Battle], formatter: Any, *, both_views: bool)
     )
 
 
-def _encode(dataset: Any, formatter: Any, views: int) -> TokenArrays:
+def _encode(dataset: BattleSource, formatter: Formatter, views: int) -> TokenArrays:
     arrays = encode_views(dataset.battles(), formatter, both_views=views == 2)
     summary = getattr(dataset, "summary", None)
     arrays.summary = summary.as_dict() if hasattr(summary, "as_dict") else {}
@@ -238,7 +244,7 @@ def _load(path: Path) -> TokenArrays | None:
 
 def tokenize_arrays(
     dataset: Any,
-    formatter: Any,
+    formatter: Formatter,
     *,
     swap: str = "none",
     key_parts: Mapping[str, Any] | None = None,
@@ -269,7 +275,7 @@ def tokenize_arrays(
 
 def tokenize_dataset(
     dataset: Any,
-    formatter: Any,
+    formatter: Formatter,
     *,
     swap: str = "none",
     key_parts: Mapping[str, Any] | None = None,

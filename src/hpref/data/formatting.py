@@ -39,12 +39,16 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.data.records import Battle
 from hpref.errors import DataError
+from hpref.protocols import Formatter, PreferenceModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_INSTRUCTION = (
     "You are a fair judge. Read the conversation and decide which assistant answered the user better."
@@ -90,12 +94,14 @@ class Encoded:
     split: int = 0
 
 
-def check_pairing(formatter: Any, model: Any) -> None:
-    """A reward model (`model.paired`) needs two sequences per battle (`formatter.paired`), a judge
-    one: a mismatch would pair unrelated sequences or split one battle into two verdicts."""
-    if bool(getattr(formatter, "paired", False)) != bool(getattr(model, "paired", False)):
-        kind = "a reward model" if getattr(model, "paired", False) else "a judge"
-        makes = "two sequences" if getattr(formatter, "paired", False) else "one sequence"
+def check_pairing(formatter: Formatter, model: PreferenceModel) -> None:
+    """A reward model (`model.paired`) needs two sequences per battle (`formatter.paired`, optional
+    for a plugin's formatter: absent, one sequence), a judge one: a mismatch would pair unrelated
+    sequences or split one battle into two verdicts."""
+    two_sequences = bool(getattr(formatter, "paired", False))
+    if two_sequences != model.paired:
+        kind = "a reward model" if model.paired else "a judge"
+        makes = "two sequences" if two_sequences else "one sequence"
         raise DataError(
             f"the formatter makes {makes} "
             f"per battle, and the model is {kind}: use formatter 'answers' with head = 'reward', "
@@ -103,7 +109,7 @@ def check_pairing(formatter: Any, model: Any) -> None:
         )
 
 
-def encode_battles(formatter: Any, battles: Sequence[Battle]) -> list[Encoded]:
+def encode_battles(formatter: Formatter, battles: Sequence[Battle]) -> list[Encoded]:
     """Every caller's way to run a formatter plugin: `encode_many` when it has one (batched
     tokenization, truncation statistics, paired sequences), else the required `encode` alone."""
     if hasattr(formatter, "encode_many"):
@@ -154,7 +160,7 @@ class JudgeFormatter:
     paired = False
     layouts: dict[str, Any] = LAYOUTS
 
-    def __init__(self, name: str, config: Any, tokenizer: Any, max_length: int) -> None:
+    def __init__(self, name: str, config: Any, tokenizer: PreTrainedTokenizerBase, max_length: int) -> None:
         if name not in self.layouts:
             raise ValueError(f"unknown layout {name!r}")
         self.name = name
@@ -388,7 +394,7 @@ class AnswersFormatter(JudgeFormatter):
     paired = True
     layouts = {"answers": _layout_answers}
 
-    def __init__(self, config: AnswersConfig, tokenizer: Any, max_length: int) -> None:
+    def __init__(self, config: AnswersConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> None:
         super().__init__("answers", config, tokenizer, max_length)
 
     def _render(self, n_turns: int) -> tuple[str, list[Slot]]:

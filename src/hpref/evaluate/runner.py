@@ -23,10 +23,14 @@ from loguru import logger
 from hpref.data.records import Battle
 from hpref.errors import UserError
 from hpref.prediction.evaluation import evaluate_battles
+from hpref.protocols import Formatter, PreferenceModel
 from hpref.runfolder.layout import EVAL, EVAL_PREDICTIONS
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from hpref.evaluate.request import EvalRequest
+    from hpref.recipe import Recipe
 
 
 def is_export_folder(path: Path) -> bool:
@@ -35,7 +39,7 @@ def is_export_folder(path: Path) -> bool:
     return (Path(path) / EXPORT_JSON).is_file()
 
 
-def load_model(source: str | Path, recipe: Any = None, *, device: Any = "cpu") -> Any:
+def load_model(source: str | Path, recipe: Recipe | None = None, *, device: Any = "cpu") -> PreferenceModel:
     """An export folder (`hpref save` output), a checkpoint folder or a run folder (latest checkpoint)."""
     from hpref.models.preference import PreferenceModel
     from hpref.runfolder.checkpoints import resolve_checkpoint
@@ -50,7 +54,9 @@ def load_model(source: str | Path, recipe: Any = None, *, device: Any = "cpu") -
     return model
 
 
-def formatter_for(recipe: Any, tokenizer: Any, max_length: int | None = None) -> Any:
+def formatter_for(
+    recipe: Recipe | None, tokenizer: PreTrainedTokenizerBase, max_length: int | None = None
+) -> Formatter:
     """The recipe's formatter at the recipe's (or the given) max_length; `pab` without a recipe."""
     from hpref.components import Components, default_formatter
 

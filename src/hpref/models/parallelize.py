@@ -67,7 +67,7 @@ def parallelize(
     blocks = model.blocks()
     for block in blocks:
         fully_shard(block, mp_policy=policy, **extra)
-    head = getattr(model, "head", None)
+    head = model.head
     fp32_head = isinstance(head, torch.nn.Module) and param_dtype != torch.float32
     if fp32_head:  # see the module docstring; the policy casts the pooled bf16 input up
         fp32 = torch.float32

@@ -41,7 +41,7 @@ import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ from hpref.models.heads import (
     seeded_head_state,
     seeded_reward_head_state,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Pooling = Literal["last", "first", "mean"]
 Head = Literal["judge", "reward"]
@@ -140,10 +143,13 @@ class PreferenceModel(nn.Module):
     only to wrap a backbone already loaded with `attn_implementation="hpref_varlen"`.
     """
 
+    #: the data is split over every rank (a tensor-parallel subclass sets its data-parallel group)
+    data_parallel: Any = None
+
     def __init__(
         self,
         backbone: nn.Module,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         num_labels: int,
         pooling: Pooling,
@@ -193,6 +199,8 @@ class PreferenceModel(nn.Module):
         self.head_hidden_size = head_hidden_size or hidden
         self.head_dropout = head_dropout
         self.seed = seed
+        #: where `load_pretrained_weights` materialises a meta-built model (its builder sets it)
+        self.target_device = torch.device("cpu")
         self.provenance = provenance or {}
         self._init_std = float(getattr(self.backbone_config, "initializer_range", 0.02))
         self._backbone_state = backbone_state
@@ -368,7 +376,7 @@ class PreferenceModel(nn.Module):
         broadcasts (`True`, the choice for models that do not fit in every rank's CPU memory).
         """
         if any(t.is_meta for t in [*self.parameters(), *self.buffers()]):
-            self.to_empty(device=device if device is not None else getattr(self, "target_device", "cpu"))
+            self.to_empty(device=device if device is not None else self.target_device)
         with torch.no_grad():
             for name, value in self._buffers_snapshot.items():
                 self.backbone.get_buffer(name).copy_(value)

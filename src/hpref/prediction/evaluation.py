@@ -22,6 +22,7 @@ from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
+from hpref.protocols import DataParallelSplit, Formatter, PreferenceModel
 
 
 @dataclass
@@ -53,16 +54,16 @@ def _rank() -> int:
 
 
 def evaluate_battles(
-    model: Any,
+    model: PreferenceModel,
     battles: Sequence[Battle],
     *,
     examples: Sequence[Any] | None = None,
-    formatter: Any = None,
+    formatter: Formatter | None = None,
     tta: bool = False,
     micro_batch_tokens: int = 8192,
     device: Any = "cpu",
     filler_token_id: int | None = None,
-    data_parallel: Any = None,
+    data_parallel: DataParallelSplit | None = None,
     write_to: Sequence[str | Path] = (),
     unique_ids: bool = True,
 ) -> Evaluation:
@@ -83,13 +84,13 @@ def evaluate_battles(
         from hpref.data.formatting import check_pairing
 
         check_pairing(formatter, model)
-        if tta and getattr(model, "paired", False):
+        if tta and model.paired:
             # a reward model scores A and B alone: the swapped view is this one mirrored, exactly
             logger.info("--tta swap: a reward model is symmetric in A and B; scoring each battle once")
             tta = False
         examples = encode_views(battles, formatter, both_views=tta).examples()
     if filler_token_id is None:
-        pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+        pad = model.tokenizer.pad_token_id
         filler_token_id = int(pad) if pad is not None else 0
     tokenized = time.perf_counter()
     prediction = predict(

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from hpref.data.packing import PackedBatch, TokenizedExample, plan_eval
+from hpref.protocols import DataParallelSplit, PreferenceModel
 
 
 @dataclass
@@ -75,7 +76,7 @@ def _process_group() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
-def _forward(model: Any, batches: Sequence[PackedBatch], device: torch.device | str):
+def _forward(model: PreferenceModel, batches: Sequence[PackedBatch], device: torch.device | str):
     """(batch, float32 CPU logits) for each packed micro-batch, in eval mode without autograd; the
     model's train/eval mode is restored after."""
     was_training = model.training
@@ -93,7 +94,7 @@ def _forward(model: Any, batches: Sequence[PackedBatch], device: torch.device | 
 
 
 def packed_logits(
-    model: Any,
+    model: PreferenceModel,
     examples: Sequence[TokenizedExample],
     *,
     micro_batch_tokens: int,
@@ -118,14 +119,14 @@ def packed_logits(
 
 
 def predict(
-    model: Any,
+    model: PreferenceModel,
     examples: Sequence[TokenizedExample],
     *,
     n_rows: int,
     micro_batch_tokens: int,
     device: torch.device | str = "cpu",
     filler_token_id: int = 0,
-    data_parallel: Any = None,
+    data_parallel: DataParallelSplit | None = None,
 ) -> Prediction:
     """Probabilities for rows `0 .. n_rows - 1` of `examples` (see the module docstring).
 

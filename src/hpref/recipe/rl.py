@@ -36,7 +36,7 @@
     rollout = { temperature = 0.7 }   # only the keys in POLICY_ROLLOUT_OVERRIDES
     lora = { r = 8 }             # LoRA: only this policy's adapter trains (hpref.recipe.LoraSection)
     [rl.policies.c]
-    trainer_backend = "megatron" # the trainer on megatron-core (hpref.rl.megatron_policy)
+    trainer_backend = "megatron" # the trainer on megatron-core (hpref.models.megatron.causal_lm)
 
 The recipe's top-level `[lora]` section gives every policy adapters: it is read as if written in
 `[rl.defaults.lora]`, below it (`rl.defaults.lora` and `rl.policies.<id>.lora` change its keys). A
@@ -182,7 +182,7 @@ class PolicyConfig(_Section):
 
     @model_validator(mode="after")
     def _backend_combinations(self) -> PolicyConfig:
-        # one line each, before any actor starts (hpref.rl.megatron_policy says why)
+        # one line each, before any actor starts (hpref.models.megatron.causal_lm says why)
         if self.trainer_backend == "megatron" and self.lora is not None:
             raise ValueError(
                 'trainer_backend = "megatron" cannot train LoRA adapters (PEFT wraps transformers '

@@ -1,36 +1,45 @@
 """The rl trainer's backends, behind one Protocol (`hpref.rl.protocols.TrainerBackend`).
 
 `transformers` trains the policy's transformers causal LM itself; `megatron` trains a megatron-core
-GPTModel holding the same weights (`hpref.rl.megatron_policy`), converted back to the transformers
-layout for every sync and save, always in fp32, with a parallel state that `close` releases. The
-trainer (`hpref.rl.trainer`), the launcher's checks and teardown (`hpref.rl.launch`) and `hpref
-recipes check` (`hpref.rl.checks`) ask `trainer_backend(name)`; none of them branches on the name.
+GPTModel holding the same weights (`hpref.models.megatron.causal_lm`, the megatron family's causal
+LM), converted back to the transformers layout for every sync and save, always in fp32, with a
+parallel state that `close` releases. The trainer (`hpref.rl.trainer`), the launcher's checks and
+teardown (`hpref.rl.launch`) and `hpref recipes check` (`hpref.rl.checks`) ask
+`trainer_backend(name)`; none of them, nor a backend, branches on the name.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpref.rl.protocols import TrainerBackend
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+    from hpref.models.megatron.causal_lm import MegatronCausalLM
+    from hpref.recipe.rl import PolicyModelConfig, RLConfig
 
 
 class TransformersBackend:
     name = "transformers"
     holds_process_state = False
 
-    def check(self, config: Any, policies: list[str], where: str) -> None:
+    def check(self, config: RLConfig, policies: list[str], where: str) -> None:
         return None  # `check_policy_models` checks every policy's causal LM
 
-    def build(self, model: Any) -> tuple[Any, Any]:
+    def build(self, model: PolicyModelConfig) -> tuple[nn.Module, PreTrainedTokenizerBase]:
         from hpref.rl.policy import build_policy_model
 
         return build_policy_model(model)
 
-    def frozen_copy(self, model: Any, settings: Any) -> Any:
+    def frozen_copy(self, model: nn.Module, settings: PolicyModelConfig) -> nn.Module:
         return copy.deepcopy(model)
 
-    def compute_dtype(self, precision: str, model: Any) -> Any:
+    def compute_dtype(self, precision: str, model: nn.Module) -> torch.dtype:
         import torch
 
         from hpref.models.precision import resolve_precision
@@ -38,47 +47,71 @@ class TransformersBackend:
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         return resolve_precision(precision, torch.device("cpu"), hidden)
 
-    def plain_state(self, model: Any) -> dict[str, Any]:
+    def plain_state(self, model: nn.Module) -> dict[str, Any]:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    def load_plain_state(self, model: Any, state: dict[str, Any]) -> None:
+    def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         model.load_state_dict(state, strict=True)
 
-    def close(self, model: Any) -> None:
+    def close(self, model: nn.Module) -> None:
         return None
 
 
 class MegatronBackend:
+    """The megatron family's causal LM (`hpref.models.megatron.causal_lm.MegatronCausalLM`)."""
+
     name = "megatron"
     holds_process_state = True  # megatron's parallel state and the one-rank process group made for it
 
-    def check(self, config: Any, policies: list[str], where: str) -> None:
-        from hpref.rl.megatron_policy import check_megatron_policies
+    def check(self, config: RLConfig, policies: list[str], where: str) -> None:
+        """A `RecipeError` of one line when a megatron trainer cannot be built for one of `policies`
+        (megatron-core missing, or an architecture it does not map). LoRA and
+        trainer_tensor_parallel > 1 are refused by `PolicyConfig` itself, when the recipe is read."""
+        from hpref.errors import RecipeError, UserError
+        from hpref.models.megatron.backbone import require_megatron
+        from hpref.models.megatron.convert import shape_of
+        from hpref.rl.policy import policy_skeleton
 
-        check_megatron_policies(config, policies, where)
+        for p in policies:
+            try:
+                require_megatron()
+                shape_of(policy_skeleton(config.policies[p].model).config)
+            except UserError as exc:
+                raise RecipeError(f"{where}: rl.policies.{p}.trainer_backend: {exc}") from None
+            except (OSError, ValueError) as exc:
+                raise RecipeError(
+                    f"{where}: rl.policies.{p}.model.path: no causal LM config there "
+                    f"({str(exc).splitlines()[0]})"
+                ) from None
 
-    def build(self, model: Any) -> tuple[Any, Any]:
-        from hpref.rl.megatron_policy import build_megatron_policy
+    def build(self, model: PolicyModelConfig) -> tuple[MegatronCausalLM, PreTrainedTokenizerBase]:
+        """(megatron causal LM, tokenizer) holding exactly the weights `build_policy_model` gives the
+        engine (that model is built first and converted; its memory is freed before this returns)."""
+        from hpref.models.megatron.backbone import require_megatron
+        from hpref.models.megatron.causal_lm import from_transformers
+        from hpref.rl.policy import build_policy_model
 
-        return build_megatron_policy(model)
+        require_megatron()
+        hf_lm, tokenizer = build_policy_model(model)
+        return from_transformers(hf_lm), tokenizer
 
-    def frozen_copy(self, model: Any, settings: Any) -> Any:
+    def frozen_copy(self, model: MegatronCausalLM, settings: PolicyModelConfig) -> MegatronCausalLM:
         # built again: its modules hold process groups deepcopy cannot copy
         return self.build(settings)[0]
 
-    def compute_dtype(self, precision: str, model: Any) -> Any:
+    def compute_dtype(self, precision: str, model: MegatronCausalLM) -> torch.dtype:
         import torch
 
         return torch.float32  # the megatron trainer always computes in fp32
 
-    def plain_state(self, model: Any) -> dict[str, Any]:
+    def plain_state(self, model: MegatronCausalLM) -> dict[str, Any]:
         return model.hf_state_dict()  # un-fused back to the transformers layout the engine loads
 
-    def load_plain_state(self, model: Any, state: dict[str, Any]) -> None:
+    def load_plain_state(self, model: MegatronCausalLM, state: dict[str, Any]) -> None:
         model.load_hf_state(state)
 
-    def close(self, model: Any) -> None:
-        from hpref.rl.megatron_policy import release_model_parallel
+    def close(self, model: MegatronCausalLM) -> None:
+        from hpref.models.megatron.causal_lm import release_model_parallel
 
         release_model_parallel(model.created_group)
 
@@ -91,7 +124,7 @@ def trainer_backend(name: str) -> TrainerBackend:
     return BACKENDS[name]
 
 
-def check_backends(config: Any, policies: list[str], where: str) -> None:
+def check_backends(config: RLConfig, policies: list[str], where: str) -> None:
     """Every backend's check for the policies on it, before any actor starts."""
     for name in sorted({config.policies[p].trainer_backend for p in policies}):
         on_it = [p for p in policies if config.policies[p].trainer_backend == name]

@@ -24,6 +24,16 @@ class RlRequest:
     resume: str | None = None
 
 
+@dataclass(frozen=True)
+class WarmupRequest:
+    """`hpref rl-warmup`'s options, built once by the CLI (`policies`: comma-separated ids, None for
+    every policy)."""
+
+    recipe_path: Path
+    policies: str | None = None
+    overrides: Sequence[str] = ()
+
+
 def policy_ids(text: str) -> list[str]:
     """`--policies a, b` -> ["a", "b"] (the first leads)."""
     return [p.strip() for p in text.split(",") if p.strip()]
@@ -56,18 +66,18 @@ def rl_command(request: RlRequest) -> int:
     return hpref.rl.run_rl(loaded, ids, request.ray_address, resume, prompts=prompts)
 
 
-def warmup_lines(recipe_path: Path, overrides: list[str], policies: str | None) -> Iterator[str]:
+def warmup_lines(request: WarmupRequest) -> Iterator[str]:
     """`hpref rl-warmup`: build (or find in the cache) each policy's warm-up checkpoint; yields one
     line per policy: its id, a tab, the checkpoint folder (or its own `model.path`)."""
     from hpref.errors import RecipeError
     from hpref.rl.policy import policy_tokenizer
     from hpref.rl.warmup import warmup_checkpoint
 
-    loaded = _rl_recipe(recipe_path, overrides)
+    loaded = _rl_recipe(request.recipe_path, list(request.overrides))
     config = loaded.rl
     if config.warmup is None:
-        raise RecipeError(f"{recipe_path}: rl.warmup: the recipe has no [rl.warmup] section to build")
-    ids = policy_ids(policies) if policies else sorted(config.policies)
+        raise RecipeError(f"{request.recipe_path}: rl.warmup: the recipe has no [rl.warmup] section to build")
+    ids = policy_ids(request.policies) if request.policies else sorted(config.policies)
     for p in config.select(ids):
         model = config.policies[p].model
         if model.pretrained:

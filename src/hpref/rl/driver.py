@@ -23,7 +23,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
@@ -35,6 +35,9 @@ from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
 from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX
 from hpref.runfolder.save_trigger import check_save_trigger
 from hpref.runtime.ray_cluster import actor_death, ray_cause
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 HEARTBEAT_INTERVAL_S = 5.0  # well under HEARTBEAT_STALE_S: a slow rollout does not read as a hung run
 
@@ -75,7 +78,7 @@ class WeightSyncError(RuntimeError):
     """A weight update that did not reach an engine whole; the engine still serves its old version."""
 
 
-async def push_weights(trainer: Any, engine: Any, policy: str) -> int:
+async def push_weights(trainer: ActorHandle, engine: ActorHandle, policy: str) -> int:
     """Trainer -> engine in begin/load/commit steps; an interrupted or refused transfer is aborted,
     so the engine keeps serving its previous version rather than a half-loaded one, and the
     `WeightSyncError` says which version that is (asked of the engine after the abort).

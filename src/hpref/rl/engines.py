@@ -14,7 +14,7 @@ This module is loaded by `hpref --help` (it is a built-in plugin): torch is impo
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,9 @@ from hpref.rl.policy import (
     stop_token_ids,
     trim_completion,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class TransformersEngineConfig(BaseModel):
@@ -49,7 +52,9 @@ class TransformersEngineConfig(BaseModel):
     )
 
 
-def build_transformers(config: TransformersEngineConfig, *, policy: str, model: Any, env: Any = None) -> Any:
+def build_transformers(
+    config: TransformersEngineConfig, *, policy: str, model: PolicyModelConfig, env: Any = None
+) -> EngineActor:
     """transformers `generate` on CPU, with versioned weights (begin/load/commit updates)."""
     return EngineActor(
         policy,
@@ -71,7 +76,7 @@ def register_engines(register):
 
 
 def generation_result(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     rows: list[list[int]],
     completions: list[list[int]],
     logprobs: list[list[float]],

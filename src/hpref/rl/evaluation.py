@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpref.rl.protocols import Reward
 
 Utilities = dict[str, list[float]]  # player (a policy, or `<id>@start`) -> score per eval prompt
 Expected = Callable[[float, float], float]  # two answers' scores -> expected score of the first
@@ -71,7 +74,7 @@ def eval_report(
 
 
 def scorer_report(
-    reward: Any, prompts: Sequence[tuple[str, ...]], answers: dict[str, list[str]], policies: list[str]
+    reward: Reward, prompts: Sequence[tuple[str, ...]], answers: dict[str, list[str]], policies: list[str]
 ) -> dict[str, Any]:
     """One reward component's view of an eval's answers: `scores` (per player, one per prompt),
     `means` per player, `win_rate_vs_start` per policy, and `battles` for the leaderboard

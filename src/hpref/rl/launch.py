@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
@@ -30,6 +30,12 @@ from hpref.rl.record import ResumeError, check_record_leader, read_record
 from hpref.runfolder.files import write_json_atomic
 from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
 from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from hpref.recipe import Recipe
+    from hpref.rl.protocols import PromptSource
 
 ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
@@ -61,7 +67,9 @@ def _actor_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
 
-def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown, prompts: Any = None) -> Handles:
+def create_ray_actors(
+    config: RLConfig, order: list[str], teardown: Teardown, prompts: PromptSource | None = None
+) -> Handles:
     """Engines, then the executor, then trainers; each registered for teardown as it is created.
     `prompts`: the built `[rl.prompts]` source (None: the executor builds it)."""
     import ray
@@ -73,7 +81,7 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown, pr
     opts = {"num_cpus": ACTOR_CPUS}
     env = _actor_env()
 
-    def kill(handle: Any) -> Callable[[], None]:
+    def kill(handle: ActorHandle) -> Callable[[], None]:
         return lambda: ray.kill(handle, no_restart=True)
 
     engine_config = config.engine_config
@@ -109,7 +117,7 @@ def create_ray_actors(config: RLConfig, order: list[str], teardown: Teardown, pr
     return Handles(executor, engines, trainers)
 
 
-def close_then_kill(handle: Any) -> Callable[[], None]:
+def close_then_kill(handle: ActorHandle) -> Callable[[], None]:
     """A teardown step that asks the actor to `close()` (bounded wait; a dead or stuck actor is
     only logged) and then kills it."""
     import ray
@@ -124,7 +132,7 @@ def close_then_kill(handle: Any) -> Callable[[], None]:
     return step
 
 
-def check_rewards_fit_prompts(config: RLConfig, prompts: Any, where: str) -> None:
+def check_rewards_fit_prompts(config: RLConfig, prompts: PromptSource, where: str) -> None:
     """The `rule` reward's built-in utility is the synthetic arena's judge: on other prompts it would
     score nonsense, so it needs prompts with a ground truth or a user `function`."""
     for key, section, validated in (
@@ -141,7 +149,7 @@ def check_rewards_fit_prompts(config: RLConfig, prompts: Any, where: str) -> Non
             )
 
 
-def _rl_config(recipe: Any) -> tuple[RLConfig, Path]:
+def _rl_config(recipe: Recipe) -> tuple[RLConfig, Path]:
     """The typed `[rl]` section of a Recipe (`hpref.recipe.rl`: validated once, when the recipe
     loaded, with the recipe's `[lora]` as every policy's default) and its run folder."""
     if recipe.rl is None:
@@ -193,7 +201,7 @@ def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
     return out
 
 
-def preflight(recipe: Any, policies: list[str]) -> Any:
+def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     """Everything `hpref rl` checks before it writes anything or starts an actor, each mistake one
     line naming the key: adapters that fit their LM, megatron policies, policy folders that hold a
     causal LM with a chat template, reward exports, and the prompt file, which is read here. Returns
@@ -223,11 +231,11 @@ def preflight(recipe: Any, policies: list[str]) -> Any:
 
 
 def run_rl(
-    recipe: Any,
+    recipe: Recipe,
     policies: list[str],
     ray_address: str | None = None,
     resume: str | None = None,
-    prompts: Any = None,
+    prompts: PromptSource | None = None,
 ) -> int:
     """`hpref rl`: train `policies` (the first is the leader) as the recipe's `[rl]` section says.
 

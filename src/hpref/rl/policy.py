@@ -9,10 +9,15 @@ small functions that tests call directly (`encode_prompt`, `trim_completion`, `p
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
 from hpref.recipe.rl import PolicyModelConfig, RLConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_MIN_FREQUENCY = 2
 TOKENIZER_SEED = 0
@@ -204,7 +209,7 @@ def causal_lm_problem(folder: str | None) -> str | None:
     return None
 
 
-def encode_prompt(tokenizer: Any, turns: tuple[str, ...]) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, turns: tuple[str, ...]) -> list[int]:
     """Token ids a policy continues: the conversation `turns` (user, assistant, ..., user) ending where
     the assistant's answer begins.
 
@@ -229,7 +234,7 @@ def encode_prompt(tokenizer: Any, turns: tuple[str, ...]) -> list[int]:
     return ids
 
 
-def stop_token_ids(tokenizer: Any, model: Any = None) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module | None = None) -> list[int]:
     """Token ids that end an answer: the tokenizer's eos and every eos id of the model's generation
     config (an instruct model may stop on its end-of-turn token as well as on eos)."""
     ids = [tokenizer.eos_token_id]
@@ -301,7 +306,7 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return {"input_ids": input_ids, "attention_mask": attention, "targets": input_ids[:, 1:], "mask": mask}
 
 
-def completion_logprobs(model: Any, batch: dict[str, Any], temperature: float) -> Any:
+def completion_logprobs(model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
     """Per-token log-probs of the batch's answer tokens under `model` at `temperature` (the
     sampling distribution the engine drew from), shaped like the batch's `mask` and zero where it is
     0: `[B, L-1]` for a `pad_batch`, `[B, Wc]` for a `group_batch` (`shares_prefix` models only).
@@ -333,7 +338,7 @@ def completion_logprobs(model: Any, batch: dict[str, Any], temperature: float) -
     return out.masked_scatter(mask, picked)
 
 
-def shares_prefix(model: Any) -> bool:
+def shares_prefix(model: nn.Module) -> bool:
     """Whether `completion_logprobs` can run `model` on a `group_batch` (a transformers causal LM:
     it takes a KV cache; the megatron trainer's model does not and gets `pad_batch`es)."""
     from transformers import PreTrainedModel
@@ -382,7 +387,7 @@ def group_batch(
     }
 
 
-def cache_keyword(module: Any) -> str:
+def cache_keyword(module: nn.Module) -> str:
     """The name `module.forward` (and `generate`) takes a KV cache under: transformers renamed
     `past_key_values` to `cache` in 5.2x (the old name deprecated, not gone), and vLLM's CPU build
     pins transformers below 5.20, so both must work."""
@@ -391,7 +396,7 @@ def cache_keyword(module: Any) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def _grouped_logprobs(model: Any, batch: dict[str, Any], temperature: float) -> Any:
+def _grouped_logprobs(model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
     """`completion_logprobs` of a `group_batch`: the prompts' forward keeps its KV cache (with its
     autograd graph, so the prompt positions' weights still get the answers' gradients), the cache is
     repeated per answer, and the answers run against it. The first answer token is predicted by

@@ -9,7 +9,14 @@ against them, and a plugin author can check theirs the same way: `isinstance(obj
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+    from hpref.recipe.rl import PolicyModelConfig, RLConfig
 
 Prompt = tuple[str, ...]  # one conversation's turns: user, assistant, ..., user (the one to answer)
 
@@ -106,31 +113,31 @@ class TrainerBackend(Protocol):
     #: the model keeps process-wide state (a process group) that `close` must release
     holds_process_state: bool
 
-    def check(self, config: Any, policies: list[str], where: str) -> None:
-        """Before any actor starts: one `RecipeError` line for a policy of `policies` this backend
-        cannot build (it skips policies on another backend)."""
+    def check(self, config: RLConfig, policies: list[str], where: str) -> None:
+        """Before any actor starts: one `RecipeError` line for a policy of `policies` (those on
+        this backend: `hpref.rl.backends.check_backends` groups them) this backend cannot build."""
         ...
 
-    def build(self, model: Any) -> tuple[Any, Any]:
+    def build(self, model: PolicyModelConfig) -> tuple[nn.Module, PreTrainedTokenizerBase]:
         """(causal LM, tokenizer) for the policy's `model` settings."""
         ...
 
-    def frozen_copy(self, model: Any, settings: Any) -> Any:
+    def frozen_copy(self, model: nn.Module, settings: PolicyModelConfig) -> nn.Module:
         """The starting policy, for the KL reference (not yet frozen; the trainer freezes it)."""
         ...
 
-    def compute_dtype(self, precision: str, model: Any) -> Any:
+    def compute_dtype(self, precision: str, model: nn.Module) -> torch.dtype:
         """The torch dtype the trainer's forward computes in."""
         ...
 
-    def plain_state(self, model: Any) -> dict[str, Any]:
+    def plain_state(self, model: nn.Module) -> dict[str, Any]:
         """A CPU state dict in the transformers layout (what engines load and saves hold)."""
         ...
 
-    def load_plain_state(self, model: Any, state: dict[str, Any]) -> None:
+    def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Load such a state dict into `model` (strictly)."""
         ...
 
-    def close(self, model: Any) -> None:
+    def close(self, model: nn.Module) -> None:
         """Release what `build` set up beyond memory."""
         ...

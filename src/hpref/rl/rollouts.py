@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from hpref.data.prompts import Prompt, stream_rng
 from hpref.recipe.rl import RLConfig, RolloutConfig
 from hpref.rl.evaluation import eval_report, scorer_report
 from hpref.rl.policy import apply_env
+
+if TYPE_CHECKING:
+    from hpref.rl.protocols import PromptSource, Reward
 
 
 def build_prompt_source(config: RLConfig) -> Any:
@@ -30,14 +33,14 @@ def build_prompt_source(config: RLConfig) -> Any:
     return load_plugins().get("prompts", config.prompts.name).build(config.prompts_config)
 
 
-def rollout_prompts(source: Any, rollout: RolloutConfig, rollout_id: int) -> list[Prompt]:
+def rollout_prompts(source: PromptSource, rollout: RolloutConfig, rollout_id: int) -> list[Prompt]:
     """The prompts of rollout `rollout_id`: prompt i of the stream depends only on (seed, i), so every
     policy answers the same prompts at the same rollout id and a restored position replays nothing."""
     first = rollout_id * rollout.prompts_per_rollout
     return source.train_prompts(rollout.seed, first, rollout.prompts_per_rollout)
 
 
-def build_reward(name: str, config: Any) -> Any:
+def build_reward(name: str, config: Any) -> Reward:
     """A registered reward component (`[rl.reward]` or `[rl.eval_scorer]`) from its validated config."""
     from hpref.plugins import load_plugins
 

@@ -4,7 +4,7 @@ The numbers of the step (advantages, the clipped loss, the k3 KL) are `hpref.rl.
 padding maths is `hpref.rl.policy` (`group_batch`: each prompt once with its group's answers on its
 KV cache; `pad_batch` for the megatron model, which takes no cache). The policy's model is a
 transformers causal LM, or with `trainer_backend = "megatron"` a megatron-core GPTModel
-(`hpref.rl.megatron_policy`) that computes the same log-probs and hands the engine, and a save,
+(`hpref.models.megatron.causal_lm`) that computes the same log-probs and hands the engine, and a save,
 the transformers layout. A save is the trainer's state (`trainer.pt`, read back only through the
 run folder's restricted reader) with the checksums of every file beside it.
 """
@@ -16,7 +16,7 @@ import json
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
 from hpref.memory import release_freed_memory
@@ -33,6 +33,10 @@ from hpref.rl.policy import (
 )
 from hpref.rl.rollouts import expected_version
 from hpref.runfolder.layout import TRAINER_STATE
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 
 class TrainerActor:
@@ -93,7 +97,7 @@ class TrainerActor:
         # bf16 autocast or fp32 (`precision`); the megatron trainer always computes in fp32
         self.compute_dtype = self.backend.compute_dtype(self.config.precision, self.model)
 
-    def _logprobs(self, model: Any, batch: dict[str, Any], temperature: float) -> Any:
+    def _logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
         """`completion_logprobs` under the trainer's compute dtype (log-softmax stays in fp32)."""
         import torch
 

@@ -27,11 +27,14 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
 from hpref.recipe.rl import PolicyModelConfig, WarmupConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 WARMUP_FORMAT = 1  # bump when the warm-up's data or training changes, so caches are not reused
 META_FILE = "hpref_warmup.json"
@@ -56,7 +59,9 @@ def is_cached(model: PolicyModelConfig, warmup: WarmupConfig) -> bool:
     return (checkpoint_folder(model, warmup) / META_FILE).is_file()
 
 
-def sft_examples(tokenizer: Any, warmup: WarmupConfig) -> list[tuple[list[int], list[int]]]:
+def sft_examples(
+    tokenizer: PreTrainedTokenizerBase, warmup: WarmupConfig
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids + eos) pairs from single-turn arena battles.
 
     Prompts are encoded exactly as the engine encodes a rollout's prompt (`encode_prompt`), so the

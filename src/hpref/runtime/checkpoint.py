@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from hpref.errors import UserError
-from hpref.recipe import remote_code_keys
+from hpref.protocols import PreferenceModel
+from hpref.recipe import Recipe, remote_code_keys
 from hpref.runfolder.checkpoints import validate_checkpoint
 from hpref.runfolder.layout import RECIPE, TRAIN_STATE
 from hpref.runfolder.safe_load import CheckpointError, dcp_load
 
 
-def load_model_state(path: Path, model: Any) -> dict[str, Any]:
+def load_model_state(path: Path, model: PreferenceModel) -> dict[str, Any]:
     """The model's tensors from a (validated) checkpoint, as a fresh CPU state dict: every tensor,
     or with LoRA what trained (adapters, head), the frozen base being the model's own."""
     import torch
@@ -73,7 +74,7 @@ def recipe_of_run(checkpoint_dir: Path, recipe_path: str | Path | None = None):
     return recipe
 
 
-def frozen_keys(model: Any) -> set[str]:
+def frozen_keys(model: PreferenceModel) -> set[str]:
     from hpref.models.adapters import frozen_state_keys
 
     return frozen_state_keys(model)
@@ -81,14 +82,14 @@ def frozen_keys(model: Any) -> set[str]:
 
 @dataclass
 class LoadedCheckpoint:
-    model: Any
-    recipe: Any
+    model: PreferenceModel
+    recipe: Recipe
     path: Path
     train_state: dict[str, Any]
 
 
 def load_model_from_checkpoint(
-    checkpoint_dir: Path, recipe: Any = None, device: str = "cpu", *, quantize: bool = True
+    checkpoint_dir: Path, recipe: Recipe | None = None, device: str = "cpu", *, quantize: bool = True
 ) -> LoadedCheckpoint:
     """Build the recipe's model on one CPU process and fill it from the checkpoint. A QLoRA run's
     base is 4-bit as trained; `quantize=False` puts its adapters on the full-precision base instead."""

@@ -305,10 +305,10 @@ def save_export(
             step=run_step,
             dtype=dtype,
             metrics=_run_metrics(run_dir, run_step),
-            reward=getattr(model, "head_kind", "judge") == "reward",
-            sequence_classifier=getattr(model, "exports_sequence_classifier", False),
+            reward=model.head_kind == "reward",
+            sequence_classifier=model.exports_sequence_classifier,
             adapter=adapter,
-            pooling=getattr(model, "pooling", "last"),
+            pooling=model.pooling,
         )
         write_text_atomic(tmp / MODEL_CARD, card)
         write_text_atomic(tmp / RECIPE, recipe.to_toml())
@@ -329,7 +329,7 @@ def save_export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info(f"exported {checkpoint_dir} (step {run_step}, {dtype}) to {to}")
-    if getattr(model, "head_kind", "judge") == "reward" and not adapter:
+    if model.head_kind == "reward" and not adapter:
         logger.info(
             f"a reward model pooled by '{model.pooling}' loads in {reward_export_targets(model.pooling)}"
         )

@@ -22,7 +22,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -30,6 +30,9 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from hpref.serve import shapes
+
+if TYPE_CHECKING:
+    from hpref.builtin.scoring import ExportScorer
 
 APP_NAME = "hpref"
 #: response header: requests scored in the same packed pass as this one (batching at work)
@@ -94,7 +97,7 @@ def running_replicas() -> int:
     return int(sum(n for state, n in deployment.replica_states.items() if str(state).endswith("RUNNING")))
 
 
-def export_info(settings: ServeSettings, scorer: Any) -> dict[str, Any]:
+def export_info(settings: ServeSettings, scorer: ExportScorer) -> dict[str, Any]:
     """`/info`: what the export's model card and metadata say, and what this service accepts."""
     from hpref import __version__
     from hpref.builtin.scoring import MODEL_CARD, card_metrics

@@ -37,7 +37,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -45,6 +45,9 @@ from hpref.data.base import RowError
 from hpref.data.prompts import prompt_of_messages
 from hpref.data.tables import clean_text
 from hpref.data.transcripts import parse_chat_text, parse_messages, strip_end_markers
+
+if TYPE_CHECKING:
+    from hpref.builtin.scoring import ExportScorer, ScoringJob
 
 Prompt = tuple[str, ...]
 #: in a replica, Ray Serve writes this logger to the replica's log file
@@ -230,7 +233,7 @@ def _check_items(field: str, items: list[Any], limits: Limits) -> None:
         raise BadRequest(422, f"{field}: {len(items)} items, more than the {limits.max_items} allowed")
 
 
-def _check_job(job: Any, limits: Limits) -> Any:
+def _check_job(job: ScoringJob, limits: Limits) -> ScoringJob:
     if len(job.battles) > limits.max_battles:
         raise BadRequest(
             422,
@@ -240,7 +243,7 @@ def _check_job(job: Any, limits: Limits) -> Any:
     return job
 
 
-def parse_judge(payload: dict[str, Any], scorer: Any, limits: Limits) -> tuple[Any, Respond]:
+def parse_judge(payload: dict[str, Any], scorer: ExportScorer, limits: Limits) -> tuple[ScoringJob, Respond]:
     body = _validate(JudgeBody, payload)
     prompt = conversation_prompt(body.conversation, "conversation")
     job = scorer.judge_job(prompt, clean_text(body.answer_a), clean_text(body.answer_b), swap=body.swap)
@@ -253,7 +256,7 @@ def parse_judge(payload: dict[str, Any], scorer: Any, limits: Limits) -> tuple[A
     return _check_job(job, limits), respond
 
 
-def parse_score(payload: dict[str, Any], scorer: Any, limits: Limits) -> tuple[Any, Respond]:
+def parse_score(payload: dict[str, Any], scorer: ExportScorer, limits: Limits) -> tuple[ScoringJob, Respond]:
     body = _validate(ScoreBody, payload)
     prompt = conversation_prompt(body.conversation, "conversation")
     answers = [clean_text(a) for a in body.answers]
@@ -284,12 +287,16 @@ def _reference(label: Any, field: str) -> str:
     return clean_text(label)
 
 
-def _pointwise_job(prompts: list[Prompt], responses: list[str], references: list[str] | None, scorer: Any):
+def _pointwise_job(
+    prompts: list[Prompt], responses: list[str], references: list[str] | None, scorer: ExportScorer
+):
     groups = [[r] for r in responses]
     return scorer.score_job(prompts, groups, [[r] for r in references] if references is not None else None)
 
 
-def parse_get_reward(payload: dict[str, Any], scorer: Any, limits: Limits) -> tuple[Any, Respond]:
+def parse_get_reward(
+    payload: dict[str, Any], scorer: ExportScorer, limits: Limits
+) -> tuple[ScoringJob, Respond]:
     body = _validate(GetRewardBody, payload)
     n = len(body.query)
     _check_items("query", body.query, limits)
@@ -313,7 +320,9 @@ def parse_get_reward(payload: dict[str, Any], scorer: Any, limits: Limits) -> tu
     return _check_job(job, limits), respond
 
 
-def parse_remote_rm(payload: dict[str, Any], scorer: Any, limits: Limits) -> tuple[Any, Respond]:
+def parse_remote_rm(
+    payload: dict[str, Any], scorer: ExportScorer, limits: Limits
+) -> tuple[ScoringJob, Respond]:
     body = _validate(RemoteRMBody, payload)
     prompt = conversation_prompt(body.prompt, "prompt", templated=True)
     response = clean_text(strip_end_markers(body.response).strip())
@@ -334,7 +343,7 @@ class Failed:
     message: str
 
 
-def score_jobs(scorer: Any, jobs: list[Any]) -> list[Any]:
+def score_jobs(scorer: ExportScorer, jobs: list[ScoringJob]) -> list[Any]:
     """Each job's result, all in one packed pass; when that fails, each job alone, so a request
     whose text cannot be scored fails with its own `Failed` and never takes its neighbours along."""
     try:

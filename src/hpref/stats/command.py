@@ -7,32 +7,39 @@ recipe; `hpref.stats.counts` itself only reads battles and counts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hpref.stats.counts import data_stats, open_data_file
 
 
-def stats_command(
-    source: str,
-    *,
-    split: str = "train",
-    tokens: bool = False,
-    recipe_for_tokens: str | None = None,
-    on_error: str = "raise",
-    ceilings: bool = False,
-    overrides: list[str] | None = None,
-) -> dict[str, Any]:
-    """`hpref data stats`: the statistics of a data file, or of a recipe's dataset section.
+@dataclass(frozen=True)
+class StatsRequest:
+    """`hpref data stats`'s options, built once by the CLI and handed down whole.
 
     `source` is a data file or a recipe (a path or a shipped recipe's name); with `tokens` the
     battles are also formatted and tokenized, by the recipe's model and formatter (a data file takes
-    them from `recipe_for_tokens`). Every misuse of the options is a `RecipeError` of one line.
-    """
+    them from `recipe_for_tokens`)."""
+
+    source: str
+    split: str = "train"
+    tokens: bool = False
+    recipe_for_tokens: str | None = None
+    on_error: str = "raise"
+    ceilings: bool = False
+    overrides: Sequence[str] = ()
+
+
+def stats_command(request: StatsRequest) -> dict[str, Any]:
+    """`hpref data stats`: the statistics of a data file, or of a recipe's dataset section (see
+    `StatsRequest`). Every misuse of the options is a `RecipeError` of one line."""
     from hpref.errors import RecipeError
     from hpref.recipe.catalog import resolve_recipe_path
 
-    overrides = list(overrides or [])
-    path = resolve_recipe_path(source)
+    split, tokens, on_error = request.split, request.tokens, request.on_error
+    recipe_for_tokens, overrides = request.recipe_for_tokens, list(request.overrides)
+    path = resolve_recipe_path(request.source)
     is_recipe = path.suffix == ".toml"
     if is_recipe and (recipe_for_tokens is not None or on_error != "raise"):
         raise RecipeError("--recipe and --on-error are for a data file; a recipe brings its own")
@@ -66,4 +73,4 @@ def stats_command(
         if recipe.model is None:
             raise RecipeError(f"{recipe_path}: --tokens needs a [model] section (for its tokenizer)")
         formatter = parts.formatter(parts.model(meta=True, adapters=False).tokenizer)
-    return data_stats(data, formatter, ceilings=ceilings)
+    return data_stats(data, formatter, ceilings=request.ceilings)

@@ -27,6 +27,7 @@ from hpref.data.readers import (
 )
 from hpref.data.tables import TableFile
 from hpref.errors import DataError
+from hpref.protocols import Formatter
 
 DUPLICATE_EXAMPLES = 5
 
@@ -60,7 +61,7 @@ def _distribution(values: list[int]) -> dict[str, float]:
 
 
 def data_stats(
-    source: Any, formatter: Any = None, *, chunk: int = 256, ceilings: bool = False
+    source: BattleSource, formatter: Formatter | None = None, *, chunk: int = 256, ceilings: bool = False
 ) -> dict[str, Any]:
     """Stream `source` once; see the module docstring for what is returned. `ceilings` adds, for
     the synthetic arena, the log loss a judge reaches per task skill it has (`skill_ceilings`)."""

@@ -3,16 +3,16 @@
 The order matters: the run folder is checked (and with `--overwrite` cleared) before any process
 starts, so a fresh run never lands on another run's checkpoints; then
 `hpref.train.launch.launch_train` validates the recipe and starts the workers. The CLI builds one
-`TrainRequest`; it is handed down whole.
+`TrainRequest` (`hpref init`: an `InitRequest`); it is handed down whole.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hpref.train.request import TrainRequest
+from hpref.train.request import InitRequest, TrainRequest
 
-__all__ = ["TrainRequest", "init_command", "train_command"]
+__all__ = ["InitRequest", "TrainRequest", "init_command", "train_command"]
 
 
 def train_command(request: TrainRequest) -> int:
@@ -37,9 +37,9 @@ def train_command(request: TrainRequest) -> int:
     return hpref.train.launch.launch_train(request, recipe=loaded)
 
 
-def init_command(recipe_path: Path, overrides: list[str]) -> Path:
+def init_command(request: InitRequest) -> Path:
     """`hpref init`: build the recipe's model (backbone + new head) and write it to the run folder's
     `init/` (`hpref.train.launch.run_init`); returns the folder."""
     from hpref.train.launch import run_init
 
-    return run_init(recipe_path, overrides)
+    return run_init(request.recipe_path, list(request.overrides))

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from hpref.data.cache import encode_views, tokenize_dataset
 from hpref.data.packing import TokenizedExample
 from hpref.data.records import Battle
 from hpref.errors import DataError
+from hpref.protocols import BattleSource, Formatter
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Tokenized:
         return len({e.row for e in self.examples})
 
 
-def tokenize_cached(source: Any, formatter: Any, *, swap: str, name: str) -> Tokenized:
+def tokenize_cached(source: BattleSource, formatter: Formatter, *, swap: str, name: str) -> Tokenized:
     """Training examples through the token cache; rank 0 fills it first (collective when a process
     group is up)."""
     import torch.distributed as dist
@@ -52,7 +52,7 @@ def tokenize_cached(source: Any, formatter: Any, *, swap: str, name: str) -> Tok
     return Tokenized(examples=examples)
 
 
-def tokenize(battles: Iterable[Battle], formatter: Any, *, both_views: bool, name: str) -> Tokenized:
+def tokenize(battles: Iterable[Battle], formatter: Formatter, *, both_views: bool, name: str) -> Tokenized:
     """Encode each battle (and, with `both_views`, its swapped copy) with the formatter, keeping the
     battles (`hpref.data.cache.encode_views`, uncached)."""
     kept = list(battles)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from loguru import logger
 
+from hpref.protocols import PreferenceModel
 from hpref.train.data import Tokenized
 
 
@@ -17,7 +18,7 @@ def prior_logits(labels: np.ndarray, floor: float = 1e-4) -> torch.Tensor:
     return torch.tensor(logits - logits.mean(), dtype=torch.float32)
 
 
-def init_head_to_prior(model: torch.nn.Module, data: Tokenized) -> torch.Tensor | None:
+def init_head_to_prior(model: PreferenceModel, data: Tokenized) -> torch.Tensor | None:
     """Start a new head at the training labels' prior: its output bias = their log prior.
 
     On chosen/rejected data the tie class never occurs, and a zero bias makes the first steps
@@ -25,7 +26,7 @@ def init_head_to_prior(model: torch.nn.Module, data: Tokenized) -> torch.Tensor 
     weights and the backbone before any A-vs-B signal is learnt (issue #12); on arena data the prior
     is nearly uniform and this changes little. A trained head (an export) is left alone. Collective:
     every rank holds the same labels and calls it."""
-    if not getattr(model, "fresh_head", False) or not hasattr(model, "set_output_bias"):
+    if not model.fresh_head:
         return None
     labels = np.array([e.label for e in data.examples if e.label is not None], dtype=np.float64)
     if labels.size == 0:

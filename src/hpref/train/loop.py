@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,13 @@ from hpref.data.packing import PackedBatch, StepSampler
 from hpref.memory import release_freed_memory
 from hpref.models.loss import soft_cross_entropy
 from hpref.prediction.evaluation import Evaluation, evaluate_battles
-from hpref.protocols import ReducesOwnGradients, RunsOwnSchedule, SyncsGradientsOnDemand
+from hpref.protocols import (
+    BattleSource,
+    DataParallelSplit,
+    ReducesOwnGradients,
+    RunsOwnSchedule,
+    SyncsGradientsOnDemand,
+)
 from hpref.recipe import Recipe
 from hpref.runfolder import layout
 from hpref.runfolder.files import write_text_atomic
@@ -45,6 +51,9 @@ from hpref.train.metrics import MetricsFile, Peak, summary_table
 from hpref.train.progress import Interval, RunStats, progress_bar, step_flops
 from hpref.train.sharding import init_weights_folder
 from hpref.train.summary import summarise, summary_rows
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
 
 #: Test hooks: make one rank raise at its first step / make every rank stop after step k.
 FAIL_RANK_ENV = "HPREF_DEBUG_FAIL_RANK"
@@ -119,7 +128,7 @@ class TrainSetup:
     run_dir: Path
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: LRScheduler
     sampler: StepSampler
     train_data: Tokenized
     eval_data: Tokenized | None
@@ -129,12 +138,12 @@ class TrainSetup:
     total_steps: int
     filler_token_id: int
     peak: Peak
-    eval_source: Any = None
-    backbone_flops: Any = None  # flops_per_token(seq_len)
-    train_source: Any = None  # for the cheap baselines the summary prints on real data
+    eval_source: BattleSource | None = None
+    backbone_flops: Callable[[int], float] | None = None  # flops_per_token(seq_len)
+    train_source: BattleSource | None = None  # for the cheap baselines the summary prints on real data
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy
     #: `rank`, `size`, `group` of the data-parallel split when it is not every rank (tensor parallel)
-    data_parallel: Any = None
+    data_parallel: DataParallelSplit | None = None
 
     @property
     def data_rank_and_size(self) -> tuple[int, int, Any]:

@@ -1,4 +1,5 @@
-"""`TrainRequest`: `hpref train`'s options as one typed value (re-exported by `hpref.train.command`).
+"""`TrainRequest` and `InitRequest`: `hpref train`'s and `hpref init`'s options as one typed value
+each (re-exported by `hpref.train.command`).
 
 Its own module, importing nothing of hpref's, so the command and the launcher both read it without
 importing each other.
@@ -24,3 +25,11 @@ class TrainRequest:
     resume: str | None = None
     dry_run: bool = False
     overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class InitRequest:
+    """`hpref init`'s options, built once by the CLI and handed down whole (command -> `run_init`)."""
+
+    recipe_path: Path
+    overrides: tuple[str, ...] = ()

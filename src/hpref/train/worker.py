@@ -96,13 +96,12 @@ def build_setup(recipe: Recipe, info: DistInfo):
         + (f", {len(eval_data.battles)} eval battles" if eval_data is not None else ", no eval set")
     )
 
-    hidden = getattr(getattr(model, "backbone_config", None), "hidden_size", None)
-    dtype = resolve_precision(train_cfg.precision, info.device, hidden)
+    dtype = resolve_precision(train_cfg.precision, info.device, model.backbone_config.hidden_size)
     parts.parallelize(model, param_dtype=dtype, activation_checkpointing=train_cfg.activation_checkpointing)
     load_initial_weights(model, device=info.device, init_folder=init_weights_folder(recipe.run.run_dir))
     optimizer = parts.optimizer(model)
     # a tensor-parallel model's ranks share micro-batches: data is split over its data-parallel group
-    data_parallel = getattr(model, "data_parallel", None)
+    data_parallel = model.data_parallel
 
     sampler = StepSampler(
         lengths=train_data.lengths,
@@ -123,7 +122,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
         f"{total_steps} steps ({sampler.steps_per_epoch()} per epoch x {train_cfg.epochs}), "
         f"{train_cfg.batch_size} battles per step; MFU against {peak}"
     )
-    pad = getattr(model.tokenizer, "pad_token_id", None)
+    pad = model.tokenizer.pad_token_id
     return TrainSetup(
         recipe=recipe,
         run_dir=recipe.run.run_dir,

@@ -8,8 +8,9 @@ pipeline            one pipeline stage of it and hpref's GPipe schedule (composi
                     of the training loop)
 sequence_parallel   `sequence_parallel = true`: norms and dropout split by tokens
 convert             config and weights to and from transformers (read tensor by tensor through
-                    `hpref.models.safetensors_folder`); also what the rl trainer's causal LM uses
-                    (`hpref.rl.megatron_policy`)
+                    `hpref.models.safetensors_folder`)
+causal_lm           the causal LM the rl trainer trains with `trainer_backend = "megatron"` (through
+                    `hpref.rl.backends.MegatronBackend`), converted to and from transformers' layout
 
 megatron-core is an optional extra (`pip install 'hpref[megatron]'`): importing this package does
 not import it; `require_megatron` does, with a one-line error when it is missing. The backbone's

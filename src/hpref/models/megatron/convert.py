@@ -1,7 +1,7 @@
 """What maps a transformers Llama-family model onto megatron-core's GPT, and back.
 
 Used by the megatron backbone (`hpref.models.megatron`), the preference model built on it
-(`hpref.models.megatron.preference`, `hpref save`) and the rl trainer (`hpref.rl.megatron_policy`):
+(`hpref.models.megatron.preference`, `hpref save`) and the rl trainer (`hpref.models.megatron.causal_lm`):
 
 - `shape_of`: a transformers config's architecture numbers (`MegatronShape`), checked to map onto
   megatron-core's GPT layer (one line naming what does not);

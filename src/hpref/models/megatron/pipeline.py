@@ -35,7 +35,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,11 @@ from loguru import logger
 
 from hpref.models.attention import CONTEXT_KWARG, VarlenContext
 from hpref.models.megatron.preference import MegatronPreferenceModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from hpref.models.megatron.backbone import MegatronBackbone
 
 _LOCAL_LAYER = re.compile(r"^(.*\bbackbone\.gpt\.decoder\.layers\.)(\d+)(\..*)$")
 #: dtypes an activation may have (under autocast), by their index in the header
@@ -93,7 +98,7 @@ class PipelineStage:
         return {self.to_local(k): v for k, v in state.items() if self.owns(k)}
 
 
-def pipeline_stage(backbone: Any) -> PipelineStage:
+def pipeline_stage(backbone: MegatronBackbone) -> PipelineStage:
     """The stage megatron's parallel state gives this rank (the backbone is built for it)."""
     from megatron.core import parallel_state
 
@@ -140,7 +145,7 @@ class MegatronPipelineModel(MegatronPreferenceModel):
     """One pipeline stage of a `megatron-gpt` model, and the schedule over the stages (see the
     module docstring). Every rank of a pipeline is given the same micro-batches."""
 
-    def __init__(self, backbone: Any, tokenizer: Any, **kwargs: Any):
+    def __init__(self, backbone: MegatronBackbone, tokenizer: PreTrainedTokenizerBase, **kwargs: Any):
         super().__init__(backbone, tokenizer, **kwargs)
         self.stage = pipeline_stage(backbone)
         if not self.stage.last:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from hpref.errors import UserError
 from hpref.models.megatron.backbone import MegatronBackbone
 from hpref.models.megatron.convert import megatron_to_hf, shape_of
 from hpref.models.preference import PreferenceModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 FC1 = "mlp.linear_fc1."
 
@@ -105,15 +108,14 @@ def init_model_parallel(tensor_parallel: int, pipeline_parallel: int = 1) -> Mod
 
 
 class MegatronPreferenceModel(PreferenceModel):
-    """A `PreferenceModel` whose backbone is tensor parallel (see the module docstring)."""
-
-    #: hpref's LoRA wraps transformers modules; megatron's fused parallel linears are not among them
-    supports_lora = False
+    """A `PreferenceModel` whose backbone is tensor parallel (see the module docstring); what its
+    family supports (no LoRA: megatron's fused parallel linears are no PEFT targets) is
+    `hpref.builtin.megatron.MEGATRON_FAMILY`'s."""
 
     def __init__(
         self,
         backbone: MegatronBackbone,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         parallel: ModelParallel,
         backbone_items: Callable[[], Iterator[tuple[str, torch.Tensor]]],
@@ -148,7 +150,7 @@ class MegatronPreferenceModel(PreferenceModel):
         (a broadcast from rank 0 would give every rank rank 0's shard). Streamed: each converted
         tensor is copied into its parameter as it is made (`pretrained_items`), so a rank holds its
         shard of the model and one source tensor, not a converted copy of the whole model."""
-        target = device if device is not None else getattr(self, "target_device", "cpu")
+        target = device if device is not None else self.target_device
         if any(p.is_meta for p in self.parameters()):
             self._materialize(target)
         self._fill(self.pretrained_items())
@@ -332,15 +334,15 @@ class MegatronPreferenceModel(PreferenceModel):
 
 
 def build_megatron_model(
-    hf_config: Any,
-    tokenizer: Any,
+    hf_config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
     hf_state: Any,
     *,
     tensor_parallel: int,
     pipeline_parallel: int,
     num_labels: int,
     sequence_parallel: bool = False,
-    device: Any,
+    device: torch.device | str,
     meta: bool,
     head_kwargs: dict[str, Any],
     provenance: dict[str, Any],

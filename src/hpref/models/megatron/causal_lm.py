@@ -1,9 +1,11 @@
-"""A policy trainer on megatron-core (issue #15): `trainer_backend = "megatron"` in a policy's table.
+"""The causal LM the rl trainer trains on megatron-core (issue #15: `trainer_backend = "megatron"` in
+a policy's table; `hpref.rl.backends.MegatronBackend` builds it, the trainer sees the backend only).
 
 The trainer's causal LM is then a megatron-core `GPTModel` with its output layer (logits over the
 vocabulary; tied to the input embedding when the transformers config ties them), built from the same
-transformers weights the engine loads (`build_policy_model`: a folder or the seeded tiny Llama), so
-version 0 still needs no transfer. Everything GRPO needs goes through the transformers-shaped seams:
+transformers weights the engine loads (`from_transformers`: the backend hands it the transformers LM
+it built, a folder or the seeded tiny Llama), so version 0 still needs no transfer. Everything GRPO
+needs goes through the transformers-shaped seams:
 
 - `MegatronCausalLM.forward(input_ids, attention_mask)` returns `.logits` `[B, L, V]` for a
   right-padded batch, so `hpref.rl.policy.completion_logprobs` (temperature, targets, masks) is the
@@ -22,48 +24,25 @@ One process, tensor-parallel size 1: megatron's parallel state is set up on a on
 Refused in one line each: LoRA (PEFT wraps transformers linears, not megatron's fused ones) and
 trainer_tensor_parallel > 1 when the recipe is read (`PolicyConfig`); an architecture megatron does
 not map (`hpref.models.megatron.convert.shape_of`) and megatron-core missing before any actor starts
-(`check_megatron_policies`).
+(`MegatronBackend.check`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hpref.errors import UserError
-from hpref.recipe.rl import PolicyModelConfig, RLConfig
+if TYPE_CHECKING:
+    from pathlib import Path
 
-MEGATRON = "megatron"
+    from transformers import PretrainedConfig, PreTrainedModel
+
 #: the megatron-core keys of the final norm and the LM output layer (the rest are the backbone's)
 FINAL_NORM = "gpt.decoder.final_layernorm.weight"
 OUTPUT_LAYER = "gpt.output_layer.weight"
-
-
-def check_megatron_policies(config: RLConfig, policies: list[str], where: str) -> None:
-    """Before any actor starts: a `RecipeError` of one line when a megatron trainer cannot be built
-    for one of `policies` (megatron-core missing, or an architecture it does not map). LoRA and
-    trainer_tensor_parallel > 1 are refused by `PolicyConfig` itself, when the recipe is read."""
-    from hpref.errors import RecipeError
-    from hpref.models.megatron.backbone import require_megatron
-    from hpref.models.megatron.convert import shape_of
-    from hpref.rl.policy import policy_skeleton
-
-    for p in policies:
-        policy = config.policies[p]
-        if policy.trainer_backend != MEGATRON:
-            continue
-        try:
-            require_megatron()
-            shape_of(policy_skeleton(policy.model).config)
-        except UserError as exc:
-            raise RecipeError(f"{where}: rl.policies.{p}.trainer_backend: {exc}") from None
-        except (OSError, ValueError) as exc:
-            raise RecipeError(
-                f"{where}: rl.policies.{p}.model.path: no causal LM config there ({str(exc).splitlines()[0]})"
-            ) from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,7 +114,7 @@ class MegatronCausalLM(nn.Module):
     """A megatron-core `GPTModel` with its output layer, called like a transformers causal LM on a
     right-padded batch (see the module docstring)."""
 
-    def __init__(self, hf_config: Any):
+    def __init__(self, hf_config: PretrainedConfig):
         super().__init__()
         from hpref.models.megatron.backbone import cpu_rotary, transformer_config, varlen_layer_spec
         from hpref.models.megatron.convert import shape_of
@@ -160,7 +139,9 @@ class MegatronCausalLM(nn.Module):
         )
         cpu_rotary(self.gpt, even_with_cuda=True)  # an rl trainer's weights stay on the CPU
 
-    def forward(self, input_ids: Any, attention_mask: Any = None, **_: Any) -> CausalLMOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any
+    ) -> CausalLMOutput:
         """Logits `[B, L, V]` of a right-padded batch (zeros at padding positions)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -206,7 +187,7 @@ class MegatronCausalLM(nn.Module):
             for k, v in megatron_causal_to_hf(state, self.shape, tied=self.tied).items()
         }
 
-    def save_pretrained(self, folder: Any) -> None:
+    def save_pretrained(self, folder: str | Path) -> None:
         """A transformers folder (config.json and model.safetensors) the engine or a transformers
         policy loads; a tied `lm_head.weight` is left out, as transformers itself saves it."""
         from pathlib import Path
@@ -222,16 +203,15 @@ class MegatronCausalLM(nn.Module):
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def build_megatron_policy(model: PolicyModelConfig) -> tuple[MegatronCausalLM, Any]:
-    """(megatron causal LM, tokenizer) holding exactly the weights `build_policy_model` gives the
-    engine (it is built first and converted; its memory is freed before this returns)."""
+def from_transformers(hf_lm: PreTrainedModel) -> MegatronCausalLM:
+    """A `MegatronCausalLM` holding exactly the weights of the transformers causal LM `hf_lm`, on
+    megatron's single-process parallel state (`created_group`: whether this made the process group,
+    what `release_model_parallel` may destroy)."""
     from hpref.models.megatron.backbone import require_megatron
-    from hpref.rl.policy import build_policy_model
 
     require_megatron()
     created = init_single_process_parallel()
-    hf_lm, tokenizer = build_policy_model(model)
     lm = MegatronCausalLM(hf_lm.config)
     lm.load_hf_state(hf_lm.state_dict())
-    lm.created_group = created  # what `release_model_parallel` may destroy
-    return lm, tokenizer
+    lm.created_group = created
+    return lm
