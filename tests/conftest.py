@@ -9,6 +9,17 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs two pytest-xdist workers on this machine's two cores: each worker's torch, and
+# every process it starts, computes on one thread. With torch's default (a thread per core) the two
+# workers' OpenMP pools spin-wait against each other: small training steps run side by side took
+# 7.5x as long as one alone (28.6 vs 3.8 s), against 1.0x with a thread each (4.4 vs 4.3 s; a
+# script of six 256-wide linears on this CPU). Multi-rank runs (torchrun) and rl
+# actors already use one thread per process; serve replicas and vLLM engines set their own.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
@@ -25,30 +36,36 @@ num_battles = 100
 """
 
 
-#: The longest modules, longest first (measured on the 2-core machine of the README's figures).
+#: The longest modules, longest first: their summed test durations in a `make test` on the 2-core
+#: machine of the README's figures (`pytest --durations=0`, added up per module).
 #: `make test` runs the suite on two pytest-xdist workers, a module at a time and in collection order
 #: (`--dist loadfile --no-loadscope-reorder`): a long module handed out last would keep one core busy
 #: for minutes while the other sits idle. A module not named here runs after these, in file order.
 LONGEST_MODULES_FIRST = (
     "tests/rl/test_real_model.py",
     "tests/rl/test_vllm_engine.py",
-    "tests/train/test_megatron_train.py",
     "tests/rl/test_actor_death.py",
+    "tests/train/test_megatron_train.py",
+    "tests/train/test_checkpoint_trust.py",
+    "tests/train/test_qlora.py",
     "tests/train/test_megatron_pipeline.py",
-    "tests/train/test_watchdog.py",
     "tests/train/test_real_hh_accuracy.py",
-    "tests/rl/test_weight_sync.py",
-    "tests/rl/test_save_now_rl.py",
-    "tests/train/test_multinode.py",
+    "tests/train/test_lora.py",
+    "tests/test_cli_recipes.py",
     "tests/models/test_gguf_decoder.py",
     "tests/rl/test_cluster.py",
-    "tests/rl/test_e2e_ray.py",
-    "tests/models/test_megatron.py",
-    "tests/train/test_qlora.py",
-    "tests/train/test_lora.py",
     "tests/train/test_engine.py",
-    "tests/train/test_learns_pairwise.py",
+    "tests/train/test_watchdog.py",
+    "tests/rl/test_e2e_ray.py",
     "tests/serve/test_server.py",
+    "tests/models/test_megatron.py",
+    "tests/rl/test_save_now_rl.py",
+    "tests/train/test_learns_pairwise.py",
+    "tests/rl/test_weight_sync.py",
+    "tests/train/test_multinode.py",
+    "tests/train/test_recipe_reads.py",
+    "tests/rl/test_rl_megatron.py",
+    "tests/train/test_save_now.py",
 )
 
 

@@ -56,16 +56,20 @@ def synced(monkeypatch):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="uses /proc")
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
 def test_a_killed_actor_is_named_and_the_run_resumes(
-    kind, tmp_path, monkeypatch, log_messages, synced, without_ray, _ray_for_the_session
+    kind, request, tmp_path, monkeypatch, log_messages, synced, _ray_for_the_session
 ):
     """SIGKILL policy b's actor once b has trained two rollouts and a save is recorded. If the run
     hangs, a dead actor is not noticed; if it ends in a traceback or the line lacks "policy 'b':
     <kind> actor", the user cannot tell what died; if the resume fails, the record written before
-    the death is not usable.
+    the death is not usable. The trainer's death is in a run that started its own local cluster
+    (which must be down afterwards, actor dead or not); the engine's in a run that joined the
+    session's cluster (which must be left running, as `hpref rl` leaves any cluster it joined).
     Also: rl.json, rl_summary.json and the metrics plot are written through a fsynced temporary
     file (a crash mid-write must leave the old file, not half of one), and a run without evals says
     why its leaderboard is empty."""
-    assert not ray.is_initialized()
+    own_cluster = kind == "trainer"
+    request.getfixturevalue("without_ray" if own_cluster else "ray_cluster")
+    assert ray.is_initialized() is not own_cluster
     run_dir = tmp_path / "arena"
     pids: dict[str, int] = {}
     real_create = driver.create_ray_actors
@@ -100,7 +104,7 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     assert f"policy 'b': {kind} actor died" in lines[0]
     record = read_record(run_dir)
     assert record is not None and record.save_dir in lines[0] and "--resume auto" in lines[0]
-    assert not ray.is_initialized()
+    assert ray.is_initialized() is not own_cluster
 
     # the record, not the metrics, says where the run stands; resume runs two leader rollouts more.
     # It joins the tests' shared cluster (started here if it is not up yet, left up for the tests

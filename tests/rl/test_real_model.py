@@ -107,6 +107,8 @@ def test_the_readme_flow_trains_two_pretrained_policies_on_a_learned_reward(run)
     # reward and the second scorer.
     folder, stopped, resumed = run
     assert "debug_exit_after_rollout = 1: stopping after the save" in stopped.stderr
+    # the first run stopped before its first eval: the summary says so, not "eval_interval = 0"
+    assert "no eval ran (the run stopped before rollout 2, the first eval)" in stopped.stderr
     assert "resumed from" in resumed.stderr and "a at rollout 1" in resumed.stderr
     for policy in ("a", "b"):
         training = [r for r in rows(folder, policy) if not r.get("eval")]

@@ -331,6 +331,8 @@ def run_rl(
                 "pairwise reward)"
                 if result.evals
                 else "no eval ran (eval_interval = 0)"
+                if not config.eval_interval
+                else f"no eval ran (the run stopped before rollout {config.eval_interval}, the first eval)"
             )
         )
     write_json_atomic(
