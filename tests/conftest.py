@@ -114,6 +114,38 @@ def run_hpref(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
     return run_hpref_together(list(args), env=env, cwd=cwd, timeout=timeout)[0]
 
 
+def run_hpref_here(*args: str) -> subprocess.CompletedProcess:
+    """`hpref ARGS` through the console script's own entry point (`hpref.cli.main`: the same parsing,
+    checks, one-line errors and exit codes) in this process: what `run_hpref` returns, without a new
+    interpreter's seconds of torch, transformers and peft imports. Only for commands that are refused
+    before they would start a process, a Ray actor or a server (a bad recipe, flag or file); anything
+    that runs goes through `run_hpref`. The environment, loguru's handlers and the app's plugin
+    commands are put back as they were."""
+    import contextlib
+    import io
+
+    from loguru import logger
+
+    from hpref import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    env = dict(os.environ)
+    commands, groups = len(cli.app.registered_commands), len(cli.app.registered_groups)
+    code: int = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        del cli.app.registered_commands[commands:], cli.app.registered_groups[groups:]
+        logger.remove()  # main's sinks write to the StringIOs; loguru's default writes to stderr
+        logger.add(lambda message: sys.stderr.write(message))
+    return subprocess.CompletedProcess(["hpref", *args], code, out.getvalue(), err.getvalue())
+
+
 def run_hpref_together(
     *calls: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
 ) -> list[subprocess.CompletedProcess]:

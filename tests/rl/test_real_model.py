@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_hpref, run_hpref_together
+from tests.conftest import run_hpref, run_hpref_here
 
 pytest.importorskip("peft")
 pytest.importorskip("gguf")
@@ -193,7 +193,12 @@ def test_bad_input_is_one_line_exit_2_before_any_actor(reward_export, tmp_path):
         (["--set", 'rl.prompts = { name = "file", path = "' + str(empty) + '", on_error = "skip" }'],
          "no usable training prompts"),
     ]  # fmt: skip
-    results = run_hpref_together(*([*base, *extra] for extra, _ in cases), timeout=180)
+    # in this process (the CLI's own entry point): a refusal must come before any actor, so there is
+    # no process to start, and four interpreters' imports of torch, transformers and peft cost ~30 s
+    ray = pytest.importorskip("ray")
+    was_up = ray.is_initialized()
+    results = [run_hpref_here(*base, *extra) for extra, _ in cases]
+    assert ray.is_initialized() == was_up  # none of them started (or joined) a Ray cluster
     for (extra, expected), result in zip(cases, results, strict=True):
         assert result.returncode == 2, (extra, result.stderr[-1500:])
         last = result.stderr.strip().splitlines()[-1]

@@ -30,7 +30,8 @@ from tests.rl.tiny import write_rl_recipe  # noqa: E402
 pytestmark = pytest.mark.slow
 
 HPREF = [sys.executable, "-m", "hpref"]
-RUN_SECONDS = 25  # the policies' loops; the save is asked for within the first few (heartbeat + ~5 s)
+RUN_SECONDS = 15  # the policies' loops (both cores busy); the save is asked for within the first
+# few: heartbeat + one `hpref save` start-up, ~5 s on a busy machine
 
 
 def _recipe(folder: Path) -> Path:
