@@ -86,6 +86,17 @@ def _isolated_home(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture
+def fresh_registry():
+    """The plugin registry reloaded before the test and after it: what a test registers (a fake
+    plugin site, a monkeypatched hook) is gone for the tests after it."""
+    from hpref.plugins import reset_plugins
+
+    reset_plugins()
+    yield
+    reset_plugins()
+
+
+@pytest.fixture
 def log_messages():
     """Every loguru message (any level) emitted during the test."""
     from loguru import logger

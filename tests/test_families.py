@@ -11,16 +11,14 @@ from hpref.components import Components
 from hpref.errors import ComponentError, UserError
 from hpref.families import FamilySupport, ModelBuilder, ModelFamilySpec
 from hpref.hookspecs import hookimpl
-from hpref.plugins import JUDGE_DEFAULTS, load_plugins, reset_plugins
+from hpref.plugins import JUDGE_DEFAULTS, load_plugins
 from hpref.protocols import ReducesOwnGradients
 from hpref.recipe import recipe_from_dict
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry():
-    reset_plugins()
-    yield
-    reset_plugins()
+def _fresh_registry(fresh_registry):
+    """Every test here registers plugins of its own: each starts and ends with none loaded."""
 
 
 class _Config(BaseModel):

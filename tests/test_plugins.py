@@ -13,15 +13,13 @@ from pydantic import BaseModel
 from hpref import hookspecs
 from hpref.errors import ComponentError
 from hpref.hookspecs import hookimpl
-from hpref.plugins import load_plugins, reset_plugins
+from hpref.plugins import load_plugins
 from tests.conftest import REPO, fake_plugin_site, run_hpref
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry():
-    reset_plugins()
-    yield
-    reset_plugins()
+def _fresh_registry(fresh_registry):
+    """Every test here registers plugins of its own: each starts and ends with none loaded."""
 
 
 class _Empty(BaseModel):

@@ -17,18 +17,15 @@ import pytest
 
 from hpref import protocols
 from hpref.data.records import LABELS
-from hpref.plugins import KINDS, load_plugins, reset_plugins
+from hpref.plugins import KINDS, load_plugins
 from tests.conftest import TINY_LLAMA
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry(tmp_path_factory, monkeypatch):
+def _fresh_registry(tmp_path_factory, monkeypatch, fresh_registry):
     monkeypatch.setenv("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
-    reset_plugins()
-    yield
-    reset_plugins()
 
 
 def _methods(protocol: type) -> dict[str, typing.Callable]:

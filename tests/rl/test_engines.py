@@ -7,17 +7,15 @@ from pydantic import BaseModel, ConfigDict
 
 from hpref.errors import RecipeError
 from hpref.hookspecs import hookimpl
-from hpref.plugins import load_plugins, reset_plugins
+from hpref.plugins import load_plugins
 from hpref.recipe.rl import parse_rl_section
 from hpref.rl.engines import TransformersEngineConfig
 from tests.rl.tiny import TINY
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry():
-    reset_plugins()
-    yield
-    reset_plugins()
+def _fresh_registry(fresh_registry):
+    """Every test here registers plugins of its own: each starts and ends with none loaded."""
 
 
 class ReversedConfig(BaseModel):
