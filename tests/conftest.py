@@ -125,12 +125,13 @@ def run_hpref(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
     return run_hpref_together(list(args), env=env, cwd=cwd, timeout=timeout)[0]
 
 
-def run_hpref_here(*args: str) -> subprocess.CompletedProcess:
+def run_hpref_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`hpref ARGS` through the console script's own entry point (`hpref.cli.main`: the same parsing,
     checks, one-line errors and exit codes) in this process: what `run_hpref` returns, without a new
     interpreter's seconds of torch, transformers and peft imports. Only for commands that are refused
     before they would start a process, a Ray actor or a server (a bad recipe, flag or file); anything
-    that runs goes through `run_hpref`. The environment, loguru's handlers and the app's plugin
+    that runs goes through `run_hpref` (a process it started would write to the real stderr, not to
+    the result's). The working directory, environment, loguru's handlers and the app's plugin
     commands are put back as they were."""
     import contextlib
     import io
@@ -142,13 +143,16 @@ def run_hpref_here(*args: str) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     env = dict(os.environ)
     commands, groups = len(cli.app.registered_commands), len(cli.app.registered_groups)
+    here = os.getcwd()
     code: int = 0
     try:
+        os.chdir(cwd or here)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             cli.main(list(args))
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     finally:
+        os.chdir(here)
         os.environ.clear()
         os.environ.update(env)
         del cli.app.registered_commands[commands:], cli.app.registered_groups[groups:]

@@ -13,12 +13,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import run_hpref, run_hpref_here
 from tests.evaluate.conftest import make_run
 from tests.train.conftest import write_recipe
 
@@ -60,10 +60,9 @@ class _Evil:
 
 
 def _hpref(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "hpref", *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env
-    )
+    """Each use here is refused before anything is launched or loaded: through the CLI's own entry
+    point in this process (`run_hpref_here`), not a new interpreter's seconds of imports."""
+    return run_hpref_here(*args, cwd=cwd)
 
 
 def _one_error_line(result: subprocess.CompletedProcess, must_name: str) -> str:
@@ -203,9 +202,12 @@ def _copy_run(short_run, tmp_path: Path) -> tuple[Path, Path]:
     return new_recipe, target
 
 
-def _resume(recipe: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    args = ["--nproc-per-node", "1", "--resume", "auto", "--set", "train.max_steps=7"]
-    return _hpref("train", str(recipe), *args, "--set", "train.eval_interval=0", *extra, cwd=tmp_path)
+def _resume(recipe: Path, tmp_path: Path, *extra: str, refused: bool = True) -> subprocess.CompletedProcess:
+    """`hpref train --resume auto` to step 7; one that is expected to train (`refused=False`) runs in
+    its own process, as a user's does."""
+    args = ["train", str(recipe), "--nproc-per-node", "1", "--resume", "auto", "--set", "train.max_steps=7"]
+    args += ["--set", "train.eval_interval=0", *extra]
+    return _hpref(*args, cwd=tmp_path) if refused else run_hpref(*args, cwd=tmp_path, timeout=300)
 
 
 def test_resume_refuses_a_hostile_optimizer_item_and_nothing_runs(short_run, tmp_path):
@@ -240,7 +242,7 @@ def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies(short_run
     data = bytearray(shard.read_bytes())
     data[200:4296] = os.urandom(4096)
     shard.write_bytes(bytes(data))
-    result = _resume(recipe, tmp_path)
+    result = _resume(recipe, tmp_path, refused=False)
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "skipping" in log and "step-000006" in log and "SHA-256" in log
