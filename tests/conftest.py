@@ -46,7 +46,6 @@ LONGEST_MODULES_FIRST = (
     "tests/rl/test_vllm_engine.py",
     "tests/rl/test_actor_death.py",
     "tests/train/test_megatron_train.py",
-    "tests/train/test_checkpoint_trust.py",
     "tests/train/test_qlora.py",
     "tests/train/test_megatron_pipeline.py",
     "tests/train/test_real_hh_accuracy.py",
