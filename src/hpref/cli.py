@@ -428,7 +428,15 @@ def data_stats_command(
     from hpref.stats.command import StatsRequest, stats_command
     from hpref.stats.counts import format_stats
 
-    request = StatsRequest(source, split, tokens, recipe_for_tokens, on_error, ceilings, tuple(overrides))
+    request = StatsRequest(
+        source,
+        split=split,
+        tokens=tokens,
+        recipe_for_tokens=recipe_for_tokens,
+        on_error=on_error,
+        ceilings=ceilings,
+        overrides=tuple(overrides),
+    )
     stats = stats_command(request)
     if as_json:
         typer.echo(json.dumps(stats, indent=2, default=str))

@@ -324,17 +324,16 @@ def run_rl(
     leaderboard = result.leaderboard(order)
     leaderboard_by = result.evals[-1].get("leaderboard_by") if result.evals else None
     if not leaderboard:
-        logger.info(
-            f"no leaderboard in {RL_SUMMARY}: "
-            + (
+        if result.evals:
+            why = (
                 "the last eval's answers had no pointwise scores (no ground truth, no [rl.eval_scorer], a "
                 "pairwise reward)"
-                if result.evals
-                else "no eval ran (eval_interval = 0)"
-                if not config.eval_interval
-                else f"no eval ran (the run stopped before rollout {config.eval_interval}, the first eval)"
             )
-        )
+        elif config.eval_interval:
+            why = f"no eval ran (the run stopped before rollout {config.eval_interval}, the first eval)"
+        else:
+            why = "no eval ran (eval_interval = 0)"
+        logger.info(f"no leaderboard in {RL_SUMMARY}: {why}")
     write_json_atomic(
         run_dir / RL_SUMMARY,
         {
