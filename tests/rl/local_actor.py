@@ -22,9 +22,21 @@ class LocalRef:
         return (await self._call)[self._index]
 
 
+async def _stream(call: Any) -> Any:
+    """What a Ray streaming generator gives an `async for`: each value as an awaitable ref (the
+    generator runs to its end first, in the actor's thread)."""
+    for value in await call:
+        yield LocalRef(_done(value), 0)
+
+
+async def _done(value: Any) -> tuple[Any]:
+    return (value,)
+
+
 class LocalActor:
-    """An in-process stand-in for a Ray actor handle: `await h.method.remote(...)`, and
-    `h.method.options(num_returns=n).remote(...)` for n `LocalRef`s.
+    """An in-process stand-in for a Ray actor handle: `await h.method.remote(...)`,
+    `h.method.options(num_returns=n).remote(...)` for n `LocalRef`s, and
+    `options(num_returns="streaming")` for a generator method's values.
 
     Calls run one at a time, as on a Ray actor: synchronous methods in a worker thread under a
     lock, coroutine methods on the caller's event loop.
@@ -50,7 +62,9 @@ class LocalActor:
 
             def locked() -> Any:
                 with lock:
-                    return fn(*args, **kwargs)
+                    out = fn(*args, **kwargs)
+                    # a generator method runs to its end here, under the lock, as on the actor
+                    return list(out) if inspect.isgenerator(out) else out
 
             return await asyncio.to_thread(locked)
 
@@ -60,12 +74,14 @@ class LocalActor:
                 return call(*args, **kwargs)
 
             @staticmethod
-            def options(num_returns: int = 1) -> Any:
+            def options(num_returns: int | str = 1, **_ray_only: Any) -> Any:
                 class _Split:
                     @staticmethod
-                    def remote(*args: Any, **kwargs: Any) -> tuple[LocalRef, ...]:
+                    def remote(*args: Any, **kwargs: Any) -> Any:
+                        if num_returns == "streaming":  # a generator method: its values, as refs
+                            return _stream(call(*args, **kwargs))
                         task = asyncio.ensure_future(call(*args, **kwargs))
-                        return tuple(LocalRef(task, i) for i in range(num_returns))
+                        return tuple(LocalRef(task, i) for i in range(int(num_returns)))
 
                 return _Split()
 

@@ -299,7 +299,7 @@ def test_a_transfer_that_breaks_half_way_is_aborted_and_named(actors):
     names the policy, the version that failed and the one still serving. If this fails, a broken
     sync leaves a half-staged update that a later commit would complete with the wrong weights, or
     the run cannot say which weights its engine is generating with."""
-    from hpref.rl.driver import WeightSyncError, push_weights
+    from hpref.rl.group import TrainerGroup, WeightSyncError, push_weights
 
     cfg, engines, trainers = actors
     engine = engines["b"]
@@ -320,7 +320,7 @@ def test_a_transfer_that_breaks_half_way_is_aborted_and_named(actors):
                 await engine.load_weights.remote(state)
                 raise ConnectionError("the link dropped half-way")
 
-    trainer = LocalActor(trainers["b"])
+    trainer = TrainerGroup("b", [LocalActor(trainers["b"])])
     version = trainers["b"].rollouts_done // cfg.update_weights_interval
     with pytest.raises(WeightSyncError) as err:
         asyncio.run(push_weights(trainer, BrokenTransfer(), "b"))

@@ -72,8 +72,11 @@ class FakeTrainer:
         self.done += 1
         return {"loss": 0.0}
 
-    def update_weights(self):
-        return self.done, {}
+    def sync_version(self):
+        return self.done
+
+    def weight_buckets(self, bucket_bytes, dtype):
+        yield {}
 
     def save(self, folder):
         self.saved_at = self.done
@@ -98,6 +101,9 @@ class FakeEngine:
 
     def abort_update(self):
         self._staging = None
+
+    def weight_dtype(self):
+        return "float32"
 
 
 def make(world, order, **executor_kwargs):

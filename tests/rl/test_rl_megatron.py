@@ -245,7 +245,8 @@ def test_refusals_are_one_line_naming_the_key(tmp_path, monkeypatch):
             {"defaults": {"trainer_backend": "megatron"}, "policies": {"a": {}}}, "test", lora={"r": 2}
         )
     with pytest.raises(
-        RecipeError, match=r"^test: rl.policies.a: trainer_tensor_parallel = 2: an rl trainer is one process"
+        RecipeError,
+        match=r"^test: rl.policies.a: trainer_tensor_parallel = 2: the megatron trainer runs on one rank",
     ):
         rl_config(trainer_tensor_parallel=2)
     with pytest.raises(

@@ -7,6 +7,7 @@ adapters: it is sent `merged_lm_state` (see `hpref.rl.trainer.TrainerActor.updat
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,30 +75,43 @@ def apply_lora_to_causal_lm(lm: nn.Module, settings: LoraSection, *, seed: int =
     return inject_lora(lm, causal_lm_lora_config(lm, settings), what="policy", seed=seed)
 
 
-def merged_lm_state(lm: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapted LM's weights with the adapters folded in, under the plain LM's keys: what the LM
-    would hold after PEFT's `merge_and_unload`, computed without touching it (merging and unmerging
-    in place would leave rounding error in the frozen base). Each adapted weight is
-    `base + get_delta_weight` (PEFT's `B @ A * alpha / r`); every other tensor is copied."""
+def merged_lm_items(
+    lm: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapted LM's weights with the adapters folded in, under the plain LM's keys, one tensor at
+    a time: what the LM would hold after PEFT's `merge_and_unload`, computed without touching it
+    (merging and unmerging in place would leave rounding error in the frozen base). Each adapted
+    linear weight is `base + B @ A * alpha / r` (PEFT's `get_delta_weight`); every other tensor is
+    the model's own, not a copy. `whole`: how a stored tensor becomes a whole one (the identity, or
+    gathering an FSDP2 shard: `hpref.rl.sharding.full`, which every rank calls in this order)."""
     from peft.tuners.lora import LoraLayer
 
-    deltas: dict[str, torch.Tensor] = {}
+    adapted = {
+        f"{name}.base_layer.weight": module
+        for name, module in lm.named_modules()
+        if isinstance(module, LoraLayer) and (ADAPTER in module.lora_A or ADAPTER in module.lora_embedding_A)
+    }
     with torch.no_grad():
-        for name, module in lm.named_modules():
-            # linear layers hold their adapter in lora_A, embeddings in lora_embedding_A
-            if isinstance(module, LoraLayer) and (
-                ADAPTER in module.lora_A or ADAPTER in module.lora_embedding_A
-            ):
-                deltas[f"{name}.weight"] = module.get_delta_weight(ADAPTER)
-        out: dict[str, torch.Tensor] = {}
         for key, tensor in lm.state_dict().items():
             if ".lora_" in key:  # lora_A / lora_B (and PEFT's other per-adapter parameters)
                 continue
-            plain = plain_key(key)
-            value = tensor.detach()
-            delta = deltas.get(plain)
-            out[plain] = (value + delta.to(value.dtype)) if delta is not None else value.clone()
-    return out
+            value = whole(tensor.detach())
+            module = adapted.get(key)
+            if module is not None:
+                if ADAPTER in module.lora_A:
+                    a, b = whole(module.lora_A[ADAPTER].weight), whole(module.lora_B[ADAPTER].weight)
+                    delta = b @ a
+                    delta = delta.T if module.fan_in_fan_out else delta
+                    delta = delta * module.scaling[ADAPTER]
+                else:  # an embedding's adapter (never sharded: rl shards decoder blocks' linears)
+                    delta = module.get_delta_weight(ADAPTER)
+                value = value + delta.to(value.dtype)
+            yield plain_key(key), value
+
+
+def merged_lm_state(lm: nn.Module) -> dict[str, torch.Tensor]:
+    """`merged_lm_items` as a state dict of copies (tests and one-process callers)."""
+    return {key: value.clone() for key, value in merged_lm_items(lm)}
 
 
 def lm_adapter_state(peft_model: Any) -> dict[str, torch.Tensor]:
@@ -128,4 +142,7 @@ def load_lm_adapter_state(peft_model: Any, state: dict[str, torch.Tensor], *, so
                 f"{source}: {key} has shape {tuple(tensor.shape)}, the policy's adapter "
                 f"{tuple(want[key].shape)} (another lora.r or target_modules?)"
             )
-    set_peft_model_state_dict(peft_model, state)
+    from hpref.models.parallelize import shard_like
+
+    # a policy sharded over ranks (`hpref.rl.sharding`) holds its adapters as FSDP2 shards
+    set_peft_model_state_dict(peft_model, shard_like(want, state))

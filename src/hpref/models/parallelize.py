@@ -114,3 +114,19 @@ def checkpoint_layout(
             },
         }
     return state
+
+
+def shard_like(reference: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (whole tensors, e.g. read from a save) with each tensor cut the way `reference`'s
+    tensor of the same key is sharded (a DTensor of FSDP2), so `load_state_dict` can copy shard into
+    shard; tensors whose reference is a plain tensor (or missing) are left as they are. Every rank
+    calls it with the same whole tensors."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out = {}
+    for key, tensor in state.items():
+        ref = reference.get(key)
+        if isinstance(ref, DTensor) and not isinstance(tensor, DTensor):
+            tensor = distribute_tensor(tensor.to(ref.dtype), ref.device_mesh, ref.placements)
+        out[key] = tensor
+    return out

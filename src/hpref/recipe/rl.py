@@ -177,7 +177,19 @@ class PolicyConfig(_Section):
         "(weights sent to the engine converted back to the transformers layout; no LoRA)",
     )
     trainer_tensor_parallel: int = Field(
-        1, ge=1, description="megatron trainer: tensor-parallel ranks (an rl trainer is one process: only 1)"
+        1,
+        ge=1,
+        description="megatron trainer: tensor-parallel ranks (the megatron trainer is one rank: only 1)",
+    )
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks of this policy: one Ray actor each, one torch.distributed group (gloo on "
+        "CPU, NCCL on GPU), the policy sharded with FSDP2 and each rollout's prompt groups split by tokens",
+    )
+    cpus_per_rank: float = Field(0.25, gt=0, description="Ray CPUs each trainer rank reserves")
+    gpus_per_rank: float = Field(
+        0, ge=0, description="Ray GPUs each trainer rank reserves (0: the rank trains on the CPU)"
     )
 
     @model_validator(mode="after")
@@ -191,8 +203,18 @@ class PolicyConfig(_Section):
             )
         if self.trainer_tensor_parallel != 1:
             raise ValueError(
-                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: an rl trainer is one process, "
-                "so only 1 is supported"
+                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: the megatron trainer runs on one "
+                "rank (its tensor parallelism across a group's ranks is not built yet), so only 1 is supported"
+            )
+        if self.trainer_backend == "megatron" and self.ranks > 1:
+            raise ValueError(
+                f'ranks = {self.ranks}: trainer_backend = "megatron" trains on one rank; a group of ranks '
+                "shards the transformers trainer with FSDP2"
+            )
+        if self.gpus_per_rank > 0 and self.gpus_per_rank != 1 and self.ranks > 1:
+            raise ValueError(
+                f"gpus_per_rank = {self.gpus_per_rank:g}: ranks of one group each need a whole GPU of their own "
+                "(NCCL puts one rank on a device)"
             )
         return self
 
@@ -289,6 +311,17 @@ class RLConfig(_Section):
         "loops have run this many seconds, if num_rollouts has not ended it first",
     )
     park_timeout: float = Field(600.0, gt=0, description="seconds the leader waits for followers to park")
+    weight_sync_bucket_mb: float = Field(
+        256.0,
+        gt=0,
+        description="a weight sync streams the trainer's weights to the engine in buckets of about this "
+        "many MiB (in the engine's dtype), so a sync's extra memory is bounded by a bucket, not the model",
+    )
+    colocate: bool = Field(
+        False,
+        description="each policy's engine shares its trainer rank 0's GPU (engines that can sleep release "
+        "their memory while the trainer steps); off: engines and trainers get devices of their own",
+    )
     debug_exit_after_rollout: int | None = Field(
         None, ge=1, description="tests: save and stop after this leader rollout, as if interrupted"
     )

@@ -11,6 +11,7 @@ teardown (`hpref.rl.launch`) and `hpref recipes check` (`hpref.rl.checks`) ask
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from hpref.rl.protocols import TrainerBackend
@@ -40,15 +41,16 @@ class TransformersBackend:
         return copy.deepcopy(model)
 
     def compute_dtype(self, precision: str, model: nn.Module) -> torch.dtype:
-        import torch
-
         from hpref.models.precision import resolve_precision
 
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-        return resolve_precision(precision, torch.device("cpu"), hidden)
+        device = next(model.parameters()).device  # CUDA where Ray gave the rank a GPU
+        return resolve_precision(precision, device, hidden)
 
-    def plain_state(self, model: nn.Module) -> dict[str, Any]:
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    def plain_items(self, model: nn.Module, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        from hpref.rl.sharding import plain_items
+
+        return plain_items(model, lora)
 
     def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         model.load_state_dict(state, strict=True)
@@ -104,8 +106,9 @@ class MegatronBackend:
 
         return torch.float32  # the megatron trainer always computes in fp32
 
-    def plain_state(self, model: MegatronCausalLM) -> dict[str, Any]:
-        return model.hf_state_dict()  # un-fused back to the transformers layout the engine loads
+    def plain_items(self, model: MegatronCausalLM, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        # un-fused back to the transformers layout the engine loads (whole: one process, no LoRA)
+        return iter(model.hf_state_dict().items())
 
     def load_plain_state(self, model: MegatronCausalLM, state: dict[str, Any]) -> None:
         model.load_hf_state(state)

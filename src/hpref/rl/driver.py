@@ -28,27 +28,34 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from hpref.recipe.rl import RLConfig
+from hpref.rl.group import TrainerGroup, WeightSyncError, push_weights
 from hpref.rl.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
 from hpref.rl.parking import Parker
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
 from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX
 from hpref.runfolder.save_trigger import check_save_trigger
-from hpref.runtime.ray_cluster import actor_death, ray_cause
+from hpref.runtime.ray_cluster import actor_death
 
 if TYPE_CHECKING:
-    from ray.actor import ActorHandle
+    pass
 
 HEARTBEAT_INTERVAL_S = 5.0  # well under HEARTBEAT_STALE_S: a slow rollout does not read as a hung run
 
 
 @dataclass
 class Handles:
-    """Actor handles (Ray or `LocalActor`), each called as `await h.method.remote(...)`."""
+    """Actor handles (Ray or `LocalActor`), each called as `await h.method.remote(...)`; a policy's
+    trainer is its `TrainerGroup` (a bare handle is taken as a group of one rank)."""
 
     executor: Any
     engines: dict[str, Any]
-    trainers: dict[str, Any]
+    trainers: dict[str, TrainerGroup]
+
+    def __post_init__(self) -> None:
+        self.trainers = {
+            p: t if isinstance(t, TrainerGroup) else TrainerGroup(p, [t]) for p, t in self.trainers.items()
+        }
 
 
 @dataclass
@@ -74,38 +81,6 @@ class DriveResult:
         return bradley_terry(players, battles)
 
 
-class WeightSyncError(RuntimeError):
-    """A weight update that did not reach an engine whole; the engine still serves its old version."""
-
-
-async def push_weights(trainer: ActorHandle, engine: ActorHandle, policy: str) -> int:
-    """Trainer -> engine in begin/load/commit steps; an interrupted or refused transfer is aborted,
-    so the engine keeps serving its previous version rather than a half-loaded one, and the
-    `WeightSyncError` says which version that is (asked of the engine after the abort).
-
-    The state dict travels as an object reference (the trainer's two return values are two
-    objects): Ray hands it from the trainer's process to the engine's, and the driver never
-    deserialises it. Fetched here, it cost the driver a copy of every policy's weights per sync
-    (2.7 GiB resident with two SmolLM2 policies) and a second serialisation on the way out."""
-    version_ref, state_ref = trainer.update_weights.options(num_returns=2).remote()
-    version = await version_ref
-    await engine.begin_update.remote(version)
-    try:
-        await engine.load_weights.remote(state_ref)
-        return await engine.commit_update.remote()
-    except BaseException as exc:
-        await asyncio.shield(engine.abort_update.remote())
-        if not isinstance(exc, Exception) or actor_death(exc) is not None:
-            raise  # cancelled, or a dead actor (`run_rl` names it)
-        serving = await engine.get_version.remote()
-        cause = ray_cause(exc)
-        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        raise WeightSyncError(
-            f"policy '{policy}': the weight update to version {version} failed on its way to the "
-            f"engine ({type(cause).__name__}: {reason}); the engine keeps serving version {serving}"
-        ) from exc
-
-
 async def save_all(
     handles: Handles,
     order: list[str],
@@ -117,7 +92,7 @@ async def save_all(
     """Every trainer, then the executor, then — only after all of them saved — the record."""
     rel = f"{CHECKPOINTS}/{ROLLOUT_PREFIX}{positions[leader]:06d}"
     folder = run_dir / rel
-    await asyncio.gather(*(handles.trainers[p].save.remote(str(folder / p)) for p in order))
+    await asyncio.gather(*(handles.trainers[p].save(str(folder / p)) for p in order))
     await handles.executor.save.remote(str(folder / "executor"))
     record = CheckpointRecord(leader, {p: positions[p] for p in order}, save_dir=rel)
     write_record(run_dir, record)
@@ -167,16 +142,17 @@ async def drive(
     metrics = metrics or MetricsWriter(None)
     result = DriveResult(positions, saves=0, debug_exit=False)
     began = time.perf_counter()
+    bucket_bytes = sync_bucket_bytes(config)
 
     async def step(p: str) -> None:
         r = positions[p]
         rollout = await handles.executor.get.remote(r, p)
-        stats = await handles.trainers[p].train.remote(rollout)
+        stats = await handles.trainers[p].train(rollout)
         positions[p] = r + 1
         version = None
         try:
             if positions[p] % config.update_weights_interval == 0:
-                version = await push_weights(handles.trainers[p], handles.engines[p], p)
+                version = await push_weights(handles.trainers[p], handles.engines[p], p, bucket_bytes)
         finally:
             # the rollout trained, and a save may count it, even when its push failed (no version)
             row = rollout_metrics(rollout, stats, version)
@@ -283,8 +259,12 @@ async def drive(
     return result
 
 
+def sync_bucket_bytes(config: RLConfig) -> int:
+    return int(config.weight_sync_bucket_mb * 2**20)
+
+
 async def restore(
-    handles: Handles, order: list[str], source: Path | None
+    handles: Handles, order: list[str], source: Path | None, bucket_bytes: int = 256 << 20
 ) -> tuple[dict[str, int], CheckpointRecord | None]:
     """Load every part from the record in `source` (None: fresh), check them, push restored weights."""
     leader = order[0]
@@ -295,12 +275,12 @@ async def restore(
         return starts, None
     assert source is not None
     folder = source / record.save_dir
-    loaded = await asyncio.gather(*(handles.trainers[p].load.remote(str(folder / p)) for p in order))
+    loaded = await asyncio.gather(*(handles.trainers[p].load(str(folder / p)) for p in order))
     starts = dict(zip(order, loaded, strict=True))
     executor_positions = await handles.executor.load.remote(str(folder / "executor"))
     check_resume(record, leader, starts, executor_positions)
     await asyncio.gather(
-        *(push_weights(handles.trainers[p], handles.engines[p], p) for p in order if starts[p])
+        *(push_weights(handles.trainers[p], handles.engines[p], p, bucket_bytes) for p in order if starts[p])
     )
     logger.info(f"resumed from {folder}: " + ", ".join(f"{p} at rollout {starts[p]}" for p in order))
     return starts, record

@@ -110,7 +110,13 @@ class VersionedWeights:
     policy: str
     version: int
     shapes: dict[str, tuple[int, ...]]
+    #: the torch dtype name of the engine's weights: a sync sends them in it (half the bytes of fp32
+    #: for a bf16 engine, and nothing for the engine to cast)
+    dtype: str = "float32"
     _staging: tuple[int, dict[str, Any]] | None = None
+
+    def weight_dtype(self) -> str:
+        return self.dtype
 
     def begin_update(self, version: int) -> None:
         if version < self.version:
@@ -190,6 +196,7 @@ class EngineActor(VersionedWeights):
         self.prefill_dtype = resolve_precision(prefill_precision, torch.device("cpu"), hidden)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.version = 0
 
     def prompt_ids(self, prompts: list[tuple[str, ...]]) -> list[list[int]]:
@@ -317,6 +324,9 @@ class EngineHost:
 
     def load_weights(self, state: dict[str, Any]) -> None:
         self.engine.load_weights(state)
+
+    def weight_dtype(self) -> str:
+        return self.engine.weight_dtype()
 
     def commit_update(self) -> int:
         from hpref.memory import release_freed_memory

@@ -24,7 +24,8 @@ from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
 from hpref.recipe.rl import RLConfig, resolve_engine, rl_rewards
 from hpref.rl.backends import check_backends, trainer_backend
-from hpref.rl.driver import DriveResult, Handles, WeightSyncError, drive, restore
+from hpref.rl.driver import DriveResult, Handles, drive, restore, sync_bucket_bytes
+from hpref.rl.group import WeightSyncError
 from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.record import ResumeError, check_record_leader, read_record
 from hpref.runfolder.files import write_json_atomic
@@ -75,6 +76,7 @@ def create_ray_actors(
     import ray
 
     from hpref.rl.engines import EngineHost
+    from hpref.rl.group import TrainerGroup
     from hpref.rl.rollouts import RolloutExecutor
     from hpref.rl.trainer import TrainerActor
 
@@ -105,15 +107,23 @@ def create_ray_actors(
     teardown.add("rollout executor", kill(executor))
     trainers = {}
     for p in order:
-        trainers[p] = (
-            ray.remote(TrainerActor)
-            .options(**opts)
-            .remote(p, config.policies[p], config.update_weights_interval, env=env)
-        )
-        if trainer_backend(config.policies[p].trainer_backend).holds_process_state:
-            teardown.add(f"trainer '{p}'", close_then_kill(trainers[p]))
-        else:
-            teardown.add(f"trainer '{p}'", kill(trainers[p]))
+        policy = config.policies[p]
+        # a group's ranks hold a process group; a megatron trainer its parallel state: both closed
+        # before the kill (a one-rank transformers trainer has nothing beyond its memory)
+        closes = policy.ranks > 1 or trainer_backend(policy.trainer_backend).holds_process_state
+        ranks = []
+        for rank in range(policy.ranks):
+            handle = (
+                ray.remote(TrainerActor)
+                .options(num_cpus=policy.cpus_per_rank, num_gpus=policy.gpus_per_rank)
+                .remote(
+                    p, policy, config.update_weights_interval, env=env, rank=rank, world_size=policy.ranks
+                )
+            )
+            name = f"trainer '{p}'" + (f" rank {rank}" if policy.ranks > 1 else "")
+            teardown.add(name, close_then_kill(handle) if closes else kill(handle))
+            ranks.append(handle)
+        trainers[p] = TrainerGroup(p, ranks)
     return Handles(executor, engines, trainers)
 
 
@@ -281,12 +291,14 @@ def run_rl(
 
         async def main() -> DriveResult:
             try:
+                # the trainer groups of ranks > 1 form their process groups and shard their policies
+                await asyncio.gather(*(handles.trainers[p].start() for p in order))
                 if config.eval_interval:  # before restore: the engines still serve the start
                     start = await handles.executor.record_start.remote(order)
                     metrics.write_answers("start", start.pop("answers", {}))
                     if start:
                         logger.info("start: " + "; ".join(eval_line(start, f"{p}@start") for p in order))
-                starts, _record = await restore(handles, order, source)
+                starts, _record = await restore(handles, order, source, sync_bucket_bytes(config))
                 for p in order:
                     metrics.truncate(p, starts[p])
                 return await drive(config, order, handles, run_dir, starts, metrics)

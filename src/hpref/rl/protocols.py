@@ -8,7 +8,7 @@ against them, and a plugin author can check theirs the same way: `isinstance(obj
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -73,7 +73,8 @@ class Engine(Protocol):
     """Generation for one policy, with versioned weights (`[rl.engine]`).
 
     A weight update is three steps, so a failed transfer never leaves half-loaded weights serving:
-    `begin_update(version)`, `load_weights(state)`, then `commit_update()` (or `abort_update()`).
+    `begin_update(version)`, `load_weights(state)` (once per bucket of a sync), then
+    `commit_update()` (or `abort_update()`).
     """
 
     def generate(
@@ -91,6 +92,10 @@ class Engine(Protocol):
         `seconds`."""
         ...
 
+    def weight_dtype(self) -> str:
+        """The torch dtype name of the engine's weights (`float32`, `bfloat16`): syncs arrive in it."""
+        ...
+
     def begin_update(self, version: int) -> None: ...
 
     def load_weights(self, state: dict[str, Any]) -> None: ...
@@ -106,7 +111,7 @@ class Engine(Protocol):
 class TrainerBackend(Protocol):
     """What a policy's trainer is built on (`rl.policies.<id>.trainer_backend`): the model it trains
     and what it hands the engine, `hpref.rl.trainer.TrainerActor`'s only view of it. Whatever it
-    trains, the engine and the saves see the transformers layout (`plain_state`)."""
+    trains, the engine and the saves see the transformers layout (`plain_items`)."""
 
     #: the `trainer_backend` value
     name: str
@@ -130,8 +135,10 @@ class TrainerBackend(Protocol):
         """The torch dtype the trainer's forward computes in."""
         ...
 
-    def plain_state(self, model: nn.Module) -> dict[str, Any]:
-        """A CPU state dict in the transformers layout (what engines load and saves hold)."""
+    def plain_items(self, model: nn.Module, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights in the transformers layout, whole, one (key, tensor) at a time (what engines
+        load); `lora`: the model carries PEFT adapters, to be merged in. A tensor may be the
+        model's own: the caller copies what it keeps."""
         ...
 
     def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ import io
 import json
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,16 +50,48 @@ class TrainerActor:
         update_interval: int,
         threads: int = 1,
         env: dict[str, str] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         apply_env(env)
         import torch
+
+        from hpref.rl.sharding import trainer_device
 
         torch.set_num_threads(threads)
         self.policy = policy
         self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
         self.update_interval = update_interval
+        self.rank, self.world_size = rank, world_size
+        self.device = trainer_device(policy, rank, self.config.gpus_per_rank)
         self.backend = trainer_backend(self.config.trainer_backend)  # hpref.rl.backends
+        self.rollouts_done = 0
+        self.version = 0
+        self._store: Any = None  # rank 0 of a group: the group's TCPStore (`open_rendezvous`)
+        if world_size == 1:
+            self._build()
+        # else: the group builds once every rank has joined (`open_rendezvous`, `join_group`)
+
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0 of a group: serve the group's store; returns its (host, port) for the other ranks."""
+        from hpref.rl.sharding import open_rendezvous
+
+        self._store, host, port = open_rendezvous(self.world_size)
+        return host, port
+
+    def join_group(self, host: str, port: int) -> None:
+        """Join the policy's process group, then build the policy and shard it over the group."""
+        from hpref.rl.sharding import join_group
+
+        join_group(self._store, host, port, self.rank, self.world_size, self.device)
+        self._build()
+
+    def _build(self) -> None:
+        import torch
+
         self.model, self.tokenizer = self.backend.build(self.config.model)
+        self.model.to(self.device)
+        policy = self.policy
         self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
         if self.config.lora is not None:
             from hpref.models.lm_adapters import apply_lora_to_causal_lm
@@ -83,8 +116,19 @@ class TrainerActor:
         if self.wants_reference and self.lora is None:  # the frozen starting policy
             # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
             start = self.backend.frozen_copy(self.model, self.config.model)
-            self.reference = start.eval().requires_grad_(False)
-        # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments)
+            self.reference = start.to(self.device).eval().requires_grad_(False)
+        # a group's forward runs through FSDP2 roots (`hpref.rl.sharding.shard_policy`); the KL
+        # reference is sharded the same way, so no rank holds a whole copy of either
+        self.root = self.reference_root = None
+        if self.world_size > 1:
+            from hpref.rl.sharding import shard_policy
+
+            self.root = shard_policy(self.model, self.device)
+            if self.reference is not None:
+                self.reference_root = shard_policy(self.reference, self.device)
+            release_freed_memory()  # the whole weights each rank loaded before it kept its shards
+        # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments);
+        # read after sharding, which replaces each parameter by its shard
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.trainable,
@@ -92,23 +136,30 @@ class TrainerActor:
             betas=self.config.betas,
             weight_decay=self.config.weight_decay,
         )
-        self.rollouts_done = 0
-        self.version = 0
-        # bf16 autocast or fp32 (`precision`); the megatron trainer always computes in fp32
+        # bf16 autocast or fp32 (`precision`) on the model's device; the megatron trainer computes in fp32
         self.compute_dtype = self.backend.compute_dtype(self.config.precision, self.model)
 
     def _logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
-        """`completion_logprobs` under the trainer's compute dtype (log-softmax stays in fp32)."""
+        """`completion_logprobs` under the trainer's compute dtype (log-softmax stays in fp32), on
+        the model's device; `model` is the LM or, in a group, its FSDP2 root."""
         import torch
 
         bf16 = self.compute_dtype == torch.bfloat16
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+            if model is self.root or model is self.reference_root:
+                return model(batch, temperature)
             return completion_logprobs(model, batch, temperature)
 
     def close(self) -> None:
         """Release what the trainer set up beyond its memory (the backend's: megatron's parallel
-        state and the one-rank process group made for it; a killed Ray actor has nothing else to free)."""
-        self.backend.close(self.model)
+        state and the one-rank process group made for it; a group's process group; a killed Ray
+        actor has nothing else to free)."""
+        from hpref.rl.sharding import leave_group
+
+        if hasattr(self, "model"):
+            self.backend.close(self.model)
+        if self.world_size > 1:
+            leave_group()
 
     def train(self, rollout: dict[str, Any]) -> dict[str, float]:
         """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics.
@@ -117,7 +168,8 @@ class TrainerActor:
         tokens (whole prompt groups, or rows, of similar length together: `_micro_batches`) and
         accumulates their gradients before one optimizer step. Each micro-batch's loss is weighted
         by its share of the rollout's tokens (token-mean) or answers (sequence-mean), so the step
-        equals the one-batch step."""
+        equals the one-batch step. In a group each rank runs its share of the prompt groups
+        (`hpref.rl.sharding`) and every rank returns the group's metrics."""
         import torch
 
         from hpref.rl.algorithms import group_advantages, policy_loss
@@ -144,16 +196,22 @@ class TrainerActor:
                 if cfg.aggregation == "token-mean"
                 else len(rows) / len(completions)
             )
-            batch.update(old=old, adv=adv[rows], weight=weight)
+            if batch.get("padding"):
+                weight = 0.0
+            # FSDP2 averages gradients over the group: scaled back up, the group sums them
+            batch.update(old=old, adv=adv[rows], weight=weight * self.world_size)
+            batch = self._on_device(batch)
             batch["ref"] = self._reference_logprobs(batch, rollout["temperature"])
             batches.append(batch)
+        model = self.root if self.root is not None else self.model
         stats: dict[str, float] = {}
         for epoch in range(cfg.epochs_per_rollout):
             self.optimizer.zero_grad(set_to_none=True)
-            sums = dict.fromkeys(("loss", "kl", "clip_fraction", "ratio_mean"), 0.0)
-            mismatch, worst = 0.0, 0.0
+            sums = dict.fromkeys(("loss", "kl", "clip_fraction", "ratio_mean", "mismatch"), 0.0)
+            sums["micro_batches"] = float(sum(not b.get("padding") for b in batches))  # the group's, summed
+            worst = 0.0
             for batch in batches:
-                logp = self._logprobs(self.model, batch, rollout["temperature"])
+                logp = self._logprobs(model, batch, rollout["temperature"])
                 out = policy_loss(
                     logp,
                     batch["old"],
@@ -166,13 +224,15 @@ class TrainerActor:
                     aggregation=cfg.aggregation,
                 )
                 (out.loss * batch["weight"]).backward()
+                if batch.get("padding"):
+                    continue  # a group's padding pass: no tokens of the rollout
                 share = float(batch["mask"].sum()) / total_tokens  # statistics are token means
-                sums["loss"] += float(out.loss.detach()) * batch["weight"]
+                sums["loss"] += float(out.loss.detach()) * batch["weight"] / self.world_size
                 for key in ("kl", "clip_fraction", "ratio_mean"):
                     sums[key] += float(getattr(out, key)) * share
                 if epoch == 0:  # before any step: the trainer's and the engine's view of one policy
                     gap = (logp.detach() - batch["old"]).abs() * batch["mask"]
-                    mismatch += float(gap.sum())
+                    sums["mismatch"] += float(gap.sum())
                     worst = max(worst, float(gap.max()))
             grad_norm = (
                 torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
@@ -180,12 +240,17 @@ class TrainerActor:
                 else torch.tensor(0.0)
             )
             self.optimizer.step()
+            if self.world_size > 1:
+                from hpref.rl.sharding import full, reduce_stats
+
+                sums, maxes = reduce_stats(sums, {"worst": worst})
+                worst, grad_norm = maxes["worst"], full(grad_norm)
             if epoch == 0:
-                stats["engine_trainer_logprob_diff"] = mismatch / total_tokens
+                stats["engine_trainer_logprob_diff"] = sums["mismatch"] / total_tokens
                 # the largest per-token |log importance ratio| between trainer and engine: one token
                 # far off (a bf16 engine, a stale or half-loaded weight) hides in the mean
                 stats["engine_trainer_logprob_diff_max"] = worst
-            stats.update(sums, grad_norm=float(grad_norm))
+            stats.update({k: v for k, v in sums.items() if k != "mismatch"}, grad_norm=float(grad_norm))
         self.rollouts_done += 1
         # glibc keeps a step's freed activations (GiBs at micro_batch_tokens 2,048) in its heaps;
         # without this the process sits at its largest step's peak for the rest of the run, and two
@@ -196,34 +261,61 @@ class TrainerActor:
             train_tokens=float(total_tokens),
             train_tokens_per_s=total_tokens * cfg.epochs_per_rollout / max(seconds, 1e-9),
             train_s=seconds,
-            micro_batches=float(len(batches)),
             # the trainer process's peak RSS so far: a run that grows shows it here, rollout by
             # rollout, before a memory monitor stops it (a two-policy SmolLM2 run was, at update 19)
+            # (in a group: rank 0's)
             trainer_peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         )
         return stats
 
+    def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        if self.device.type == "cpu":
+            return batch
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
     def _micro_batches(self, rollout: dict[str, Any]) -> list[tuple[dict[str, Any], list[int]]]:
-        """The rollout as (batch, its row indices) under `micro_batch_tokens` each: whole prompt
-        groups as `group_batch`es where the model takes a KV cache, else rows as `pad_batch`es."""
+        """This rank's part of the rollout as (batch, its row indices) under `micro_batch_tokens`
+        each: whole prompt groups as `group_batch`es where the model takes a KV cache, else rows as
+        `pad_batch`es. A group's ranks split the groups (or rows) by padded tokens and every rank
+        gets as many micro-batches as the busiest one (weight-0 `padding` ones added)."""
         prompts, completions = rollout["prompt_ids"], rollout["completions"]
         pad, group = self.tokenizer.pad_token_id, rollout["group_size"]
-        budget = self.config.micro_batch_tokens
         if shares_prefix(self.model) and whole_groups(prompts, group):
             # a group's padded cost: its prompt once and its answers at their longest
             answers = [completions[g : g + group] for g in range(0, len(completions), group)]
             costs = [len(prompts[g * group]) + group * max(map(len, a)) for g, a in enumerate(answers)]
-            out = []
-            for groups in micro_batches(costs, budget):
-                rows = [g * group + j for g in sorted(groups) for j in range(group)]
-                batch = group_batch([prompts[i] for i in rows], [completions[i] for i in rows], group, pad)
-                out.append((batch, rows))
-            return out
-        lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-        return [
-            (pad_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad), rows)
-            for rows in micro_batches(lengths, budget)
+
+            def make(items: list[int]) -> tuple[dict[str, Any], list[int]]:
+                rows = [g * group + j for g in sorted(items) for j in range(group)]
+                return group_batch(
+                    [prompts[i] for i in rows], [completions[i] for i in rows], group, pad
+                ), rows
+
+        else:
+            costs = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+
+            def make(items: list[int]) -> tuple[dict[str, Any], list[int]]:
+                return pad_batch([prompts[i] for i in items], [completions[i] for i in items], pad), items
+
+        mine = list(range(len(costs)))
+        if self.world_size > 1:
+            from hpref.rl.sharding import split_groups
+
+            mine = split_groups(costs, self.world_size)[self.rank]
+        out = [
+            make([mine[j] for j in chunk])
+            for chunk in micro_batches([costs[i] for i in mine], self.config.micro_batch_tokens)
         ]
+        if self.world_size > 1:
+            from hpref.rl.sharding import max_over_group
+
+            spare = out[0] if out else make([0])
+            out += [
+                (dict(spare[0], padding=True), spare[1]) for _ in range(max_over_group(len(out)) - len(out))
+            ]
+        return out
 
     def _reference_logprobs(self, batch: dict[str, Any], temperature: float) -> Any:
         """Log-probs under the frozen starting policy, or None when no KL is asked for."""
@@ -235,51 +327,86 @@ class TrainerActor:
             if self.lora is not None:
                 # LoRA's B starts at zero and the base never steps, so the base alone is the start
                 with self.lora.disable_adapter():
-                    return self._logprobs(self.model, batch, temperature)
-            return self._logprobs(self.reference, batch, temperature)
+                    return self._logprobs(self.root or self.model, batch, temperature)
+            return self._logprobs(self.reference_root or self.reference, batch, temperature)
 
     def update_weights(self) -> tuple[int, dict[str, Any]]:
-        """Publish the current weights: (the new version, a CPU state dict for the engine).
+        """The current weights whole, in one CPU state dict of copies: (the new version, the state).
+        What a sync streams in buckets (`sync_version`, `weight_buckets`), for one-process callers."""
+        version = self.sync_version()
+        return version, {k: v.clone() for k, v in self._plain_items()}
+
+    def sync_version(self) -> int:
+        """The version the next sync publishes (every rank of a group agrees on it)."""
+        self.version = expected_version(self.rollouts_done, self.update_interval)
+        return self.version
+
+    def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[dict[str, Any]]:
+        """The weights for the engine as CPU state dicts of about `bucket_bytes` each, in the engine's
+        `dtype` (a Ray streaming generator: the driver hands each bucket on as it comes, so a sync
+        holds about one bucket beyond the model, not a second model).
 
         With LoRA the engine gets merged weights (base + B A alpha/r, under the plain LM's keys), not
         the adapter: it then loads a plain transformers state dict whether or not the policy has
         adapters, so no engine (nor an engine plugin such as vLLM) has to know PEFT, hold the base
-        separately, or pay for the adapter's extra matmuls while generating. The price is a full
-        state dict per sync, the same as without LoRA."""
-        self.version = expected_version(self.rollouts_done, self.update_interval)
-        if self.lora is not None:
-            from hpref.models.lm_adapters import merged_lm_state
+        separately, or pay for the adapter's extra matmuls while generating. In a group every rank
+        joins the gathers and rank 0 alone yields."""
+        import torch
 
-            return self.version, merged_lm_state(self.model)
-        return self.version, self.backend.plain_state(self.model)  # the transformers layout
+        from hpref.rl.sharding import weight_buckets
+
+        yield from weight_buckets(self._plain_items(), bucket_bytes, getattr(torch, dtype), self.rank == 0)
+        release_freed_memory()
+
+    def _plain_items(self) -> Iterator[tuple[str, Any]]:
+        return self.backend.plain_items(self.model, self.lora is not None)
 
     def save(self, folder: str) -> None:
         """The model as a transformers folder (a usable starting checkpoint), optimizer and counters.
 
         With LoRA only what trains: PEFT's adapter folder (`adapter/`, loadable by `peft`), the
         optimizer state of the adapters, the counters, and `policy_base.json`, which names the frozen
-        base (the policy's `model` settings) and the adapter settings that resume must match."""
+        base (the policy's `model` settings) and the adapter settings that resume must match.
+        In a group every rank gathers its shards and rank 0 writes the same files one rank would,
+        so a save resumes on any number of ranks."""
         import torch
 
+        from hpref.rl.sharding import full, full_optimizer_state
         from hpref.runfolder import integrity
         from hpref.runfolder.files import write_bytes_atomic, write_json_atomic
 
+        grouped = self.world_size > 1
+        if self.lora is not None:  # PEFT's own names (adapter name included), whole
+            weights = (
+                {k: full(v) for k, v in self.lora.state_dict().items() if "lora_" in k} if grouped else None
+            )
+        else:
+            weights = {k: full(v) for k, v in self.model.state_dict().items()} if grouped else None
+        optimizer = full_optimizer_state(self.optimizer) if grouped else self.optimizer.state_dict()
+        if self.rank != 0:
+            return
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
             from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE
 
             self.lora.save_pretrained(
-                str(path / POLICY_ADAPTER_DIR), safe_serialization=True, save_embedding_layers=False
+                str(path / POLICY_ADAPTER_DIR),
+                safe_serialization=True,
+                save_embedding_layers=False,
+                state_dict=weights,
             )
             write_json_atomic(path / POLICY_BASE_FILE, self._base_description(), indent=2, sort_keys=True)
         else:  # a megatron model writes the transformers layout too
-            self.model.save_pretrained(path / "model")
+            if weights is None:
+                self.model.save_pretrained(path / "model")
+            else:  # a group's gathered weights (transformers' own save; megatron trains on one rank)
+                self.model.save_pretrained(path / "model", state_dict=weights)
             self.tokenizer.save_pretrained(path / "model")
         buffer = io.BytesIO()
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "rollouts_done": self.rollouts_done,
                 "version": self.version,
                 "backend": self.config.trainer_backend,
@@ -294,6 +421,7 @@ class TrainerActor:
         from safetensors.torch import load_file
 
         from hpref.models.lm_adapters import POLICY_BASE_FILE
+        from hpref.models.parallelize import shard_like
         from hpref.runfolder import integrity
         from hpref.runfolder.safe_load import CheckpointError, load_torch_file
 
@@ -320,12 +448,17 @@ class TrainerActor:
                     "resume with the adapter settings it was saved with"
                 )
             try:
-                weights = load_file(str(weights_file))
+                weights = shard_like(self.model.state_dict(), load_file(str(weights_file)))
                 self.backend.load_plain_state(self.model, weights)
             except Exception as exc:  # safetensors' header errors and shape mismatches
                 raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            optimizer = state["optimizer"]
+            if self.world_size > 1:
+                from hpref.rl.sharding import shard_optimizer_state
+
+                optimizer = shard_optimizer_state(self.optimizer, optimizer)
+            self.optimizer.load_state_dict(optimizer)
             self.rollouts_done = int(state["rollouts_done"])
             self.version = int(state["version"])
         except (KeyError, TypeError, ValueError) as exc:

@@ -142,8 +142,10 @@ def actor_names(handles: Any) -> dict[str, str]:
     names = {}
     for p, engine in handles.engines.items():
         names[engine._actor_id.hex()] = f"policy '{p}': engine actor"
-    for p, trainer in handles.trainers.items():
-        names[trainer._actor_id.hex()] = f"policy '{p}': trainer actor"
+    for p, group in handles.trainers.items():
+        for rank, trainer in enumerate(group.ranks):
+            what = "trainer actor" if len(group.ranks) == 1 else f"trainer rank {rank} actor"
+            names[trainer._actor_id.hex()] = f"policy '{p}': {what}"
     names[handles.executor._actor_id.hex()] = "the rollout executor actor (shared by all policies)"
     return names
 

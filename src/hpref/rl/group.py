@@ -1,0 +1,110 @@
+"""A policy's trainer as the driver sees it: its ranks (one Ray actor each) called as one trainer.
+
+    group = TrainerGroup("a", [rank0, rank1])
+    await group.start()                            # ranks > 1: rendezvous, process group, FSDP2
+    stats = await group.train(rollout)             # each rank its share; the group's metrics
+    version = await push_weights(group, engine, "a", bucket_bytes)   # trainer -> engine, in buckets
+    await group.save(folder); start = await group.load(folder)
+
+Every call goes to every rank at once (their collectives pair up inside the calls) and the driver
+takes rank 0's answer, which is the group's: the ranks all-reduce their metrics, and rank 0 alone
+writes a save and sends the weights. A group of one rank is today's one trainer actor, called the
+same way. Handles are Ray actor handles or the tests' in-process `LocalActor`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hpref.runtime.ray_cluster import actor_death, ray_cause
+
+#: Ray keeps at most this many of a sync's buckets waiting between trainer and engine: the trainer
+#: pauses its stream until the engine has taken one, so a sync's memory is bounded by buckets
+BUCKETS_IN_FLIGHT = 2
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update that did not reach an engine whole; the engine still serves its old version."""
+
+
+class TrainerGroup:
+    """One policy's trainer ranks, called as one trainer (see the module docstring)."""
+
+    def __init__(self, policy: str, ranks: list[Any]) -> None:
+        if not ranks:
+            raise ValueError(f"policy '{policy}': a trainer group needs at least one rank")
+        self.policy = policy
+        self.ranks = list(ranks)
+
+    async def _all(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every rank at once; the first failure (a dead rank) is the call's."""
+        return await asyncio.gather(*(getattr(r, method).remote(*args) for r in self.ranks))
+
+    async def start(self) -> None:
+        """Form the process group (ranks > 1): rank 0 serves the rendezvous, every rank joins,
+        then builds and shards the policy. A group of one built itself when it was created."""
+        if len(self.ranks) == 1:
+            return
+        host, port = await self.ranks[0].open_rendezvous.remote()
+        await self._all("join_group", host, port)
+
+    async def train(self, rollout: dict[str, Any]) -> dict[str, float]:
+        if len(self.ranks) > 1:  # sent once to Ray's object store, read there by every rank
+            import ray
+
+            rollout = ray.put(rollout)
+        return (await self._all("train", rollout))[0]
+
+    async def sync_version(self) -> int:
+        return (await self._all("sync_version"))[0]
+
+    async def save(self, folder: str) -> None:
+        await self._all("save", folder)
+
+    async def load(self, folder: str) -> int:
+        return (await self._all("load", folder))[0]
+
+
+async def push_weights(group: TrainerGroup, engine: Any, policy: str, bucket_bytes: int = 256 << 20) -> int:
+    """Trainer -> engine in begin/load/commit steps, the weights streamed in buckets of about
+    `bucket_bytes` in the engine's dtype; an interrupted or refused transfer is aborted, so the engine
+    keeps serving its previous version rather than a half-loaded one, and the `WeightSyncError`
+    says which version that is (asked of the engine after the abort).
+
+    Each bucket travels as an object reference from the trainer's rank 0 to the engine: Ray hands it
+    from one process to the other, and the driver never deserialises it (fetched here, every sync
+    cost the driver a copy of every policy's weights). The other ranks' streams yield nothing: they
+    only join rank 0's gathers of their shards."""
+    version = await group.sync_version()
+    dtype = await engine.weight_dtype.remote()
+    await engine.begin_update.remote(version)
+    try:
+        streams = [
+            rank.weight_buckets.options(
+                num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
+            ).remote(bucket_bytes, dtype)
+            for rank in group.ranks
+        ]
+
+        async def forward() -> None:
+            async for bucket in streams[0]:
+                await engine.load_weights.remote(bucket)
+
+        async def drain(stream: Any) -> None:
+            async for ref in stream:
+                await ref  # nothing but a failure: the rank's error, raised here
+
+        await asyncio.gather(forward(), *(drain(s) for s in streams[1:]))
+        return await engine.commit_update.remote()
+    except BaseException as exc:
+        await asyncio.shield(engine.abort_update.remote())
+        if not isinstance(exc, Exception) or actor_death(exc) is not None:
+            raise  # cancelled, or a dead actor (`run_rl` names it)
+        serving = await engine.get_version.remote()
+        cause = ray_cause(exc)
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise WeightSyncError(
+            f"policy '{policy}': the weight update to version {version} failed on its way to the "
+            f"engine ({type(cause).__name__}: {reason}); the engine keeps serving version {serving}"
+        ) from exc

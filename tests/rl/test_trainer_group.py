@@ -1,0 +1,159 @@
+"""A policy's trainer over two ranks (issue #36): two Ray actors in one gloo process group, the policy
+sharded with FSDP2, the rollout's prompt groups split between them. The group's update is the
+one-rank update of the same rollout, its weights stream to an engine whole, and its saves are the
+one-rank files, so a save resumes on either number of ranks.
+
+One module-scoped group serves every test: forming it (two processes building the tiny policy and
+joining a process group) is most of the cost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ray = pytest.importorskip("ray")
+
+from hpref.recipe.rl import parse_rl_section  # noqa: E402
+from hpref.rl.group import TrainerGroup, push_weights  # noqa: E402
+from hpref.rl.sharding import split_groups  # noqa: E402
+from hpref.rl.trainer import TrainerActor  # noqa: E402
+from tests.rl.local_actor import length_scored_rollouts  # noqa: E402
+from tests.rl.tiny import TINY  # noqa: E402
+
+
+def rl_config():
+    return parse_rl_section(
+        {
+            "num_rollouts": 4,
+            "staleness_limit": 10,  # the fixture's rollouts all come from the starting weights
+            # 3 prompt groups over 2 ranks: one rank runs a padding micro-batch to match the other
+            "rollout": {"group_size": 2, "prompts_per_rollout": 3, "max_new_tokens": 8, "max_buffered": 1},
+            "defaults": {"model": TINY, "lr": 1e-2, "precision": "fp32", "micro_batch_tokens": 48},
+            # a KL reference, sharded like the policy
+            "policies": {"a": {"kl_coef": 0.1, "ranks": 2}},
+            "reward": {"name": "rule", "function": "rl_group_length_reward:score"},
+        },
+        "test",
+    )
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, ray_cluster):
+    mp = pytest.MonkeyPatch()
+    cfg = rl_config()
+    _engine, rollouts = length_scored_rollouts(tmp_path_factory, mp, cfg, "rl_group_length_reward", count=2)
+    policy = cfg.policies["a"]
+    remote = ray.remote(TrainerActor).options(num_cpus=0.25)
+    ranks = [remote.remote("a", policy, 1, rank=r, world_size=2) for r in range(2)]
+    group = TrainerGroup("a", ranks)
+    run(group.start())
+    yield cfg, rollouts, group
+    for r in ranks:
+        ray.get(r.close.remote())
+        ray.kill(r)
+    mp.undo()
+
+
+def one_rank(cfg):
+    return TrainerActor("a", cfg.policies["a"].model_copy(update={"ranks": 1}), 1)
+
+
+class Receiver:
+    """An engine's weight-update steps, keeping what arrives (bucket by bucket)."""
+
+    def __init__(self):
+        self.buckets, self.version = [], 0
+
+    def weight_dtype(self):
+        return "float32"
+
+    def begin_update(self, version):
+        self.staged = version
+
+    def load_weights(self, state):
+        self.buckets.append(dict(state))
+
+    def commit_update(self):
+        self.version = self.staged
+        return self.version
+
+    def abort_update(self):
+        pass
+
+    def get_version(self):
+        return self.version
+
+    def got(self):
+        return self.buckets
+
+
+def received(group, bucket_bytes=1 << 30):
+    receiver = ray.remote(Receiver).options(num_cpus=0.1).remote()
+    version = run(push_weights(group, receiver, "a", bucket_bytes))
+    buckets = ray.get(receiver.got.remote())
+    ray.kill(receiver)
+    return version, buckets
+
+
+def test_split_gives_whole_groups_to_the_least_loaded_rank():
+    # Wrong if a rank got more than its share of tokens or the split depended on anything but costs
+    assert split_groups([10, 40, 30, 20], 2) == [[0, 1], [2, 3]]  # 40+10 | 30+20
+    assert split_groups([5], 2) == [[0], []]  # fewer groups than ranks: rank 1 pads
+    assert split_groups([3, 3, 3], 1) == [[0, 1, 2]]
+
+
+def test_two_rank_update_equals_the_one_rank_update_and_streams_whole(world, tmp_path):
+    """If this fails, a policy trained over ranks learns something other than the same policy on
+    one rank (a gradient averaged instead of summed, a group split that drops or repeats answers, a
+    padding pass that counts), or its engine gets shards or a partial model."""
+    cfg, rollouts, group = world
+    alone = one_rank(cfg)
+    start = {k: v.clone() for k, v in alone.update_weights()[1].items()}
+    want_stats = alone.train(rollouts[0])
+    want = alone.update_weights()[1]
+    stats = run(group.train(rollouts[0]))
+    for key in ("loss", "kl", "clip_fraction", "ratio_mean", "engine_trainer_logprob_diff"):
+        assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
+    assert stats["grad_norm"] == pytest.approx(want_stats["grad_norm"], rel=1e-5)
+    assert want_stats["micro_batches"] == 3 and stats["micro_batches"] >= 2  # both ranks ran real ones
+
+    version, buckets = received(group, bucket_bytes=20_000)
+    assert version == 1 and len(buckets) > 2  # several buckets, each about 20 kB
+    got = {k: v for b in buckets for k, v in b.items()}
+    assert got.keys() == want.keys()
+    for key, tensor in want.items():
+        step = (tensor - start[key]).norm()
+        assert got[key].shape == tensor.shape and got[key].dtype == torch.float32
+        assert (got[key] - tensor).norm() <= 1e-5 * max(float(step), 1e-12) + 1e-7, key
+
+    # a save of the group is one rank's save: the one-rank trainer resumes it exactly
+    folder = tmp_path / "saved"
+    run(group.save(str(folder)))
+    resumed = one_rank(cfg)
+    assert resumed.load(str(folder)) == 1
+    for key, tensor in resumed.update_weights()[1].items():
+        assert torch.allclose(tensor, got[key], rtol=0, atol=1e-7), key
+    # ... and one more identical rollout on each stays equal (the optimizer moments came back)
+    again = resumed.train(rollouts[1])
+    group_again = run(group.train(rollouts[1]))
+    assert group_again["loss"] == pytest.approx(again["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_the_group_resumes_a_one_rank_save(world, tmp_path):
+    """Wrong if a 2-rank group could not take up a 1-rank save (DCP-style resharding at load)."""
+    cfg, rollouts, group = world
+    alone = one_rank(cfg)
+    alone.rollouts_done = 0
+    folder = tmp_path / "one"
+    alone.save(str(folder))
+    assert run(group.load(str(folder))) == 0
+    _version, buckets = received(group)
+    got = {k: v for b in buckets for k, v in b.items()}
+    for key, tensor in alone.update_weights()[1].items():
+        assert torch.equal(got[key], tensor), key
