@@ -203,8 +203,9 @@ class PolicyConfig(_Section):
             )
         if self.trainer_tensor_parallel != 1:
             raise ValueError(
-                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: the megatron trainer runs on one "
-                "rank (its tensor parallelism across a group's ranks is not built yet), so only 1 is supported"
+                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: the megatron trainer runs on "
+                "one rank (its tensor parallelism across a group's ranks is not built yet), so only 1 is "
+                "supported"
             )
         if self.trainer_backend == "megatron" and self.ranks > 1:
             raise ValueError(
@@ -213,8 +214,8 @@ class PolicyConfig(_Section):
             )
         if self.gpus_per_rank > 0 and self.gpus_per_rank != 1 and self.ranks > 1:
             raise ValueError(
-                f"gpus_per_rank = {self.gpus_per_rank:g}: ranks of one group each need a whole GPU of their own "
-                "(NCCL puts one rank on a device)"
+                f"gpus_per_rank = {self.gpus_per_rank:g}: ranks of one group each need a whole GPU of "
+                "their own (NCCL puts one rank on a device)"
             )
         return self
 
