@@ -24,13 +24,13 @@ from tests.rl.tiny import TINY  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def recipe(run_dir, num_rollouts):
+def recipe(run_dir, num_rollouts, b_ranks=1):
     rl = {
         "num_rollouts": num_rollouts,
         "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 4},
         "reward": {"name": "rule"},
         "defaults": {"model": TINY, "lr": 1e-3},
-        "policies": {"a": {}, "b": {"model": {"seed": 1}}},
+        "policies": {"a": {}, "b": {"model": {"seed": 1}, "ranks": b_ranks}},
         "eval_interval": 0,
         "save_interval": 1,
     }
@@ -58,9 +58,10 @@ def synced(monkeypatch):
 def test_a_killed_actor_is_named_and_the_run_resumes(
     kind, request, tmp_path, monkeypatch, log_messages, synced, _ray_for_the_session
 ):
-    """SIGKILL policy b's actor once b has trained two rollouts and a save is recorded. If the run
-    hangs, a dead actor is not noticed; if it ends in a traceback or the line lacks "policy 'b':
-    <kind> actor", the user cannot tell what died; if the resume fails, the record written before
+    """SIGKILL policy b's actor (its engine, or rank 1 of its two trainer ranks) once b has trained
+    two rollouts and a save is recorded. If the run hangs, a dead actor is not noticed; if it ends
+    in a traceback or the line lacks "policy 'b': engine actor" / "trainer rank 1 actor", the user
+    cannot tell what died; if the resume fails, the record written before
     the death is not usable. The trainer's death is in a run that started its own local cluster
     (which must be down afterwards, actor dead or not); the engine's in a run that joined the
     session's cluster (which must be left running, as `hpref rl` leaves any cluster it joined).
@@ -74,10 +75,11 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     pids: dict[str, int] = {}
     real_create = driver.create_ray_actors
 
-    def create(config, order, teardown, prompts=None):
-        handles = real_create(config, order, teardown, prompts)
-        group = handles.trainers if kind == "trainer" else handles.engines
-        pids["b"] = ray.get(group["b"].__ray_call__.remote(lambda self: os.getpid()))
+    def create(config, order, teardown, prompts=None, where="recipe"):
+        handles = real_create(config, order, teardown, prompts, where)
+        # the trainer: rank 1 of b's two-rank group (issue #36); the engine: b's one engine
+        actor = handles.trainers["b"].ranks[1] if kind == "trainer" else handles.engines["b"]
+        pids["b"] = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
         return handles
 
     monkeypatch.setattr(driver, "create_ray_actors", create)
@@ -95,13 +97,14 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     start = time.monotonic()
-    code = driver.run_rl(recipe(run_dir, 200), ["a", "b"])
+    b_ranks = 2 if kind == "trainer" else 1
+    code = driver.run_rl(recipe(run_dir, 200, b_ranks), ["a", "b"])
     thread.join(timeout=5)
     assert code == 1
     assert time.monotonic() - start < 300
     lines = [m for m in log_messages if " died (" in m]
     assert len(lines) == 1, log_messages[-10:]
-    assert f"policy 'b': {kind} actor died" in lines[0]
+    assert f"policy 'b': {'trainer rank 1' if kind == 'trainer' else 'engine'} actor died" in lines[0]
     record = read_record(run_dir)
     assert record is not None and record.save_dir in lines[0] and "--resume auto" in lines[0]
     assert ray.is_initialized() is not own_cluster
@@ -111,7 +114,7 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     # after): the resume is checked here, a cluster's start and stop were checked above
     start_ray()
     stop = record.rollout_ids["a"] + 2
-    assert driver.run_rl(recipe(run_dir, stop), ["a", "b"], resume="auto") == 0
+    assert driver.run_rl(recipe(run_dir, stop, b_ranks), ["a", "b"], resume="auto") == 0
     assert any("resumed from" in m and record.save_dir in m for m in log_messages)
     assert read_record(run_dir).rollout_ids["a"] == stop
     for name in ("rl.json", "rl_summary.json", "metrics/rewards.png"):

@@ -324,7 +324,7 @@ def test_grpo_trains_a_lora_policy_through_the_driver(world, tmp_path):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < -8.0, rewards  # a random policy rambles ...
     assert last > -2.0, rewards  # ... and GRPO on the adapters teaches it to stop
-    t = handles.trainers["a"].wrapped
+    t = handles.trainers["a"].ranks[0].wrapped
     fresh = trainer(cfg)
     for key, value in base_weights(fresh).items():  # thirty steps, and the base has not moved
         assert torch.equal(value, base_weights(t)[key]), key

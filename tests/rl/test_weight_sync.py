@@ -99,8 +99,8 @@ def broken_then_resumed(ray_cluster, tmp_path_factory):
     proxies = {}
     real_create = driver.create_ray_actors
 
-    def create(config, order, teardown, prompts_source=None):
-        handles = real_create(config, order, teardown, prompts_source)
+    def create(config, order, teardown, prompts_source=None, where="recipe"):
+        handles = real_create(config, order, teardown, prompts_source, where)
         proxies["b"] = handles.engines["b"] = HalfTransfer(handles.engines["b"], run_dir, prompts)
         return handles
 

@@ -69,35 +69,42 @@ def _actor_env() -> dict[str, str]:
 
 
 def create_ray_actors(
-    config: RLConfig, order: list[str], teardown: Teardown, prompts: PromptSource | None = None
+    config: RLConfig,
+    order: list[str],
+    teardown: Teardown,
+    prompts: PromptSource | None = None,
+    where: str = "recipe",
 ) -> Handles:
-    """Engines, then the executor, then trainers; each registered for teardown as it is created.
+    """The cluster checked and each policy's placement group reserved (`hpref.rl.placement`: a run
+    the cluster cannot hold is refused in one line before any actor starts), then engines, the
+    executor and the trainer ranks, each in its bundle and registered for teardown as it is created.
     `prompts`: the built `[rl.prompts]` source (None: the executor builds it)."""
     import ray
 
     from hpref.rl.engines import EngineHost
     from hpref.rl.group import TrainerGroup
+    from hpref.rl.placement import check_cluster, cluster_nodes, reserve
     from hpref.rl.rollouts import RolloutExecutor
     from hpref.rl.trainer import TrainerActor
 
+    engine_config = config.engine_config
+    if engine_config is None:
+        engine_config = resolve_engine(config.engine)
+        config = config.model_copy(update={"engine_config": engine_config})
+    check_cluster(config, order, ray.cluster_resources(), where, nodes=cluster_nodes())
+    placement = reserve(config, order, where=where)
+    teardown.add("placement groups", placement.release)
     opts = {"num_cpus": ACTOR_CPUS}
     env = _actor_env()
 
     def kill(handle: ActorHandle) -> Callable[[], None]:
         return lambda: ray.kill(handle, no_restart=True)
 
-    engine_config = config.engine_config
-    if engine_config is None:
-        engine_config = resolve_engine(config.engine)
-    engine_opts = {
-        "num_cpus": float(getattr(engine_config, "num_cpus", ACTOR_CPUS)),
-        "num_gpus": float(getattr(engine_config, "num_gpus", 0)),
-    }
     engines = {}
     for p in order:
         engines[p] = (
             ray.remote(EngineHost)
-            .options(**engine_opts)
+            .options(**placement.engine_options(p))
             .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env)
         )
         teardown.add(f"engine '{p}'", kill(engines[p]))
@@ -108,14 +115,15 @@ def create_ray_actors(
     trainers = {}
     for p in order:
         policy = config.policies[p]
-        # a group's ranks hold a process group; a megatron trainer its parallel state: both closed
-        # before the kill (a one-rank transformers trainer has nothing beyond its memory)
-        closes = policy.ranks > 1 or trainer_backend(policy.trainer_backend).holds_process_state
+        # a megatron trainer's parallel state is closed before the kill; a group's ranks are only
+        # killed (a rank left waiting in a collective for a dead peer would not answer `close`, and
+        # its process group ends with its process)
+        closes = trainer_backend(policy.trainer_backend).holds_process_state
         ranks = []
         for rank in range(policy.ranks):
             handle = (
                 ray.remote(TrainerActor)
-                .options(num_cpus=policy.cpus_per_rank, num_gpus=policy.gpus_per_rank)
+                .options(**placement.rank_options(p, rank))
                 .remote(
                     p, policy, config.update_weights_interval, env=env, rank=rank, world_size=policy.ranks
                 )
@@ -284,7 +292,8 @@ def run_rl(
         teardown.add("ray", ray.shutdown)
     actors: dict[str, str] = {}
     try:
-        handles = create_ray_actors(config, order, teardown, prompts)
+        where = str(getattr(recipe, "_source", None) or "recipe")
+        handles = create_ray_actors(config, order, teardown, prompts, where)
         actors = actor_names(handles)
         teardown_executor = handles.executor
         metrics = MetricsWriter(run_dir)
