@@ -71,14 +71,15 @@ def _held_bytes(trainer: Any) -> dict[str, float]:
     }
 
 
-def rollout(update: int, seed: int = 0) -> dict[str, Any]:
+def rollout(update: int, seed: int = 0, vocab: int = 40000) -> dict[str, Any]:
+    """A rollout shaped like `rl-smollm2`'s, of random token ids below `vocab`."""
     rng = random.Random(seed * 1000 + update)
     prompts, completions = [], []
     for _ in range(8):
-        prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(100, 290))]
+        prompt = [rng.randrange(100, vocab) for _ in range(rng.randrange(100, 290))]
         for _ in range(4):
             prompts.append(prompt)
-            completions.append([rng.randrange(100, 40000) for _ in range(rng.randrange(20, 64))])
+            completions.append([rng.randrange(100, vocab) for _ in range(rng.randrange(20, 64))])
     return {
         "rollout_id": update,
         "group_size": 4,
@@ -90,7 +91,9 @@ def rollout(update: int, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def measure(ranks: int, policy: Any, engine: Any, updates: int, bucket_bytes: int) -> dict[str, Any]:
+def measure(
+    ranks: int, policy: Any, engine: Any, updates: int, bucket_bytes: int, vocab: int
+) -> dict[str, Any]:
     import ray
 
     from hpref.rl.group import TrainerGroup, push_weights
@@ -105,7 +108,7 @@ def measure(ranks: int, policy: Any, engine: Any, updates: int, bucket_bytes: in
         walls = []
         for update in range(updates):
             start = time.perf_counter()
-            asyncio.run(group.train(rollout(update)))
+            asyncio.run(group.train(rollout(update, vocab=vocab)))
             walls.append(time.perf_counter() - start)
         after = ray.get([h.__ray_call__.remote(lambda self: _status()) for h in handles])
         held = ray.get([h.__ray_call__.remote(lambda self: _held_bytes(self)) for h in handles])
@@ -161,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = ray.remote(EngineHost).options(num_cpus=0.25).remote("transformers", None, "a", policy.model)
     ray.get(engine.get_version.remote())
     bucket_bytes = int(args.bucket_mb * 2**20)
+    vocab = 40000 if args.model == "smollm2" else 1800  # the tiny policy's BPE has ~1,900 tokens
     counts = [int(x) for x in args.ranks.split(",")]
     results: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
     for repeat in range(args.repeats):
         for n in counts:  # interleaved: 1, 2, 1, 2
             load = os.getloadavg()[0]
-            out = measure(n, policy, engine, args.updates, bucket_bytes)
+            out = measure(n, policy, engine, args.updates, bucket_bytes, vocab)
             out["load"] = load
             results[n].append(out)
             print(f"repeat {repeat} ranks {n}: {out}", flush=True)

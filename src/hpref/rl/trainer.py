@@ -328,7 +328,14 @@ class TrainerActor:
                 # LoRA's B starts at zero and the base never steps, so the base alone is the start
                 with self.lora.disable_adapter():
                     return self._logprobs(self.root or self.model, batch, temperature)
-            return self._logprobs(self.reference_root or self.reference, batch, temperature)
+            if self.reference_root is None:
+                return self._logprobs(self.reference, batch, temperature)
+            out = self._logprobs(self.reference_root, batch, temperature)
+            # FSDP2 keeps a root's weights gathered after its forward, for the backward that
+            # follows; the reference has none, so without this every rank would hold the whole
+            # embeddings and head of the reference for the rest of the run
+            self.reference_root.reshard()
+            return out
 
     def update_weights(self) -> tuple[int, dict[str, Any]]:
         """The current weights whole, in one CPU state dict of copies: (the new version, the state).
