@@ -157,3 +157,22 @@ def test_the_group_resumes_a_one_rank_save(world, tmp_path):
     got = {k: v for b in buckets for k, v in b.items()}
     for key, tensor in alone.update_weights()[1].items():
         assert torch.equal(got[key], tensor), key
+
+
+def test_a_rank_given_a_gpu_torch_cannot_see_is_refused_in_one_line(monkeypatch):
+    """A trainer rank Ray gave a GPU, in a process whose torch sees no CUDA device (this machine's CPU
+    build), stops before it builds anything with one line naming the policy, the rank and the GPU.
+    If this fails, such a rank trains on the CPU, hundreds of times slower, and looks like a run."""
+    import hpref.rl.sharding as sharding
+    from hpref.errors import UserError
+    from hpref.recipe.rl import PolicyConfig
+
+    monkeypatch.setattr(sharding, "_ray_gpu_ids", lambda: ["3"])
+    policy = PolicyConfig.model_validate({"model": TINY, "ranks": 2, "gpus_per_rank": 1})
+    with pytest.raises(UserError) as err:
+        TrainerActor("b", policy, 1, rank=1, world_size=2)
+    assert str(err.value) == (
+        f"policy 'b' trainer rank 1: Ray assigned it GPU 3 (gpus_per_rank = 1) but torch {torch.__version__} "
+        "sees no CUDA device; install a CUDA build of torch on the node, or set gpus_per_rank = 0 to train "
+        "on the CPU"
+    )
