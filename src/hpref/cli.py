@@ -261,12 +261,22 @@ def rl_command(
         None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
     ),
     resume: str | None = typer.Option(None, "--resume", help="'auto' or a run folder to resume from."),
+    plan: bool = typer.Option(
+        False,
+        "--plan",
+        help="Print where every actor would go (node, CPUs, GPU ids) and its memory estimate, then exit "
+        "without starting anything (exit 2 when something does not fit); with --ray-address, that cluster's "
+        "nodes, joined read-only.",
+    ),
 ) -> None:
     """Multi-policy RL on Ray: several policies trained at once on shared rollouts, led by the first."""
     from hpref.rl.command import RlRequest
     from hpref.rl.command import rl_command as run_rl_command
 
-    request = RlRequest(resolve_recipe_path(recipe), policies, tuple(overrides), ray_address, resume)
+    request = RlRequest(
+        resolve_recipe_path(recipe), policies, tuple(overrides), ray_address=ray_address, resume=resume,
+        plan=plan,
+    )  # fmt: skip
     raise typer.Exit(run_rl_command(request))
 
 

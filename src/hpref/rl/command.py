@@ -22,6 +22,7 @@ class RlRequest:
     overrides: Sequence[str] = ()
     ray_address: str | None = None
     resume: str | None = None
+    plan: bool = False  # print where every actor would go and its memory; start nothing (rl.plan)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ def _rl_recipe(recipe_path: Path, overrides: list[str]) -> Any:
 
 
 def rl_command(request: RlRequest) -> int:
-    """`hpref rl`: check, start the run folder, run (`hpref.rl.run_rl`); returns the exit code."""
+    """`hpref rl`: check, start the run folder, run (`hpref.rl.run_rl`); returns the exit code.
+    With `plan`, print the plan instead (`hpref.rl.plan.run_plan`: 0 when it fits, 2 when not)."""
     import hpref.rl
     from hpref.rl.launch import preflight, resume_source
     from hpref.runfolder.start import start_run_folder
@@ -59,6 +61,10 @@ def rl_command(request: RlRequest) -> int:
     loaded = _rl_recipe(recipe_path, list(request.overrides))
     ids = policy_ids(request.policies)
     loaded.rl.select(ids)  # an unknown policy id is a user error before the run folder is touched
+    if request.plan:  # the plan reads the recipe and the first prompts only: no run folder, no actor
+        from hpref.rl.plan import run_plan
+
+        return run_plan(loaded, ids, request.ray_address)
     # A fresh start on a folder that holds another run's record is refused before anything is written.
     resume_source(loaded.run.run_dir, resume)
     prompts = preflight(loaded, ids)  # models, rewards, the prompt file: before the run folder too

@@ -1,0 +1,469 @@
+"""`hpref rl RECIPE --policies a,b --plan [--ray-address ADDR]`: where every actor of every policy
+would go and how much memory it would hold, without building a model, starting an actor or
+touching the run folder. How a user sizes a cluster run from a laptop.
+
+The placement is `hpref.rl.placement`'s (the same asks and bundles a run reserves), simulated over
+the nodes of the cluster at `--ray-address` (joined read-only: no placement group, no actor) or,
+without one, over this machine as the one node a local run would start. The memory is counted from
+the policy's config on the meta device (`hpref.rl.policy.policy_skeleton`) and the first prompts'
+lengths, per actor (GiB):
+
+- trainer rank (FSDP2 over `ranks`): fp32 weights / ranks (a LoRA base too: frozen, but sharded),
+  gradients and AdamW's two moments of what trains / ranks, the frozen KL reference (full
+  fine-tuning with `kl_coef` > 0 or `measure_kl`; LoRA's reference is its base with the adapters
+  off), then the largest of what a step adds on top: one micro-batch's saved activations and logits
+  (with bf16 autocast's bf16 copy of the weights, or two gathered FSDP units with several ranks),
+  the optimizer step's temporaries, a weight sync's bucket;
+- engine: its weights in its dtype, its KV cache (vLLM: `kv_cache_gib` on CPU, its
+  `gpu_memory_utilization` of a GPU; the transformers engine: the rollout's sequences, with every
+  step's logits, which `generate` keeps) or the prompt forward's logits, whichever is larger, or a
+  sync's staged copy;
+- every actor: the process baseline, measured here (this process after importing torch,
+  transformers and the trainer) plus a Ray worker's own (`RAY_WORKER_BYTES`).
+
+The activation constants are counted from the tensors autograd saves for a transformers Llama
+block (`benchmarks/rl_plan_memory.py` measures the estimate against real actors' peak RSS).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hpref.rl.placement import EXECUTOR_CPUS, Node, actor_asks, check_cluster, pack
+
+if TYPE_CHECKING:
+    from hpref.recipe import Recipe
+    from hpref.recipe.rl import PolicyConfig, RLConfig, RolloutConfig
+
+GIB = 2**30
+MIB = 2**20
+#: A Ray actor's resident set over a plain process with the same imports (measured here: 661 vs
+#: 610 MiB after importing torch, transformers and the trainer): Ray's core worker and its threads.
+RAY_WORKER_BYTES = 64 * MIB
+#: CUDA's context and kernels in each GPU process (not measured here, where there is no GPU).
+CUDA_CONTEXT_BYTES = 512 * MIB
+#: Bytes per answer token per vocabulary entry at the loss: the fp32 log-softmax autograd keeps, and
+#: in backward its gradient and the gradient of the scaled logits (three fp32 copies).
+LOGIT_BYTES = 12
+#: A micro-batch's peak resident set over the tensors autograd saves: the forward's temporaries and
+#: what the allocator keeps of them (measured on SmolLM2-135M, one 556-token micro-batch under bf16
+#: autocast, steady-state steps: 1.44x full fine-tuning, 1.35x LoRA; `benchmarks/rl_plan_memory.py`).
+MICRO_BATCH_SLACK = 1.4
+#: Prompts whose lengths the plan reads (the first rollouts'); the longest sets the padded width.
+PROMPT_SAMPLE = 64
+#: Each GPU's memory by Ray's `accelerator_type` (Ray reports the kind, not the size; only kinds
+#: with one size are listed: an A100 or a V100 may be either of two).
+GPU_MEMORY_GIB = {"H100": 80, "H200": 141, "B200": 180, "L4": 24, "A10G": 24, "L40S": 48, "T4": 16}
+
+
+# --------------------------------------------------------------------------------------------------
+# the model, from its config
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the memory of a policy's model depends on, read from its skeleton."""
+
+    params: int  # every parameter (LoRA's adapters included)
+    trainable: int  # what the optimizer steps: all, or the adapters
+    largest_unit: int  # an FSDP unit: the largest decoder block, or the root (embeddings, norm, head)
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_width: int  # key/value heads x head size
+    vocab: int
+
+
+def model_shape(policy: PolicyConfig) -> Shape:
+    """The policy's `Shape` from its config on the meta device (LoRA injected there too)."""
+    from hpref.rl.policy import policy_skeleton
+
+    skeleton = policy_skeleton(policy.model)
+    config = skeleton.config
+    if policy.lora is not None:
+        from hpref.models.lm_adapters import apply_lora_to_causal_lm
+
+        apply_lora_to_causal_lm(skeleton, policy.lora, seed=policy.model.seed)
+    params = sum(p.numel() for p in skeleton.parameters())
+    blocks = skeleton.get_decoder().layers
+    block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return Shape(
+        params=params,
+        trainable=sum(p.numel() for p in skeleton.parameters() if p.requires_grad),
+        largest_unit=max(block, params - in_blocks),
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        kv_width=getattr(config, "num_key_value_heads", heads) * head_dim,
+        vocab=config.vocab_size,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# memory per actor
+
+
+@dataclass(frozen=True)
+class Memory:
+    """An actor's estimate: `terms` in bytes (what it holds all run, and the largest transient on
+    top, named), of which `host_terms` stay in host memory when the actor computes on a GPU."""
+
+    terms: dict[str, int]
+    gpu: bool = False
+    host_terms: tuple[str, ...] = ("baseline",)
+
+    @property
+    def host(self) -> int:
+        return sum(v for k, v in self.terms.items() if not self.gpu or k in self.host_terms)
+
+    @property
+    def device(self) -> int:
+        return sum(v for k, v in self.terms.items() if self.gpu and k not in self.host_terms)
+
+    def text(self) -> str:
+        return " + ".join(f"{k} {v / GIB:.2f}" for k, v in self.terms.items() if v)
+
+
+def micro_batch_activations(
+    shape: Shape, prompt: int, answers: int, groups: int, group: int, bf16: bool
+) -> int:
+    """Bytes autograd keeps for one micro-batch of `groups` prompt groups (each prompt once, its
+    `group` answers of `answers` tokens on its KV cache, as `hpref.rl.policy.group_batch`).
+
+    Per decoder position and block, counted from the saved tensors of a transformers Llama block:
+    fp32: 10 hidden-wide (norms, residual, q, attention out, o_proj input), 4 intermediate-wide
+    (gate, up, SiLU, product) and 2 key/value-wide; under bf16 autocast the norms and residual stay
+    fp32 (6 hidden-wide), the rest is bf16. Each answer row also keeps the keys and values of its
+    prompt and answer repeated to every head (sdpa's grouped-query repeat), and the answers' logits
+    cost `LOGIT_BYTES` per vocabulary entry."""
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_width
+    per_position = (6 * h * 4 + (4 * h + 4 * i + 2 * kv) * 2) if bf16 else (10 * h + 4 * i + 2 * kv) * 4
+    positions = groups * (prompt + group * answers)
+    rows = groups * group
+    repeated_kv = rows * (prompt + answers) * 2 * h * (2 if bf16 else 4)
+    logits = rows * answers * shape.vocab * LOGIT_BYTES
+    return shape.layers * (positions * per_position + repeated_kv) + logits
+
+
+def trainer_memory(
+    policy: PolicyConfig,
+    shape: Shape,
+    rollout: RolloutConfig,
+    prompt: int,
+    *,
+    baseline: int,
+    bucket: int,
+    bf16: bool,
+    gpu: bool = False,
+) -> Memory:
+    """One trainer rank's memory (every rank of a policy holds the same: FSDP2 shards evenly)."""
+    ranks = policy.ranks
+    answers, group = rollout.max_new_tokens, rollout.group_size
+    full_reference = (policy.kl_coef > 0 or policy.measure_kl) and policy.lora is None
+    terms = {
+        "weights": shape.params * 4 // ranks,
+        "grads": shape.trainable * 4 // ranks,
+        "AdamW": shape.trainable * 8 // ranks,
+        "KL reference": shape.params * 4 // ranks if full_reference else 0,
+    }
+    # whole prompt groups per micro-batch: as many as `micro_batch_tokens` holds (at least one), of
+    # this rank's share of the rollout
+    groups_here = math.ceil(rollout.prompts_per_rollout / ranks)
+    groups = max(1, min(groups_here, policy.micro_batch_tokens // (prompt + group * answers)))
+    step = micro_batch_activations(shape, prompt, answers, groups, group, bf16)
+    if ranks > 1:  # FSDP2 gathers a unit in the compute dtype and prefetches the next
+        step += 2 * shape.largest_unit * (2 if bf16 else 4)
+    elif bf16:  # autocast keeps a bf16 copy of every weight it casts until the micro-batch ends
+        step += shape.params * 2
+    transients = {
+        "micro-batch": int(step * MICRO_BATCH_SLACK),
+        "optimizer step": 2 * shape.trainable * 4 // ranks,  # foreach AdamW's temporaries
+        "sync bucket": bucket,
+    }
+    largest = max(transients, key=lambda k: transients[k])
+    terms[largest] = transients[largest]
+    if gpu:
+        terms["CUDA context"] = CUDA_CONTEXT_BYTES
+        terms["host staging"] = shape.params * 4 // ranks  # a rank's shard passes through the host
+    terms["baseline"] = baseline
+    return Memory(terms, gpu=gpu, host_terms=("baseline", "host staging"))
+
+
+def engine_memory(
+    config: RLConfig,
+    shape: Shape,
+    rollout: RolloutConfig,
+    prompt: int,
+    *,
+    baseline: int,
+    gpu_memory: int | None = None,
+) -> Memory:
+    """One engine's memory: the built-in transformers engine (fp32 on CPU), vLLM (its dtype; CPU or
+    GPU) or a plugin engine (its weights in fp32 and the baseline: nothing else is known of it)."""
+    name, engine = config.engine.name, config.engine_config
+    gpus = float(getattr(engine, "num_gpus", 0) or 0)
+    rows = rollout.prompts_per_rollout * rollout.group_size
+    if name == "vllm":
+        dtype = 4 if getattr(engine, "dtype", "bfloat16") == "float32" else 2
+        parallel = max(int(getattr(engine, "tensor_parallel_size", 1)), 1)
+        weights = shape.params * dtype // (parallel if gpus else 1)
+        if gpus:  # vLLM takes its share of the GPU up front: weights, KV cache and all
+            share = float(getattr(engine, "gpu_memory_utilization", 0.3))
+            held = int(share * gpu_memory) if gpu_memory else weights
+            terms = {
+                "gpu_memory_utilization" if gpu_memory else "weights": held,
+                "CUDA context": CUDA_CONTEXT_BYTES,
+            }
+            return Memory({**terms, "baseline": baseline}, gpu=True)
+        terms = {"weights": weights, "KV cache": int(getattr(engine, "kv_cache_gib", 1)) * GIB}
+        return Memory({**terms, "baseline": baseline})
+    weights = shape.params * 4
+    if name != "transformers":
+        return Memory({"weights": weights, "baseline": baseline})
+    # `generate` grows each block's keys and values by concatenation (old and new alive at once)
+    # and keeps every step's logits (output_logits, read for the log-probs after)
+    kv = rows * (prompt + rollout.max_new_tokens) * shape.layers * 2 * shape.kv_width * 4 * 2
+    generation = kv + rows * rollout.max_new_tokens * shape.vocab * 4
+    prefill = rollout.prompts_per_rollout * prompt * shape.vocab * 4  # the prompt forward's logits
+    transients = {"generation": generation, "prompt logits": prefill, "staged sync": weights}
+    largest = max(transients, key=lambda k: transients[k])
+    return Memory({"weights": weights, largest: transients[largest], "baseline": baseline})
+
+
+def process_baseline() -> int:
+    """This process's resident set after importing what an actor imports (torch, transformers, the
+    trainer), plus a Ray worker's own: the memory an actor holds before its model."""
+    import torch  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401  (transformers' model code, as an actor's)
+
+    import hpref.rl.trainer  # noqa: F401
+
+    return resident_bytes() + RAY_WORKER_BYTES
+
+
+def resident_bytes() -> int:
+    """This process's resident set (Linux's VmRSS; elsewhere its peak, `ru_maxrss`)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+# --------------------------------------------------------------------------------------------------
+# the cluster
+
+
+def local_node() -> Node:
+    """This machine as a local run's one node: its CPUs, its GPUs torch sees, its memory."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
+    return Node("this machine", float(os.cpu_count() or 1), gpus, _total_memory(), gpu_memory)
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: no memory check
+        return 0
+
+
+def ray_nodes(address: str) -> list[Node]:
+    """The live nodes of the Ray cluster at `address`, joined read-only and left again."""
+    import ray
+
+    from hpref.runtime.ray_cluster import connect_ray
+
+    connected = connect_ray(address)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+    finally:
+        if connected:
+            ray.shutdown()
+    out = []
+    for n in nodes:
+        res = n["Resources"]
+        kinds = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+        gib = GPU_MEMORY_GIB.get(kinds[0]) if kinds else None
+        memory = int(res.get("memory", 0) + res.get("object_store_memory", 0))
+        name = n.get("NodeName") or n.get("NodeManagerAddress") or n["NodeID"][:8]
+        out.append(
+            Node(name, float(res.get("CPU", 0)), int(res.get("GPU", 0)), memory, gib * GIB if gib else None)
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass
+class Row:
+    actor: str
+    node: Node | None
+    cpus: float
+    gpu_ids: list[int]
+    memory: Memory
+
+
+def prompt_lengths(config: RLConfig, order: Sequence[str]) -> dict[str, int]:
+    """The longest of the first `PROMPT_SAMPLE` training prompts in each policy's tokens."""
+    from hpref.rl.policy import encode_prompt, policy_tokenizer
+    from hpref.rl.rollouts import build_prompt_source
+
+    source = build_prompt_source(config)
+    prompts = source.train_prompts(config.rollout.seed, 0, PROMPT_SAMPLE)
+    out = {}
+    for p in order:
+        tokenizer = policy_tokenizer(config.policies[p].model)
+        out[p] = max(len(encode_prompt(tokenizer, turns)) for turns in prompts)
+    return out
+
+
+def plan_rows(
+    config: RLConfig,
+    order: Sequence[str],
+    nodes: Sequence[Node],
+    prompts: dict[str, int],
+    *,
+    baseline: int,
+) -> list[Row]:
+    """Every actor, where PACK puts it and its memory; the rollout executor last."""
+    from hpref.models.precision import cpu_has_fast_bf16
+
+    asks = actor_asks(config, order)
+    spots = pack(nodes, asks)
+    engine_dtype = 2 if getattr(config.engine_config, "dtype", "float32") in ("bfloat16", "float16") else 4
+    rows = []
+    for p in order:
+        policy, rollout = config.policies[p], config.policy_rollout(p)
+        shape = model_shape(policy)
+        bucket = min(
+            int(config.weight_sync_bucket_mb * MIB), shape.params * engine_dtype
+        )  # a small model: one
+        for ask in asks[p]:
+            spot = spots[ask]
+            node = spot[0] if spot else None
+            gpu_memory = node.gpu_memory if node else None
+            if ask.role == "engine":
+                memory = engine_memory(
+                    config, shape, rollout, prompts[p], baseline=baseline, gpu_memory=gpu_memory
+                )
+            else:
+                gpu = ask.gpus > 0
+                wide = shape.hidden >= 256 and cpu_has_fast_bf16()  # hpref.models.precision's rule
+                bf16 = policy.precision == "bf16" or (policy.precision == "auto" and (gpu or wide))
+                memory = trainer_memory(
+                    policy, shape, rollout, prompts[p], baseline=baseline, bucket=bucket, bf16=bf16, gpu=gpu
+                )
+            rows.append(Row(ask.name, node, ask.cpus, spot[1] if spot else [], memory))
+    executor_node = next((n for n in nodes if n.take(EXECUTOR_CPUS, 0) is not None), None)
+    rows.append(Row("rollout executor", executor_node, EXECUTOR_CPUS, [], Memory({"baseline": baseline})))
+    return rows
+
+
+def problems(rows: Sequence[Row], nodes: Sequence[Node]) -> list[str]:
+    """What would not fit: an actor no node holds, a node's memory, a GPU's memory (when known)."""
+    out = [f"{r.actor}: no node has room for its CPUs and GPUs" for r in rows if r.node is None]
+    for node in nodes:
+        here = [r for r in rows if r.node is node]
+        used = sum(r.memory.host for r in here)
+        if node.memory and used > node.memory:
+            largest = max(here, key=lambda r: r.memory.host)
+            out.append(
+                f"{node.name}: its actors need {used / GIB:.2f} GiB of its {node.memory / GIB:.2f} GiB "
+                f"(the largest: {largest.actor}, {largest.memory.host / GIB:.2f} GiB)"
+            )
+        for gpu in range(node.gpus):
+            on = [r for r in here if gpu in r.gpu_ids]
+            need = sum(r.memory.device for r in on)
+            if node.gpu_memory and need > node.gpu_memory:
+                names = ", ".join(r.actor for r in on)
+                out.append(
+                    f"{node.name} GPU {gpu}: {names} need {need / GIB:.2f} GiB of its "
+                    f"{node.gpu_memory / GIB:.0f} GiB"
+                )
+    return out
+
+
+def render(rows: Sequence[Row], nodes: Sequence[Node], found: Sequence[str], header: str) -> list[str]:
+    """The plan as text lines: a header, one row per actor, one line per node, the verdict."""
+    table = [("actor", "node", "CPUs", "GPUs", "host GiB", "GPU GiB", "memory (GiB)")]
+    for r in rows:
+        ids = ",".join(map(str, r.gpu_ids)) or "-"
+        device = f"{r.memory.device / GIB:.2f}" if r.memory.gpu else "-"
+        node = r.node.name if r.node else "(nowhere)"
+        table.append(
+            (r.actor, node, f"{r.cpus:g}", ids, f"{r.memory.host / GIB:.2f}", device, r.memory.text())
+        )
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]) - 1)]
+    lines = [header, ""]
+    lines += [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in table
+    ]
+    lines.append("")
+    for node in nodes:
+        here = [r for r in rows if r.node is node]
+        memory = f" of {node.memory / GIB:.1f}" if node.memory else ""
+        gpus = f", {node.gpus - sum(node.free_gpus):g} of {node.gpus} GPUs" if node.gpus else ""
+        lines.append(
+            f"{node.name}: {sum(r.memory.host for r in here) / GIB:.2f}{memory} GiB, "
+            f"{node.cpus - node.free_cpus:g} of {node.cpus:g} CPUs{gpus}"
+        )
+    lines.append("")
+    lines += [f"does not fit: {p}" for p in found] or ["fits"]
+    return lines
+
+
+def run_plan(
+    recipe: Recipe, order: Sequence[str], ray_address: str | None, *, out: Callable[[str], Any] = print
+) -> int:
+    """Print the plan of `hpref rl --plan`; returns 0 when everything fits, 2 when not."""
+    from hpref.errors import RecipeError
+    from hpref.recipe.rl import resolve_engine
+
+    config = recipe.rl
+    assert config is not None
+    where = str(getattr(recipe, "_source", None) or "recipe")
+    if config.engine_config is None:
+        config.engine_config = resolve_engine(config.engine, where)
+    baseline = process_baseline()
+    nodes = ray_nodes(ray_address) if ray_address else [local_node()]
+    found = []
+    try:  # what `hpref rl` refuses before any actor starts, said here as the verdict
+        totals = {"CPU": sum(n.cpus for n in nodes), "GPU": float(sum(n.gpus for n in nodes))}
+        resources = [{"CPU": n.cpus, "GPU": float(n.gpus)} for n in nodes]
+        check_cluster(config, order, totals, where, nodes=resources)
+    except RecipeError as exc:
+        found.append(str(exc))
+    prompts = prompt_lengths(config, order)
+    rows = plan_rows(config, order, nodes, prompts, baseline=baseline)
+    found += problems(rows, nodes)
+    place = f"the Ray cluster at {ray_address}" if ray_address else "this machine"
+    total_gpus = sum(n.gpus for n in nodes)
+    plural = "s" if len(nodes) > 1 else ""
+    header = (
+        f"hpref rl --plan: policies {', '.join(order)} on {place} ({len(nodes)} node{plural}, "
+        f"{sum(n.cpus for n in nodes):g} CPUs, {total_gpus or 'no'} GPUs); prompts up to "
+        f"{max(prompts.values())} tokens (the first {PROMPT_SAMPLE}); nothing was started"
+    )
+    for line in render(rows, nodes, found, header):
+        out(line)
+    return 2 if found else 0
