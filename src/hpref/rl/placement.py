@@ -189,7 +189,8 @@ def _check_total(
     for ask in (a for p in order for a in asks[p]):
         by_key[_key(ask, what)] = by_key.get(_key(ask, what), 0.0) + getattr(ask, what)
     key = max(by_key, key=lambda k: (by_key[k], not k.startswith("rl.engine")))
-    detail = "; ".join(f"policy {p}: {_describe(config, p, what, unit)}" for p in order)
+    described = {p: _describe(config, p, what, unit) for p in order}
+    detail = "; ".join(f"policy {p}: {text}" for p, text in described.items() if text != "none")
     if extra:
         detail += f"; the rollout executor {extra:g}"
     raise RecipeError(
