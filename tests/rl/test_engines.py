@@ -106,3 +106,30 @@ def test_a_plugin_engine_is_chosen_by_name_and_hosted(monkeypatch, tmp_path):
     host.begin_update(3)
     host.load_weights(state)
     assert host.commit_update() == 3 and host.get_version() == 3
+
+
+def test_a_sleeping_engine_holds_generation_until_it_wakes(monkeypatch, tmp_path):
+    # Wrong if a colocated engine (`rl.colocate`) generated while its trainer steps (both would hold
+    # the GPU's memory at once), or if a generate that arrived during the step were lost or hung
+    # after the wake. The built-in engine has nothing to free on the CPU: what is checked is the host.
+    pytest.importorskip("torch")
+    import threading
+    import time
+
+    from hpref.rl.engines import EngineHost
+    from hpref.rl.rollouts import build_prompt_source, rollout_prompts
+
+    monkeypatch.setenv("HPREF_CACHE", str(tmp_path / "cache"))
+    load_plugins()
+    cfg = section()
+    host = EngineHost("transformers", {}, "a", cfg.policies["a"].model)
+    prompts = rollout_prompts(build_prompt_source(cfg), cfg.rollout, 0)[:1]
+    host.sleep()
+    done = []
+    worker = threading.Thread(target=lambda: done.append(host.generate(prompts, 2, 3, 1.0, 0, 1)))
+    worker.start()
+    time.sleep(0.5)
+    assert not done  # asleep: the rollout waits
+    host.wake()
+    worker.join(timeout=30)
+    assert len(done) == 1 and len(done[0]["completions"]) == 2

@@ -48,6 +48,8 @@ def test_the_protocols_ask_for_what_the_rollout_executor_calls():
     assert set(_protocol_methods(Engine)) == {
         "generate",
         "weight_dtype",
+        "sleep",
+        "wake",
         "begin_update",
         "load_weights",
         "commit_update",

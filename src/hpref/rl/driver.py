@@ -31,6 +31,7 @@ from hpref.recipe.rl import RLConfig
 from hpref.rl.group import TrainerGroup, WeightSyncError, push_weights
 from hpref.rl.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
 from hpref.rl.parking import Parker
+from hpref.rl.placement import colocated
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
 from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX
@@ -143,11 +144,18 @@ async def drive(
     result = DriveResult(positions, saves=0, debug_exit=False)
     began = time.perf_counter()
     bucket_bytes = sync_bucket_bytes(config)
+    sleeps = {p: colocated(config, p) for p in order}
 
     async def step(p: str) -> None:
         r = positions[p]
         rollout = await handles.executor.get.remote(r, p)
-        stats = await handles.trainers[p].train(rollout)
+        if sleeps[p]:  # colocated: the engine gives the GPU up while its trainer steps
+            await handles.engines[p].sleep.remote()
+        try:
+            stats = await handles.trainers[p].train(rollout)
+        finally:
+            if sleeps[p]:
+                await handles.engines[p].wake.remote()
         positions[p] = r + 1
         version = None
         try:

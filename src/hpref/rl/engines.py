@@ -13,6 +13,7 @@ This module is loaded by `hpref --help` (it is a built-in plugin): torch is impo
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -117,6 +118,14 @@ class VersionedWeights:
 
     def weight_dtype(self) -> str:
         return self.dtype
+
+    def sleep(self) -> None:
+        """Free what the engine holds on its device while its colocated trainer steps (`rl.colocate`);
+        an engine with nothing to free (on the CPU) keeps it. `wake` brings it back."""
+        return None
+
+    def wake(self) -> None:
+        return None
 
     def begin_update(self, version: int) -> None:
         if version < self.version:
@@ -311,19 +320,40 @@ class EngineHost:
         if not isinstance(config, component.config):
             config = component.config.model_validate(config or {})
         self.engine = component.build(config, policy=policy, model=model, env=env)
+        # A colocated engine (`rl.colocate`) sleeps while its trainer steps, and a `generate` that
+        # arrives meanwhile (the executor's next rollout) waits for `wake`; for the wake to arrive,
+        # the launcher gives such an actor two threads (max_concurrency=2), and this lock keeps the
+        # engine itself at one call at a time, as a one-thread actor does.
+        self._awake = threading.Event()
+        self._awake.set()
+        self._lock = threading.Lock()
 
     def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         from hpref.memory import release_freed_memory
 
-        out = self.engine.generate(*args, **kwargs)
+        self._awake.wait()
+        with self._lock:
+            out = self.engine.generate(*args, **kwargs)
         release_freed_memory()  # a rollout's logits and KV caches: GiBs glibc would keep (hpref.memory)
         return out
 
+    def sleep(self) -> None:
+        with self._lock:
+            self._awake.clear()
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        with self._lock:
+            self.engine.wake()
+            self._awake.set()
+
     def begin_update(self, version: int) -> None:
-        self.engine.begin_update(version)
+        with self._lock:
+            self.engine.begin_update(version)
 
     def load_weights(self, state: dict[str, Any]) -> None:
-        self.engine.load_weights(state)
+        with self._lock:
+            self.engine.load_weights(state)
 
     def weight_dtype(self) -> str:
         return self.engine.weight_dtype()
@@ -331,12 +361,14 @@ class EngineHost:
     def commit_update(self) -> int:
         from hpref.memory import release_freed_memory
 
-        version = self.engine.commit_update()
+        with self._lock:
+            version = self.engine.commit_update()
         release_freed_memory()  # the staged state dict, copied into the model
         return version
 
     def abort_update(self) -> None:
-        self.engine.abort_update()
+        with self._lock:
+            self.engine.abort_update()
 
     def get_version(self) -> int:
         return self.engine.get_version()

@@ -83,7 +83,7 @@ def create_ray_actors(
 
     from hpref.rl.engines import EngineHost
     from hpref.rl.group import TrainerGroup
-    from hpref.rl.placement import check_cluster, cluster_nodes, reserve
+    from hpref.rl.placement import check_cluster, cluster_nodes, colocated, reserve
     from hpref.rl.rollouts import RolloutExecutor
     from hpref.rl.trainer import TrainerActor
 
@@ -102,9 +102,11 @@ def create_ray_actors(
 
     engines = {}
     for p in order:
+        # a colocated engine waits for its trainer's step in a second thread (`EngineHost.sleep`)
+        threads = {"max_concurrency": 2} if colocated(config, p) else {}
         engines[p] = (
             ray.remote(EngineHost)
-            .options(**placement.engine_options(p))
+            .options(**placement.engine_options(p), **threads)
             .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env)
         )
         teardown.add(f"engine '{p}'", kill(engines[p]))

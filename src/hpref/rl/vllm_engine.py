@@ -80,6 +80,11 @@ class VLLMEngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of a shared prompt (a group's answers, repeated turns)"
     )
+    enable_sleep_mode: bool = Field(
+        False,
+        description="CUDA: with rl.colocate, free the engine's GPU memory (weights offloaded, KV cache "
+        "dropped) while its trainer steps, and take it back for the next rollout (vLLM's sleep level 1)",
+    )
     enforce_eager: bool = Field(
         True, description="no torch.compile / CUDA graphs (start-up seconds vs speed)"
     )
@@ -196,7 +201,9 @@ class VLLMEngine(VersionedWeights):
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # sampling defaults are hpref's, never the folder's
             worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
+            enable_sleep_mode=config.enable_sleep_mode,
         )
+        self.sleep_mode = config.enable_sleep_mode
         state = start_model.state_dict()
         self.shapes = {name: tuple(t.shape) for name, t in state.items()}
         self.dtype = config.dtype  # a sync arrives in it: vLLM casts nothing, and warns of nothing
@@ -248,6 +255,14 @@ class VLLMEngine(VersionedWeights):
                 completions.append(tokens)
                 logprobs.append([answer.logprobs[t][token].logprob for t, token in enumerate(tokens)])
         return generation_result(self.tokenizer, rows, completions, logprobs, self.version, start)
+
+    def sleep(self) -> None:
+        if self.sleep_mode:  # level 1: weights offloaded to CPU memory, the KV cache dropped
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if self.sleep_mode:
+            self.llm.wake_up()
 
     def _swap_in(self, state: dict[str, Any]) -> None:
         self._reload(state)  # `commit_update` checked every name and shape before this first copy
