@@ -444,6 +444,11 @@ def run_plan(
     where = str(getattr(recipe, "_source", None) or "recipe")
     if config.engine_config is None:
         config.engine_config = resolve_engine(config.engine, where)
+    from hpref.rl.policy import check_policy_lora, check_policy_models
+
+    # a missing folder or a LoRA target the model lacks: the run's own one-line refusals, not a traceback
+    check_policy_models(config, list(order), where)
+    check_policy_lora(config, list(order), where)
     baseline = process_baseline()
     nodes = ray_nodes(ray_address) if ray_address else [local_node()]
     found = []
