@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from hpref.recipe import Recipe
     from hpref.rl.protocols import PromptSource
 
-ACTOR_CPUS = 0.25  # actors mostly wait on each other; fractions let a 2-core machine hold them all
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
 FORWARDED_ENV = ("HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME")
 
@@ -83,7 +82,7 @@ def create_ray_actors(
 
     from hpref.rl.engines import EngineHost
     from hpref.rl.group import TrainerGroup
-    from hpref.rl.placement import check_cluster, cluster_nodes, colocated, reserve
+    from hpref.rl.placement import EXECUTOR_CPUS, check_cluster, cluster_nodes, colocated, reserve
     from hpref.rl.rollouts import RolloutExecutor
     from hpref.rl.trainer import TrainerActor
 
@@ -94,7 +93,7 @@ def create_ray_actors(
     check_cluster(config, order, ray.cluster_resources(), where, nodes=cluster_nodes())
     placement = reserve(config, order, where=where)
     teardown.add("placement groups", placement.release)
-    opts = {"num_cpus": ACTOR_CPUS}
+    opts = {"num_cpus": EXECUTOR_CPUS}  # outside the policies' groups (it serves them all)
     env = _actor_env()
 
     def kill(handle: ActorHandle) -> Callable[[], None]:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from hpref.recipe.rl import RLConfig
 
 #: The Ray CPUs an engine asks when its config names none (a plugin engine), and the rollout
-#: executor's, which stays outside the policies' groups (it serves them all): the launcher's
-#: ACTOR_CPUS. Actors mostly wait on each other, so a 2-core machine holds two policies.
+#: executor's, which stays outside the policies' groups (it serves them all; the launcher asks
+#: this). Actors mostly wait on each other, so a 2-core machine holds two policies.
 DEFAULT_CPUS = 0.25
 EXECUTOR_CPUS = DEFAULT_CPUS
 #: How long `reserve` waits for Ray to place the groups. Resources that exist but are held by other
