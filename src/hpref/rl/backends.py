@@ -52,6 +52,14 @@ class TransformersBackend:
 
         return plain_items(model, lora)
 
+    def data_split(self, rank: int, world_size: int) -> tuple[int, int]:
+        return rank, world_size  # FSDP2: every rank is a data-parallel rank
+
+    def shard(self, model: nn.Module, device: torch.device) -> nn.Module:
+        from hpref.rl.sharding import shard_policy
+
+        return shard_policy(model, device)
+
     def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         model.load_state_dict(state, strict=True)
 
@@ -109,6 +117,12 @@ class MegatronBackend:
     def plain_items(self, model: MegatronCausalLM, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
         # un-fused back to the transformers layout the engine loads (whole: one process, no LoRA)
         return iter(model.hf_state_dict().items())
+
+    def data_split(self, rank: int, world_size: int) -> tuple[int, int]:
+        return rank, world_size  # one rank (`PolicyConfig` refuses ranks > 1 for megatron)
+
+    def shard(self, model: MegatronCausalLM, device: torch.device) -> None:
+        raise NotImplementedError("the megatron trainer runs on one rank")
 
     def load_plain_state(self, model: MegatronCausalLM, state: dict[str, Any]) -> None:
         model.load_hf_state(state)

@@ -147,6 +147,16 @@ class TrainerBackend(Protocol):
         model's own: the caller copies what it keeps."""
         ...
 
+    def data_split(self, rank: int, world_size: int) -> tuple[int, int]:
+        """(data rank, data ranks) of a trainer rank in a group of `world_size`: the ranks a rollout's
+        prompt groups are split over (FSDP2: all of them; tensor parallelism: fewer)."""
+        ...
+
+    def shard(self, model: nn.Module, device: torch.device) -> nn.Module | None:
+        """Parallelise `model` over the group's process group; returns the root the trainer calls
+        as `root(batch, temperature)` for log-probs, or None when `model` itself is called."""
+        ...
+
     def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Load such a state dict into `model` (strictly)."""
         ...

@@ -117,15 +117,15 @@ class TrainerActor:
             # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
             start = self.backend.frozen_copy(self.model, self.config.model)
             self.reference = start.to(self.device).eval().requires_grad_(False)
-        # a group's forward runs through FSDP2 roots (`hpref.rl.sharding.shard_policy`); the KL
-        # reference is sharded the same way, so no rank holds a whole copy of either
+        # a group's forward runs through the roots its backend shards (transformers: FSDP2,
+        # `hpref.rl.sharding.shard_policy`); the KL reference is sharded the same way, so no rank
+        # holds a whole copy of either. What the ranks split is the rollout's data (`data_split`).
         self.root = self.reference_root = None
+        self.data_rank, self.data_ranks = self.backend.data_split(self.rank, self.world_size)
         if self.world_size > 1:
-            from hpref.rl.sharding import shard_policy
-
-            self.root = shard_policy(self.model, self.device)
+            self.root = self.backend.shard(self.model, self.device)
             if self.reference is not None:
-                self.reference_root = shard_policy(self.reference, self.device)
+                self.reference_root = self.backend.shard(self.reference, self.device)
             release_freed_memory()  # the whole weights each rank loaded before it kept its shards
         # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments);
         # read after sharding, which replaces each parameter by its shard
@@ -199,7 +199,7 @@ class TrainerActor:
             if batch.get("padding"):
                 weight = 0.0
             # FSDP2 averages gradients over the group: scaled back up, the group sums them
-            batch.update(old=old, adv=adv[rows], weight=weight * self.world_size)
+            batch.update(old=old, adv=adv[rows], weight=weight * self.data_ranks)
             batch = self._on_device(batch)
             batch["ref"] = self._reference_logprobs(batch, rollout["temperature"])
             batches.append(batch)
@@ -227,7 +227,7 @@ class TrainerActor:
                 if batch.get("padding"):
                     continue  # a group's padding pass: no tokens of the rollout
                 share = float(batch["mask"].sum()) / total_tokens  # statistics are token means
-                sums["loss"] += float(out.loss.detach()) * batch["weight"] / self.world_size
+                sums["loss"] += float(out.loss.detach()) * batch["weight"] / self.data_ranks
                 for key in ("kl", "clip_fraction", "ratio_mean"):
                     sums[key] += float(getattr(out, key)) * share
                 if epoch == 0:  # before any step: the trainer's and the engine's view of one policy
@@ -240,7 +240,7 @@ class TrainerActor:
                 else torch.tensor(0.0)
             )
             self.optimizer.step()
-            if self.world_size > 1:
+            if self.data_ranks > 1:
                 from hpref.rl.sharding import full, reduce_stats
 
                 sums, maxes = reduce_stats(sums, {"worst": worst})
@@ -300,15 +300,15 @@ class TrainerActor:
                 return pad_batch([prompts[i] for i in items], [completions[i] for i in items], pad), items
 
         mine = list(range(len(costs)))
-        if self.world_size > 1:
+        if self.data_ranks > 1:
             from hpref.rl.sharding import split_groups
 
-            mine = split_groups(costs, self.world_size)[self.rank]
+            mine = split_groups(costs, self.data_ranks)[self.data_rank]
         out = [
             make([mine[j] for j in chunk])
             for chunk in micro_batches([costs[i] for i in mine], self.config.micro_batch_tokens)
         ]
-        if self.world_size > 1:
+        if self.data_ranks > 1:
             from hpref.rl.sharding import max_over_group
 
             spare = out[0] if out else make([0])
