@@ -22,11 +22,32 @@ class LocalRef:
         return (await self._call)[self._index]
 
 
-async def _stream(call: Any) -> Any:
-    """What a Ray streaming generator gives an `async for`: each value as an awaitable ref (the
-    generator runs to its end first, in the actor's thread)."""
-    for value in await call:
+async def _stream(generate: Any) -> Any:
+    """What a Ray streaming generator gives an `async for`: each value as an awaitable ref, as the
+    generator yields it (it runs in a thread, under the actor's lock, while the caller consumes: a
+    generator that waits on another actor between yields, as a weight sync's sender does, must not
+    be run to its end first)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    end = object()
+
+    def run() -> None:
+        try:
+            for value in generate():
+                loop.call_soon_threadsafe(queue.put_nowait, (value, None))
+        except BaseException as exc:
+            loop.call_soon_threadsafe(queue.put_nowait, (None, exc))
+        loop.call_soon_threadsafe(queue.put_nowait, (end, None))
+
+    worker = asyncio.ensure_future(asyncio.to_thread(run))
+    while True:
+        value, exc = await queue.get()
+        if exc is not None:
+            raise exc
+        if value is end:
+            break
         yield LocalRef(_done(value), 0)
+    await worker
 
 
 async def _done(value: Any) -> tuple[Any]:
@@ -62,11 +83,13 @@ class LocalActor:
 
             def locked() -> Any:
                 with lock:
-                    out = fn(*args, **kwargs)
-                    # a generator method runs to its end here, under the lock, as on the actor
-                    return list(out) if inspect.isgenerator(out) else out
+                    return fn(*args, **kwargs)
 
             return await asyncio.to_thread(locked)
+
+        def streamed(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                yield from fn(*args, **kwargs)
 
         class _Method:
             @staticmethod
@@ -79,7 +102,7 @@ class LocalActor:
                     @staticmethod
                     def remote(*args: Any, **kwargs: Any) -> Any:
                         if num_returns == "streaming":  # a generator method: its values, as refs
-                            return _stream(call(*args, **kwargs))
+                            return _stream(lambda: streamed(*args, **kwargs))
                         task = asyncio.ensure_future(call(*args, **kwargs))
                         return tuple(LocalRef(task, i) for i in range(int(num_returns)))
 

@@ -293,37 +293,39 @@ def test_a_commit_of_a_partial_or_misshapen_state_leaves_every_weight_as_it_was(
     assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in before.items())
 
 
-def test_a_transfer_that_breaks_half_way_is_aborted_and_named(actors):
-    """The driver's weight push, its transfer broken after half the tensors reached the engine: the
-    staged half is dropped, the engine answers exactly as before on its old version, and the error
+def test_a_transfer_that_breaks_half_way_is_aborted_and_named(actors, monkeypatch):
+    """The driver's weight push, its transfer broken after the first bucket reached the engine: the
+    staged part is dropped, the engine answers exactly as before on its old version, and the error
     names the policy, the version that failed and the one still serving. If this fails, a broken
     sync leaves a half-staged update that a later commit would complete with the wrong weights, or
     the run cannot say which weights its engine is generating with."""
+    import hpref.rl.weight_channel as weight_channel
     from hpref.rl.group import TrainerGroup, WeightSyncError, push_weights
 
+    # the trainer's next bucket waits for an engine that never takes it: a run ends there (its
+    # actors are killed); in-process, the channel's timeout ends the sender's wait
+    monkeypatch.setattr(weight_channel, "CHANNEL_TIMEOUT_S", 3.0)
     cfg, engines, trainers = actors
     engine = engines["b"]
     prompts = rollout_prompts(build_prompt_source(cfg), cfg.rollout, 0)
     before = engine.wrapped.generate(prompts, 2, 6, 1.0, 0, 5)
 
     class BrokenTransfer:
-        """b's engine handle, whose `load_weights` delivers half the state and then loses the link."""
+        """b's engine handle, whose `receive_weights` takes the first bucket and then loses the link."""
 
         def __getattr__(self, name):
             return getattr(engine, name)
 
-        class load_weights:  # noqa: N801 - a Ray method handle
+        class receive_weights:  # noqa: N801 - a Ray method handle
             @staticmethod
-            async def remote(state_ref):
-                state = await state_ref  # what Ray would deliver, had the link held
-                state = dict(sorted(state.items())[: len(state) // 2])
-                await engine.load_weights.remote(state)
+            async def remote(layout_ref):
+                await engine.receive_weights.remote(layout_ref)  # the first bucket arrives whole
                 raise ConnectionError("the link dropped half-way")
 
     trainer = TrainerGroup("b", [LocalActor(trainers["b"])])
     version = trainers["b"].rollouts_done // cfg.update_weights_interval
     with pytest.raises(WeightSyncError) as err:
-        asyncio.run(push_weights(trainer, BrokenTransfer(), "b"))
+        asyncio.run(push_weights(trainer, BrokenTransfer(), "b", bucket_bytes=8192))
     assert str(err.value) == (
         f"policy 'b': the weight update to version {version} failed on its way to the engine "
         "(ConnectionError: the link dropped half-way); the engine keeps serving version 0"

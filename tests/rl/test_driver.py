@@ -75,8 +75,17 @@ class FakeTrainer:
     def sync_version(self):
         return self.done
 
-    def weight_buckets(self, bucket_bytes, dtype):
-        yield {}
+    def device_type(self):
+        return "cpu"
+
+    def open_weight_channel(self):
+        return "127.0.0.1", 0
+
+    def connect_weight_channel(self, host, port, device):
+        pass
+
+    def send_weights(self, bucket_bytes, dtype):
+        yield from ()  # the fake engine takes no bytes
 
     def save(self, folder):
         self.saved_at = self.done
@@ -104,6 +113,12 @@ class FakeEngine:
 
     def weight_dtype(self):
         return "float32"
+
+    def weight_channel_device(self):
+        return "cpu"
+
+    def connect_weight_channel(self, host, port, device):
+        pass
 
 
 def make(world, order, **executor_kwargs):

@@ -48,6 +48,9 @@ def test_the_protocols_ask_for_what_the_rollout_executor_calls():
     assert set(_protocol_methods(Engine)) == {
         "generate",
         "weight_dtype",
+        "weight_channel_device",
+        "connect_weight_channel",
+        "receive_weights",
         "sleep",
         "wake",
         "begin_update",

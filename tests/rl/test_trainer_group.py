@@ -65,7 +65,7 @@ def one_rank(cfg):
 
 
 class Receiver:
-    """An engine's weight-update steps, keeping what arrives (bucket by bucket)."""
+    """An engine's weight-update steps, keeping what arrives through the channel (bucket by bucket)."""
 
     def __init__(self):
         self.buckets, self.version = [], 0
@@ -73,11 +73,20 @@ class Receiver:
     def weight_dtype(self):
         return "float32"
 
+    def weight_channel_device(self):
+        return "cpu"
+
+    def connect_weight_channel(self, host, port, device):
+        from hpref.rl.weight_channel import connect
+
+        self.channel = connect(None, host, port, 1, torch.device("cpu"))
+
+    def receive_weights(self, layout):
+        got = self.channel.receive(layout, torch.float32)
+        self.buckets.append({k: v.clone() for k, v in got.items()})
+
     def begin_update(self, version):
         self.staged = version
-
-    def load_weights(self, state):
-        self.buckets.append(dict(state))
 
     def commit_update(self):
         self.version = self.staged

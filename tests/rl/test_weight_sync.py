@@ -28,6 +28,7 @@ def recipe(run_dir, **rl_over):
         "policies": {"a": {}, "b": {"model": {"seed": 1}}},
         "eval_interval": 0,
         "save_interval": 1,
+        "weight_sync_bucket_mb": 0.02,  # ~20 kB: a tiny policy's sync is many buckets
     }
     rl.update(rl_over)
     return recipe_from_dict(
@@ -42,15 +43,16 @@ def rollout_rows(run_dir, policy):
 
 class HalfTransfer:
     """Policy b's engine handle in the driver: once a save is recorded and b has pushed once, the
-    next push delivers only the first half of the state dict to the real engine actor (the rest lost
-    on the way) and the driver commits as usual. It records what the engine generated before and
-    after, to show the old weights still serve."""
+    next push reaches the real engine actor with only its first bucket as sent: every later bucket
+    arrives under names the engine does not have (a transfer that lost its labels on the way), and
+    the driver commits as usual. It records what the engine generated before and after, to show the
+    old weights still serve. (The recipe's small buckets give a sync many.)"""
 
     def __init__(self, handle, run_dir, prompts):
         self.handle, self.run_dir, self.prompts = handle, run_dir, prompts
-        self.pushes = 0
+        self.pushes = self.buckets = 0
+        self.breaking = False
         self.before = self.after = None
-        self.failed_version = None
 
     def __getattr__(self, name):
         return getattr(self.handle, name)
@@ -59,19 +61,32 @@ class HalfTransfer:
         return type("Method", (), {"remote": staticmethod(call)})
 
     @property
-    def load_weights(self):
-        def remote(state_ref):
+    def begin_update(self):
+        def remote(version):
             self.pushes += 1
-            if self.before is not None or self.pushes < 2 or read_record(self.run_dir) is None:
-                return self.handle.load_weights.remote(state_ref)
-            return self._half(state_ref)
+            self.buckets = 0
+            self.breaking = self.before is None and self.pushes >= 2 and read_record(self.run_dir) is not None
+            return self.handle.begin_update.remote(version)
 
         return self._method(remote)
 
-    async def _half(self, state_ref):
-        state = await state_ref
-        self.before = await self._generate()
-        await self.handle.load_weights.remote(dict(sorted(state.items())[: len(state) // 2]))
+    @property
+    def receive_weights(self):
+        def remote(layout_ref):
+            if not self.breaking:
+                return self.handle.receive_weights.remote(layout_ref)
+            return self._mislabelled(layout_ref)
+
+        return self._method(remote)
+
+    async def _mislabelled(self, layout_ref):
+        layout = await layout_ref
+        if self.buckets == 0:
+            self.before = await self._generate()
+        else:
+            layout = [(f"lost.{name}", shape) for name, shape in layout]
+        self.buckets += 1
+        await self.handle.receive_weights.remote(layout)
 
     @property
     def abort_update(self):

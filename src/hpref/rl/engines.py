@@ -119,6 +119,31 @@ class VersionedWeights:
     def weight_dtype(self) -> str:
         return self.dtype
 
+    #: where the engine takes a sync's bytes: "cuda" for an engine on a GPU (NCCL from a GPU
+    #: trainer), else "cpu" (gloo)
+    channel_device: str = "cpu"
+    _channel: Any = None
+
+    def weight_channel_device(self) -> str:
+        return self.channel_device
+
+    def connect_weight_channel(self, host: str, port: int, device: str) -> None:
+        """Join the trainer's weight channel as its rank 1 (`hpref.rl.weight_channel`)."""
+        import torch
+
+        from hpref.rl.weight_channel import connect
+
+        where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self._channel = connect(None, host, port, 1, where)
+
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]]) -> None:
+        """One bucket of a sync from the channel, staged like `load_weights`'s part."""
+        import torch
+
+        if self._channel is None:
+            raise RuntimeError(f"engine '{self.policy}': receive_weights before connect_weight_channel")
+        self.load_weights(self._channel.receive(layout, getattr(torch, self.dtype)))
+
     def sleep(self) -> None:
         """Free what the engine holds on its device while its colocated trainer steps (`rl.colocate`);
         an engine with nothing to free (on the CPU) keeps it. `wake` brings it back."""
@@ -357,6 +382,16 @@ class EngineHost:
 
     def weight_dtype(self) -> str:
         return self.engine.weight_dtype()
+
+    def weight_channel_device(self) -> str:
+        return self.engine.weight_channel_device()
+
+    def connect_weight_channel(self, host: str, port: int, device: str) -> None:
+        self.engine.connect_weight_channel(host, port, device)
+
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]]) -> None:
+        with self._lock:
+            self.engine.receive_weights(layout)
 
     def commit_update(self) -> int:
         from hpref.memory import release_freed_memory

@@ -3,7 +3,7 @@
     group = TrainerGroup("a", [rank0, rank1])
     await group.start()                            # ranks > 1: rendezvous, process group, FSDP2
     stats = await group.train(rollout)             # each rank its share; the group's metrics
-    version = await push_weights(group, engine, "a", bucket_bytes)   # trainer -> engine, in buckets
+    version = await push_weights(group, engine, "a", bucket_bytes)   # rank 0 -> engine, in buckets
     await group.save(folder); start = await group.load(folder)
 
 Every call goes to every rank at once (their collectives pair up inside the calls) and the driver
@@ -36,6 +36,22 @@ class TrainerGroup:
             raise ValueError(f"policy '{policy}': a trainer group needs at least one rank")
         self.policy = policy
         self.ranks = list(ranks)
+        self._connected: Any = None  # the engine whose weight channel rank 0 has joined
+
+    async def connect_engine(self, engine: Any) -> None:
+        """The weight channel between rank 0 and `engine`, made once (both ends join at once):
+        NCCL when both are on GPUs, else gloo."""
+        if self._connected is engine:
+            return
+        host, port = await self.ranks[0].open_weight_channel.remote()
+        engine_device = await engine.weight_channel_device.remote()
+        trainer_device = await self.ranks[0].device_type.remote()
+        device = "cuda" if engine_device == trainer_device == "cuda" else "cpu"
+        await asyncio.gather(
+            self.ranks[0].connect_weight_channel.remote(host, port, device),
+            engine.connect_weight_channel.remote(host, port, device),
+        )
+        self._connected = engine
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
         """`method(*args)` on every rank at once; the first failure (a dead rank) is the call's."""
@@ -67,29 +83,30 @@ class TrainerGroup:
 
 
 async def push_weights(group: TrainerGroup, engine: Any, policy: str, bucket_bytes: int = 256 << 20) -> int:
-    """Trainer -> engine in begin/load/commit steps, the weights streamed in buckets of about
-    `bucket_bytes` in the engine's dtype; an interrupted or refused transfer is aborted, so the engine
-    keeps serving its previous version rather than a half-loaded one, and the `WeightSyncError`
-    says which version that is (asked of the engine after the abort).
+    """Trainer -> engine in begin/load/commit steps, the weights streamed in buckets of at most
+    `bucket_bytes` in the engine's dtype through the pair's weight channel
+    (`hpref.rl.weight_channel`; connected at the first sync); an interrupted or refused transfer is
+    aborted, so the engine keeps serving its previous version rather than a half-loaded one, and the
+    `WeightSyncError` says which version that is (asked of the engine after the abort).
 
-    Each bucket travels as an object reference from the trainer's rank 0 to the engine: Ray hands it
-    from one process to the other, and the driver never deserialises it (fetched here, every sync
-    cost the driver a copy of every policy's weights). The other ranks' streams yield nothing: they
-    only join rank 0's gathers of their shards."""
+    Only each bucket's layout passes through the driver (names and shapes); the bytes go from the
+    trainer's rank 0 to the engine directly. The other ranks' streams yield nothing: they only join
+    rank 0's gathers of their shards."""
     version = await group.sync_version()
     dtype = await engine.weight_dtype.remote()
+    await group.connect_engine(engine)
     await engine.begin_update.remote(version)
     try:
         streams = [
-            rank.weight_buckets.options(
+            rank.send_weights.options(
                 num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
             ).remote(bucket_bytes, dtype)
             for rank in group.ranks
         ]
 
         async def forward() -> None:
-            async for bucket in streams[0]:
-                await engine.load_weights.remote(bucket)
+            async for layout in streams[0]:
+                await engine.receive_weights.remote(layout)
 
         async def drain(stream: Any) -> None:
             async for ref in stream:

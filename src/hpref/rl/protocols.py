@@ -73,8 +73,8 @@ class Engine(Protocol):
     """Generation for one policy, with versioned weights (`[rl.engine]`).
 
     A weight update is three steps, so a failed transfer never leaves half-loaded weights serving:
-    `begin_update(version)`, `load_weights(state)` (once per bucket of a sync), then
-    `commit_update()` (or `abort_update()`).
+    `begin_update(version)`, `load_weights(state)` (or `receive_weights(layout)`: a bucket through
+    the weight channel; once per bucket of a sync), then `commit_update()` (or `abort_update()`).
     """
 
     def generate(
@@ -94,6 +94,18 @@ class Engine(Protocol):
 
     def weight_dtype(self) -> str:
         """The torch dtype name of the engine's weights (`float32`, `bfloat16`): syncs arrive in it."""
+        ...
+
+    def weight_channel_device(self) -> str:
+        """ "cuda" when the engine takes a sync's bytes on its GPU (NCCL), else "cpu" (gloo)."""
+        ...
+
+    def connect_weight_channel(self, host: str, port: int, device: str) -> None:
+        """Join the policy's trainer rank 0 in the weight channel (`hpref.rl.weight_channel`)."""
+        ...
+
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]]) -> None:
+        """One bucket of a sync from the channel, staged like `load_weights`."""
         ...
 
     def sleep(self) -> None:

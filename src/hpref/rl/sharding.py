@@ -18,7 +18,7 @@ rank with fewer micro-batches runs padding ones whose loss has weight 0 (the tra
 `_micro_batches`).
 
 Full weights leave the shards one tensor at a time (`full_tensor`, a collective every rank joins in
-the same order): a weight sync streams them in buckets (`weight_buckets`), a save gathers what it
+the same order): a weight sync streams them in buckets (`hpref.rl.weight_channel`), a save gathers what it
 writes, and a load puts full tensors back into shards (`hpref.models.parallelize.shard_like`), so a
 save has the same files whatever the number of ranks and resumes on any other number.
 """
@@ -223,27 +223,6 @@ def plain_items(lm: nn.Module, lora: bool) -> Iterator[tuple[str, torch.Tensor]]
         return
     for key, tensor in lm.state_dict().items():
         yield key, full(tensor.detach())
-
-
-def weight_buckets(
-    items: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype, send: bool
-) -> Iterator[dict[str, torch.Tensor]]:
-    """`items` as dicts of about `bucket_bytes` each, every tensor on the CPU in `dtype` (the
-    engine's: an fp32 trainer feeding a bf16 engine sends half the bytes, and the engine casts
-    nothing). `send`: False on the ranks that only join the gathers (they yield nothing)."""
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for key, tensor in items:
-        if not send:
-            continue
-        value = tensor.to(device="cpu", dtype=dtype) if tensor.is_floating_point() else tensor.cpu()
-        bucket[key] = value
-        size += value.numel() * value.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-    if bucket:
-        yield bucket
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

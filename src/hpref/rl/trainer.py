@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from hpref.rl.weight_channel import Layout
+
 
 class TrainerActor:
     """GRPO for one policy: a step per rollout, weights for the engine, save and load."""
@@ -68,6 +70,7 @@ class TrainerActor:
         self.rollouts_done = 0
         self.version = 0
         self._store: Any = None  # rank 0 of a group: the group's TCPStore (`open_rendezvous`)
+        self._channel_store: Any = None  # rank 0: the weight channel's store (`open_weight_channel`)
         if world_size == 1:
             self._build()
         # else: the group builds once every rank has joined (`open_rendezvous`, `join_group`)
@@ -348,21 +351,50 @@ class TrainerActor:
         self.version = expected_version(self.rollouts_done, self.update_interval)
         return self.version
 
-    def weight_buckets(self, bucket_bytes: int, dtype: str) -> Iterator[dict[str, Any]]:
-        """The weights for the engine as CPU state dicts of about `bucket_bytes` each, in the engine's
-        `dtype` (a Ray streaming generator: the driver hands each bucket on as it comes, so a sync
-        holds about one bucket beyond the model, not a second model).
+    def device_type(self) -> str:
+        return self.device.type
+
+    def open_weight_channel(self) -> tuple[str, int]:
+        """Rank 0: serve the store of the channel to this policy's engine (`hpref.rl.weight_channel`)."""
+        from hpref.rl.weight_channel import open_channel
+
+        self._channel_store, host, port = open_channel()
+        return host, port
+
+    def connect_weight_channel(self, host: str, port: int, device: str) -> None:
+        """Rank 0: join the channel (as its rank 0; the engine joins as rank 1) on `device`'s kind."""
+        import torch
+
+        from hpref.rl.weight_channel import connect
+
+        # NCCL when both ends are on GPUs; a GPU trainer feeding a CPU engine sends from CPU buffers
+        where = self.device if device == self.device.type else torch.device(device)
+        self.channel = connect(self._channel_store, host, port, 0, where)
+
+    def send_weights(self, bucket_bytes: int, dtype: str) -> Iterator[Layout]:
+        """The weights for the engine in buckets of at most `bucket_bytes` in the engine's `dtype`:
+        a Ray streaming generator that yields each bucket's layout (names and shapes, through Ray)
+        and then sends its bytes through the channel, where the engine's `receive_weights(layout)`
+        takes them. A sync holds one bucket beyond the model (`hpref.rl.weight_channel`).
 
         With LoRA the engine gets merged weights (base + B A alpha/r, under the plain LM's keys), not
         the adapter: it then loads a plain transformers state dict whether or not the policy has
         adapters, so no engine (nor an engine plugin such as vLLM) has to know PEFT, hold the base
         separately, or pay for the adapter's extra matmuls while generating. In a group every rank
-        joins the gathers and rank 0 alone yields."""
+        joins the gathers and rank 0 alone sends."""
         import torch
 
-        from hpref.rl.sharding import weight_buckets
+        from hpref.rl.weight_channel import pack_buckets
 
-        yield from weight_buckets(self._plain_items(), bucket_bytes, getattr(torch, dtype), self.rank == 0)
+        items = self._plain_items()
+        if self.rank != 0:
+            for _item in items:  # each gather pairs with rank 0's
+                pass
+            return
+        device = self.channel.device
+        for layout, flat in pack_buckets(items, bucket_bytes, getattr(torch, dtype), device):
+            yield layout
+            self.channel.send(flat)
         release_freed_memory()
 
     def _plain_items(self) -> Iterator[tuple[str, Any]]:

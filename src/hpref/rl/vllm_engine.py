@@ -207,6 +207,7 @@ class VLLMEngine(VersionedWeights):
         state = start_model.state_dict()
         self.shapes = {name: tuple(t.shape) for name, t in state.items()}
         self.dtype = config.dtype  # a sync arrives in it: vLLM casts nothing, and warns of nothing
+        self.channel_device = "cuda" if torch.cuda.is_available() else "cpu"
         self._reload(state)
         del start_model, state
         self.version = 0
