@@ -154,9 +154,10 @@ class TrainerBackend(Protocol):
         ...
 
     def plain_items(self, model: nn.Module, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights in the transformers layout, whole, one (key, tensor) at a time (what engines
-        load); `lora`: the model carries PEFT adapters, to be merged in. A tensor may be the
-        model's own: the caller copies what it keeps."""
+        """The weights in the transformers layout, one (key, tensor) at a time, in one order on every
+        rank (what engines load); `lora`: the model carries PEFT adapters, to be merged in. A tensor
+        may be the model's own, or its FSDP2 shard (a DTensor, which the caller gathers): the
+        caller copies what it keeps."""
         ...
 
     def data_split(self, rank: int, world_size: int) -> tuple[int, int]:
@@ -171,6 +172,27 @@ class TrainerBackend(Protocol):
 
     def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         """Load such a state dict into `model` (strictly)."""
+        ...
+
+    def clip_grad_norm(self, model: nn.Module, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients of `params` (what the optimizer steps) to `max_norm` by the norm of the
+        whole model's gradient, over every rank's shards; returns that norm (every rank the same)."""
+        ...
+
+    def gathered_state(
+        self, model: nn.Module, lora: Any, optimizer: torch.optim.Optimizer, grouped: bool
+    ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """What a save writes, as a one-rank trainer would (every rank of a group calls it: it
+        gathers; rank 0's answer is written): the weights for the model's `save_pretrained(...,
+        state_dict=)` (`lora`, PEFT's handle or None: its adapters), or None for the model's own,
+        and the optimizer's state dict in the one-rank layout."""
+        ...
+
+    def sliced_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], grouped: bool
+    ) -> dict[str, Any]:
+        """A one-rank optimizer state dict (a save's) cut into this rank's shards, for
+        `optimizer.load_state_dict`."""
         ...
 
     def close(self, model: nn.Module) -> None:

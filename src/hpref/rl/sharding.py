@@ -212,17 +212,18 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def plain_items(lm: nn.Module, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """The LM's weights under the plain transformers keys, whole, one at a time, in one order on
-    every rank (LoRA merged in: `hpref.models.lm_adapters.merged_lm_items`). Nothing is cloned: a
-    tensor that was not gathered is the model's own (Ray copies it into its object store when it is
-    sent; anything else that keeps it past the next step must copy it)."""
+    """The LM's weights under the plain transformers keys, one at a time, in one order on every
+    rank: with LoRA merged in and whole (`hpref.models.lm_adapters.merged_lm_items`, the adapted
+    weights gathered here), else the model's own tensors, shards of a group still shards (a
+    consumer gathers them: `hpref.rl.weight_channel.pack_buckets` straight into its buffer, or
+    `full`). Nothing is copied: what a caller keeps past the next step, it must copy."""
     if lora:
         from hpref.models.lm_adapters import merged_lm_items
 
         yield from merged_lm_items(lm, full)
         return
     for key, tensor in lm.state_dict().items():
-        yield key, full(tensor.detach())
+        yield key, tensor.detach()
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

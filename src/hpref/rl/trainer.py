@@ -238,7 +238,7 @@ class TrainerActor:
                     sums["mismatch"] += float(gap.sum())
                     worst = max(worst, float(gap.max()))
             grad_norm = (
-                torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip)
+                self.backend.clip_grad_norm(self.model, self.trainable, cfg.grad_clip)  # the global norm
                 if cfg.grad_clip
                 else torch.tensor(0.0)
             )
@@ -343,8 +343,10 @@ class TrainerActor:
     def update_weights(self) -> tuple[int, dict[str, Any]]:
         """The current weights whole, in one CPU state dict of copies: (the new version, the state).
         What a sync streams in buckets (`sync_version`, `weight_buckets`), for one-process callers."""
+        from hpref.rl.sharding import full
+
         version = self.sync_version()
-        return version, {k: v.clone() for k, v in self._plain_items()}
+        return version, {k: full(v).clone() for k, v in self._plain_items()}
 
     def sync_version(self) -> int:
         """The version the next sync publishes (every rank of a group agrees on it)."""
@@ -386,15 +388,12 @@ class TrainerActor:
 
         from hpref.rl.weight_channel import pack_buckets
 
-        items = self._plain_items()
-        if self.rank != 0:
-            for _item in items:  # each gather pairs with rank 0's
-                pass
-            return
-        device = self.channel.device
-        for layout, flat in pack_buckets(items, bucket_bytes, getattr(torch, dtype), device):
-            yield layout
-            self.channel.send(flat)
+        # every rank packs (its gathers pair with rank 0's); rank 0 alone yields and sends
+        device = self.channel.device if self.rank == 0 else self.device
+        for layout, flat in pack_buckets(self._plain_items(), bucket_bytes, getattr(torch, dtype), device):
+            if self.rank == 0:
+                yield layout
+                self.channel.send(flat)
         release_freed_memory()
 
     def _plain_items(self) -> Iterator[tuple[str, Any]]:
@@ -410,18 +409,13 @@ class TrainerActor:
         so a save resumes on any number of ranks."""
         import torch
 
-        from hpref.rl.sharding import full, full_optimizer_state
         from hpref.runfolder import integrity
         from hpref.runfolder.files import write_bytes_atomic, write_json_atomic
 
-        grouped = self.world_size > 1
-        if self.lora is not None:  # PEFT's own names (adapter name included), whole
-            weights = (
-                {k: full(v) for k, v in self.lora.state_dict().items() if "lora_" in k} if grouped else None
-            )
-        else:
-            weights = {k: full(v) for k, v in self.model.state_dict().items()} if grouped else None
-        optimizer = full_optimizer_state(self.optimizer) if grouped else self.optimizer.state_dict()
+        # a group's weights and moments gathered (every rank joins) into the one-rank layout
+        weights, optimizer = self.backend.gathered_state(
+            self.model, self.lora, self.optimizer, self.world_size > 1
+        )
         if self.rank != 0:
             return
         path = Path(folder)
@@ -439,7 +433,7 @@ class TrainerActor:
         else:  # a megatron model writes the transformers layout too
             if weights is None:
                 self.model.save_pretrained(path / "model")
-            else:  # a group's gathered weights (transformers' own save; megatron trains on one rank)
+            else:  # a group's gathered weights
                 self.model.save_pretrained(path / "model", state_dict=weights)
             self.tokenizer.save_pretrained(path / "model")
         buffer = io.BytesIO()
@@ -492,11 +486,9 @@ class TrainerActor:
             except Exception as exc:  # safetensors' header errors and shape mismatches
                 raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
         try:
-            optimizer = state["optimizer"]
-            if self.world_size > 1:
-                from hpref.rl.sharding import shard_optimizer_state
-
-                optimizer = shard_optimizer_state(self.optimizer, optimizer)
+            optimizer = self.backend.sliced_optimizer_state(
+                self.model, self.optimizer, state["optimizer"], self.world_size > 1
+            )
             self.optimizer.load_state_dict(optimizer)
             self.rollouts_done = int(state["rollouts_done"])
             self.version = int(state["version"])

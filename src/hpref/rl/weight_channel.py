@@ -98,33 +98,93 @@ def pack_buckets(
 ) -> Iterator[tuple[Layout, torch.Tensor]]:
     """`items` as (layout, flat buffer) buckets of at most `bucket_bytes` in `dtype` on `device`.
 
-    One buffer is reused from bucket to bucket (the caller sends each before asking for the next);
-    each tensor is copied in as it arrives (cast on the way: no second copy), so the items' own
-    temporaries (a tensor gathered from its shards) live one at a time. A tensor larger than a
-    bucket goes alone, as itself when it is already in `dtype`, contiguous and on `device` (no
-    copy at all), else as its cast copy."""
+    One buffer is reused from bucket to bucket (the caller sends each before asking for the next),
+    and each tensor goes into it as it arrives: a shard of an FSDP2 group is gathered straight into
+    its place in the buffer (`_gather_into`; every rank of the group runs this with the same items
+    and keeps a buffer of its own), a plain tensor is copied in, cast on the way. A sync so holds one
+    buffer beyond the model. A tensor larger than a bucket goes alone: as itself when it is already
+    in `dtype`, contiguous and on `device` (no copy at all), else in a buffer of its own size."""
+    import math
+
     import torch
+    from torch.distributed.tensor import DTensor
 
     capacity = max(bucket_bytes // torch.empty((), dtype=dtype).element_size(), 1)
     buffer: torch.Tensor | None = None
     layout: Layout = []
     used = 0
     for name, tensor in items:
-        size = tensor.numel()
-        if size > capacity:
+        size = math.prod(tensor.shape)
+        room = _gathered_size(tensor) if isinstance(tensor, DTensor) else size
+        if room > capacity:
             if layout:
                 yield layout, buffer[:used]
                 layout, used = [], 0
-            alone = tensor.detach().to(device=device, dtype=dtype).contiguous().view(-1)
+            if isinstance(tensor, DTensor):
+                alone = torch.empty(room, dtype=dtype, device=device)
+                _fill(alone, tensor)
+                alone = alone[:size]
+            else:
+                alone = tensor.detach().to(device=device, dtype=dtype).contiguous().view(-1)
             yield [(name, tuple(tensor.shape))], alone
             continue
-        if used + size > capacity:
+        if used + room > capacity:
             yield layout, buffer[:used]
             layout, used = [], 0
         if buffer is None:
             buffer = torch.empty(capacity, dtype=dtype, device=device)
-        buffer[used : used + size].copy_(tensor.detach().reshape(-1))
+        _fill(buffer[used : used + room], tensor)
         layout.append((name, tuple(tensor.shape)))
         used += size
     if layout:
         yield layout, buffer[:used]
+
+
+def _fill(region: torch.Tensor, tensor: torch.Tensor) -> None:
+    """`tensor`'s values, flattened, at the start of `region` (a shard: gathered into it)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        region[: tensor.numel()].copy_(tensor.detach().reshape(-1))
+    elif _dim0_sharded(tensor) and tensor.dtype == region.dtype and tensor.device == region.device:
+        _gather_into(region, tensor)
+    else:  # another placement, a cast or another device: gathered whole first (one tensor's temporary)
+        region[: tensor.numel()].copy_(tensor.full_tensor().reshape(-1))
+
+
+def _dim0_sharded(tensor: Any) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return tuple(tensor.placements) == (Shard(0),) and tensor.dim() >= 1
+
+
+def _gathered_size(tensor: Any) -> int:
+    """Elements an all-gather of FSDP2's dim-0 shards writes: every rank's shard padded to the
+    largest (`ceil(rows / ranks)` rows), so a little more than the tensor."""
+    import math
+
+    if not _dim0_sharded(tensor):
+        return math.prod(tensor.shape)
+    ranks = tensor.device_mesh.size()
+    rows = tensor.shape[0]
+    per_row = math.prod(tensor.shape[1:])
+    return -(-rows // ranks) * ranks * per_row
+
+
+def _gather_into(region: torch.Tensor, tensor: Any) -> None:
+    """All-gather FSDP2's dim-0 shards of `tensor` into `region`. FSDP2 cuts rows as `torch.chunk`
+    does (ceil(rows / ranks) each, the last ranks short or empty), so with every shard padded to
+    that many rows the gathered rows are the tensor's in order, padding only at the end: the
+    tensor is the first `numel` elements of the region, with no copy after the gather."""
+    import torch
+    import torch.distributed as dist
+
+    ranks = tensor.device_mesh.size()
+    chunk = -(-tensor.shape[0] // ranks)
+    local = tensor.to_local().detach()
+    padded = local
+    if local.shape[0] != chunk:  # a short (or empty) last shard: padded to the common size
+        padded = torch.zeros((chunk, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]].copy_(local)
+    out = region[: chunk * ranks * padded[0].numel()].view(chunk * ranks, *tensor.shape[1:])
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=tensor.device_mesh.get_group())
