@@ -1,10 +1,11 @@
 """A policy trainer on megatron-core (issue #15, `trainer_backend = "megatron"`): the same log-probs
 and GRPO steps as the transformers trainer on the same weights, weights sent to the engine in the
-transformers layout (engine and trainer agree after a sync), exact resume, one-line refusals, and a
-short `hpref rl` run on a real local Ray cluster.
+transformers layout (engine and trainer agree after a sync), exact resume, one-line refusals, a
+tensor-parallel group of two ranks that takes the one-rank step (issue #36), and a short `hpref rl`
+run on a real local Ray cluster.
 
-The actors run in-process (no Ray) except in the last test, on the one-block tiny Llama every RL
-test builds."""
+The actors run in-process (no Ray) except in the group's test and the last one, on the one-block
+tiny Llama every RL test builds."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from tests.conftest import run_hpref  # noqa: E402
 from tests.rl.local_actor import length_scored_rollouts  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
+#: TINY with two key/value heads: megatron splits whole query groups over tensor-parallel ranks
+TINY_TP2 = {**TINY, "num_key_value_heads": 2}
 PROMPTS = [("What is the capital of Peru?",), ("Add 2 and 3.",)]
 
 
@@ -246,9 +249,27 @@ def test_refusals_are_one_line_naming_the_key(tmp_path, monkeypatch):
         )
     with pytest.raises(
         RecipeError,
-        match=r"^test: rl.policies.a: trainer_tensor_parallel = 2: the megatron trainer runs on one rank",
+        match=r"^test: rl.policies.a: ranks = 1, trainer_tensor_parallel = 2: a megatron trainer's ranks "
+        r"are its tensor-parallel ranks, so the two must be equal \(data parallelism beyond",
     ):
         rl_config(trainer_tensor_parallel=2)
+    with pytest.raises(RecipeError, match=r"^test: rl.policies.a: ranks = 4, trainer_tensor_parallel = 2: "):
+        rl_config(ranks=4, trainer_tensor_parallel=2)
+    with pytest.raises(
+        RecipeError, match=r"^test: rl.policies.a: trainer_tensor_parallel = 2: only the megatron trainer is"
+    ):
+        rl_config("transformers", ranks=2, trainer_tensor_parallel=2)
+    # heads the size does not divide: refused before any actor starts (TINY has one key/value head)
+    from hpref.rl.backends import check_backends
+
+    with pytest.raises(RecipeError) as refused:
+        check_backends(rl_config(ranks=2, trainer_tensor_parallel=2), ["a"], "test")
+    assert str(refused.value) == (
+        "test: rl.policies.a.trainer_tensor_parallel = 2 must divide the model's attention heads (2), "
+        "key/value heads (1) and MLP width (64): megatron splits whole query groups and MLP columns over "
+        "the ranks"
+    )
+    check_backends(rl_config(ranks=2, trainer_tensor_parallel=2, model=TINY_TP2), ["a"], "test")
     with pytest.raises(
         RecipeError,
         match=r"^test: rl.policies.a.trainer_backend: Input should be 'transformers' or 'megatron'",
@@ -302,6 +323,120 @@ def test_the_megatron_trainer_stays_on_the_cpu_where_cuda_is_visible(world, monk
     monkeypatch.setattr(torch.cuda, "current_device", touched_cuda)
     t = trainer("megatron")
     assert t.train(rollouts[0])["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tensor_parallel_slices_convert_back_to_the_transformers_state(tied):
+    # Wrong if a rank's slice of the vocabulary (padded: 301 rows do not split in two), of the fused
+    # Q/K/V groups or of the gate/up halves were cut or put back in another order: the engine, a save
+    # and a one-rank resume would get another model than the group trained.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpref.models.megatron.causal_lm import hf_causal_to_megatron, megatron_causal_to_hf, relayout
+    from hpref.models.megatron.convert import shape_of
+
+    config = LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=301,
+        tie_word_embeddings=tied,
+    )
+    shape = shape_of(config)
+    torch.manual_seed(0)
+    hf = {k: torch.randn_like(v) for k, v in LlamaForCausalLM(config).state_dict().items()}
+    if tied:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    one = hf_causal_to_megatron(hf, shape, tied=tied)
+    shards = [hf_causal_to_megatron(hf, shape, tied=tied, tp_rank=r, tp_size=2) for r in range(2)]
+    assert shards[0]["gpt.embedding.word_embeddings.weight"].shape[0] == 151  # 302 rows over 2 ranks
+    for r in range(2):  # a one-rank state (weights or moments) cut for rank r is rank r's own slice
+        cut = relayout(one, shape, tied=tied, tp_rank=r, tp_size=2)
+        assert cut.keys() == shards[r].keys() and all(torch.equal(cut[k], shards[r][k]) for k in cut)
+    back = megatron_causal_to_hf(shards, shape, tied=tied)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def test_a_tensor_parallel_group_takes_the_one_rank_step_and_saves_its_files(world, ray_cluster, tmp_path):
+    """Two Ray actors with `ranks = trainer_tensor_parallel = 2`: each holds half of every split
+    weight, both run the whole rollout. If this fails, a tensor-parallel megatron policy learns
+    something other than the same policy on one rank (log-probs over half the vocabulary, a gradient
+    norm of one rank's slices, replicated weights counted twice, a slice loaded into the wrong rank),
+    its engine gets slices or megatron's layout, or its save is not the one-rank save (a TP run
+    would not resume on one rank, nor one rank's run on TP)."""
+    ray = pytest.importorskip("ray")
+    from hpref.rl.group import TrainerGroup
+    from tests.rl.test_trainer_group import received, run
+
+    _cfg, rollouts = world
+    # grad_clip below the norm: the clip coefficient depends on the group's global norm
+    cfg = rl_config(model=TINY_TP2, kl_coef=0.1, grad_clip=0.05, ranks=2, trainer_tensor_parallel=2)
+    one = cfg.policies["a"].model_copy(update={"ranks": 1, "trainer_tensor_parallel": 1})
+    alone = TrainerActor("a", one, 1)
+    start = {k: v.clone() for k, v in alone.update_weights()[1].items()}
+    want_stats = alone.train(rollouts[0])
+    want = alone.update_weights()[1]
+    assert want_stats["grad_norm"] > 0.05 and want_stats["kl"] == 0.0
+
+    remote = ray.remote(TrainerActor).options(num_cpus=0.25)
+    ranks = [remote.remote("a", cfg.policies["a"], 1, rank=r, world_size=2) for r in range(2)]
+    group = TrainerGroup("a", ranks)
+
+    def close_to(got, want, start=None):
+        assert got.keys() == want.keys()
+        for key, tensor in want.items():
+            step = float((tensor - start[key]).norm()) if start is not None else 0.0
+            assert got[key].shape == tensor.shape and got[key].dtype == torch.float32
+            assert float((got[key] - tensor).norm()) <= 1e-5 * max(step, 1e-12) + 1e-7, key
+
+    try:
+        run(group.start())
+
+        def held(actor):  # (tensor-parallel size, rank, rows of this rank's fused Q/K/V)
+            qkv = "gpt.decoder.layers.0.self_attention.linear_qkv.weight"
+            return ray.get(
+                actor.__ray_call__.remote(
+                    lambda t: (t.model.tp_size, t.model.tp_rank, t.model.state_dict()[qkv].shape[0])
+                )
+            )
+
+        assert [held(r) for r in ranks] == [(2, 0, 48), (2, 1, 48)]  # half of the 96 rows each
+        stats = run(group.train(rollouts[0]))
+        for key in ("loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "engine_trainer_logprob_diff"):
+            assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
+        version, buckets = received(group, bucket_bytes=20_000)
+        assert version == 1 and len(buckets) > 2
+        got = {k: v for b in buckets for k, v in b.items()}
+        close_to(got, want, start)  # the whole transformers state, the update's own
+
+        # the group's save is a one-rank save: a one-rank trainer resumes it, Adam moments included
+        run(group.save(str(tmp_path / "tp")))
+        resumed = TrainerActor("a", one, 1)
+        assert resumed.load(str(tmp_path / "tp")) == 1
+        close_to(resumed.update_weights()[1], got)
+        before = {k: v.clone() for k, v in want.items()}
+        again, resumed_again = alone.train(rollouts[1]), resumed.train(rollouts[1])
+        group_again = run(group.train(rollouts[1]))
+        for key in ("loss", "kl", "grad_norm"):
+            assert group_again[key] == pytest.approx(again[key], rel=1e-5, abs=1e-7), key
+            assert resumed_again[key] == pytest.approx(again[key], rel=1e-5, abs=1e-7), key
+        want = alone.update_weights()[1]
+        close_to(resumed.update_weights()[1], want, before)
+
+        # ... and the group resumes a one-rank save (each rank cuts its slices of weights and moments)
+        alone.save(str(tmp_path / "one"))
+        assert run(group.load(str(tmp_path / "one"))) == 2
+        before = {k: v.clone() for k, v in want.items()}
+        last = alone.train(rollouts[2])
+        assert run(group.train(rollouts[2]))["grad_norm"] == pytest.approx(last["grad_norm"], rel=1e-5)
+        _version, buckets = received(group)
+        close_to({k: v for b in buckets for k, v in b.items()}, alone.update_weights()[1], before)
+    finally:
+        for r in ranks:
+            ray.get(r.close.remote())
+            ray.kill(r)
 
 
 def test_close_releases_the_process_group_the_trainer_made(world):

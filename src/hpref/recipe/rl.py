@@ -179,7 +179,8 @@ class PolicyConfig(_Section):
     trainer_tensor_parallel: int = Field(
         1,
         ge=1,
-        description="megatron trainer: tensor-parallel ranks (the megatron trainer is one rank: only 1)",
+        description="megatron trainer: tensor-parallel size, over the policy's trainer ranks (must equal "
+        "ranks: no data parallelism beyond it yet; must divide the heads, key/value heads and MLP width)",
     )
     ranks: int = Field(
         1,
@@ -201,16 +202,17 @@ class PolicyConfig(_Section):
                 "linears, not megatron's fused ones); drop lora for this policy or use the transformers "
                 "backend"
             )
-        if self.trainer_tensor_parallel != 1:
+        if self.trainer_tensor_parallel != 1 and self.trainer_backend != "megatron":
             raise ValueError(
-                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: the megatron trainer runs on "
-                "one rank (its tensor parallelism across a group's ranks is not built yet), so only 1 is "
-                "supported"
+                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: only the megatron trainer is "
+                'tensor parallel (set trainer_backend = "megatron"); the transformers trainer shards its '
+                "ranks with FSDP2"
             )
-        if self.trainer_backend == "megatron" and self.ranks > 1:
+        if self.trainer_backend == "megatron" and self.ranks != self.trainer_tensor_parallel:
             raise ValueError(
-                f'ranks = {self.ranks}: trainer_backend = "megatron" trains on one rank; a group of ranks '
-                "shards the transformers trainer with FSDP2"
+                f"ranks = {self.ranks}, trainer_tensor_parallel = {self.trainer_tensor_parallel}: a megatron "
+                "trainer's ranks are its tensor-parallel ranks, so the two must be equal (data parallelism "
+                "beyond tensor parallelism is not built yet)"
             )
         if self.gpus_per_rank > 0 and self.gpus_per_rank != 1 and self.ranks > 1:
             raise ValueError(
