@@ -5,18 +5,17 @@ padding maths is `hpref.rl.policy` (`group_batch`: each prompt once with its gro
 KV cache; `pad_batch` for the megatron model, which takes no cache). The policy's model is a
 transformers causal LM, or with `trainer_backend = "megatron"` a megatron-core GPTModel
 (`hpref.models.megatron.causal_lm`) that computes the same log-probs and hands the engine, and a save,
-the transformers layout. A save is the trainer's state (`trainer.pt`, read back only through the
-run folder's restricted reader) with the checksums of every file beside it.
+the transformers layout. Saves are `hpref.rl.trainer_state`'s. With `ranks` > 1 each rank is one
+actor of the policy's trainer group (`hpref.rl.group`, `hpref.rl.sharding`): the model sharded over
+the group, the rollout's prompt groups split between the ranks, and the weights reaching the engine
+through the weight channel (`hpref.rl.weight_channel`).
 """
 
 from __future__ import annotations
 
-import io
-import json
 import resource
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
@@ -33,7 +32,6 @@ from hpref.rl.policy import (
     whole_groups,
 )
 from hpref.rl.rollouts import expected_version
-from hpref.runfolder.layout import TRAINER_STATE
 
 if TYPE_CHECKING:
     import torch
@@ -382,162 +380,35 @@ class TrainerActor:
         With LoRA the engine gets merged weights (base + B A alpha/r, under the plain LM's keys), not
         the adapter: it then loads a plain transformers state dict whether or not the policy has
         adapters, so no engine (nor an engine plugin such as vLLM) has to know PEFT, hold the base
-        separately, or pay for the adapter's extra matmuls while generating. In a group every rank
-        joins the gathers and rank 0 alone sends."""
+        separately, or pay for the adapter's extra matmuls while generating. In a group the other
+        ranks send their shards to rank 0, which alone packs and sends."""
         import torch
 
-        from hpref.rl.weight_channel import pack_buckets
+        from hpref.rl.weight_channel import pack_buckets, send_shards
 
-        # every rank packs (its gathers pair with rank 0's); rank 0 alone yields and sends
-        device = self.channel.device if self.rank == 0 else self.device
-        for layout, flat in pack_buckets(self._plain_items(), bucket_bytes, getattr(torch, dtype), device):
-            if self.rank == 0:
-                yield layout
-                self.channel.send(flat)
+        if self.rank != 0:  # its shards go to rank 0, which packs and sends
+            send_shards(self._plain_items())
+            return
+        for layout, flat in pack_buckets(
+            self._plain_items(), bucket_bytes, getattr(torch, dtype), self.channel.device
+        ):
+            yield layout
+            self.channel.send(flat)
         release_freed_memory()
 
     def _plain_items(self) -> Iterator[tuple[str, Any]]:
         return self.backend.plain_items(self.model, self.lora is not None)
 
     def save(self, folder: str) -> None:
-        """The model as a transformers folder (a usable starting checkpoint), optimizer and counters.
+        """The model as a transformers folder (a usable starting checkpoint), optimizer and counters
+        (LoRA: the adapter alone and the base it adapts); a group's rank 0 writes the one-rank
+        files (`hpref.rl.trainer_state.save_trainer`)."""
+        from hpref.rl.trainer_state import save_trainer
 
-        With LoRA only what trains: PEFT's adapter folder (`adapter/`, loadable by `peft`), the
-        optimizer state of the adapters, the counters, and `policy_base.json`, which names the frozen
-        base (the policy's `model` settings) and the adapter settings that resume must match.
-        In a group every rank gathers its shards and rank 0 writes the same files one rank would,
-        so a save resumes on any number of ranks."""
-        import torch
-
-        from hpref.runfolder import integrity
-        from hpref.runfolder.files import write_bytes_atomic, write_json_atomic
-
-        # a group's weights and moments gathered (every rank joins) into the one-rank layout
-        weights, optimizer = self.backend.gathered_state(
-            self.model, self.lora, self.optimizer, self.world_size > 1
-        )
-        if self.rank != 0:
-            return
-        path = Path(folder)
-        path.mkdir(parents=True, exist_ok=True)
-        if self.lora is not None:
-            from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE
-
-            self.lora.save_pretrained(
-                str(path / POLICY_ADAPTER_DIR),
-                safe_serialization=True,
-                save_embedding_layers=False,
-                state_dict=weights,
-            )
-            write_json_atomic(path / POLICY_BASE_FILE, self._base_description(), indent=2, sort_keys=True)
-        else:  # a megatron model writes the transformers layout too
-            if weights is None:
-                self.model.save_pretrained(path / "model")
-            else:  # a group's gathered weights
-                self.model.save_pretrained(path / "model", state_dict=weights)
-            self.tokenizer.save_pretrained(path / "model")
-        buffer = io.BytesIO()
-        torch.save(
-            {
-                "optimizer": optimizer,
-                "rollouts_done": self.rollouts_done,
-                "version": self.version,
-                "backend": self.config.trainer_backend,
-            },
-            buffer,
-        )
-        write_bytes_atomic(path / TRAINER_STATE, buffer.getvalue())
-        integrity.write_manifest(path)  # sizes and SHA-256 of every file, verified by `load`
+        save_trainer(self, folder)
 
     def load(self, folder: str) -> int:
         """Restore from `folder`; returns the rollout id to start at (0 when there is nothing there)."""
-        from safetensors.torch import load_file
+        from hpref.rl.trainer_state import load_trainer
 
-        from hpref.models.lm_adapters import POLICY_BASE_FILE
-        from hpref.models.parallelize import shard_like
-        from hpref.runfolder import integrity
-        from hpref.runfolder.safe_load import CheckpointError, load_torch_file
-
-        path = Path(folder)
-        if not (path / TRAINER_STATE).is_file():
-            return 0
-        integrity.require_verified(path)
-        state = load_torch_file(path / TRAINER_STATE)
-        saved_backend = state.get("backend", "transformers") if isinstance(state, dict) else None
-        if saved_backend not in (None, self.config.trainer_backend):
-            # the optimizer's moments are per parameter, and the two backends' parameters differ
-            raise CheckpointError(
-                f"{path / TRAINER_STATE}: saved by a {saved_backend} trainer, but policy '{self.policy}' "
-                f"has trainer_backend = {self.config.trainer_backend!r} now; resume with the backend it "
-                "was saved with"
-            )
-        if self.lora is not None:
-            self._load_adapter(path)
-        else:
-            weights_file = path / "model" / "model.safetensors"
-            if not weights_file.is_file() and (path / POLICY_BASE_FILE).is_file():
-                raise CheckpointError(
-                    f"{path}: holds a LoRA adapter, but policy '{self.policy}' has no [lora] now; "
-                    "resume with the adapter settings it was saved with"
-                )
-            try:
-                weights = shard_like(self.model.state_dict(), load_file(str(weights_file)))
-                self.backend.load_plain_state(self.model, weights)
-            except Exception as exc:  # safetensors' header errors and shape mismatches
-                raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
-        try:
-            optimizer = self.backend.sliced_optimizer_state(
-                self.model, self.optimizer, state["optimizer"], self.world_size > 1
-            )
-            self.optimizer.load_state_dict(optimizer)
-            self.rollouts_done = int(state["rollouts_done"])
-            self.version = int(state["version"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path / TRAINER_STATE}: damaged ({type(exc).__name__}: {exc})") from None
-        return self.rollouts_done
-
-    def _base_description(self) -> dict[str, Any]:
-        """What a LoRA save leaves out and resume must find again: the base and the adapter shape."""
-        assert self.config.lora is not None
-        return {
-            "format": 1,
-            "base": self.config.model.model_dump(mode="json"),
-            "lora": self.config.lora.model_dump(mode="json"),
-        }
-
-    def _load_adapter(self, path: Path) -> None:
-        """The adapter of a LoRA save into this trainer, after checking it adapts this very base."""
-        from safetensors.torch import load_file
-
-        from hpref.models.adapters import PEFT_WEIGHTS_FILE
-        from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE, load_lm_adapter_state
-        from hpref.runfolder.safe_load import CheckpointError
-
-        described = path / POLICY_BASE_FILE
-        if not described.is_file():
-            raise CheckpointError(
-                f"{path}: holds full weights (no {POLICY_BASE_FILE}), but policy '{self.policy}' has "
-                "[lora] now; resume without it, or start a new run"
-            )
-        try:
-            saved = json.loads(described.read_text(encoding="utf-8"))
-            saved_base, saved_lora = dict(saved["base"]), dict(saved["lora"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{described}: damaged ({type(exc).__name__}: {exc})") from None
-        want = self._base_description()
-        for part, have in (("base", saved_base), ("lora", saved_lora)):
-            if have != want[part]:
-                diff = sorted(k for k in set(have) | set(want[part]) if have.get(k) != want[part].get(k))
-                key = "model" if part == "base" else "lora"
-                raise CheckpointError(
-                    f"{described}: the adapter was trained with other {key} settings than policy "
-                    f"'{self.policy}' has now ({key}.{diff[0]}: saved {have.get(diff[0])!r}, now "
-                    f"{want[part].get(diff[0])!r}); an adapter only fits the base it was trained on"
-                )
-        weights_file = path / POLICY_ADAPTER_DIR / PEFT_WEIGHTS_FILE
-        try:
-            load_lm_adapter_state(self.lora, load_file(str(weights_file)), source=str(weights_file))
-        except ValueError as exc:
-            raise CheckpointError(str(exc).splitlines()[0]) from None
-        except Exception as exc:  # safetensors' header errors
-            raise CheckpointError(f"{weights_file}: cannot load ({type(exc).__name__}: {exc})") from None
+        return load_trainer(self, folder)

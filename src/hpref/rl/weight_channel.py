@@ -99,11 +99,11 @@ def pack_buckets(
     """`items` as (layout, flat buffer) buckets of at most `bucket_bytes` in `dtype` on `device`.
 
     One buffer is reused from bucket to bucket (the caller sends each before asking for the next),
-    and each tensor goes into it as it arrives: a shard of an FSDP2 group is gathered straight into
-    its place in the buffer (`_gather_into`; every rank of the group runs this with the same items
-    and keeps a buffer of its own), a plain tensor is copied in, cast on the way. A sync so holds one
-    buffer beyond the model. A tensor larger than a bucket goes alone: as itself when it is already
-    in `dtype`, contiguous and on `device` (no copy at all), else in a buffer of its own size."""
+    and each tensor goes into it as it arrives: a shard of an FSDP2 group is collected straight into
+    its place in the buffer (`_collect`: the other ranks send their shards, see `send_shards`), a
+    plain tensor is copied in, cast on the way. A sync so holds one buffer beyond the model. A
+    tensor larger than a bucket goes alone: as itself when it is already in `dtype`, contiguous and
+    on `device` (no copy at all), else in a buffer of its own size."""
     import math
 
     import torch
@@ -115,41 +115,53 @@ def pack_buckets(
     used = 0
     for name, tensor in items:
         size = math.prod(tensor.shape)
-        room = _gathered_size(tensor) if isinstance(tensor, DTensor) else size
-        if room > capacity:
+        if size > capacity:
             if layout:
                 yield layout, buffer[:used]
                 layout, used = [], 0
             if isinstance(tensor, DTensor):
-                alone = torch.empty(room, dtype=dtype, device=device)
+                alone = torch.empty(size, dtype=dtype, device=device)
                 _fill(alone, tensor)
-                alone = alone[:size]
             else:
                 alone = tensor.detach().to(device=device, dtype=dtype).contiguous().view(-1)
             yield [(name, tuple(tensor.shape))], alone
             continue
-        if used + room > capacity:
+        if used + size > capacity:
             yield layout, buffer[:used]
             layout, used = [], 0
         if buffer is None:
             buffer = torch.empty(capacity, dtype=dtype, device=device)
-        _fill(buffer[used : used + room], tensor)
+        _fill(buffer[used : used + size], tensor)
         layout.append((name, tuple(tensor.shape)))
         used += size
     if layout:
         yield layout, buffer[:used]
 
 
+def send_shards(items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """What the group's other ranks run beside rank 0's `pack_buckets`: each FSDP2 shard they hold
+    goes to rank 0 in the same order (`_collect`); whole tensors (LoRA's merged weights, gathered
+    in `plain_items`) need nothing from them. They allocate nothing."""
+    from torch.distributed.tensor import DTensor
+
+    for _name, tensor in items:
+        if isinstance(tensor, DTensor):
+            if _dim0_sharded(tensor):
+                _send_shard(tensor)
+            else:
+                tensor.full_tensor()  # another placement: the whole-tensor gather, joined
+
+
 def _fill(region: torch.Tensor, tensor: torch.Tensor) -> None:
-    """`tensor`'s values, flattened, at the start of `region` (a shard: gathered into it)."""
+    """`tensor`'s values, flattened, into `region` (a shard's: collected from the group's ranks)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
-        region[: tensor.numel()].copy_(tensor.detach().reshape(-1))
-    elif _dim0_sharded(tensor) and tensor.dtype == region.dtype and tensor.device == region.device:
-        _gather_into(region, tensor)
-    else:  # another placement, a cast or another device: gathered whole first (one tensor's temporary)
-        region[: tensor.numel()].copy_(tensor.full_tensor().reshape(-1))
+        region.copy_(tensor.detach().reshape(-1))
+    elif _dim0_sharded(tensor):
+        _collect(region, tensor)
+    else:  # another placement: gathered whole first (one tensor's temporary)
+        region.copy_(tensor.full_tensor().reshape(-1))
 
 
 def _dim0_sharded(tensor: Any) -> bool:
@@ -158,33 +170,45 @@ def _dim0_sharded(tensor: Any) -> bool:
     return tuple(tensor.placements) == (Shard(0),) and tensor.dim() >= 1
 
 
-def _gathered_size(tensor: Any) -> int:
-    """Elements an all-gather of FSDP2's dim-0 shards writes: every rank's shard padded to the
-    largest (`ceil(rows / ranks)` rows), so a little more than the tensor."""
+def _rows(tensor: Any) -> list[int]:
+    """How many rows of `tensor` each rank holds: FSDP2 cuts dim 0 as `torch.chunk` does
+    (ceil(rows / ranks) each, the last ranks short or empty)."""
+    ranks, rows = tensor.device_mesh.size(), tensor.shape[0]
+    chunk = -(-rows // ranks)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(ranks)]
+
+
+def _collect(region: torch.Tensor, tensor: Any) -> None:
+    """Rank 0: its own shard copied, every other rank's received, each at its rows' place in
+    `region`; shards are whole rows in order, so the region ends up the tensor, flattened, with
+    nothing gathered anywhere else (received in the shard's dtype, then cast, when they differ)."""
     import math
 
-    if not _dim0_sharded(tensor):
-        return math.prod(tensor.shape)
-    ranks = tensor.device_mesh.size()
-    rows = tensor.shape[0]
-    per_row = math.prod(tensor.shape[1:])
-    return -(-rows // ranks) * ranks * per_row
-
-
-def _gather_into(region: torch.Tensor, tensor: Any) -> None:
-    """All-gather FSDP2's dim-0 shards of `tensor` into `region`. FSDP2 cuts rows as `torch.chunk`
-    does (ceil(rows / ranks) each, the last ranks short or empty), so with every shard padded to
-    that many rows the gathered rows are the tensor's in order, padding only at the end: the
-    tensor is the first `numel` elements of the region, with no copy after the gather."""
-    import torch
     import torch.distributed as dist
 
-    ranks = tensor.device_mesh.size()
-    chunk = -(-tensor.shape[0] // ranks)
+    group = tensor.device_mesh.get_group()
+    per_row = math.prod(tensor.shape[1:])
+    start = 0
+    for r, rows in enumerate(_rows(tensor)):
+        size = rows * per_row
+        if size == 0:
+            continue
+        place = region[start : start + size]
+        if r == dist.get_rank(group):
+            place.copy_(tensor.to_local().detach().reshape(-1))
+        elif place.dtype == tensor.dtype and place.device == tensor.device:
+            dist.recv(place, src=dist.get_global_rank(group, r), group=group)
+        else:  # a cast (bf16 engine) or another device: one shard's temporary
+            incoming = tensor.to_local().new_empty(size)
+            dist.recv(incoming, src=dist.get_global_rank(group, r), group=group)
+            place.copy_(incoming)
+        start += size
+
+
+def _send_shard(tensor: Any) -> None:
+    import torch.distributed as dist
+
     local = tensor.to_local().detach()
-    padded = local
-    if local.shape[0] != chunk:  # a short (or empty) last shard: padded to the common size
-        padded = torch.zeros((chunk, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[: local.shape[0]].copy_(local)
-    out = region[: chunk * ranks * padded[0].numel()].view(chunk * ranks, *tensor.shape[1:])
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=tensor.device_mesh.get_group())
+    if local.numel():
+        group = tensor.device_mesh.get_group()
+        dist.send(local.contiguous().reshape(-1), dst=dist.get_global_rank(group, 0), group=group)
