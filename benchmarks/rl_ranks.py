@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--ranks", default="1,2")
+    parser.add_argument(
+        "--keep-gathered", action="store_true", help="reshard_after_forward = false (ranks > 1)"
+    )
     args = parser.parse_args(argv)
 
     import ray
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "lr": 2e-5,
             "measure_kl": True,
             "micro_batch_tokens": 1024,
+            "reshard_after_forward": not args.keep_gathered,
             **({"lora": {"r": 16, "alpha": 32}} if args.lora else {}),
         }
     )

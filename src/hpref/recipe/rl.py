@@ -189,6 +189,12 @@ class PolicyConfig(_Section):
         "CPU, NCCL on GPU), the policy sharded with FSDP2 and each rollout's prompt groups split by tokens",
     )
     cpus_per_rank: float = Field(0.25, gt=0, description="Ray CPUs each trainer rank reserves")
+    reshard_after_forward: bool = Field(
+        True,
+        description="ranks > 1: FSDP2 gathers a decoder block's weights for each forward and again for "
+        "its backward (true: the least memory) or keeps them gathered from forward to backward (false: "
+        "a third of the gathers per micro-batch, the whole weights held during a step)",
+    )
     gpus_per_rank: float = Field(
         0, ge=0, description="Ray GPUs each trainer rank reserves (0: the rank trains on the CPU)"
     )

@@ -57,10 +57,10 @@ class TransformersBackend:
     def data_split(self, rank: int, world_size: int) -> tuple[int, int]:
         return rank, world_size  # FSDP2: every rank is a data-parallel rank
 
-    def shard(self, model: nn.Module, device: torch.device) -> nn.Module:
+    def shard(self, model: nn.Module, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
         from hpref.rl.sharding import shard_policy
 
-        return shard_policy(model, device)
+        return shard_policy(model, device, reshard_after_forward)
 
     def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         model.load_state_dict(state, strict=True)
@@ -161,7 +161,9 @@ class MegatronBackend:
         # whole rollout, on its slices of the weights; no data parallelism, no gradient averaging
         return 0, 1
 
-    def shard(self, model: MegatronCausalLM, device: torch.device) -> None:
+    def shard(
+        self, model: MegatronCausalLM, device: torch.device, reshard_after_forward: bool = True
+    ) -> None:
         import torch.distributed as dist
 
         # built tensor parallel over the group's process group already (`init_trainer_parallel`)

@@ -165,9 +165,12 @@ class TrainerBackend(Protocol):
         prompt groups are split over (FSDP2: all of them; tensor parallelism: fewer)."""
         ...
 
-    def shard(self, model: nn.Module, device: torch.device) -> nn.Module | None:
+    def shard(
+        self, model: nn.Module, device: torch.device, reshard_after_forward: bool = True
+    ) -> nn.Module | None:
         """Parallelise `model` over the group's process group; returns the root the trainer calls
-        as `root(batch, temperature)` for log-probs, or None when `model` itself is called."""
+        as `root(batch, temperature)` for log-probs, or None when `model` itself is called.
+        `reshard_after_forward`: FSDP2's, for a backend that shards that way."""
         ...
 
     def load_plain_state(self, model: nn.Module, state: dict[str, Any]) -> None:

@@ -140,10 +140,13 @@ def _log_probs_module() -> type:
     return LogProbsRoot
 
 
-def shard_policy(lm: nn.Module, device: torch.device) -> nn.Module:
+def shard_policy(lm: nn.Module, device: torch.device, reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 over the group: each decoder block its own unit, the rest (embeddings, norm, head) in
     the root; returns the root, which computes `completion_logprobs(lm, batch, temperature)`. The
-    weights stay fp32 masters; the trainer's autocast gives the compute dtype."""
+    weights stay fp32 masters; the trainer's autocast gives the compute dtype.
+    `reshard_after_forward` False keeps a block's weights gathered from its forward to its
+    backward: one gather per micro-batch instead of three (the prompt's forward, the answers'
+    forward on its cache, the backward), for the whole weights held during the step."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -153,7 +156,7 @@ def shard_policy(lm: nn.Module, device: torch.device) -> nn.Module:
     lm.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in decoder_blocks(lm):
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     root = _log_probs_module()(lm)
     fully_shard(root, mesh=mesh)
     return root

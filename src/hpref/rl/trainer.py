@@ -124,7 +124,8 @@ class TrainerActor:
         self.root = self.reference_root = None
         self.data_rank, self.data_ranks = self.backend.data_split(self.rank, self.world_size)
         if self.world_size > 1:
-            self.root = self.backend.shard(self.model, self.device)
+            # the reference never runs a backward: it reshards after every forward whatever the policy does
+            self.root = self.backend.shard(self.model, self.device, self.config.reshard_after_forward)
             if self.reference is not None:
                 self.reference_root = self.backend.shard(self.reference, self.device)
             release_freed_memory()  # the whole weights each rank loaded before it kept its shards
