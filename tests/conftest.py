@@ -45,6 +45,7 @@ LONGEST_MODULES_FIRST = (
     "tests/rl/test_real_model.py",
     "tests/rl/test_vllm_engine.py",
     "tests/rl/test_actor_death.py",
+    "tests/rl/test_trainer_group.py",
     "tests/train/test_megatron_train.py",
     "tests/train/test_qlora.py",
     "tests/train/test_megatron_pipeline.py",
