@@ -168,3 +168,57 @@ def test_actors_created_through_the_reservation_get_their_gpus(gpu_cluster):
     while ray.available_resources().get("GPU", 0) < 8 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("GPU", 0) == 8
+
+
+def test_a_trainer_rank_placed_on_a_logical_gpu_torch_cannot_see_stops_in_one_line(gpu_cluster):
+    """A real trainer rank actor, placed through the reservation on one of the cluster's logical
+    GPUs, in a process whose torch has no CUDA (this machine's CPU build): its construction fails
+    with one line naming the policy, the rank and the GPU id Ray gave it, before any model is built.
+    If this fails, a rank asked to train on a GPU trains on the CPU and looks like a run."""
+    ray = gpu_cluster
+    from hpref.errors import UserError
+    from hpref.rl.trainer import TrainerActor
+    from hpref.runtime.ray_cluster import ray_cause
+
+    config = _config({"a": {"ranks": 2, "gpus_per_rank": 1}})
+    reservation = reserve(config, ["a"], timeout_s=30)
+    try:
+        rank = (
+            ray.remote(TrainerActor)
+            .options(**reservation.rank_options("a", 1))
+            .remote("a", config.policies["a"], 1, rank=1, world_size=2)
+        )
+        with pytest.raises(Exception) as err:
+            ray.get(rank.device_type.remote(), timeout=60)
+        cause = ray_cause(err.value)
+        assert isinstance(cause, UserError), err.value
+        message = str(cause)
+        assert "\n" not in message
+        assert message.startswith("policy 'a' trainer rank 1: Ray assigned it GPU ")
+        assert "(gpus_per_rank = 1) but torch" in message and "sees no CUDA device" in message
+        ray.kill(rank)
+    finally:
+        reservation.release()
+
+
+def test_hpref_rl_asked_for_a_gpu_torch_cannot_see_ends_in_that_one_line(gpu_cluster, tmp_path):
+    """`hpref rl` on the logical-GPU cluster with `gpus_per_rank = 1`: placement passes (Ray has the
+    GPU ids), the rank refuses to start, and the run ends with that user error (one line, exit 2
+    from the CLI) rather than a dead actor's report or a run on the CPU."""
+    from hpref.errors import UserError
+    from hpref.recipe import recipe_from_dict
+    from hpref.rl.launch import run_rl
+
+    from .tiny import TINY
+
+    rl = {
+        "num_rollouts": 1,
+        "rollout": {"group_size": 2, "prompts_per_rollout": 1, "max_new_tokens": 2},
+        "reward": {"name": "rule"},
+        "policies": {"a": {"model": TINY, "gpus_per_rank": 1}},
+    }
+    recipe = recipe_from_dict({"run": {"name": "gpu", "output_dir": str(tmp_path)}, "rl": rl}, resolve=False)
+    with pytest.raises(UserError) as err:
+        run_rl(recipe, ["a"])
+    assert str(err.value).startswith("policy 'a' trainer rank 0: Ray assigned it GPU ")
+    assert "\n" not in str(err.value)

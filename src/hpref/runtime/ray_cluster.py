@@ -132,7 +132,13 @@ def connect_ray(address: str | None) -> bool:
 
 
 def ray_cause(exc: BaseException) -> BaseException:
-    """The user's error inside a Ray task error (Ray wraps the actor's exception)."""
+    """The user's error inside a Ray task error (Ray wraps the actor's exception), also when it was
+    raised by an actor's constructor: Ray then answers every call with an `ActorDiedError` that
+    carries the creation task's error as its argument (a trainer rank refusing a GPU it cannot see)."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    if isinstance(exc, ActorDiedError) and exc.args and isinstance(exc.args[0], RayTaskError):
+        exc = exc.args[0]
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, BaseException) else exc
 
