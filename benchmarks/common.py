@@ -125,3 +125,35 @@ def write_json(path: Path, data: Any) -> Path:
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def random_rollout(
+    rollout_id: int,
+    rng: Any,
+    *,
+    prompts: int = 8,
+    group: int = 4,
+    prompt_tokens: tuple[int, int] = (100, 290),
+    answer_tokens: tuple[int, int] = (20, 64),
+    vocab: int = 40000,
+    logprob: float = -5.0,
+) -> dict[str, Any]:
+    """An rl rollout of random token ids below `vocab` (a trainer's input, the dict the rollout
+    executor hands it), shaped like `recipes/rl-smollm2.toml`'s by default: 8 prompts of 100-289
+    tokens x 4 answers of 20-63, every answer token's engine log-prob `logprob`. `rng`: a
+    `random.Random`, so a caller's rollouts are the same from run to run."""
+    prompt_ids, completions = [], []
+    for _ in range(prompts):
+        prompt = [rng.randrange(100, vocab) for _ in range(rng.randrange(*prompt_tokens))]
+        for _ in range(group):
+            prompt_ids.append(prompt)
+            completions.append([rng.randrange(100, vocab) for _ in range(rng.randrange(*answer_tokens))])
+    return {
+        "rollout_id": rollout_id,
+        "group_size": group,
+        "temperature": 1.0,
+        "rewards": [rng.random() for _ in completions],
+        "prompt_ids": prompt_ids,
+        "completions": completions,
+        "logprobs": [[logprob] * len(c) for c in completions],
+    }

@@ -26,6 +26,8 @@ import argparse
 import random
 import resource
 
+from benchmarks.common import random_rollout
+
 PROMPTS = "../shared/data/hh-rlhf-helpful-base-test.jsonl.gz"
 POLICIES = {
     "tiny": ({}, {"name": "synthetic"}),
@@ -63,22 +65,10 @@ class EngineProbe:
 def rollout_rows(rollout_id: int, prompt: int, answers: int, groups: int, group: int, vocab: int):
     """A rollout as the trainer takes it: `groups` prompts of `prompt` tokens, `group` answers of
     `answers` tokens each (every answer as long as the engine allows: the plan's worst case)."""
-    rng = random.Random(rollout_id)
-    prompts, completions = [], []
-    for _ in range(groups):
-        ids = [rng.randrange(3, vocab) for _ in range(prompt)]
-        for _ in range(group):
-            prompts.append(ids)
-            completions.append([rng.randrange(3, vocab) for _ in range(answers)])
-    return {
-        "rollout_id": rollout_id,
-        "group_size": group,
-        "temperature": 1.0,
-        "rewards": [rng.random() for _ in completions],
-        "prompt_ids": prompts,
-        "completions": completions,
-        "logprobs": [[-5.0] * len(c) for c in completions],
-    }
+    lengths = dict(prompt_tokens=(prompt, prompt + 1), answer_tokens=(answers, answers + 1))
+    return random_rollout(
+        rollout_id, random.Random(rollout_id), prompts=groups, group=group, vocab=vocab, **lengths
+    )
 
 
 def measure(which: str, rollouts: int, threads: int, baseline: int) -> list[tuple[str, float, float, str]]:

@@ -33,6 +33,8 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks.common import random_rollout
+
 
 def _status() -> dict[str, float]:
     """This process's VmRSS and VmHWM in GiB (runs inside an actor through `__ray_call__`)."""
@@ -72,23 +74,8 @@ def _held_bytes(trainer: Any) -> dict[str, float]:
 
 
 def rollout(update: int, seed: int = 0, vocab: int = 40000) -> dict[str, Any]:
-    """A rollout shaped like `rl-smollm2`'s, of random token ids below `vocab`."""
-    rng = random.Random(seed * 1000 + update)
-    prompts, completions = [], []
-    for _ in range(8):
-        prompt = [rng.randrange(100, vocab) for _ in range(rng.randrange(100, 290))]
-        for _ in range(4):
-            prompts.append(prompt)
-            completions.append([rng.randrange(100, vocab) for _ in range(rng.randrange(20, 64))])
-    return {
-        "rollout_id": update,
-        "group_size": 4,
-        "temperature": 1.0,
-        "rewards": [rng.random() for _ in completions],
-        "prompt_ids": prompts,
-        "completions": completions,
-        "logprobs": [[-5.0] * len(c) for c in completions],
-    }
+    """Update `update`'s rollout (`benchmarks.common.random_rollout`, `rl-smollm2`'s shape)."""
+    return random_rollout(update, random.Random(seed * 1000 + update), vocab=vocab)
 
 
 def measure(

@@ -18,6 +18,8 @@ import argparse
 import random
 import time
 
+from benchmarks.common import random_rollout
+
 
 def _status() -> str:
     with open("/proc/self/status") as fh:
@@ -57,21 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built: {_status()}", flush=True)
     rng = random.Random(0)
     for update in range(args.updates):
-        prompts, completions = [], []
-        for _ in range(8):
-            prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(100, 290))]
-            for _ in range(4):
-                prompts.append(prompt)
-                completions.append([rng.randrange(100, 40000) for _ in range(rng.randrange(20, 64))])
-        rollout = {
-            "rollout_id": update,
-            "group_size": 4,
-            "temperature": 1.0,
-            "rewards": [rng.random() for _ in completions],
-            "prompt_ids": prompts,
-            "completions": completions,
-            "logprobs": [[-5.0] * len(c) for c in completions],
-        }
+        rollout = random_rollout(update, rng)
         start = time.perf_counter()
         stats = trainer.train(rollout)
         seconds = time.perf_counter() - start

@@ -210,26 +210,12 @@ def test_a_smollm2_lora_policy_trains_two_rollouts_on_two_ranks(ray_cluster):
             "ranks": 2,
         }
     )
+    from benchmarks.common import random_rollout
+
     rng = random.Random(0)
-    rollouts = []
-    for r in range(2):
-        prompts, completions = [], []
-        for _ in range(3):  # 3 groups on 2 ranks: one pads
-            prompt = [rng.randrange(100, 40000) for _ in range(rng.randrange(12, 24))]
-            for _ in range(2):
-                prompts.append(prompt)
-                completions.append([rng.randrange(100, 40000) for _ in range(rng.randrange(4, 9))])
-        rollouts.append(
-            {
-                "rollout_id": r,
-                "group_size": 2,
-                "temperature": 1.0,
-                "rewards": [rng.random() for _ in completions],
-                "prompt_ids": prompts,
-                "completions": completions,
-                "logprobs": [[-8.0] * len(c) for c in completions],
-            }
-        )
+    # 3 groups on 2 ranks: one pads
+    shape = dict(prompts=3, group=2, prompt_tokens=(12, 24), answer_tokens=(4, 9), logprob=-8.0)
+    rollouts = [random_rollout(r, rng, **shape) for r in range(2)]
     remote = ray.remote(TrainerActor).options(num_cpus=0.25)
     ranks = [remote.remote("a", policy, 1, rank=r, world_size=2) for r in range(2)]
     group = TrainerGroup("a", ranks)
