@@ -19,8 +19,8 @@ from typing import Any
 
 from hpref.runtime.ray_cluster import actor_death, ray_cause
 
-#: Ray keeps at most this many of a sync's buckets waiting between trainer and engine: the trainer
-#: pauses its stream until the engine has taken one, so a sync's memory is bounded by buckets
+#: Ray keeps at most this many of a sync's bucket layouts waiting for the driver (the bytes wait in
+#: the channel: the trainer's `send` returns once the engine has received them)
 BUCKETS_IN_FLIGHT = 2
 
 
