@@ -54,7 +54,9 @@ def request_save_now(
     poll: float = 1.0,
     stale_after: float = HEARTBEAT_STALE_S,
 ) -> Path:
-    """Ask a live run for a save at its next boundary and wait until it is complete; returns it."""
+    """Ask a live run for a save at its next boundary and wait until it is complete; returns it: the
+    first complete save made since the request (an rl run's record names only its newest save, so
+    when the run saved again before this looked, that newer one)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run folder")
@@ -69,7 +71,9 @@ def request_save_now(
     while True:
         new = [p for p in complete_saves(run_dir) if p.name not in before]
         if new and not trigger.exists():
-            return new[-1]
+            # the first save since the request: a run that saves again before this poll (an rl run
+            # whose time limit ends at the next rollout) has made the asked-for save and a later one
+            return new[0]
         if time.monotonic() > deadline:
             raise UserError(
                 f"{run_dir}: no new checkpoint after {timeout:.0f} s (the trigger file is left in place)"
