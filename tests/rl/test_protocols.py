@@ -47,6 +47,7 @@ def test_the_protocols_ask_for_what_the_rollout_executor_calls():
     assert set(_protocol_methods(GroundTruthReward)) == {"score_groups", "true_utility"}
     assert set(_protocol_methods(Engine)) == {
         "generate",
+        "generate_batch",
         "weight_dtype",
         "weight_channel_device",
         "connect_weight_channel",

@@ -190,7 +190,9 @@ def has_lora(model: nn.Module) -> bool:
     return lora_state(model) is not None
 
 
-def inject_lora(module: nn.Module, config: Any, *, what: str, seed: int | None = None) -> Any:
+def inject_lora(
+    module: nn.Module, config: Any, *, what: str, seed: int | None = None, adapter: str = ADAPTER
+) -> Any:
     """PEFT's `get_peft_model` on `module`, in place (PEFT wraps it; every forward still calls it),
     under a forked RNG (PEFT draws its init from the global one; `seed` makes it reproducible); a
     `target_modules` entry that matches nothing is one `UserError` listing `what`'s linear layers."""
@@ -201,7 +203,7 @@ def inject_lora(module: nn.Module, config: Any, *, what: str, seed: int | None =
         with torch.random.fork_rng(devices=[]), quiet_peft():
             if seed is not None:
                 torch.manual_seed(seed)
-            peft_model = get_peft_model(module, config, low_cpu_mem_usage=meta)
+            peft_model = get_peft_model(module, config, adapter_name=adapter, low_cpu_mem_usage=meta)
     except ValueError as exc:  # PEFT's "Target modules {...} not found in the base model"
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, nn.Linear)})
         first = str(exc).strip().splitlines()[0]

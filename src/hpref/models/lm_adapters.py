@@ -1,8 +1,11 @@
 """LoRA on `hpref rl` policies: plain transformers causal LMs, not `PreferenceModel`s.
 
 PEFT adapts the LM itself, in place, and the trainer keeps the `PeftModel` beside it (as
-`hpref.models.adapters.apply_lora` does for preference models). The policy's engine holds no
-adapters: it is sent `merged_lm_state` (see `hpref.rl.trainer.TrainerActor.update_weights`).
+`hpref.models.adapters.apply_lora` does for preference models). A policy's own engine holds no
+adapters: it is sent `merged_lm_items`. Policies that share one base (`rl.share_base`) are one
+adapter each, named by the policy's id, in one LM (trainer and engine alike); their tensors move
+under PEFT's saved names (`adapter_items`), looked up by module, never by PEFT's state-dict helpers,
+which find an adapter by substring (adapter "a" would match every key with an "a" in it).
 """
 
 from __future__ import annotations
@@ -41,11 +44,17 @@ def causal_lm_lora_config(lm: nn.Module, settings: LoraSection) -> Any:
 
     targets = settings.target_modules
     if targets is None:
+        from peft.tuners.lora import LoraLayer
+
+        # in an LM that holds an adapter already (a shared base's next one), its adapted linears,
+        # not the pieces PEFT put inside them (base_layer, lora_A.<adapter>, ...)
+        modules = list(decoder_blocks(lm).named_modules())
+        adapted = [f"{name}." for name, module in modules if isinstance(module, LoraLayer)]
         targets = sorted(
             {
                 name.rsplit(".", 1)[-1]
-                for name, module in decoder_blocks(lm).named_modules()
-                if isinstance(module, nn.Linear)
+                for name, module in modules
+                if isinstance(module, (nn.Linear, LoraLayer)) and not name.startswith(tuple(adapted))
             }
         )
     return LoraConfig(
@@ -58,21 +67,123 @@ def causal_lm_lora_config(lm: nn.Module, settings: LoraSection) -> Any:
     )
 
 
-def apply_lora_to_causal_lm(lm: nn.Module, settings: LoraSection, *, seed: int = 0) -> Any:
+def apply_lora_to_causal_lm(
+    lm: nn.Module, settings: LoraSection, *, seed: int = 0, adapter: str | None = None
+) -> Any:
     """Inject LoRA adapters into `lm` in place and freeze its base weights; returns the `PeftModel`.
 
     `lm` stays the object every forward pass calls (PEFT wraps it, it does not replace it). The
     adapters start as PEFT's init (`lora_B` zeros), so the adapted LM computes exactly what the base
     does until its first step; they are drawn under `seed` so every build of a policy starts alike.
     A user error (exit 2) when peft is missing, `quantize_base` is set, or `target_modules` names
-    nothing in the LM."""
+    nothing in the LM. `adapter`: its name (PEFT's "default" when None)."""
     require_peft()
     if settings.quantize_base != "none":
         raise UserError(
             f"lora.quantize_base: '{settings.quantize_base}' (QLoRA) is not supported for hpref rl "
             'policies; set lora.quantize_base = "none"'
         )
-    return inject_lora(lm, causal_lm_lora_config(lm, settings), what="policy", seed=seed)
+    config = causal_lm_lora_config(lm, settings)
+    return inject_lora(lm, config, what="policy", seed=seed, adapter=adapter or ADAPTER)
+
+
+def add_lm_adapter(
+    peft_model: Any, lm: nn.Module, settings: LoraSection, adapter: str, *, seed: int = 0
+) -> None:
+    """One more adapter, named `adapter`, in an adapted LM (a policy on a shared base), drawn under
+    `seed` as `apply_lora_to_causal_lm` draws the first; PEFT leaves it inactive and frozen."""
+    from hpref.models.adapters import quiet_peft
+
+    config = causal_lm_lora_config(lm, settings)
+    with torch.random.fork_rng(devices=[]), quiet_peft():
+        torch.manual_seed(seed)
+        try:
+            peft_model.add_adapter(adapter, config)
+        except ValueError as exc:  # a target module the LM lacks
+            raise UserError(f"lora.target_modules: {str(exc).strip().splitlines()[0]}") from None
+
+
+def _adapter_layers(lm: nn.Module, adapter: str) -> Iterator[tuple[str, Any]]:
+    """(name in the LM, LoRA layer) of every layer that holds `adapter`, in module order."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in lm.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            yield name, module
+
+
+def adapter_items(
+    lm: nn.Module, adapter: str, whole: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One adapter's tensors under PEFT's saved names (`base_model.model.<module>.lora_A.weight`,
+    what `adapter_model.safetensors` holds and vLLM loads), one at a time, in module order; `whole`
+    as in `merged_lm_items` (every rank of a group calls it in this order)."""
+    for name, module in _adapter_layers(lm, adapter):
+        prefix = f"base_model.model.{plain_key(name)}"
+        yield f"{prefix}.lora_A.weight", whole(module.lora_A[adapter].weight.detach())
+        yield f"{prefix}.lora_B.weight", whole(module.lora_B[adapter].weight.detach())
+
+
+def adapter_parameters(lm: nn.Module, adapter: str) -> list[torch.Tensor]:
+    """The parameters one adapter trains (its optimizer's), in `adapter_items` order."""
+    out = []
+    for _name, module in _adapter_layers(lm, adapter):
+        out += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
+    return out
+
+
+def load_adapter_tensors(lm: nn.Module, adapter: str, state: dict[str, torch.Tensor], *, source: str) -> None:
+    """Copy `state` (PEFT's saved names, `adapter_items`'s) into one adapter: exactly its keys and
+    shapes, else a `ValueError` naming `source` and the first difference. A sharded LM's adapter
+    (FSDP2) takes each tensor cut like its parameter."""
+    from hpref.models.parallelize import shard_like
+
+    params = dict(
+        zip((k for k, _ in adapter_items(lm, adapter)), adapter_parameters(lm, adapter), strict=True)
+    )
+    missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or extra:
+        first = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise ValueError(
+            f"{source}: the adapter's tensors do not fit the policy ({first}; {len(missing)} missing, "
+            f"{len(extra)} unexpected)"
+        )
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(params[key].shape):
+            raise ValueError(
+                f"{source}: {key} has shape {tuple(tensor.shape)}, the policy's adapter "
+                f"{tuple(params[key].shape)} (another lora.r or target_modules?)"
+            )
+    cut = shard_like(params, state)
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(cut[key].to(param.dtype))
+
+
+def save_adapter_folder(peft_model: Any, adapter: str, folder: Any, state: dict[str, torch.Tensor]) -> None:
+    """A PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) of one adapter of a
+    shared base, laid out as a policy of its own saves it (PEFT's `save_pretrained` puts an adapter
+    not named "default" in a subfolder of its name); `state`: its tensors, `adapter_items`'s."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from hpref.models.adapters import PEFT_WEIGHTS_FILE
+
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    config = peft_model.peft_config[adapter]
+    was = config.inference_mode
+    config.inference_mode = True  # as PEFT writes it: a saved adapter loads for inference
+    try:
+        config.save_pretrained(str(path))
+    finally:
+        config.inference_mode = was
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(path / PEFT_WEIGHTS_FILE),
+        metadata={"format": "pt"},
+    )
 
 
 def merged_lm_items(

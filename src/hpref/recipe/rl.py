@@ -326,6 +326,13 @@ class RLConfig(_Section):
         description="a weight sync streams the trainer's weights to the engine in buckets of about this "
         "many MiB (in the engine's dtype), so a sync's extra memory is bounded by a bucket, not the model",
     )
+    share_base: bool | None = Field(
+        None,
+        description="LoRA policies of one base share one engine and one trainer group: the base held once, "
+        "each policy its adapter, optimizer and settings, the engine batching every policy's prompts "
+        "(default: on when there are several policies and all are LoRA adapters of the same base; "
+        "hpref.rl.shared_base)",
+    )
     colocate: bool = Field(
         False,
         description="each policy's engine shares its trainer rank 0's GPU (engines that can sleep release "

@@ -149,13 +149,20 @@ async def drive(
     async def step(p: str) -> None:
         r = positions[p]
         rollout = await handles.executor.get.remote(r, p)
-        if sleeps[p]:  # colocated: the engine gives the GPU up while its trainer steps
-            await handles.engines[p].sleep.remote()
+        # colocated: the engine gives the GPU up while its trainer steps (a shared base's engine
+        # while any of its policies steps: the first to step puts it to sleep, the last wakes it)
+        base = handles.trainers[p].base
+        if sleeps[p]:
+            base.stepping += 1
+            if base.stepping == 1:
+                await handles.engines[p].sleep.remote()
         try:
             stats = await handles.trainers[p].train(rollout)
         finally:
             if sleeps[p]:
-                await handles.engines[p].wake.remote()
+                base.stepping -= 1
+                if base.stepping == 0:
+                    await handles.engines[p].wake.remote()
         positions[p] = r + 1
         version = None
         try:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
+from hpref.recipe.schema import LoraSection
 from hpref.rl.policy import (
     apply_env,
     build_policy_model,
@@ -30,6 +31,7 @@ from hpref.rl.policy import (
     stop_token_ids,
     trim_completion,
 )
+from hpref.rl.versioned import VersionedWeights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
 
 class TransformersEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    #: serves several LoRA adapters over one base (`rl.share_base`; PEFT's mixed-adapter batches)
+    serves_adapters: ClassVar[bool] = True
 
     threads: int = Field(1, ge=1, description="torch threads of each engine actor")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs each engine actor reserves")
@@ -54,9 +59,15 @@ class TransformersEngineConfig(BaseModel):
 
 
 def build_transformers(
-    config: TransformersEngineConfig, *, policy: str, model: PolicyModelConfig, env: Any = None
+    config: TransformersEngineConfig,
+    *,
+    policy: str,
+    model: PolicyModelConfig,
+    env: Any = None,
+    adapters: dict[str, LoraSection] | None = None,
 ) -> EngineActor:
-    """transformers `generate` on CPU, with versioned weights (begin/load/commit updates)."""
+    """transformers `generate` on CPU, with versioned weights (begin/load/commit updates);
+    `adapters`: a shared base's LoRA policies by id (`rl.share_base`)."""
     return EngineActor(
         policy,
         model,
@@ -64,6 +75,7 @@ def build_transformers(
         env=env,
         share_prefill=config.share_prefill,
         prefill_precision=config.prefill_precision,
+        adapters=adapters,
     )
 
 
@@ -97,115 +109,10 @@ def generation_result(
     }
 
 
-class VersionedWeights:
-    """The weight-update steps every engine shares (the `Engine` protocol's second half).
-
-    Three steps so a failed transfer never leaves half-loaded weights serving: `begin_update(version)`
-    opens a staging area, `load_weights(state)` fills it (in parts, if the sender splits it),
-    `commit_update()` checks it is whole (`check_state`) and hands it to the engine's `_swap_in`
-    (or `abort_update()` drops it). An engine sets `policy`, `shapes` (every weight name of its
-    model with its shape) and `version = 0`, and implements `_swap_in(state)`, which must leave the
-    old weights serving when it raises.
-    """
-
-    policy: str
-    version: int
-    shapes: dict[str, tuple[int, ...]]
-    #: the torch dtype name of the engine's weights: a sync sends them in it (half the bytes of fp32
-    #: for a bf16 engine, and nothing for the engine to cast)
-    dtype: str = "float32"
-    _staging: tuple[int, dict[str, Any]] | None = None
-
-    def weight_dtype(self) -> str:
-        return self.dtype
-
-    #: where the engine takes a sync's bytes: "cuda" for an engine on a GPU (NCCL from a GPU
-    #: trainer), else "cpu" (gloo)
-    channel_device: str = "cpu"
-    _channel: Any = None
-
-    def weight_channel_device(self) -> str:
-        return self.channel_device
-
-    def connect_weight_channel(self, host: str, port: int, device: str) -> None:
-        """Join the trainer's weight channel as its rank 1 (`hpref.rl.weight_channel`)."""
-        import torch
-
-        from hpref.rl.weight_channel import connect
-
-        where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        self._channel = connect(None, host, port, 1, where)
-
-    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]]) -> None:
-        """One bucket of a sync from the channel, staged like `load_weights`'s part."""
-        import torch
-
-        if self._channel is None:
-            raise RuntimeError(f"engine '{self.policy}': receive_weights before connect_weight_channel")
-        self.load_weights(self._channel.receive(layout, getattr(torch, self.dtype)))
-
-    def sleep(self) -> None:
-        """Free what the engine holds on its device while its colocated trainer steps (`rl.colocate`);
-        an engine with nothing to free (on the CPU) keeps it. `wake` brings it back."""
-        return None
-
-    def wake(self) -> None:
-        return None
-
-    def begin_update(self, version: int) -> None:
-        if version < self.version:
-            raise ValueError(
-                f"engine '{self.policy}': version {version} is older than the live {self.version}"
-            )
-        self._staging = (version, {})
-
-    def load_weights(self, state: dict[str, Any]) -> None:
-        if self._staging is None:
-            raise RuntimeError(f"engine '{self.policy}': load_weights without begin_update")
-        self._staging[1].update(state)
-
-    def commit_update(self) -> int:
-        if self._staging is None:
-            raise RuntimeError(f"engine '{self.policy}': commit_update without begin_update")
-        version, state = self._staging
-        self._staging = None
-        # before the first copy: torch's strict load_state_dict copies every matching tensor and
-        # only then raises for a missing or misshapen one, which left a part of the new weights
-        # serving under the old version
-        self.check_state(state)
-        self._swap_in(state)
-        self.version = version
-        return version
-
-    def check_state(self, state: dict[str, Any]) -> None:
-        """Every weight name of the model, each with its shape, and nothing else; else a refusal
-        that names what differs and the version that keeps serving."""
-        missing = sorted(set(self.shapes) - set(state))
-        unknown = sorted(set(state) - set(self.shapes))
-        wrong = sorted(n for n in set(state) & set(self.shapes) if tuple(state[n].shape) != self.shapes[n])
-        if missing or unknown or wrong:
-            parts = [
-                f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
-                for what, names in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong))
-                if names
-            ]
-            raise ValueError(
-                f"engine '{self.policy}': weight update refused ({'; '.join(parts)}); "
-                f"version {self.version} keeps serving"
-            )
-
-    def abort_update(self) -> None:
-        self._staging = None
-
-    def get_version(self) -> int:
-        return self.version
-
-    def _swap_in(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-
 class EngineActor(VersionedWeights):
-    """Generation for one policy (transformers on CPU), with versioned weights (`VersionedWeights`)."""
+    """Generation for one policy (transformers on CPU), with versioned weights (`VersionedWeights`);
+    with `adapters`, for every LoRA policy of a shared base: the base once, one PEFT adapter per
+    policy, and every request of a batch on its own adapter (PEFT's mixed-adapter batches)."""
 
     def __init__(
         self,
@@ -215,6 +122,7 @@ class EngineActor(VersionedWeights):
         env: dict[str, str] | None = None,
         share_prefill: bool = True,
         prefill_precision: str = "fp32",
+        adapters: dict[str, LoraSection] | None = None,
     ) -> None:
         apply_env(env)
         import torch
@@ -224,6 +132,10 @@ class EngineActor(VersionedWeights):
         torch.set_num_threads(threads)
         self.policy = policy
         self.model, self.tokenizer = build_policy_model(model)
+        self.peft: Any = None  # PEFT's handle of a shared base's adapters
+        self.adapter_shapes = {}
+        if adapters:
+            self._add_adapters(adapters, model.seed)
         self.model.eval()
         self.share_prefill = share_prefill
         hidden = getattr(self.model.config, "hidden_size", None)
@@ -232,6 +144,31 @@ class EngineActor(VersionedWeights):
         self.shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.version = 0
+
+    def _add_adapters(self, adapters: dict[str, LoraSection], seed: int) -> None:
+        """One adapter per policy, drawn as its trainer draws it (`B` = 0: the base until a sync)."""
+        from hpref.models.lm_adapters import adapter_items, add_lm_adapter, apply_lora_to_causal_lm
+
+        for i, (name, settings) in enumerate(adapters.items()):
+            if i == 0:
+                self.peft = apply_lora_to_causal_lm(self.model, settings, seed=seed, adapter=name)
+            else:
+                add_lm_adapter(self.peft, self.model, settings, name, seed=seed)
+            self.adapter_shapes[name] = {k: tuple(t.shape) for k, t in adapter_items(self.model, name)}
+        self.peft.eval()  # PEFT's wrapper has a training flag of its own, which mixed batches check
+
+    def _on_adapters(self, names: list[str | None]) -> Any:
+        """PEFT's mixed-adapter forward for the rows of `names` (one per row), or nothing to do."""
+        from contextlib import nullcontext
+
+        if self.peft is None:
+            return nullcontext()
+        return self.peft.base_model._enable_peft_forward_hooks(adapter_names=names)
+
+    def _swap_in_adapter(self, adapter: str, state: dict[str, Any]) -> None:
+        from hpref.models.lm_adapters import load_adapter_tensors
+
+        load_adapter_tensors(self.model, adapter, state, source=f"engine '{self.policy}' adapter '{adapter}'")
 
     def prompt_ids(self, prompts: list[tuple[str, ...]]) -> list[list[int]]:
         return [encode_prompt(self.tokenizer, p) for p in prompts]
@@ -245,54 +182,91 @@ class EngineActor(VersionedWeights):
         top_k: int = 0,
         seed: int = 0,
         greedy: bool = False,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
-        """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version."""
+        """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
+        (`adapter`: the policy's, on a shared base)."""
+        request = dict(
+            prompts=prompts,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            greedy=greedy,
+            adapter=adapter,
+        )
+        return self.generate_batch([request])[0]
+
+    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several `generate` requests (their keyword arguments) in as few batches as their group
+        sizes allow, each request on its adapter and drawn from its own seed
+        (`hpref.rl.sampling`): its answers are the ones it would get alone."""
+        out: list[dict[str, Any] | None] = [None] * len(requests)
+        for size in sorted({r["group_size"] for r in requests}):
+            picked = [i for i, r in enumerate(requests) if r["group_size"] == size]
+            for i, result in zip(picked, self._generate_together([requests[i] for i in picked]), strict=True):
+                out[i] = result
+        return [r for r in out if r is not None]
+
+    def _generate_together(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One batch of requests of one group size: every prompt's KV cache computed once
+        (`_prefill`), then sampled step by step, each request's rows by `RowSampler`."""
         import torch
 
+        from hpref.rl.sampling import Block, RowSampler
+
         start = time.perf_counter()
-        prompt_ids = self.prompt_ids(prompts)
-        rows = [ids for ids in prompt_ids for _ in range(group_size)]
-        width = max(len(r) for r in rows)
+        group = requests[0]["group_size"]
+        per_request = [self.prompt_ids(r["prompts"]) for r in requests]
+        prompt_ids = [ids for ids in per_request for ids in ids]
+        prompt_adapters = [
+            r.get("adapter") for r, ids in zip(requests, per_request, strict=True) for _ in ids
+        ]
+        row_adapters = [a for a in prompt_adapters for _ in range(group)]
+        blocks, first = [], 0
+        for r, ids in zip(requests, per_request, strict=True):
+            rows = len(ids) * group
+            greedy = bool(r.get("greedy", False))
+            blocks.append(
+                Block(first, first + rows, r["temperature"], r.get("top_k", 0), greedy, r.get("seed", 0))
+            )
+            first += rows
+        width = max(len(p) for p in prompt_ids)
         pad = self.tokenizer.pad_token_id
         input_ids, attention = left_padded(prompt_ids, width, pad)
-        cache = self._prefill(input_ids, attention, group_size) if self.share_prefill and width > 1 else None
-        input_ids = input_ids.repeat_interleave(group_size, dim=0)
-        attention = attention.repeat_interleave(group_size, dim=0)
-        torch.manual_seed(seed)
-        sampling: dict[str, Any] = (
-            {"do_sample": False}
-            if greedy
-            else {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": 1.0}
-        )
-        with torch.no_grad():
+        cache = None
+        if self.share_prefill and width > 1:
+            with self._on_adapters(prompt_adapters):
+                cache = self._prefill(input_ids, attention, group)
+        input_ids = input_ids.repeat_interleave(group, dim=0)
+        attention = attention.repeat_interleave(group, dim=0)
+        sampler = RowSampler(blocks)
+        with torch.no_grad(), self._on_adapters(row_adapters):
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
                 **({cache_keyword(self.model): cache} if cache is not None else {}),
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=max(r["max_new_tokens"] for r in requests),
                 pad_token_id=pad,
                 eos_token_id=self.stop_ids,
-                output_logits=True,
+                do_sample=False,  # greedy over `sampler`'s scores: exactly the token it drew
+                logits_processor=[sampler],
                 return_dict_in_generate=True,
-                **sampling,
             )
         new = out.sequences[:, width:]
-        scale = 1.0 if greedy else temperature
-        # step by step: stacking every step's [rows, vocab] logits first (and their log-softmax)
-        # held two more copies of ~0.4 GB for 32 rows x 64 tokens of SmolLM2's 49k vocabulary
-        logp = torch.stack(
-            [
-                torch.log_softmax(step.float() / scale, dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
-                for t, step in enumerate(out.logits[: new.shape[1]])
-            ],
-            dim=1,
-        )
-        completions, logprobs = [], []
-        for i in range(len(rows)):
-            tokens = trim_completion(new[i].tolist(), self.stop_ids, pad)
-            completions.append(tokens)
-            logprobs.append(logp[i, : len(tokens)].tolist())
-        return generation_result(self.tokenizer, rows, completions, logprobs, self.version, start)
+        logp = sampler.token_logprobs()
+        results = []
+        for r, block in zip(requests, blocks, strict=True):
+            rows, completions, logprobs = [], [], []
+            for i in range(block.start, block.stop):
+                tokens = trim_completion(new[i, : r["max_new_tokens"]].tolist(), self.stop_ids, pad)
+                rows.append(prompt_ids[i // group])
+                completions.append(tokens)
+                logprobs.append(logp[i, : len(tokens)].tolist())
+            version = self.get_version(r.get("adapter"))
+            results.append(generation_result(self.tokenizer, rows, completions, logprobs, version, start))
+        return results
 
     def _prefill(self, input_ids: Any, attention: Any, group_size: int) -> Any:
         """The KV cache of every prompt but its last token, computed once per prompt and repeated for
@@ -328,6 +302,8 @@ class EngineHost:
 
     Ray needs the actor's methods on its class, so this class names every engine method and
     forwards it; the component itself is built inside the actor's process by its plugin's `build`.
+    `adapters`: a shared base's LoRA policies by id (`rl.share_base`), passed to `build` only when
+    given, so an engine plugin that serves no adapters needs no such argument.
     """
 
     def __init__(
@@ -337,6 +313,7 @@ class EngineHost:
         policy: str,
         model: PolicyModelConfig,
         env: dict[str, str] | None = None,
+        adapters: dict[str, Any] | None = None,
     ) -> None:
         apply_env(env)
         from hpref.plugins import load_plugins
@@ -344,7 +321,8 @@ class EngineHost:
         component = load_plugins().get("engine", name)
         if not isinstance(config, component.config):
             config = component.config.model_validate(config or {})
-        self.engine = component.build(config, policy=policy, model=model, env=env)
+        extra = {"adapters": adapters} if adapters else {}
+        self.engine = component.build(config, policy=policy, model=model, env=env, **extra)
         # A colocated engine (`rl.colocate`) sleeps while its trainer steps, and a `generate` that
         # arrives meanwhile (the executor's next rollout) waits for `wake`; for the wake to arrive,
         # the launcher gives such an actor two threads (max_concurrency=2), and this lock keeps the
@@ -353,14 +331,21 @@ class EngineHost:
         self._awake.set()
         self._lock = threading.Lock()
 
-    def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def _generating(self, call: Any) -> Any:
         from hpref.memory import release_freed_memory
 
         self._awake.wait()
         with self._lock:
-            out = self.engine.generate(*args, **kwargs)
+            out = call()
         release_freed_memory()  # a rollout's logits and KV caches: GiBs glibc would keep (hpref.memory)
         return out
+
+    def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._generating(lambda: self.engine.generate(*args, **kwargs))
+
+    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several policies' `generate` requests in one go (a shared base's engine)."""
+        return self._generating(lambda: self.engine.generate_batch(requests))
 
     def sleep(self) -> None:
         with self._lock:
@@ -372,13 +357,13 @@ class EngineHost:
             self.engine.wake()
             self._awake.set()
 
-    def begin_update(self, version: int) -> None:
+    def begin_update(self, version: int, adapter: str | None = None) -> None:
         with self._lock:
-            self.engine.begin_update(version)
+            self.engine.begin_update(version, **_adapter(adapter))
 
-    def load_weights(self, state: dict[str, Any]) -> None:
+    def load_weights(self, state: dict[str, Any], adapter: str | None = None) -> None:
         with self._lock:
-            self.engine.load_weights(state)
+            self.engine.load_weights(state, **_adapter(adapter))
 
     def weight_dtype(self) -> str:
         return self.engine.weight_dtype()
@@ -389,21 +374,27 @@ class EngineHost:
     def connect_weight_channel(self, host: str, port: int, device: str) -> None:
         self.engine.connect_weight_channel(host, port, device)
 
-    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]]) -> None:
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]], adapter: str | None = None) -> None:
         with self._lock:
-            self.engine.receive_weights(layout)
+            self.engine.receive_weights(layout, **_adapter(adapter))
 
-    def commit_update(self) -> int:
+    def commit_update(self, adapter: str | None = None) -> int:
         from hpref.memory import release_freed_memory
 
         with self._lock:
-            version = self.engine.commit_update()
+            version = self.engine.commit_update(**_adapter(adapter))
         release_freed_memory()  # the staged state dict, copied into the model
         return version
 
-    def abort_update(self) -> None:
+    def abort_update(self, adapter: str | None = None) -> None:
         with self._lock:
-            self.engine.abort_update()
+            self.engine.abort_update(**_adapter(adapter))
 
-    def get_version(self) -> int:
-        return self.engine.get_version()
+    def get_version(self, adapter: str | None = None) -> int:
+        return self.engine.get_version(**_adapter(adapter))
+
+
+def _adapter(adapter: str | None) -> dict[str, str]:
+    """`adapter=` for an engine call on a shared base's adapter; nothing otherwise, so an engine
+    plugin that serves no adapters keeps its one-policy signatures."""
+    return {"adapter": adapter} if adapter is not None else {}

@@ -10,6 +10,10 @@ Every call goes to every rank at once (their collectives pair up inside the call
 takes rank 0's answer, which is the group's: the ranks all-reduce their metrics, and rank 0 alone
 writes a save and sends the weights. A group of one rank is today's one trainer actor, called the
 same way. Handles are Ray actor handles or the tests' in-process `LocalActor`s.
+
+Policies that share one base (`rl.share_base`, `hpref.rl.shared_base`) share one group of ranks:
+each policy's `TrainerGroup` is bound to it (`base`), names itself in every call that acts on one
+policy, starts the ranks and connects the weight channel once for all, and syncs one at a time.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from hpref.rl.shared_base import SharedBase
 from hpref.runtime.ray_cluster import actor_death, ray_cause
 
 #: Ray keeps at most this many of a sync's bucket layouts waiting for the driver (the bytes wait in
@@ -31,17 +36,25 @@ class WeightSyncError(RuntimeError):
 class TrainerGroup:
     """One policy's trainer ranks, called as one trainer (see the module docstring)."""
 
-    def __init__(self, policy: str, ranks: list[Any]) -> None:
+    def __init__(self, policy: str, ranks: list[Any], base: SharedBase | None = None) -> None:
         if not ranks:
             raise ValueError(f"policy '{policy}': a trainer group needs at least one rank")
         self.policy = policy
         self.ranks = list(ranks)
-        self._connected: Any = None  # the engine whose weight channel rank 0 has joined
+        #: what the policies on one shared base hold in common (a group of its own: its own holder)
+        self.base = base if base is not None else SharedBase()
+        #: calls that act on one policy name it when the ranks train several (`rl.share_base`)
+        self._which: dict[str, str] = {"policy": policy} if base is not None else {}
+
+    @property
+    def sync_lock(self) -> asyncio.Lock:
+        """Held by a sync: the policies of a shared base send through one channel, one at a time."""
+        return self.base.sync_lock
 
     async def connect_engine(self, engine: Any) -> None:
         """The weight channel between rank 0 and `engine`, made once (both ends join at once):
         NCCL when both are on GPUs, else gloo."""
-        if self._connected is engine:
+        if self.base.connected == engine:
             return
         host, port = await self.ranks[0].open_weight_channel.remote()
         engine_device = await engine.weight_channel_device.remote()
@@ -51,17 +64,23 @@ class TrainerGroup:
             self.ranks[0].connect_weight_channel.remote(host, port, device),
             engine.connect_weight_channel.remote(host, port, device),
         )
-        self._connected = engine
+        self.base.connected = engine
 
-    async def _all(self, method: str, *args: Any) -> list[Any]:
+    async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """`method(*args)` on every rank at once; the first failure (a dead rank) is the call's."""
-        return await asyncio.gather(*(getattr(r, method).remote(*args) for r in self.ranks))
+        return await asyncio.gather(*(getattr(r, method).remote(*args, **kwargs) for r in self.ranks))
 
     async def start(self) -> None:
         """Form the process group (ranks > 1): rank 0 serves the rendezvous, every rank joins,
-        then builds and shards the policy. A group of one built itself when it was created."""
+        then builds and shards the policy. A group of one built itself when it was created.
+        The policies of a shared base start their one group once."""
         if len(self.ranks) == 1:
             return
+        if self.base.started is None:
+            self.base.started = asyncio.ensure_future(self._start())
+        await asyncio.shield(self.base.started)
+
+    async def _start(self) -> None:
         host, port = await self.ranks[0].open_rendezvous.remote()
         await self._all("join_group", host, port)
 
@@ -73,13 +92,19 @@ class TrainerGroup:
         return (await self._all("train", rollout))[0]
 
     async def sync_version(self) -> int:
-        return (await self._all("sync_version"))[0]
+        return (await self._all("sync_version", **self._which))[0]
 
     async def save(self, folder: str) -> None:
-        await self._all("save", folder)
+        await self._all("save", folder, **self._which)
 
     async def load(self, folder: str) -> int:
-        return (await self._all("load", folder))[0]
+        return (await self._all("load", folder, **self._which))[0]
+
+    def send_weights(self, rank: Any, bucket_bytes: int, dtype: str) -> Any:
+        """`rank`'s stream of this policy's weights (a Ray streaming generator)."""
+        return rank.send_weights.options(
+            num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
+        ).remote(bucket_bytes, dtype, **self._which)
 
 
 async def push_weights(group: TrainerGroup, engine: Any, policy: str, bucket_bytes: int = 256 << 20) -> int:
@@ -91,18 +116,18 @@ async def push_weights(group: TrainerGroup, engine: Any, policy: str, bucket_byt
 
     Only each bucket's layout passes through the driver (names and shapes); the bytes go from the
     trainer's rank 0 to the engine directly. The other ranks' streams yield nothing: they only join
-    rank 0's gathers of their shards."""
+    rank 0's gathers of their shards. Policies on one shared base sync one at a time."""
+    async with group.sync_lock:
+        return await _push(group, engine, policy, bucket_bytes)
+
+
+async def _push(group: TrainerGroup, engine: Any, policy: str, bucket_bytes: int) -> int:
     version = await group.sync_version()
     dtype = await engine.weight_dtype.remote()
     await group.connect_engine(engine)
     await engine.begin_update.remote(version)
     try:
-        streams = [
-            rank.send_weights.options(
-                num_returns="streaming", _generator_backpressure_num_objects=BUCKETS_IN_FLIGHT
-            ).remote(bucket_bytes, dtype)
-            for rank in group.ranks
-        ]
+        streams = [group.send_weights(rank, bucket_bytes, dtype) for rank in group.ranks]
 
         async def forward() -> None:
             async for layout in streams[0]:

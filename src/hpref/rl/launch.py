@@ -84,14 +84,19 @@ def create_ray_actors(
     from hpref.rl.group import TrainerGroup
     from hpref.rl.placement import EXECUTOR_CPUS, check_cluster, cluster_nodes, colocated, reserve
     from hpref.rl.rollouts import RolloutExecutor
+    from hpref.rl.shared_base import AdapterEngine, SharedBase, placement_order, resolve_share_base
     from hpref.rl.trainer import TrainerActor
 
     engine_config = config.engine_config
     if engine_config is None:
         engine_config = resolve_engine(config.engine)
         config = config.model_copy(update={"engine_config": engine_config})
-    check_cluster(config, order, ray.cluster_resources(), where, nodes=cluster_nodes())
-    placement = reserve(config, order, where=where)
+    if config.share_base is None:  # a caller that skipped `preflight`
+        config = resolve_share_base(config, order, where)
+    # with a shared base, the leader's engine and trainer group serve every policy
+    hosts = placement_order(config, order)
+    check_cluster(config, hosts, ray.cluster_resources(), where, nodes=cluster_nodes())
+    placement = reserve(config, hosts, where=where)
     teardown.add("placement groups", placement.release)
     opts = {"num_cpus": EXECUTOR_CPUS}  # outside the policies' groups (it serves them all)
     env = _actor_env()
@@ -99,22 +104,26 @@ def create_ray_actors(
     def kill(handle: ActorHandle) -> Callable[[], None]:
         return lambda: ray.kill(handle, no_restart=True)
 
-    engines = {}
-    for p in order:
+    adapters = {p: config.policies[p].lora for p in order} if config.share_base else None
+    engines: dict[str, Any] = {}
+    for p in hosts:
         # a colocated engine waits for its trainer's step in a second thread (`EngineHost.sleep`)
         threads = {"max_concurrency": 2} if colocated(config, p) else {}
         engines[p] = (
             ray.remote(EngineHost)
             .options(**placement.engine_options(p), **threads)
-            .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env)
+            .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env, adapters=adapters)
         )
-        teardown.add(f"engine '{p}'", kill(engines[p]))
+        teardown.add(f"engine '{p}'" + (" (shared base)" if adapters else ""), kill(engines[p]))
+    if adapters:
+        engines = {p: engines[hosts[0]] for p in order}  # the executor batches on the one engine
     executor = (
         ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines, env=env, prompts=prompts)
     )
     teardown.add("rollout executor", kill(executor))
     trainers = {}
-    for p in order:
+    shared = {p: config.policies[p] for p in order} if config.share_base else None
+    for p in hosts:
         policy = config.policies[p]
         # a megatron trainer's parallel state is closed before the kill; a group's ranks are only
         # killed (a rank left waiting in a collective for a dead peer would not answer `close`, and
@@ -126,13 +135,23 @@ def create_ray_actors(
                 ray.remote(TrainerActor)
                 .options(**placement.rank_options(p, rank))
                 .remote(
-                    p, policy, config.update_weights_interval, env=env, rank=rank, world_size=policy.ranks
+                    p,
+                    policy,
+                    config.update_weights_interval,
+                    env=env,
+                    rank=rank,
+                    world_size=policy.ranks,
+                    shared=shared,
                 )
             )
             name = f"trainer '{p}'" + (f" rank {rank}" if policy.ranks > 1 else "")
             teardown.add(name, close_then_kill(handle) if closes else kill(handle))
             ranks.append(handle)
         trainers[p] = TrainerGroup(p, ranks)
+    if shared:  # one group of ranks and one engine, seen by each policy as its own
+        base, ranks = SharedBase(), trainers[hosts[0]].ranks
+        trainers = {p: TrainerGroup(p, ranks, base) for p in order}
+        engines = {p: AdapterEngine(engines[p], p) for p in order}
     return Handles(executor, engines, trainers)
 
 
@@ -246,6 +265,10 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     check_reward_exports(rl_rewards(config), where)
     prompts = build_prompt_source(config)
     check_rewards_fit_prompts(config, prompts, where)
+    from hpref.rl.shared_base import resolve_share_base
+
+    # decided here, once, for the policies that run: the actors, rl.json and the plan read it
+    recipe.rl = resolve_share_base(config, order, where)
     return prompts
 
 
@@ -268,6 +291,7 @@ def run_rl(
     order = config.select(list(policies))
     if prompts is None:
         prompts = preflight(recipe, order)
+    config = recipe.rl or config  # `preflight` decided `share_base`
     source = resume_source(run_dir, resume)
     if source is not None:
         record = read_record(source)

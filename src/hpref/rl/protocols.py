@@ -75,6 +75,13 @@ class Engine(Protocol):
     A weight update is three steps, so a failed transfer never leaves half-loaded weights serving:
     `begin_update(version)`, `load_weights(state)` (or `receive_weights(layout)`: a bucket through
     the weight channel; once per bucket of a sync), then `commit_update()` (or `abort_update()`).
+
+    An engine whose config says `serves_adapters = True` can also serve the LoRA policies of a
+    shared base (`rl.share_base`; `build(..., adapters={policy: lora settings})`): then every call
+    that acts on one policy names its `adapter`, whose weights (PEFT's saved names) and version
+    are its own, and `generate_batch` answers several policies' requests in one go. The host
+    passes `adapter=` only on a shared base, so an engine plugin that serves no adapters can keep
+    the one-policy signatures.
     """
 
     def generate(
@@ -86,10 +93,16 @@ class Engine(Protocol):
         top_k: int = 0,
         seed: int = 0,
         greedy: bool = False,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
         """`group_size` answers per prompt: `prompt_ids`, `completions` (token ids, eos included),
         `logprobs` (per completion token, at `temperature`), `texts`, `version`, `tokens`,
         `seconds`."""
+        ...
+
+    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`generate` of each request (its keyword arguments, `adapter` included), in request order;
+        a request's answers are the same as alone, whatever else is in the batch."""
         ...
 
     def weight_dtype(self) -> str:
@@ -104,7 +117,7 @@ class Engine(Protocol):
         """Join the policy's trainer rank 0 in the weight channel (`hpref.rl.weight_channel`)."""
         ...
 
-    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]]) -> None:
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]], adapter: str | None = None) -> None:
         """One bucket of a sync from the channel, staged like `load_weights`."""
         ...
 
@@ -114,15 +127,15 @@ class Engine(Protocol):
 
     def wake(self) -> None: ...
 
-    def begin_update(self, version: int) -> None: ...
+    def begin_update(self, version: int, adapter: str | None = None) -> None: ...
 
-    def load_weights(self, state: dict[str, Any]) -> None: ...
+    def load_weights(self, state: dict[str, Any], adapter: str | None = None) -> None: ...
 
-    def commit_update(self) -> int: ...
+    def commit_update(self, adapter: str | None = None) -> int: ...
 
-    def abort_update(self) -> None: ...
+    def abort_update(self, adapter: str | None = None) -> None: ...
 
-    def get_version(self) -> int: ...
+    def get_version(self, adapter: str | None = None) -> int: ...
 
 
 @runtime_checkable

@@ -90,6 +90,50 @@ def staleness_decision(
     )
 
 
+class RequestBatcher:
+    """The generate requests of a shared-base engine (`rl.share_base`), sent together: while the
+    engine works on one batch, every request that arrives waits, and the next call takes them all
+    (`generate_batch`), so the policies' rollouts, evals and opponents' answers share its passes.
+    What a request gets does not depend on its batch (`hpref.rl.sampling`)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # the requests made in this turn of the event loop go together
+        while self._pending:
+            batch = [(r, f) for r, f in self._pending if not f.done()]
+            self._pending = []
+            if not batch:
+                continue
+            try:
+                results = await self.engine.generate_batch.remote([r for r, _ in batch])
+            except Exception as exc:  # each waiting request gets the engine's error
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), out in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(out)
+
+    def cancel(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        for _, future in self._pending:
+            future.cancel()
+        self._pending = []
+
+
 class RolloutExecutor:
     """Prompts, per-policy groups of answers, rewards, and a bounded buffer per policy.
 
@@ -126,12 +170,28 @@ class RolloutExecutor:
         self.truth = getattr(self.reward, "true_utility", None) if self.prompts.ground_truth else None
         self.policies = list(policies)
         self.engines = engines
+        #: a shared base's one engine serves every policy's adapter, requests batched together
+        self.batcher = RequestBatcher(engines[self.policies[0]]) if self.config.share_base else None
         self.positions = {p: 0 for p in self.policies}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
         # each policy's answers per rollout id, for judging the other policies against them
         self._answers: dict[tuple[str, int], list[list[str]]] = {}
         # each policy's starting checkpoint's greedy eval answers and their lengths in tokens
         self._start_answers: dict[str, tuple[list[str], list[int]]] = {}
+
+    async def _generate(self, policy: str, *request: Any) -> dict[str, Any]:
+        """The policy's engine's `generate(prompts, group_size, max_new_tokens, temperature, top_k,
+        seed[, greedy])`, or on a shared base its adapter's, batched with the other policies'."""
+        if self.batcher is None:
+            return await self.engines[policy].generate.remote(*request)
+        names = ("prompts", "group_size", "max_new_tokens", "temperature", "top_k", "seed", "greedy")
+        return await self.batcher.generate(dict(zip(names, request, strict=False), adapter=policy))
+
+    async def _version(self, policy: str) -> int:
+        """The weight version the policy's engine (or adapter) serves."""
+        if self.batcher is None:
+            return await self.engines[policy].get_version.remote()
+        return await self.engines[policy].get_version.remote(adapter=policy)
 
     def _wants_opponents(self) -> bool:
         return len(self.policies) > 1 and bool(getattr(self.reward, "wants_opponents", False))
@@ -156,7 +216,8 @@ class RolloutExecutor:
             cached = self._answers.get((q, rollout_id))
             if cached is None:
                 rollout = self.config.policy_rollout(q)
-                out = await self.engines[q].generate.remote(
+                out = await self._generate(
+                    q,
                     prompts,
                     k,
                     rollout.max_new_tokens,
@@ -179,7 +240,8 @@ class RolloutExecutor:
     async def _produce(self, policy: str, rollout_id: int) -> dict[str, Any]:
         rollout = self.config.policy_rollout(policy)
         prompts = rollout_prompts(self.prompts, rollout, rollout_id)
-        out = await self.engines[policy].generate.remote(
+        out = await self._generate(
+            policy,
             prompts,
             rollout.group_size,
             rollout.max_new_tokens,
@@ -235,7 +297,7 @@ class RolloutExecutor:
             )
         task = self._buffer[policy].pop(rollout_id, None)
         data = await task if task is not None else None
-        engine_version = await self.engines[policy].get_version.remote()
+        engine_version = await self._version(policy)
         decision = staleness_decision(
             policy,
             rollout_id,
@@ -254,6 +316,8 @@ class RolloutExecutor:
         return data
 
     def _drop_buffers(self) -> None:
+        if self.batcher is not None:
+            self.batcher.cancel()
         for buffer in self._buffer.values():
             for task in buffer.values():
                 task.cancel()
@@ -265,7 +329,7 @@ class RolloutExecutor:
     async def _greedy_answers(self, policy: str, prompts: list[Prompt]) -> tuple[list[str], list[int]]:
         """The policy's greedy answers to `prompts` and their lengths in tokens (eos included)."""
         max_new = self.config.policy_rollout(policy).max_new_tokens
-        gen = await self.engines[policy].generate.remote(prompts, 1, max_new, 1.0, 0, 0, True)
+        gen = await self._generate(policy, prompts, 1, max_new, 1.0, 0, 0, True)
         return list(gen["texts"]), [len(c) for c in gen["completions"]]
 
     async def record_start(self, policies: list[str]) -> dict[str, Any]:
@@ -279,10 +343,12 @@ class RolloutExecutor:
         if not prompts:
             return {}
         for p in policies:
-            version = await self.engines[p].get_version.remote()
+            version = await self._version(p)
             if version != 0:
                 raise RuntimeError(f"record_start: engine '{p}' already serves version {version}, not 0")
-            self._start_answers[p] = await self._greedy_answers(p, prompts)
+        # all at once: separate engines answer in parallel, a shared one in one batch
+        answers = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
+        self._start_answers.update(zip(policies, answers, strict=True))
         return await self._report(prompts, {}, {}, policies)
 
     async def evaluate(self, policies: list[str]) -> dict[str, Any]:
@@ -300,8 +366,9 @@ class RolloutExecutor:
         if not prompts:
             return {"true_utility": {}, "win_rate_vs_start": {}, "battles": [], "leaderboard_battles": []}
         answers, lengths = {}, {}
-        for p in policies:
-            answers[p], lengths[p] = await self._greedy_answers(p, prompts)
+        said = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
+        for p, (texts, tokens) in zip(policies, said, strict=True):
+            answers[p], lengths[p] = texts, tokens
         return await self._report(prompts, answers, lengths, policies)
 
     async def _report(

