@@ -112,7 +112,9 @@ def create_ray_actors(
         engines[p] = (
             ray.remote(EngineHost)
             .options(**placement.engine_options(p), **threads)
-            .remote(config.engine.name, engine_config, p, config.policies[p].model, env=env, adapters=adapters)
+            .remote(
+                config.engine.name, engine_config, p, config.policies[p].model, env=env, adapters=adapters
+            )
         )
         teardown.add(f"engine '{p}'" + (" (shared base)" if adapters else ""), kill(engines[p]))
     if adapters:
