@@ -110,9 +110,14 @@ def quantize_problem(settings: LoraSection) -> str | None:
 @contextlib.contextmanager
 def quiet_peft() -> Iterator[None]:
     """PEFT asks transformers v5 models `is_gradient_checkpointing`, which warns that it is renamed:
-    a FutureWarning on every build that says nothing to an hpref user."""
+    a FutureWarning on every build that says nothing to an hpref user (nor does the one below)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # a shared base's adapters are named by policy ids ("a" is in "lora_"): PEFT warns for its own
+        # name-matching loaders, which hpref never uses for them (`hpref.models.lm_adapters`)
+        warnings.filterwarnings(
+            "ignore", message=".*should not be contained in the prefix.*", category=UserWarning
+        )
         yield
 
 

