@@ -3,7 +3,8 @@
 An `hpref rl` recipe trains no judge: its `[rl]` section was typed and checked when it loaded
 (`hpref.recipe.rl`); here only what needs the policies' models or this machine: the adapters of its
 policies (`[lora]` or `rl.policies.<id>.lora`: peft, and target modules each policy's LM has), the
-megatron-core policies' architectures, and the reward exports (this machine's files).
+megatron-core policies' architectures, policies that `share_base = true` asks to share one base,
+and the reward exports (this machine's files).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ def check_rl(recipe: Recipe, where: str | Path | None = None, *, machine: bool =
     leaves out what depends on this machine (`hpref recipes check --portable`)."""
     where = str(where if where is not None else recipe._source or "recipe")
     _check_rl_lora(recipe, where, machine)
+    from hpref.rl.shared_base import resolve_share_base
+
+    assert recipe.rl is not None
+    # every declared policy, in the recipe's order: `share_base = true` must hold for any of them
+    resolve_share_base(recipe.rl, list(recipe.rl.policies), where)
     if machine:
         _check_rl_backends(recipe, where)
         from hpref.builtin.rewards import check_reward_exports

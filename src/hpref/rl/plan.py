@@ -27,6 +27,7 @@ block (`benchmarks/rl_plan_memory.py` measures the estimate against real actors'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -162,15 +163,18 @@ def trainer_memory(
     bucket: int,
     bf16: bool,
     gpu: bool = False,
+    adapters: int = 1,
 ) -> Memory:
-    """One trainer rank's memory (every rank of a policy holds the same: FSDP2 shards evenly)."""
+    """One trainer rank's memory (every rank of a policy holds the same: FSDP2 shards evenly).
+    `adapters`: the policies of a shared base this trainer holds (`rl.share_base`): each its own
+    adapter, gradients and AdamW moments, one micro-batch at a time."""
     ranks = policy.ranks
     answers, group = rollout.max_new_tokens, rollout.group_size
     full_reference = (policy.kl_coef > 0 or policy.measure_kl) and policy.lora is None
     terms = {
-        "weights": shape.params * 4 // ranks,
-        "grads": shape.trainable * 4 // ranks,
-        "AdamW": shape.trainable * 8 // ranks,
+        "weights": (shape.params + (adapters - 1) * shape.trainable) * 4 // ranks,
+        "grads": adapters * shape.trainable * 4 // ranks,
+        "AdamW": adapters * shape.trainable * 8 // ranks,
         "KL reference": shape.params * 4 // ranks if full_reference else 0,
     }
     # whole prompt groups per micro-batch: as many as `micro_batch_tokens` holds (at least one), of
@@ -204,12 +208,17 @@ def engine_memory(
     *,
     baseline: int,
     gpu_memory: int | None = None,
+    adapters: int = 0,
+    adapter_params: int = 0,
 ) -> Memory:
     """One engine's memory: the built-in transformers engine (fp32 on CPU), vLLM (its dtype; CPU or
-    GPU) or a plugin engine (its weights in fp32 and the baseline: nothing else is known of it)."""
+    GPU) or a plugin engine (its weights in fp32 and the baseline: nothing else is known of it).
+    `adapters`: the LoRA policies of a shared base it serves (`adapter_params` each), whose rollouts
+    it may batch all at once."""
     name, engine = config.engine.name, config.engine_config
     gpus = float(getattr(engine, "num_gpus", 0) or 0)
-    rows = rollout.prompts_per_rollout * rollout.group_size
+    rows = rollout.prompts_per_rollout * rollout.group_size * max(adapters, 1)
+    shape = dataclasses.replace(shape, params=shape.params + adapters * adapter_params)
     if name == "vllm":
         dtype = 4 if getattr(engine, "dtype", "bfloat16") == "float32" else 2
         parallel = max(int(getattr(engine, "tensor_parallel_size", 1)), 1)
@@ -227,10 +236,11 @@ def engine_memory(
     weights = shape.params * 4
     if name != "transformers":
         return Memory({"weights": weights, "baseline": baseline})
-    # `generate` grows each block's keys and values by concatenation (old and new alive at once)
-    # and keeps every step's logits (output_logits, read for the log-probs after)
+    # `generate` grows each block's keys and values by concatenation (old and new alive at once);
+    # a step's sampling holds a few [rows, vocab] tensors (`hpref.rl.sampling`: the scores, their
+    # log-softmax, the Gumbel noise, the processed scores)
     kv = rows * (prompt + rollout.max_new_tokens) * shape.layers * 2 * shape.kv_width * 4 * 2
-    generation = kv + rows * rollout.max_new_tokens * shape.vocab * 4
+    generation = kv + 4 * rows * shape.vocab * 4
     prefill = rollout.prompts_per_rollout * prompt * shape.vocab * 4  # the prompt forward's logits
     transients = {"generation": generation, "prompt logits": prefill, "staged sync": weights}
     largest = max(transients, key=lambda k: transients[k])
@@ -346,12 +356,16 @@ def plan_rows(
 ) -> list[Row]:
     """Every actor, where PACK puts it and its memory; the rollout executor last."""
     from hpref.models.precision import cpu_has_fast_bf16
+    from hpref.rl.shared_base import placement_order
 
-    asks = actor_asks(config, order)
+    # a shared base (`rl.share_base`): the leader's engine and trainer serve every policy
+    hosts = placement_order(config, order)
+    adapters = len(order) if config.share_base else 1
+    asks = actor_asks(config, hosts)
     spots = pack(nodes, asks)
     engine_dtype = 2 if getattr(config.engine_config, "dtype", "float32") in ("bfloat16", "float16") else 4
     rows = []
-    for p in order:
+    for p in hosts:
         policy, rollout = config.policies[p], config.policy_rollout(p)
         shape = model_shape(policy)
         bucket = min(
@@ -362,17 +376,34 @@ def plan_rows(
             node = spot[0] if spot else None
             gpu_memory = node.gpu_memory if node else None
             if ask.role == "engine":
+                served = (adapters, shape.trainable) if config.share_base else (0, 0)
                 memory = engine_memory(
-                    config, shape, rollout, prompts[p], baseline=baseline, gpu_memory=gpu_memory
+                    config,
+                    shape,
+                    rollout,
+                    prompts[p],
+                    baseline=baseline,
+                    gpu_memory=gpu_memory,
+                    adapters=served[0],
+                    adapter_params=served[1],
                 )
             else:
                 gpu = ask.gpus > 0
                 wide = shape.hidden >= 256 and cpu_has_fast_bf16()  # hpref.models.precision's rule
                 bf16 = policy.precision == "bf16" or (policy.precision == "auto" and (gpu or wide))
                 memory = trainer_memory(
-                    policy, shape, rollout, prompts[p], baseline=baseline, bucket=bucket, bf16=bf16, gpu=gpu
+                    policy,
+                    shape,
+                    rollout,
+                    prompts[p],
+                    baseline=baseline,
+                    bucket=bucket,
+                    bf16=bf16,
+                    gpu=gpu,
+                    adapters=adapters,
                 )
-            rows.append(Row(ask.name, node, ask.cpus, spot[1] if spot else [], memory))
+            name = ask.name + (f" (shared by {', '.join(order)})" if config.share_base else "")
+            rows.append(Row(name, node, ask.cpus, spot[1] if spot else [], memory))
     executor_node = next((n for n in nodes if n.take(EXECUTOR_CPUS, 0) is not None), None)
     rows.append(Row("rollout executor", executor_node, EXECUTOR_CPUS, [], Memory({"baseline": baseline})))
     return rows
@@ -449,13 +480,16 @@ def run_plan(
     # a missing folder or a LoRA target the model lacks: the run's own one-line refusals, not a traceback
     check_policy_models(config, list(order), where)
     check_policy_lora(config, list(order), where)
+    from hpref.rl.shared_base import placement_order, resolve_share_base
+
+    config = resolve_share_base(config, order, where)  # as the run decides it
     baseline = process_baseline()
     nodes = ray_nodes(ray_address) if ray_address else [local_node()]
     found = []
     try:  # what `hpref rl` refuses before any actor starts, said here as the verdict
         totals = {"CPU": sum(n.cpus for n in nodes), "GPU": float(sum(n.gpus for n in nodes))}
         resources = [{"CPU": n.cpus, "GPU": float(n.gpus)} for n in nodes]
-        check_cluster(config, order, totals, where, nodes=resources)
+        check_cluster(config, placement_order(config, order), totals, where, nodes=resources)
     except RecipeError as exc:
         found.append(str(exc))
     prompts = prompt_lengths(config, order)

@@ -320,7 +320,7 @@ class VLLMEngine(VersionedWeights):
         lora_id = 1 + list(self.adapter_shapes).index(adapter)
         request = LoRARequest(adapter, lora_id, str(folder))
         try:
-            self.llm.llm_engine.add_lora(LoRARequest(adapter, lora_id, str(folder), load_inplace=True))
+            self.llm.llm_engine.add_lora(LoRARequest(adapter, lora_id, str(folder), load_inplace=False))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
