@@ -551,6 +551,27 @@ def test_rl_writes_resolved_recipe_and_log_before_the_run(tmp_path, monkeypatch,
     assert exit_info.value.code == 2 and not other.exists()
     assert "already holds a checkpoint record" in capsys.readouterr().err
 
+    # share_base = true for policies of different bases is one line naming policy and key, exit 2,
+    # before the run folder is written (#37)
+    shared = tmp_path / "shared"
+    monkeypatch.setattr("hpref.rl.launch.read_record", lambda folder: None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "rl",
+                "rl-arena",
+                "--policies",
+                "a,b",
+                "--set",
+                f"run.output_dir={shared}",
+                "--set",
+                "rl.share_base=true",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and not shared.exists()
+    assert "rl.share_base = true, but rl.policies.a.lora: policy 'a' trains every weight" in err
+
 
 def _fake_venv(tmp_path, pytest_exit: int):
     """A venv whose python exits with `pytest_exit`, already "installed" (stamp newer than the inputs),
