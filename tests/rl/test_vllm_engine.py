@@ -126,6 +126,127 @@ class TestOneFp32Engine:
         assert ours["texts"] == theirs["texts"]
 
 
+def lp_gap(a, b):
+    """The largest per-token log-prob difference of two results with the same completions."""
+    assert a["completions"] == b["completions"]
+    return max(
+        abs(x - y)
+        for u, v in zip(a["logprobs"], b["logprobs"], strict=True)
+        for x, y in zip(u, v, strict=True)
+    )
+
+
+def test_a_shared_base_serves_each_adapter_its_own_weights_alone_or_batched(ray_cluster):
+    """`rl.share_base` on vLLM (CPU build: punica's torch ops): one engine, adapters a and b of one
+    base. A sync of b moves b's log-probs to PEFT's for the synced adapter and leaves a's alone;
+    a batch of both adapters' requests answers each as it is answered alone. fp32, so the
+    tolerances are rounding: a batch's rows are in other matmul shapes than a request alone
+    (1e-5 allows for a different summation order over 64-128 wide rows; 0.0 is what it gives here);
+    engine vs trainer as in the tests above (1e-4)."""
+    from hpref.models.lm_adapters import (
+        adapter_items,
+        add_lm_adapter,
+        apply_lora_to_causal_lm,
+        load_adapter_tensors,
+    )
+    from hpref.recipe.rl import PolicyLoraSection
+
+    spec = PolicyModelConfig(**TINY_VLLM)
+    lora = PolicyLoraSection(r=8)
+    config = resolve_engine(
+        RLConfig.model_validate(
+            {"policies": {"a": {}}, "engine": {"name": "vllm", "dtype": "float32"}}
+        ).engine
+    )
+    host = ray.remote(EngineHost).remote("vllm", config, "a", spec, None, {"a": lora, "b": lora})
+    base, _ = build_policy_model(spec)  # version 0 of an adapter (PEFT's init, lora_B = 0) is the base
+    reference, _ = build_policy_model(spec)  # the trainer's view: the same adapters through PEFT
+    peft = apply_lora_to_causal_lm(reference, lora, adapter="a")
+    add_lm_adapter(peft, reference, lora, "b")
+    reference.eval()
+
+    def on(adapter):
+        peft.set_adapter(adapter)
+        return reference
+
+    def sync(adapter, version, seed):
+        torch.manual_seed(seed)  # every tensor, lora_B too, away from PEFT's init: not the base
+        state = {k: 0.3 * torch.randn_like(t) for k, t in adapter_items(reference, adapter)}
+        ray.get(host.begin_update.remote(version, adapter=adapter))
+        ray.get(host.load_weights.remote(state, adapter=adapter))
+        assert ray.get(host.commit_update.remote(adapter=adapter)) == version
+        load_adapter_tensors(reference, adapter, state, source="test")
+
+    ra = dict(prompts=PROMPTS, group_size=2, max_new_tokens=8, temperature=TEMPERATURE, seed=3, adapter="a")
+    rb = dict(ra, prompts=PROMPTS[::-1], group_size=3, max_new_tokens=6, seed=5, adapter="b")
+    before = ray.get(host.generate_batch.remote([ra, rb]))
+    assert [r["version"] for r in before] == [0, 0]
+    assert gap(base, before[1], TEMPERATURE)[0] < 1e-4
+
+    sync("b", 1, seed=7)
+    after = ray.get(host.generate_batch.remote([ra, rb]))
+    assert [r["version"] for r in after] == [0, 1]
+    assert ray.get(host.get_version.remote(adapter="a")) == 0
+    assert ray.get(host.get_version.remote(adapter="b")) == 1
+    assert lp_gap(after[0], before[0]) < 1e-5  # a: untouched by b's sync
+    assert gap(on("b"), after[1], TEMPERATURE)[0] < 1e-4  # b: PEFT's log-probs of the synced adapter
+    assert gap(base, after[1], TEMPERATURE)[1] > 1e-2  # ... and no longer the base's
+
+    sync("a", 1, seed=8)  # both adapters live: a batch of two LoRAs
+    both = ray.get(host.generate_batch.remote([ra, rb]))
+    alone = [ray.get(host.generate.remote(**r)) for r in (ra, rb)]
+    assert [r["version"] for r in both] == [1, 1] == [r["version"] for r in alone]
+    assert lp_gap(both[0], alone[0]) < 1e-5 and lp_gap(both[1], alone[1]) < 1e-5
+    assert gap(on("a"), both[0], TEMPERATURE)[0] < 1e-4
+
+    # b's second sync replaces the adapter vLLM holds (its in-place reload of the same LoRA id)
+    sync("b", 2, seed=9)
+    again = ray.get(host.generate.remote(**rb))
+    assert again["version"] == 2 and gap(on("b"), again, TEMPERATURE)[0] < 1e-4
+    # a transfer with a wrong shape is refused before vLLM sees it: b's version 2 keeps serving
+    bad = {k: torch.zeros(3) for k, _ in adapter_items(reference, "b")}
+    ray.get(host.begin_update.remote(3, adapter="b"))
+    ray.get(host.load_weights.remote(bad, adapter="b"))
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"adapter 'b'.*refused.*version 2 keeps"):
+        ray.get(host.commit_update.remote(adapter="b"))
+    assert ray.get(host.get_version.remote(adapter="b")) == 2
+    assert lp_gap(ray.get(host.generate.remote(**rb)), again) < 1e-5
+    ray.kill(host)
+
+
+def test_adapters_vllm_cannot_hold_are_refused_in_one_line():
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from hpref.rl.vllm_engine import LORA_RANKS
+
+    assert typing.get_args(MaxLoRARanks) == LORA_RANKS  # what vLLM's LoRAConfig takes
+
+    def rl(r=8, **engine):
+        return RLConfig.model_validate(
+            {
+                "policies": {"a": {"lora": {"r": r}}, "b": {"lora": {"r": 8}}},
+                "engine": {"name": "vllm", **engine},
+            }
+        )
+
+    config = rl(r=24)
+    with pytest.raises(
+        RecipeError, match=r"^r.toml: rl.policies.a.lora.r: .*rl.engine.max_lora_rank = 32"
+    ) as info:
+        resolve_engine(config.engine).check_adapters(config, ["a", "b"], "r.toml")
+    assert "\n" not in str(info.value)
+    config = rl(max_lora_rank=32, max_loras=1)
+    with pytest.raises(RecipeError, match=r"^r.toml: rl.engine.max_loras: 1, .* 2 adapters") as info:
+        resolve_engine(config.engine).check_adapters(config, ["a", "b"], "r.toml")
+    assert "\n" not in str(info.value)
+    config = rl(r=24, max_lora_rank=32)  # what the first line said to do
+    resolve_engine(config.engine).check_adapters(config, ["a", "b"], "r.toml")
+    with pytest.raises(RecipeError, match="max_lora_rank"):
+        resolve_engine(rl(max_lora_rank=12).engine, "r.toml")
+
+
 def test_bf16_engine_logprobs_are_close_not_equal(ray_cluster):
     """bf16 weights and compute against the fp32 trainer: the stated tolerance (module docstring of
     hpref.rl.vllm_engine) is a mean per-token gap of a few 1e-2; more means a loading bug, not bf16."""

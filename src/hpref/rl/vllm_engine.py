@@ -150,11 +150,16 @@ class VLLMEngineConfig(BaseModel):
         for p in policies:
             r = rl.policies[p].lora.r
             if r > self.max_lora_rank:
-                fits = next(x for x in (*LORA_RANKS, r) if x >= r)
+                fits = next((x for x in LORA_RANKS if x >= r), None)
+                fix = (
+                    f"set rl.engine.max_lora_rank = {fits} (vLLM takes "
+                    f"{', '.join(map(str, LORA_RANKS))}), or lower lora.r"
+                    if fits
+                    else f"lower lora.r to at most {LORA_RANKS[-1]}, vLLM's largest max_lora_rank"
+                )
                 raise RecipeError(
                     f"{where}: rl.policies.{p}.lora.r: rank {r} is above the vllm engine's "
-                    f"max_lora_rank {self.max_lora_rank}; set rl.engine.max_lora_rank = {fits} "
-                    f"(vLLM takes {', '.join(map(str, LORA_RANKS))}) or a smaller lora.r"
+                    f"max_lora_rank {self.max_lora_rank}; {fix}"
                 )
         if self.max_loras is not None and self.max_loras < len(policies):
             raise RecipeError(
@@ -320,7 +325,7 @@ class VLLMEngine(VersionedWeights):
         lora_id = 1 + list(self.adapter_shapes).index(adapter)
         request = LoRARequest(adapter, lora_id, str(folder))
         try:
-            self.llm.llm_engine.add_lora(LoRARequest(adapter, lora_id, str(folder), load_inplace=False))
+            self.llm.llm_engine.add_lora(LoRARequest(adapter, lora_id, str(folder), load_inplace=True))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
