@@ -174,3 +174,11 @@ PYEOF
 #    Target: both within 10 minutes on one H100.
 timeout 300 "$PY" -m benchmarks.rl_gpu || echo "rl gpu (smollm2): failed"
 timeout 300 "$PY" -m benchmarks.rl_gpu --policy "$OUT/policy-1b" --updates 2 || echo "rl gpu (1b): failed"
+
+# 6. LoRA policies on one shared base on one GPU (#37): `benchmarks.rl_shared --gpu`: SmolLM2 LoRA
+#    policies on vLLM (multi-LoRA: one LLM, an adapter per policy) with trainer ranks on the GPU, two
+#    policies shared against the same two apart and against one alone; 2 rollouts each, one round.
+#    Expect shared-2 well under 2 x alone (one engine batches both policies' prompts; the GPU is not
+#    the bottleneck a 2-core CPU is) and its GPU memory near one policy's.
+timeout 600 "$PY" -m benchmarks.rl_shared --gpu --rollouts 2 --rounds 1 --runs alone,shared-2,separate-2 \
+  --once "" --engine-adapters "" --out "$OUT/rl-shared-gpu.json" || echo "rl shared (gpu): failed"

@@ -51,8 +51,19 @@ def run_args(name: str) -> tuple[list[str], list[str]]:
     return policies, sets
 
 
-def run_hpref(name: str, round_: int, rollouts: int, reward: Path, work: Path) -> dict:
+#: `--gpu` (benchmarks/gpu.sh section 6; not run on the development machine): vLLM engines and trainer
+#: ranks on the one GPU, split for Ray's books (each vLLM engine takes its memory share up front)
+GPU_SETTINGS = (
+    'rl.engine.name="vllm"',
+    "rl.engine.num_gpus=0.2",
+    "rl.engine.gpu_memory_utilization=0.2",
+    "rl.defaults.gpus_per_rank=0.2",
+)
+
+
+def run_hpref(name: str, round_: int, rollouts: int, reward: Path, work: Path, gpu: bool = False) -> dict:
     policies, sets = run_args(name)
+    sets += list(GPU_SETTINGS) if gpu else []
     folder = f"{name}-r{round_}"
     cmd = [
         hpref_bin(), "rl", str(RECIPE), "--policies", ",".join(policies),
@@ -133,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reward", type=Path, default=REPO / "runs" / "minilm-reward-helpful-f0-export")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--gpu", action="store_true", help="vLLM and trainer ranks on the GPU (gpu.sh)")
     args = parser.parse_args(argv)
     if not HELPFUL.is_file():
         print(f"skipped: the HH-RLHF files are not in {HELPFUL.parent}")
@@ -151,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in once and round_ > 0:
                 continue
             print(f"round {round_}: {name} ...", flush=True)
-            got = run_hpref(name, round_, args.rollouts, reward, work)
+            got = run_hpref(name, round_, args.rollouts, reward, work, args.gpu)
             results.setdefault(name, []).append(got)
             per, pss = got["seconds_per_leader_rollout"], got["peak_pss_gib"]
             print(f"  {per:.1f} s / leader rollout, peak PSS {pss:.2f} GiB", flush=True)
