@@ -16,7 +16,8 @@ linear), HH-RLHF helpful-base prompts from ../shared, 8 prompts x 4 answers of a
   actor, Ray's daemons; RSS in brackets) and the mean load. The runs alternate round by round
   (alone, shared-2, separate-2, alone, ...); the table gives each one's median over its rounds.
 - **Engine tokens/s** (in this process, one thread, as an engine actor): the transformers engine
-  generating one rollout per adapter in one batch (`generate_batch`: 1, 2, 4 adapters of one base,
+  generating one rollout per adapter in one pass (`generate_batch` with `batch_rows = 0`: 1, 2, 4
+  adapters of one base,
   each adapter with random non-zero weights, so they differ), against the engine of a policy of
   its own (`merged`: LoRA folded into the weights, what `share_base = false` serves).
 
@@ -41,13 +42,22 @@ EXTRA_POLICIES = "cdefgh"  # policies beyond a and b, as the recipe's a
 
 
 def run_args(name: str) -> tuple[list[str], list[str]]:
-    """(policies, --set settings) of a run: `alone`, `shared-N` or `separate-N`."""
-    if name == "alone":
-        return ["a"], []
-    kind, count = name.rsplit("-", 1)
-    policies = ["a", "b", *EXTRA_POLICIES][: int(count)]
-    sets = [f"rl.share_base={'true' if kind == 'shared' else 'false'}"]
+    """(policies, --set settings) of a run: `alone`, `shared-N` or `separate-N`, then any of
+    `-vllm` (the vLLM engine), `-ttK` (K torch threads per trainer), `-etK` (K per engine)."""
+    kind, *options = name.split("-")
+    count = 1 if kind == "alone" else int(options.pop(0))
+    policies = ["a", "b", *EXTRA_POLICIES][:count]
+    sets = [] if kind == "alone" else [f"rl.share_base={'true' if kind == 'shared' else 'false'}"]
     sets += [f"rl.policies.{p}={{}}" for p in policies[2:]]
+    for option in options:
+        if option == "vllm":
+            sets.append('rl.engine.name="vllm"')
+        elif option.startswith("tt"):
+            sets.append(f"rl.defaults.threads={int(option[2:])}")
+        elif option.startswith("et"):
+            sets.append(f"rl.engine.threads={int(option[2:])}")
+        else:
+            raise SystemExit(f"unknown run option '{option}' in {name}")
     return policies, sets
 
 
@@ -105,7 +115,9 @@ def engine_tokens(adapters: int, prompts: list, seed: int) -> dict:
 
     names = [f"p{i}" for i in range(adapters)]
     lora = PolicyLoraSection(r=16, alpha=32)
-    engine = EngineActor("a", PolicyModelConfig(name="smollm2"), adapters=dict.fromkeys(names, lora) or None)
+    adapters_of = dict.fromkeys(names, lora) or None
+    # every request in one pass: what batching several adapters costs on this machine
+    engine = EngineActor("a", PolicyModelConfig(name="smollm2"), adapters=adapters_of, batch_rows=0)
     generator = torch.Generator().manual_seed(seed)
     for name in names:  # adapters that differ, as trained ones do
         state = {
@@ -210,7 +222,7 @@ def report(results: dict[str, list[dict]], engine: dict[int, list[dict]], rollou
                 lines.append(f"{name}: loop time / {n} x alone = {wall:.2f}; peak PSS / alone = {memory:.2f}")
     if engine:
         merged = _median(engine[0], "tokens_per_s") if 0 in engine else None
-        lines += ["", "| engine | rows per batch | tokens/s | vs merged |", "| --- | ---: | ---: | ---: |"]
+        lines += ["", "| engine | answers per pass | tokens/s | vs merged |", "| --- | ---: | ---: | ---: |"]
         for n, runs in sorted(engine.items()):
             speed = _median(runs, "tokens_per_s")
             label = (

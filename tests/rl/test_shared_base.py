@@ -195,6 +195,10 @@ def test_a_shared_engine_answers_each_policy_as_its_own_engine_would():
         assert out["completions"] == want["completions"] and out["prompt_ids"] == want["prompt_ids"]
         for mine, theirs in zip(out["logprobs"], want["logprobs"], strict=True):
             assert mine == pytest.approx(theirs, abs=1e-5)
+    # in passes of at most 4 answers (`batch_rows`): the same answers again
+    shared.batch_rows = 4
+    assert [o["completions"] for o in shared.generate_batch(asked)] == [o["completions"] for o in got]
+    shared.batch_rows = 0
     # a sync of b's adapter: b's answers move, a's stay, each at its own version
     state = {k: torch.randn_like(v) * 0.5 for k, v in adapter_items(shared.model, "b")}
     shared.begin_update(1, adapter="b")

@@ -189,6 +189,12 @@ class PolicyConfig(_Section):
         "CPU, NCCL on GPU), the policy sharded with FSDP2 and each rollout's prompt groups split by tokens",
     )
     cpus_per_rank: float = Field(0.25, gt=0, description="Ray CPUs each trainer rank reserves")
+    threads: int = Field(
+        1,
+        ge=1,
+        description="torch threads of each trainer rank (a shared base's one trainer does every policy's "
+        "steps: more threads let it use cores its engine leaves idle)",
+    )
     reshard_after_forward: bool = Field(
         True,
         description="ranks > 1: FSDP2 gathers a decoder block's weights for each forward and again for "

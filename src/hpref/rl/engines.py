@@ -44,6 +44,13 @@ class TransformersEngineConfig(BaseModel):
     serves_adapters: ClassVar[bool] = True
 
     threads: int = Field(1, ge=1, description="torch threads of each engine actor")
+    batch_rows: int = Field(
+        32,
+        ge=0,
+        description="a shared base's engine (rl.share_base) runs the requests it batches in passes of at "
+        "most this many answers (a larger request alone; 0 = every request in one pass). 32: on a 2-core "
+        "CPU a 64-answer pass of SmolLM2 ran at 0.69x the tokens/s of a 32-answer one",
+    )
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs each engine actor reserves")
     share_prefill: bool = Field(
         True,
@@ -73,6 +80,7 @@ def build_transformers(
         model,
         threads=config.threads,
         env=env,
+        batch_rows=config.batch_rows,
         share_prefill=config.share_prefill,
         prefill_precision=config.prefill_precision,
         adapters=adapters,
@@ -123,6 +131,7 @@ class EngineActor(VersionedWeights):
         share_prefill: bool = True,
         prefill_precision: str = "fp32",
         adapters: dict[str, LoraSection] | None = None,
+        batch_rows: int = 0,
     ) -> None:
         apply_env(env)
         import torch
@@ -131,6 +140,7 @@ class EngineActor(VersionedWeights):
 
         torch.set_num_threads(threads)
         self.policy = policy
+        self.batch_rows = batch_rows
         self.model, self.tokenizer = build_policy_model(model)
         self.peft: Any = None  # PEFT's handle of a shared base's adapters
         self.adapter_shapes = {}
@@ -205,9 +215,26 @@ class EngineActor(VersionedWeights):
         out: list[dict[str, Any] | None] = [None] * len(requests)
         for size in sorted({r["group_size"] for r in requests}):
             picked = [i for i, r in enumerate(requests) if r["group_size"] == size]
-            for i, result in zip(picked, self._generate_together([requests[i] for i in picked]), strict=True):
-                out[i] = result
+            for chunk in self._passes([requests[i] for i in picked], picked):
+                for i, result in zip(
+                    chunk, self._generate_together([requests[i] for i in chunk]), strict=True
+                ):
+                    out[i] = result
         return [r for r in out if r is not None]
+
+    def _passes(self, requests: list[dict[str, Any]], indices: list[int]) -> list[list[int]]:
+        """`indices` (of `requests`, in order) in passes of at most `batch_rows` answers each."""
+        passes: list[list[int]] = []
+        rows = 0
+        for request, i in zip(requests, indices, strict=True):
+            n = len(request["prompts"]) * request["group_size"]
+            if passes and (not self.batch_rows or rows + n <= self.batch_rows):
+                passes[-1].append(i)
+                rows += n
+            else:
+                passes.append([i])
+                rows = n
+        return passes
 
     def _generate_together(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """One batch of requests of one group size: every prompt's KV cache computed once

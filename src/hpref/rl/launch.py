@@ -144,6 +144,7 @@ def create_ray_actors(
                     rank=rank,
                     world_size=policy.ranks,
                     shared=shared,
+                    threads=policy.threads,
                 )
             )
             name = f"trainer '{p}'" + (f" rank {rank}" if policy.ranks > 1 else "")

@@ -284,8 +284,17 @@ class RolloutExecutor:
         buffer = self._buffer[policy]
         useful = self.config.staleness_limit * self.config.update_weights_interval
         for r in range(after + 1, after + 1 + min(self.config.rollout.max_buffered, useful)):
-            if r not in buffer:
+            if r not in buffer and r >= self.positions[policy]:  # not one it has taken already
                 buffer[r] = asyncio.ensure_future(self._produce(policy, r))
+
+    def _prefetch_together(self) -> None:
+        """A shared base's prefetch: every policy's next rollouts at once, from the rollout all of
+        them have taken (the slowest's position), so their requests reach the one engine in the
+        same turn and go as one batch (`RequestBatcher`). A policy ahead of the others gets what it
+        needs beyond that on demand, in `get`."""
+        taken = min(self.positions.values()) - 1
+        for q in self.policies:
+            self._prefetch(q, taken)
 
     async def get(self, rollout_id: int, policy: str) -> dict[str, Any]:
         if policy not in self.positions:
@@ -312,7 +321,10 @@ class RolloutExecutor:
         data["stale_regenerated"] = task is not None and decision == "regenerate"
         self.positions[policy] = rollout_id + 1
         self._forget_answers()
-        self._prefetch(policy, rollout_id)
+        if self.batcher is not None:
+            self._prefetch_together()
+        else:
+            self._prefetch(policy, rollout_id)
         return data
 
     def _drop_buffers(self) -> None:

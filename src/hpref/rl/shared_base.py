@@ -34,6 +34,7 @@ GROUP_KEYS = (
     "ranks",
     "cpus_per_rank",
     "gpus_per_rank",
+    "threads",
     "reshard_after_forward",
     "precision",
 )
