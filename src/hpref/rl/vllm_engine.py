@@ -248,6 +248,7 @@ class VLLMEngine(VersionedWeights):
         self.pad_id = self.tokenizer.pad_token_id
         self._folder = tempfile.TemporaryDirectory(prefix=f"hpref-vllm-{policy}-")
         start_model.config.save_pretrained(self._folder.name)  # the architecture only (see module doc)
+        context = config.max_model_len or int(getattr(start_model.config, "max_position_embeddings", 4096))
         lora = (
             dict(
                 enable_lora=True,
@@ -267,6 +268,12 @@ class VLLMEngine(VersionedWeights):
             distributed_executor_backend="uni" if self.in_process else "mp",
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
+            # whole prompts only: a prompt prefilled in parts has its first sampled token discarded,
+            # and vLLM then rewinds the request's seeded generator, which a CPU generator cannot do
+            # ("CPU Generator does not use offset": two policies' prompts of a shared base overflowed
+            # one step's token budget). Unchunked, a step's budget must hold the longest sequence.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(context, 4096),
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_model_len=config.max_model_len,
             logprobs_mode="processed_logprobs",
