@@ -11,7 +11,9 @@ linear), HH-RLHF helpful-base prompts from ../shared, 8 prompts x 4 answers of a
   training reward `--reward`): `alone` is policy a by itself (N policies one after the other cost N
   times it), `shared-N` N policies on one base (`rl.share_base = true`: one engine, one trainer),
   `separate-2` two policies with an engine and a trainer each (`share_base = false`, what hpref did
-  before). Per run: the leader's loop time to its last update over the rollouts (start-up excluded),
+  before); a name may end in `-vllm` (the vLLM engine), `-ttK` / `-etK` (K torch threads per trainer /
+  engine), and `--gpu` puts engines and trainers on the GPU (`benchmarks/gpu.sh` section 6). Per run:
+  the leader's loop time to its last update over the rollouts (start-up excluded),
   the median time between its updates, the peak PSS of the whole process tree (driver, every Ray
   actor, Ray's daemons; RSS in brackets) and the mean load. The runs alternate round by round
   (alone, shared-2, separate-2, alone, ...); the table gives each one's median over its rounds.

@@ -384,12 +384,12 @@ def test_a_tensor_parallel_group_takes_the_one_rank_step_and_saves_its_files(wor
     ranks = [remote.remote("a", cfg.policies["a"], 1, rank=r, world_size=2) for r in range(2)]
     group = TrainerGroup("a", ranks)
 
-    def close_to(got, want, start=None):
+    def close_to(got, want, start=None, rel=1e-5):
         assert got.keys() == want.keys()
         for key, tensor in want.items():
             step = float((tensor - start[key]).norm()) if start is not None else 0.0
             assert got[key].shape == tensor.shape and got[key].dtype == torch.float32
-            assert float((got[key] - tensor).norm()) <= 1e-5 * max(step, 1e-12) + 1e-7, key
+            assert float((got[key] - tensor).norm()) <= rel * max(step, 1e-12) + 1e-7, key
 
     try:
         run(group.start())
@@ -423,7 +423,10 @@ def test_a_tensor_parallel_group_takes_the_one_rank_step_and_saves_its_files(wor
             assert group_again[key] == pytest.approx(again[key], rel=1e-5, abs=1e-7), key
             assert resumed_again[key] == pytest.approx(again[key], rel=1e-5, abs=1e-7), key
         want = alone.update_weights()[1]
-        close_to(resumed.update_weights()[1], want, before)
+        # a step after resuming moments gathered from the slices: Adam's m / sqrt(v) magnifies their
+        # ~1e-7 rounding where v is tiny (embedding rows of tokens the rollout barely has): 1.4e-5 of
+        # the step's norm on model.embed_tokens with the rollouts of seeded Gumbel sampling
+        close_to(resumed.update_weights()[1], want, before, rel=3e-5)
 
         # ... and the group resumes a one-rank save (each rank cuts its slices of weights and moments)
         alone.save(str(tmp_path / "one"))
