@@ -132,6 +132,24 @@ def adapter_parameters(lm: nn.Module, adapter: str) -> list[torch.Tensor]:
     return out
 
 
+def _check_adapter_tensors(want: dict[str, Any], state: dict[str, torch.Tensor], source: str) -> None:
+    """`state` holds exactly the adapter's keys (`want`'s), each of its shape; else a `ValueError`
+    naming `source` and the first difference."""
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or extra:
+        first = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise ValueError(
+            f"{source}: the adapter's tensors do not fit the policy ({first}; {len(missing)} missing, "
+            f"{len(extra)} unexpected)"
+        )
+    for key, tensor in state.items():
+        if tuple(tensor.shape) != tuple(want[key].shape):
+            raise ValueError(
+                f"{source}: {key} has shape {tuple(tensor.shape)}, the policy's adapter "
+                f"{tuple(want[key].shape)} (another lora.r or target_modules?)"
+            )
+
+
 def load_adapter_tensors(lm: nn.Module, adapter: str, state: dict[str, torch.Tensor], *, source: str) -> None:
     """Copy `state` (PEFT's saved names, `adapter_items`'s) into one adapter: exactly its keys and
     shapes, else a `ValueError` naming `source` and the first difference. A sharded LM's adapter
@@ -141,19 +159,7 @@ def load_adapter_tensors(lm: nn.Module, adapter: str, state: dict[str, torch.Ten
     params = dict(
         zip((k for k, _ in adapter_items(lm, adapter)), adapter_parameters(lm, adapter), strict=True)
     )
-    missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-    if missing or extra:
-        first = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
-        raise ValueError(
-            f"{source}: the adapter's tensors do not fit the policy ({first}; {len(missing)} missing, "
-            f"{len(extra)} unexpected)"
-        )
-    for key, tensor in state.items():
-        if tuple(tensor.shape) != tuple(params[key].shape):
-            raise ValueError(
-                f"{source}: {key} has shape {tuple(tensor.shape)}, the policy's adapter "
-                f"{tuple(params[key].shape)} (another lora.r or target_modules?)"
-            )
+    _check_adapter_tensors(params, state, source)
     cut = shard_like(params, state)
     with torch.no_grad():
         for key, param in params.items():
@@ -240,19 +246,7 @@ def load_lm_adapter_state(peft_model: Any, state: dict[str, torch.Tensor], *, so
     from peft.utils import set_peft_model_state_dict
 
     want = lm_adapter_state(peft_model)
-    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-    if missing or extra:
-        first = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
-        raise ValueError(
-            f"{source}: the adapter's tensors do not fit the policy ({first}; {len(missing)} missing, "
-            f"{len(extra)} unexpected)"
-        )
-    for key, tensor in state.items():
-        if tensor.shape != want[key].shape:
-            raise ValueError(
-                f"{source}: {key} has shape {tuple(tensor.shape)}, the policy's adapter "
-                f"{tuple(want[key].shape)} (another lora.r or target_modules?)"
-            )
+    _check_adapter_tensors(want, state, source)
     from hpref.models.parallelize import shard_like
 
     # a policy sharded over ranks (`hpref.rl.sharding`) holds its adapters as FSDP2 shards

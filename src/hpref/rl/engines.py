@@ -117,6 +117,30 @@ def generation_result(
     }
 
 
+def generate_request(
+    prompts: list[tuple[str, ...]],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    seed: int = 0,
+    greedy: bool = False,
+    adapter: str | None = None,
+) -> dict[str, Any]:
+    """`generate`'s arguments as one request of `generate_batch` (every engine's `generate` is the
+    batch of its one request, so a request is served alike alone or batched)."""
+    return dict(
+        prompts=prompts,
+        group_size=group_size,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        greedy=greedy,
+        adapter=adapter,
+    )
+
+
 class EngineActor(VersionedWeights):
     """Generation for one policy (transformers on CPU), with versioned weights (`VersionedWeights`);
     with `adapters`, for every LoRA policy of a shared base: the base once, one PEFT adapter per
@@ -196,17 +220,8 @@ class EngineActor(VersionedWeights):
     ) -> dict[str, Any]:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
         (`adapter`: the policy's, on a shared base)."""
-        request = dict(
-            prompts=prompts,
-            group_size=group_size,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            greedy=greedy,
-            adapter=adapter,
-        )
-        return self.generate_batch([request])[0]
+        asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
+        return self.generate_batch([generate_request(*asked)])[0]
 
     def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Several `generate` requests (their keyword arguments) in as few batches as their group

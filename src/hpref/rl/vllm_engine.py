@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
-from hpref.rl.engines import generation_result
+from hpref.rl.engines import generate_request, generation_result
 from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
 from hpref.rl.versioned import VersionedWeights
 
@@ -353,17 +353,8 @@ class VLLMEngine(VersionedWeights):
     ) -> dict[str, Any]:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
         (`adapter`: the policy's, on a shared base)."""
-        request = dict(
-            prompts=prompts,
-            group_size=group_size,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            greedy=greedy,
-            adapter=adapter,
-        )
-        return self.generate_batch([request])[0]
+        asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
+        return self.generate_batch([generate_request(*asked)])[0]
 
     def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Several `generate` requests (their keyword arguments) in one `llm.generate`, each prompt
