@@ -305,3 +305,13 @@ def test_requests_that_queue_while_the_shared_engine_works_go_as_one_batch():
     answers = asyncio.run(main())
     assert batches == [["a", "b"], ["c", "a"]]
     assert [a["who"] for a in answers] == ["a", "b", "c", "a"]
+
+    # an engine that runs passes of 2 answers gets one pass per call (a sync waits for one pass)
+    async def capped():
+        batcher = RequestBatcher(Engine(), max_rows=2)
+        calls = [batcher.generate({"adapter": p, "prompts": [("q",)], "group_size": 1}) for p in "abc"]
+        return await asyncio.gather(*calls)
+
+    batches.clear()
+    assert [a["who"] for a in asyncio.run(capped())] == ["a", "b", "c"]
+    assert batches == [["a", "b"], ["c"]]

@@ -94,10 +94,14 @@ class RequestBatcher:
     """The generate requests of a shared-base engine (`rl.share_base`), sent together: while the
     engine works on one batch, every request that arrives waits, and the next call takes them all
     (`generate_batch`), so the policies' rollouts, evals and opponents' answers share its passes.
-    What a request gets does not depend on its batch (`hpref.rl.sampling`)."""
+    What a request gets does not depend on its batch (`hpref.rl.sampling`). `max_rows`: the answers
+    one call may ask for (0: all that queued), so an engine that runs a batch in passes anyway
+    (the transformers engine's `batch_rows`) gets one pass per call and a weight sync waits for one
+    pass, not for every policy's rollout."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, max_rows: int = 0) -> None:
         self.engine = engine
+        self.max_rows = max_rows
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
 
@@ -111,8 +115,15 @@ class RequestBatcher:
     async def _drain(self) -> None:
         await asyncio.sleep(0)  # the requests made in this turn of the event loop go together
         while self._pending:
-            batch = [(r, f) for r, f in self._pending if not f.done()]
-            self._pending = []
+            waiting = [(r, f) for r, f in self._pending if not f.done()]
+            batch, rows = [], 0
+            for request, future in waiting:
+                n = len(request["prompts"]) * request["group_size"] if self.max_rows else 0
+                if batch and self.max_rows and rows + n > self.max_rows:
+                    break
+                batch.append((request, future))
+                rows += n
+            self._pending = waiting[len(batch) :]
             if not batch:
                 continue
             try:
@@ -171,7 +182,8 @@ class RolloutExecutor:
         self.policies = list(policies)
         self.engines = engines
         #: a shared base's one engine serves every policy's adapter, requests batched together
-        self.batcher = RequestBatcher(engines[self.policies[0]]) if self.config.share_base else None
+        passes = int(getattr(self.config.engine_config, "batch_rows", 0) or 0)
+        self.batcher = RequestBatcher(engines[self.policies[0]], passes) if self.config.share_base else None
         self.positions = {p: 0 for p in self.policies}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
         # each policy's answers per rollout id, for judging the other policies against them
