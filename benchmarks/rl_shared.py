@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             results.setdefault(name, []).append(got)
             per, pss = got["seconds_per_leader_rollout"], got["peak_pss_gib"]
             print(f"  {per:.1f} s / leader rollout, peak PSS {pss:.2f} GiB", flush=True)
-        for n in [0, *counts]:
+        for n in [0, *counts] if counts else []:  # `--engine-adapters ""`: no engine part
             got = engine_tokens(n, prompts, seed=round_)
             engine.setdefault(n, []).append(got)
             print(f"round {round_}: engine with {n or 'merged'} adapters: {got['tokens_per_s']:.1f} tokens/s")
