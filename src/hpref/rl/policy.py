@@ -12,16 +12,26 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
+
+# re-exported: rl's modules and tests import these here
+from hpref.models.causal_lm import (  # noqa: F401
+    ASSISTANT,
+    TOKENIZER_MIN_FREQUENCY,
+    TOKENIZER_SEED,
+    USER,
+    build_policy_model,
+    causal_lm_problem,
+    encode_prompt,
+    policy_folder,
+    policy_tokenizer,
+    tiny_policy_config,
+)
 from hpref.recipe.rl import PolicyModelConfig, RLConfig
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from transformers import PreTrainedTokenizerBase
-
-TOKENIZER_MIN_FREQUENCY = 2
-TOKENIZER_SEED = 0
-USER, ASSISTANT = "<|user|>", "<|assistant_a|>"
 
 
 def apply_env(env: dict[str, str] | None) -> None:
@@ -40,80 +50,6 @@ def apply_env(env: dict[str, str] | None) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # models and prompts
-
-
-def policy_folder(model: PolicyModelConfig) -> str | None:
-    """The transformers folder a pretrained policy loads: its `path`, or the cached causal-LM folder
-    of a GGUF file (`model.name = "smollm2"`, or a `.gguf` path; converted once, under a file lock
-    that makes concurrent actors wait for one conversion). None for a tiny random-init policy."""
-    if model.name == "smollm2" or (model.path is not None and model.path.lower().endswith(".gguf")):
-        from pathlib import Path
-
-        from hpref.models.hf import gguf_folder, smollm2_file
-
-        file = smollm2_file() if model.name == "smollm2" else Path(model.path or "").expanduser()
-        if not file.is_file():
-            raise UserError(f"model.path: GGUF file '{model.path}' does not exist")
-        return str(gguf_folder(file, "causal-lm"))
-    return model.path
-
-
-def policy_tokenizer(model: PolicyModelConfig) -> Any:
-    """The tokenizer of a policy: the folder's own, or hpref's cached tiny BPE."""
-    folder = policy_folder(model)
-    if folder is not None:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(folder)
-    from hpref.models.tokenizer import load_or_train_tokenizer
-
-    return load_or_train_tokenizer(
-        vocab_size=model.vocab_size,
-        min_frequency=TOKENIZER_MIN_FREQUENCY,
-        num_texts=model.tokenizer_texts,
-        seed=TOKENIZER_SEED,
-    )
-
-
-def build_policy_model(model: PolicyModelConfig) -> tuple[Any, Any]:
-    """(causal LM, tokenizer). A tiny model is seeded, so the engine and the trainer of one policy
-    build identical weights independently (version 0) without shipping them."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    tokenizer = policy_tokenizer(model)
-    folder = policy_folder(model)
-    if folder is not None:
-        from hpref.logs import route_transformers_logs
-
-        route_transformers_logs()  # the load report goes to the actor's log, not the console
-        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        return lm, tokenizer
-    config = tiny_policy_config(
-        model,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(model.seed)
-    return LlamaForCausalLM(config).float(), tokenizer
-
-
-def tiny_policy_config(model: PolicyModelConfig, **tokens: Any) -> Any:
-    """The `LlamaConfig` of a tiny policy (`tokens`: vocab_size and the special token ids)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_hidden_layers=model.num_hidden_layers,
-        num_attention_heads=model.num_attention_heads,
-        num_key_value_heads=model.num_key_value_heads,
-        max_position_embeddings=model.max_position_embeddings,
-        tie_word_embeddings=False,
-        **tokens,
-    )
 
 
 def policy_skeleton(model: PolicyModelConfig) -> Any:
@@ -173,65 +109,6 @@ def check_policy_models(config: RLConfig, policies: list[str], where: str) -> No
             raise RecipeError(f"{key}: {exc}") from None
         if reason:
             raise RecipeError(f"{key}: {folder}: {reason}")
-
-
-def causal_lm_problem(folder: str | None) -> str | None:
-    """Why `folder` cannot be an `hpref rl` policy, or None: no config, not a causal LM, no tokenizer,
-    or no chat template (unless its tokenizer is hpref's own, whose markers stand in for one)."""
-    from pathlib import Path
-
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if folder is None:
-        return None
-    if not (Path(folder) / "config.json").is_file():
-        return "no config.json (expected a transformers causal-LM folder)"
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        return f"unreadable config.json ({str(exc).splitlines()[0]})"
-    architectures = getattr(config, "architectures", None) or []
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
-        architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
-    ):
-        shown = ", ".join(architectures) or config.model_type
-        return f"not a causal LM ({shown}); a policy needs a model with an LM head, e.g. *ForCausalLM"
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        return f"no tokenizer ({str(exc).splitlines()[0]})"
-    if not getattr(tokenizer, "chat_template", None) and USER not in tokenizer.get_vocab():
-        return (
-            "its tokenizer has no chat template, so prompts cannot be laid out as a conversation; use an "
-            "instruct model's folder, or add a chat_template to its tokenizer_config.json"
-        )
-    return None
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, turns: tuple[str, ...]) -> list[int]:
-    """Token ids a policy continues: the conversation `turns` (user, assistant, ..., user) ending where
-    the assistant's answer begins.
-
-    With a chat template (a pretrained instruct model), the template lays it out with its generation
-    prompt. hpref's tiny tokenizers have none: bos, then `<|user|>turn` for a user turn and
-    `<|assistant_a|>turn<eos>` for an earlier answer, then the assistant marker.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        from hpref.data.prompts import conversation_messages
-
-        ids = tokenizer.apply_chat_template(
-            conversation_messages(turns), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        return list(ids)
-    ids = [tokenizer.bos_token_id]
-    for i, turn in enumerate(turns):
-        ids.append(tokenizer.convert_tokens_to_ids(USER if i % 2 == 0 else ASSISTANT))
-        ids.extend(tokenizer.encode(turn, add_special_tokens=False))
-        if i % 2:
-            ids.append(tokenizer.eos_token_id)
-    ids.append(tokenizer.convert_tokens_to_ids(ASSISTANT))
-    return ids
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module | None = None) -> list[int]:
