@@ -39,6 +39,11 @@ def check_train(recipe: Recipe, where: str | Path | None = None, *, machine: boo
     where = str(where if where is not None else recipe._source or "recipe")
     if is_rl_recipe(recipe):
         return
+    if recipe.dpo is not None:
+        _check_dpo(recipe, where, machine=machine)
+        if machine:
+            _check_machine(recipe, where)
+        return
     _check_recipe(recipe, where)
     if machine:
         _check_machine(recipe, where)
@@ -64,6 +69,47 @@ def _check_recipe(recipe: Recipe, where: str) -> None:
             f"{where}: train.max_length: {recipe.train.max_length} exceeds the model's "
             f"{positions} positions (model.max_position_embeddings)"
         )
+
+
+def _check_dpo(recipe: Recipe, where: str, *, machine: bool) -> None:
+    """A DPO recipe (`[dpo]`) trains the causal LM of `dpo.model`: no judge `[model]` beside it, no
+    `[rl]`, training pairs, a LoRA it can take, and (on this machine) a policy folder that holds a
+    causal LM with a chat template (`hpref.models.causal_lm.causal_lm_problem`)."""
+    assert recipe.dpo is not None
+    if recipe.model is not None:
+        raise RecipeError(
+            f"{where}: model: a DPO recipe trains the causal LM of [dpo] model, and [model] "
+            f"('{recipe.model.name}') is a preference model (a sequence classifier or judge); remove "
+            "[model], or [dpo] to train that model instead"
+        )
+    if recipe.rl is not None:
+        raise RecipeError(
+            f"{where}: rl: [dpo] (offline DPO, hpref train) and [rl] (hpref rl) are two commands' recipes"
+        )
+    if recipe.dataset.train is None:
+        raise RecipeError(f"{where}: dataset.train: a DPO recipe needs pairs to train on ([dataset.train])")
+    model = recipe.dpo.model
+    if recipe.lora is not None and recipe.lora.quantize_base != "none":
+        raise RecipeError(
+            f"{where}: lora.quantize_base: '{recipe.lora.quantize_base}' (QLoRA) is not supported for a DPO "
+            'policy; set lora.quantize_base = "none"'
+        )
+    if not model.pretrained and recipe.train.max_length > model.max_position_embeddings:
+        raise RecipeError(
+            f"{where}: train.max_length: {recipe.train.max_length} exceeds the policy's "
+            f"{model.max_position_embeddings} positions (dpo.model.max_position_embeddings)"
+        )
+    if machine and model.pretrained:
+        from hpref.models.causal_lm import causal_lm_problem, policy_folder
+
+        key = f"{where}: dpo.model.{'name' if model.name else 'path'}"
+        try:
+            folder = policy_folder(model)
+        except UserError as exc:
+            raise RecipeError(f"{key}: {exc}") from None
+        reason = causal_lm_problem(folder)
+        if reason:
+            raise RecipeError(f"{key}: {folder}: {reason}")
 
 
 def _check_head(recipe: Recipe, where: str) -> None:

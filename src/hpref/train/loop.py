@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,8 @@ def _forward(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     return model(batch.input_ids, batch.cu_seqlens, batch.position_ids, max_seqlen=batch.max_seqlen)
 
 
-def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Reduce gradients in this backward (the step's last micro-batch) or not (the others)."""
     if isinstance(model, SyncsGradientsOnDemand):
         model.set_requires_gradient_sync(enabled)
 
@@ -98,7 +99,7 @@ def train_step(
         loss_sum = model.forward_backward([b.to(device, non_blocking=True) for b in batches], loss, scale)
     else:
         for k, batch in enumerate(batches):
-            _set_gradient_sync(model, k == len(batches) - 1)
+            set_gradient_sync(model, k == len(batches) - 1)
             batch = batch.to(device, non_blocking=True)
             per_sequence = loss(_forward(model, batch), batch.labels) * batch.weights
             (per_sequence.sum() * scale).backward()
@@ -118,6 +119,25 @@ def train_step(
 
 # --------------------------------------------------------------------------------------------------
 # the loop
+
+
+class TrainObjective(Protocol):
+    """What a run trains other than a preference model (offline DPO: `hpref.train.dpo.DpoObjective`):
+    its step, its interval metrics and eval (collective), and the per-rank state its checkpoints keep.
+    `fit` is the same loop either way: plan, steps, logs, evals, checkpoints, summary."""
+
+    @property
+    def has_eval(self) -> bool: ...
+
+    def train_step(self, setup: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def interval_metrics(self, sums: torch.Tensor, group: Any = None) -> dict[str, float]: ...
+
+    def evaluate(self, setup: Any, step: int, epoch: int, metrics: MetricsFile) -> dict[str, float]: ...
+
+    def rank_state(self) -> dict[str, Any]: ...
+
+    def load_rank_state(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -144,6 +164,8 @@ class TrainSetup:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy
     #: `rank`, `size`, `group` of the data-parallel split when it is not every rank (tensor parallel)
     data_parallel: DataParallelSplit | None = None
+    #: set: the run trains this objective (its step and eval) instead of the preference model's
+    objective: TrainObjective | None = None
 
     @property
     def data_rank_and_size(self) -> tuple[int, int, Any]:
@@ -199,7 +221,9 @@ def start_run(setup: TrainSetup, resume_from: Path | None) -> RunState:
     stats = RunStats()
     if resume_from is not None:
         stats.step = resume.restore(setup, resume_from)
-    elif init_weights_folder(setup.run_dir) is None:  # `hpref init` weights are used as they are
+    elif (
+        setup.objective is None and init_weights_folder(setup.run_dir) is None
+    ):  # `hpref init` weights: as they are
         init_head_to_prior(setup.model, setup.train_data)
     metrics.start(stats.step if resume_from is not None else None)
     run = RunState(
@@ -238,16 +262,20 @@ def _one_step(setup: TrainSetup, run: RunState, plan: Any) -> tuple[float, torch
     data_rank, data_world, data_group = setup.data_rank_and_size
     if run.fail_rank is not None and int(run.fail_rank) == setup.rank:
         raise SimulatedCrash(f"{FAIL_RANK_ENV}={run.fail_rank}: rank {setup.rank} fails on purpose")
-    loss_sum, grad_norm = train_step(
-        setup.model,
-        setup.optimizer,
-        plan.batches(data_rank, setup.train_data.examples, setup.filler_token_id),
-        step_sequences=plan.num_sequences,
-        world_size=data_world,
-        grad_clip=train_cfg.grad_clip,
-        device=setup.device,
-        loss=setup.loss,
-    )
+    if setup.objective is not None:
+        loss_sum, grad_norm, sums = setup.objective.train_step(setup, plan)
+        run.interval.sums = sums if run.interval.sums is None else run.interval.sums + sums
+    else:
+        loss_sum, grad_norm = train_step(
+            setup.model,
+            setup.optimizer,
+            plan.batches(data_rank, setup.train_data.examples, setup.filler_token_id),
+            step_sequences=plan.num_sequences,
+            world_size=data_world,
+            grad_clip=train_cfg.grad_clip,
+            device=setup.device,
+            loss=setup.loss,
+        )
     if setup.device.type == "cpu":
         release_freed_memory()  # see hpref.memory: flat RSS across step lengths
     lr = setup.scheduler.get_last_lr()[0]
@@ -305,10 +333,23 @@ def _log_interval(setup: TrainSetup, run: RunState, epoch: int, lr: float, grad_
     """One `metrics.jsonl` record and log line for the steps since the last one."""
     stats = run.stats
     record = run.interval.record(setup, step=stats.step, epoch=epoch, lr=lr, grad_norm=float(grad_norm))
+    objective = ""
+    if setup.objective is not None and run.interval.sums is not None:  # collective
+        extra = setup.objective.interval_metrics(run.interval.sums, setup.data_rank_and_size[2])
+        record.update({k: v for k, v in extra.items() if k != "loss"})
+        objective = "".join(
+            f" {name} {record[key]:.3f}"
+            for key, name in (
+                ("rewards_accuracy", "acc"),
+                ("rewards_margin", "margin"),
+                ("tie_reward_gap", "tie gap"),
+            )
+            if key in record
+        )
     run.metrics.write(record)
     stats.add(record)
     logger.info(
-        f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f} lr {lr:.2e} "
+        f"step {stats.step}/{setup.total_steps} loss {record['loss']:.4f}{objective} lr {lr:.2e} "
         f"grad {record['grad_norm']:.3f} {record['tokens_per_s']:,.0f} tok/s "
         f"mfu {record['mfu']:.1%} {record['step_time_s']:.2f} s/step "
         f"mem {record['peak_memory_gib']:.2f} GiB"
@@ -318,10 +359,16 @@ def _log_interval(setup: TrainSetup, run: RunState, epoch: int, lr: float, grad_
 
 
 def _eval(setup: TrainSetup, run: RunState, epoch: int) -> None:
-    if setup.eval_data is None:
+    objective = setup.objective
+    if objective is None and setup.eval_data is None:
+        return
+    if objective is not None and not objective.has_eval:
         return
     t = time.perf_counter()
-    run.stats.eval = _evaluate_and_write(setup, run.stats.step, epoch, run.metrics)
+    if objective is not None:
+        run.stats.eval = objective.evaluate(setup, run.stats.step, epoch, run.metrics)
+    else:
+        run.stats.eval = _evaluate_and_write(setup, run.stats.step, epoch, run.metrics)
     run.stats.eval_step = run.stats.step
     run.interval.pause(time.perf_counter() - t)
 

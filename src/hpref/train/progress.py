@@ -43,6 +43,7 @@ class Interval:
     tokens: int = 0
     flops: float = 0.0
     start: float = field(default_factory=time.perf_counter)
+    sums: torch.Tensor | None = None  # a `TrainObjective`'s metric sums, this rank's, over the interval
 
     def pause(self, seconds: float) -> None:
         self.start += seconds

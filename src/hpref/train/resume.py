@@ -29,7 +29,12 @@ def save(setup: Any, step: int, epoch: int) -> None:
             **base_pointer_of(setup),
         },
         keep=setup.recipe.train.keep_checkpoints,
-        rank_state={"scheduler": setup.scheduler.state_dict()},  # its groups may differ by rank
+        # the scheduler's groups may differ by rank; an objective's state is its rank's (DPO's
+        # reference cache)
+        rank_state={
+            "scheduler": setup.scheduler.state_dict(),
+            **(setup.objective.rank_state() if setup.objective is not None else {}),
+        },
     )
 
 
@@ -50,6 +55,8 @@ def restore(setup: Any, path: Path) -> int:
         raise UserError(f"cannot resume from {path}: {exc}") from None
     # this rank's own (a pipeline stage's parameter groups differ), else rank 0's (older checkpoints)
     setup.scheduler.load_state_dict(restored.rank_state.get("scheduler", restored.train_state["scheduler"]))
+    if setup.objective is not None:
+        setup.objective.load_rank_state(restored.rank_state)
     return int(restored.train_state["step"])
 
 
@@ -57,6 +64,8 @@ def base_pointer_of(setup: Any) -> dict[str, Any]:
     """For a LoRA run, what a checkpoint needs to name the frozen base weights it leaves out."""
     if setup.recipe.lora is None:
         return {}
+    if setup.recipe.dpo is not None:  # a DPO policy's base is its [dpo] model
+        return {"base_model": setup.recipe.dpo.model.model_dump(mode="json", exclude_none=True)}
     from hpref.models.adapters import base_pointer
 
     return {"base_model": base_pointer(setup.recipe)}

@@ -33,7 +33,9 @@ def summarise(setup: Any, stats: Any, wall: float) -> dict[str, Any]:
     from hpref.models.adapters import count_parameters
 
     out["trainable_params"], out["params"] = count_parameters(setup.model)
-    if stats.eval is not None:
+    if isinstance(stats.eval, dict):  # a `TrainObjective`'s eval (DPO): its metrics, eval_-prefixed
+        out.update(stats.eval, eval_step=stats.eval_step)
+    elif stats.eval is not None:
         out.update(
             eval_log_loss=stats.eval.log_loss, eval_accuracy=stats.eval.accuracy, eval_step=stats.eval_step
         )
@@ -59,6 +61,14 @@ def summary_rows(setup: Any, summary: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{summary['trainable_params']:,} of {summary['params']:,} ({share:.2%})",
             )
         )
+    for key, name in (
+        ("eval_loss", "eval loss"),
+        ("eval_rewards_accuracy", "eval reward accuracy"),
+        ("eval_rewards_margin", "eval reward margin"),
+        ("eval_tie_reward_gap", "eval tie reward gap"),
+    ):
+        if key in summary:
+            rows.append((name, f"{summary[key]:.4f}"))
     if "eval_log_loss" in summary:
         rows.append(("eval log loss", f"{summary['eval_log_loss']:.4f}"))
         rows.append(("eval accuracy", f"{summary['eval_accuracy']:.3f}"))

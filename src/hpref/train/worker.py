@@ -199,7 +199,12 @@ def run_worker(
             from hpref.train.checks import check_train
 
             check_train(recipe, machine=False)
-        setup = build_setup(recipe, info)
+        if recipe.dpo is not None:  # offline DPO of a causal-LM policy (hpref.train.dpo)
+            from hpref.train.dpo import build_dpo_setup
+
+            setup = build_dpo_setup(recipe, info)
+        else:
+            setup = build_setup(recipe, info)
         resume_from = resolve_resume(run_dir, resume)
         fit(setup, resume_from)
         dist.barrier()  # rank 0 prints the summary last; no rank tears the group down under it
