@@ -137,10 +137,10 @@ def random_rollout(
     answer_tokens: tuple[int, int] = (20, 64),
     vocab: int = 40000,
     logprob: float = -5.0,
-) -> dict[str, Any]:
-    """An rl rollout of random token ids below `vocab` (a trainer's input, the dict the rollout
-    executor hands it), shaped like `recipes/rl-smollm2.toml`'s by default: 8 prompts of 100-289
-    tokens x 4 answers of 20-63, every answer token's engine log-prob `logprob`. `rng`: a
+) -> Any:
+    """An rl rollout of random token ids below `vocab` (a trainer's input, an
+    `hpref.rl.rollout_types.Rollout`), shaped like `recipes/rl-smollm2.toml`'s by default: 8 prompts
+    of 100-289 tokens x 4 answers of 20-63, every answer token's engine log-prob `logprob`. `rng`: a
     `random.Random`, so a caller's rollouts are the same from run to run."""
     prompt_ids, completions = [], []
     for _ in range(prompts):
@@ -148,12 +148,13 @@ def random_rollout(
         for _ in range(group):
             prompt_ids.append(prompt)
             completions.append([rng.randrange(100, vocab) for _ in range(rng.randrange(*answer_tokens))])
-    return {
-        "rollout_id": rollout_id,
-        "group_size": group,
-        "temperature": 1.0,
-        "rewards": [rng.random() for _ in completions],
-        "prompt_ids": prompt_ids,
-        "completions": completions,
-        "logprobs": [[logprob] * len(c) for c in completions],
-    }
+    from hpref.rl.rollout_types import rollout_of_tokens
+
+    return rollout_of_tokens(
+        rollout_id,
+        prompt_ids,
+        completions,
+        [[logprob] * len(c) for c in completions],
+        [rng.random() for _ in completions],
+        group,
+    )

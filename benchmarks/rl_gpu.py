@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     trained = []
     for update in range(args.updates):
         r = rollout(update)
-        r["completions"] = [c * 3 for c in r["completions"]]  # ~128-token answers
-        r["logprobs"] = [[-5.0] * len(c) for c in r["completions"]]
+        r.completions = [c * 3 for c in r.completions]  # ~128-token answers
+        r.logprobs = [[-5.0] * len(c) for c in r.completions]
         trained.append(asyncio.run(group.train(r)))
     start = time.perf_counter()
     asyncio.run(push_weights(group, engine, "a", 256 << 20))

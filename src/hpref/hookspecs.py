@@ -171,6 +171,31 @@ def register_engines(register) -> None:
 
 
 @hookspec
+def register_algorithms(register) -> None:
+    """Register RL algorithms for `hpref rl` (a policy's `algorithm = "<name>"`, or a table with the
+    name and the config's parameters).
+
+    `build(config, policy)` (`policy`: the policy's `hpref.recipe.rl.PolicyConfig`) runs in the
+    policy's trainer and in the rollout executor and returns an `hpref.rl.protocols.Algorithm`: what
+    its rollouts must carry (a reward per answer; with `needs_preferences`, a three-way verdict per
+    answer pair from the reward's `judge_answers`), which rows a step trains on and with what
+    per-row values (`prepare`), and the loss and metric sums of one micro-batch (`loss`,
+    `summarise`). Built-ins: `grpo` (`hpref.rl.grpo`) and `online-dpo` (`hpref.rl.online_dpo`);
+    `plugins/hpref-example` adds one from outside hpref.
+    """
+
+
+@hookspec
+def register_trainer_backends(register) -> None:
+    """Register what an `hpref rl` trainer runs a policy on (a policy's `trainer_backend`).
+
+    `build(config)` returns an `hpref.rl.protocols.TrainerBackend`: the causal LM it trains, how a
+    trainer group shards it and splits the data, and its weights in the transformers layout for the
+    engines and saves. Built-ins: `transformers` and `megatron` (`hpref.rl.backends`).
+    """
+
+
+@hookspec
 def register_commands(app) -> None:
     """Add subcommands to the `hpref` Typer app (`@app.command()` or `app.add_typer(...)`).
 

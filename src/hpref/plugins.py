@@ -47,6 +47,8 @@ KINDS: dict[str, str] = {
     "prompts": "register_prompts",
     "reward": "register_rewards",
     "engine": "register_engines",
+    "algorithm": "register_algorithms",
+    "trainer_backend": "register_trainer_backends",
 }
 
 BUILTIN_PLUGINS = (
@@ -60,6 +62,8 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.rewards",
     "hpref.rl.engines",
     "hpref.rl.vllm_engine",
+    "hpref.rl.algorithm_registry",
+    "hpref.rl.backends",
 )
 
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import completion_logprobs, group_batch, pad_batch, trim_completion  # noqa: E402
+from hpref.rl.rollout_types import rollout_of_tokens
 from hpref.rl.rollouts import (  # noqa: E402
     RolloutExecutor,
     StaleWeightsError,
@@ -124,7 +125,7 @@ def test_a_grpo_step_is_the_same_over_shared_prompts_padded_rows_and_any_micro_b
         monkeypatch.setattr(trainer_module, "shares_prefix", lambda model: share)
         cfg = rl_config(defaults={"model": TINY, "lr": 1e-2, "micro_batch_tokens": micro_batch_tokens})
         trainer = TrainerActor("a", cfg.policies["a"], cfg.update_weights_interval)
-        stats = trainer.train(dict(rollout))
+        stats = trainer.train(rollout_of_tokens(**rollout))
         return stats, trainer.model.state_dict()
 
     one_stats, one = stepped(4096, True)
@@ -156,15 +157,9 @@ def test_rl_actors_bound_the_memory_a_step_leaves_behind(monkeypatch):
     trainer = TrainerActor("a", cfg.policies["a"], cfg.update_weights_interval)
     completions = [[20, 21], [22]]
     trainer.train(
-        {
-            "rollout_id": 0,
-            "group_size": 2,
-            "temperature": 1.0,
-            "rewards": [1.0, 0.0],
-            "prompt_ids": [[1, 5, 6, 7]] * 2,
-            "completions": completions,
-            "logprobs": [[-1.0] * len(c) for c in completions],
-        }
+        rollout_of_tokens(
+            0, [[1, 5, 6, 7]] * 2, completions, [[-1.0] * len(c) for c in completions], [1.0, 0.0], 2
+        )
     )
     assert len(calls) == 2
 
@@ -222,7 +217,7 @@ def test_executor_serves_in_order_and_the_trainer_steps(actors, tmp_path):
         with pytest.raises(RuntimeError, match="asked for rollout 2 but its next rollout is 1"):
             await ex.get(2, "a")
         assert ex.positions == {"a": 1, "b": 0}  # b's buffer is untouched by a
-        assert len(r0["rewards"]) == 4 and r0["version"] == 0
+        assert len(r0.rewards) == 4 and r0.version == 0
         metrics = trainers["a"].train(r0)
         assert metrics["engine_trainer_logprob_diff"] < 1e-3  # on-policy: ratio 1
         assert metrics["clip_fraction"] == 0.0
@@ -233,7 +228,7 @@ def test_executor_serves_in_order_and_the_trainer_steps(actors, tmp_path):
         await engines["a"].load_weights.remote(state)
         assert await engines["a"].commit_update.remote() == 1
         r1 = await ex.get(1, "a")  # prefetched with version 0: still within staleness 1
-        assert r1["version"] == 0 and not r1["stale_regenerated"]
+        assert r1.version == 0 and not r1.stale_regenerated
         await ex.save(str(tmp_path / "ex"))
         ex2 = RolloutExecutor(cfg, ["a", "b"], engines)
         assert await ex2.load(str(tmp_path / "ex")) == {"a": 2, "b": 0}
@@ -378,18 +373,18 @@ def test_cross_policy_rewards_judge_each_policy_against_the_other(actors):
     ra, rb = asyncio.run(main())
     # a came first: b's engine answered a's prompts for it, seeded by (b, a, rollout id)
     b_for_a = engines["b"].wrapped.generate(prompts, 1, 6, 1.0, 0, sample_seed(0, "b>a", 0))
-    assert ra["opponent_tokens"] == b_for_a["tokens"] > 0
+    assert ra.opponent_tokens == b_for_a["tokens"] > 0
     g = cfg.rollout.group_size
     for i, prompt in enumerate(prompts):
-        group = ra["texts"][i * g : (i + 1) * g]
+        group = ra.texts[i * g : (i + 1) * g]
         want = _pairwise_expected(prompt, group, [b_for_a["texts"][i]])
-        assert ra["rewards"][i * g : (i + 1) * g] == pytest.approx(want, abs=1e-12)
+        assert ra.rewards[i * g : (i + 1) * g] == pytest.approx(want, abs=1e-12)
     # then b was judged against a's own rollout-0 answers (the first of each group): no generation
-    assert rb["opponent_tokens"] == 0
+    assert rb.opponent_tokens == 0
     for i, prompt in enumerate(prompts):
-        group = rb["texts"][i * g : (i + 1) * g]
-        want = _pairwise_expected(prompt, group, [ra["texts"][i * g]])
-        assert rb["rewards"][i * g : (i + 1) * g] == pytest.approx(want, abs=1e-12)
+        group = rb.texts[i * g : (i + 1) * g]
+        want = _pairwise_expected(prompt, group, [ra.texts[i * g]])
+        assert rb.rewards[i * g : (i + 1) * g] == pytest.approx(want, abs=1e-12)
 
 
 def test_utility_rewards_ask_for_no_opponents(actors):
@@ -404,7 +399,7 @@ def test_utility_rewards_ask_for_no_opponents(actors):
         return r, ex._answers
 
     r, answers = asyncio.run(main())
-    assert r["opponent_tokens"] == 0 and answers == {}
+    assert r.opponent_tokens == 0 and answers == {}
 
 
 def test_eval_win_rate_is_against_the_recorded_start(actors):

@@ -14,6 +14,7 @@ from hpref.rl.driver import Handles, drive, restore
 from hpref.rl.launch import Teardown
 from hpref.rl.metrics import rollout_metrics
 from hpref.rl.record import ResumeError, read_record
+from hpref.rl.rollout_types import rollout_of_tokens
 from hpref.runfolder.layout import HEARTBEAT, SAVE_NOW
 from tests.rl.local_actor import LocalActor
 
@@ -39,7 +40,7 @@ class FakeExecutor:
             raise ValueError(f"boom in {policy} at {rollout_id}")
         self.world.gets.setdefault(policy, []).append(rollout_id)
         self.positions[policy] = rollout_id + 1
-        return {"rollout_id": rollout_id, "rewards": [1.0, 0.0], "version": 0, "tokens": 4, "seconds": 0.5}
+        return rollout_of_tokens(rollout_id, [], [], [], [1.0, 0.0], 2, tokens=4, seconds=0.5)
 
     async def save(self, folder):
         with self.world.lock:
@@ -222,14 +223,9 @@ def test_teardown_runs_in_reverse_and_survives_failures():
 
 def test_rollout_metrics():
     row = rollout_metrics(
-        {
-            "rollout_id": 3,
-            "rewards": [1.0, 3.0],
-            "version": 2,
-            "tokens": 10,
-            "seconds": 2.0,
-            "true_utility": [4, 0],
-        },
+        rollout_of_tokens(
+            3, [], [], [], [1.0, 3.0], 2, version=2, tokens=10, seconds=2.0, true_utility=[4, 0]
+        ),
         {"kl": 0.1},
         3,
     )

@@ -27,6 +27,7 @@ from hpref.rl.plan import (
     resident_bytes,
     trainer_memory,
 )
+from hpref.rl.rollout_types import rollout_of_tokens
 
 from .tiny import TINY, write_rl_recipe
 
@@ -153,15 +154,14 @@ def test_trainer_estimate_is_within_a_quarter_of_the_measured_peak():
                 prompts.append(ids)
                 completions.append([rng.randrange(3, vocab) for _ in range(rollout.max_new_tokens)])
         trainer.train(
-            {
-                "rollout_id": rollout_id,
-                "group_size": rollout.group_size,
-                "temperature": 1.0,
-                "rewards": [rng.random() for _ in completions],
-                "prompt_ids": prompts,
-                "completions": completions,
-                "logprobs": [[-3.0] * len(c) for c in completions],
-            }
+            rollout_of_tokens(
+                rollout_id,
+                prompts,
+                completions,
+                [[-3.0] * len(c) for c in completions],
+                [rng.random() for _ in completions],
+                rollout.group_size,
+            )
         )
     measured = _peak_bytes() - before
     estimate = trainer_memory(

@@ -1,4 +1,4 @@
-"""The built-in rewards and engines against the seams they plug into (`hpref.rl.protocols`).
+"""The built-in rewards, engines, algorithms and trainer backends against the seams they plug into (`hpref.rl.protocols`).
 
 Wrong if a built-in lost a method the rollout executor or the engine's Ray actor calls, or took it
 with other parameter names than the protocol (a plugin written against the protocol would break).
@@ -14,7 +14,7 @@ import pytest
 from hpref.plugins import load_plugins
 from hpref.recipe.rl import PolicyConfig
 from hpref.rl.backends import trainer_backend
-from hpref.rl.protocols import Engine, GroundTruthReward, Reward, TrainerBackend
+from hpref.rl.protocols import Algorithm, Engine, GroundTruthReward, PairJudge, Reward, TrainerBackend
 
 
 def _protocol_methods(protocol: type) -> dict[str, inspect.Signature]:
@@ -99,11 +99,33 @@ def test_an_object_without_the_weight_updates_is_not_an_engine():
     assert not isinstance(GenerateOnly(), Engine)
 
 
-@pytest.mark.parametrize("name", typing.get_args(typing.get_type_hints(PolicyConfig)["trainer_backend"]))
-def test_every_trainer_backend_a_recipe_may_name_satisfies_the_protocol(name):
-    """Wrong if a `trainer_backend` the recipe accepts had no backend, or one the trainer could not
-    drive through `TrainerBackend` alone (issue #27: no branch on the backend's name)."""
+@pytest.mark.parametrize("name", ["transformers", "megatron"])
+def test_every_registered_trainer_backend_satisfies_the_protocol(name):
+    """Wrong if a built-in `trainer_backend` were not registered through `register_trainer_backends`,
+    or were one the trainer could not drive through `TrainerBackend` alone (issue #27: no branch on
+    the backend's name)."""
+    assert set(load_plugins().components["trainer_backend"]) >= {"transformers", "megatron"}
     backend = trainer_backend(name)
     assert backend.name == name
     assert isinstance(backend, TrainerBackend)
     _check_class(type(backend), TrainerBackend)
+
+
+def test_builtin_algorithms_are_algorithms_and_judging_rewards_judge_pairs():
+    """Wrong if `grpo` / `online-dpo` were not registered through `register_algorithms` or lacked a
+    method the trainer or executor calls, or if a reward whose config says `judges_pairs` could not
+    give online DPO its verdicts (`PairJudge`)."""
+    from hpref.builtin.rewards import JudgeReward, RuleReward
+    from hpref.rl.algorithm_registry import build_algorithm
+    from hpref.rl.grpo import Grpo
+    from hpref.rl.online_dpo import OnlineDpo
+
+    assert set(load_plugins().components["algorithm"]) >= {"grpo", "online-dpo"}
+    for name, cls in (("grpo", Grpo), ("online-dpo", OnlineDpo)):
+        algorithm = build_algorithm("a", PolicyConfig.model_validate({"algorithm": name}))
+        assert isinstance(algorithm, Algorithm) and algorithm.name == name
+        _check_class(cls, Algorithm)
+    for cls in (RuleReward, JudgeReward):
+        _check_class(cls, PairJudge)
+    rule = RuleReward(load_plugins().get("reward", "rule").config())
+    assert isinstance(rule, PairJudge)

@@ -7,6 +7,7 @@ The actors run in-process (no Ray), on the one-block tiny Llama every RL test bu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -121,9 +122,9 @@ def test_kl_reference_is_the_base_with_the_adapters_off(world):
     cfg, _engine, rollouts = world
     t = trainer(cfg, "b")
     assert t.reference is None and t.wants_reference
-    first = t.train({**rollouts[0], "policy": "b"})
+    first = t.train(dataclasses.replace(rollouts[0], policy="b"))
     assert first["kl"] == pytest.approx(0.0, abs=1e-7)
-    second = t.train({**rollouts[1], "policy": "b"})
+    second = t.train(dataclasses.replace(rollouts[1], policy="b"))
     assert second["kl"] > 1e-6
 
 

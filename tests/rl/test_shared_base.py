@@ -96,7 +96,7 @@ def _rollout(policy, rollout_id, seed):
         answer_tokens=(2, 6),
         vocab=250,
     )
-    rollout["policy"] = policy
+    rollout.policy = policy
     return rollout
 
 

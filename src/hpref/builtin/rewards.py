@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,6 +53,9 @@ class _CrossPolicy(_Config):
 
 
 class RuleConfig(_CrossPolicy):
+    #: `judge_answers` gives three-way verdicts (online DPO; `hpref.rl.protocols.PairJudge`)
+    judges_pairs: ClassVar[bool] = True
+
     mode: Literal["utility", "pairwise"] = Field(
         "utility",
         description="utility = the arena judge's latent utility of each answer; pairwise = mean win "
@@ -66,6 +69,8 @@ class RuleConfig(_CrossPolicy):
 
 
 class JudgeConfig(_CrossPolicy):
+    judges_pairs: ClassVar[bool] = True
+
     path: str = Field(description="folder of a preference model exported by `hpref train` + `hpref save`")
     formatter: str = Field(
         "pab", description="the formatter the judge was trained with (a reward model always uses 'answers')"
@@ -150,6 +155,15 @@ class RuleReward:
             out.append(pairwise_rewards(len(answers), win, len(everyone)))
         return out
 
+    def judge_answers(
+        self, prompts: Sequence[Prompt], pairs: Sequence[tuple[str, str]]
+    ) -> list[tuple[float, float, float]]:
+        """Davidson's three outcomes on the two answers' utilities (the arena judge's own model of ties)."""
+        return [
+            self._synthetic.davidson(float(self._utility(p, a)), float(self._utility(p, b)))
+            for p, (a, b) in zip(prompts, pairs, strict=True)
+        ]
+
 
 class JudgeReward:
     """An hpref preference model judging every pair of answers within a group (`ExportScorer`, which
@@ -190,6 +204,18 @@ class JudgeReward:
         """Within-group pairs, and each answer against each opponent, in one batched judging pass
         (both orders of a pair when `symmetric`); a reward model scores each answer alone."""
         return self.scorer.score_groups(prompts, groups, opponents, symmetric=self.config.symmetric)
+
+    def judge_answers(
+        self, prompts: Sequence[Prompt], pairs: Sequence[tuple[str, str]]
+    ) -> list[tuple[float, float, float]]:
+        """The export's (p_first, p_second, p_tie) of each pair, both orders averaged when `symmetric`
+        (a reward model's are Davidson's on its two scores, with its learnt tie strength), in one
+        packed pass."""
+        jobs = [
+            self.scorer.judge_job(tuple(p), a, b, swap=self.config.symmetric)
+            for p, (a, b) in zip(prompts, pairs, strict=True)
+        ]
+        return self.scorer.run(jobs)
 
 
 def build_rule(config: RuleConfig) -> RuleReward:

@@ -54,7 +54,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpref.errors import RecipeError, UserError, did_you_mean
-from hpref.recipe.schema import LoraSection, describe_error, resolve_component
+from hpref.recipe.rl_components import (
+    AlgorithmSection,
+    EngineSection,
+    PromptsSection,
+    RewardSection,
+    resolve_algorithm,
+    resolve_engine,
+    resolve_prompts,
+    resolve_reward,
+)
+from hpref.recipe.schema import LoraSection, describe_error
 
 POLICY_ID = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
@@ -129,9 +139,14 @@ class PolicyLoraSection(LoraSection):
 
 
 class PolicyConfig(_Section):
-    """One policy: its model, optimizer and GRPO settings."""
+    """One policy: its model, optimizer, algorithm and GRPO settings."""
 
     model: PolicyModelConfig = Field(default_factory=PolicyModelConfig, description="the causal LM")
+    algorithm: AlgorithmSection = Field(
+        default_factory=AlgorithmSection,
+        description="how the policy learns from its rollouts: a registered algorithm (grpo, online-dpo) "
+        "by name, or { name = ..., its parameters }",
+    )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
@@ -171,10 +186,11 @@ class PolicyConfig(_Section):
         description="LoRA adapters through PEFT: only they train, the base stays frozen (absent: all "
         "weights train); the recipe's [lora] section is every policy's default",
     )
-    trainer_backend: Literal["transformers", "megatron"] = Field(
+    trainer_backend: str = Field(
         "transformers",
-        description="what the trainer runs the policy on: transformers, or a megatron-core GPTModel "
-        "(weights sent to the engine converted back to the transformers layout; no LoRA)",
+        description="what the trainer runs the policy on (a registered trainer backend): transformers, or "
+        "megatron: a megatron-core GPTModel (weights sent to the engine converted back to the "
+        "transformers layout; no LoRA)",
     )
     trainer_tensor_parallel: int = Field(
         1,
@@ -269,30 +285,6 @@ class RolloutConfig(_Section):
         "update_weights_interval, beyond which the data would be too stale to train on",
     )
     eval_prompts: int = Field(32, ge=0, description="fixed prompts each eval answers greedily")
-
-
-class RewardSection(BaseModel):
-    """`name` picks a registered reward component; every other key is one of its parameters."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field("rule", description="registered reward component (see `hpref components`)")
-
-
-class PromptsSection(BaseModel):
-    """`name` picks a registered prompt source; every other key is one of its parameters."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field("synthetic", description="registered prompt source (see `hpref components`)")
-
-
-class EngineSection(BaseModel):
-    """`name` picks a registered engine component; every other key is one of its parameters."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field("transformers", description="registered engine component (see `hpref components`)")
 
 
 class RLConfig(_Section):
@@ -471,27 +463,18 @@ def parse_rl_section(
     return config
 
 
-def resolve_reward(section: RewardSection, where: str = "recipe", key: str = "rl.reward") -> BaseModel:
-    """A reward component's validated config (`key`: the section, for messages)."""
-    params = dict(section.model_extra or {})
-    return resolve_component("reward", section.name, params, key, where, plain_value_errors=True)
-
-
-def resolve_prompts(section: PromptsSection, where: str = "recipe") -> BaseModel:
-    """The prompt source's validated config."""
-    params = dict(section.model_extra or {})
-    return resolve_component("prompts", section.name, params, "rl.prompts", where, plain_value_errors=True)
-
-
-def resolve_engine(section: EngineSection, where: str = "recipe") -> BaseModel:
-    """The engine component's validated config."""
-    params = dict(section.model_extra or {})
-    return resolve_component("engine", section.name, params, "rl.engine", where, plain_value_errors=True)
-
-
 def resolve_rl_components(config: RLConfig, where: str = "recipe") -> None:
-    """Validate the prompts, reward and engine parameters against their registered components (in
-    place)."""
+    """Validate the prompts, reward, engine and each policy's algorithm parameters against their
+    registered components (in place), and each policy's trainer backend's name."""
+    from hpref.plugins import load_plugins
+
+    registry = load_plugins()
+    for policy, settings in config.policies.items():
+        resolve_algorithm(settings.algorithm, policy, where)
+        try:
+            registry.get("trainer_backend", settings.trainer_backend)
+        except UserError as exc:
+            raise RecipeError(f"{where}: rl.policies.{policy}.trainer_backend: {exc}") from None
     config.prompts_config = resolve_prompts(config.prompts, where)
     config.reward_config = resolve_reward(config.reward, where)
     if config.eval_scorer is not None:

@@ -16,6 +16,9 @@ import copy
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict
+
+from hpref.hookspecs import hookimpl
 from hpref.rl.protocols import TrainerBackend
 
 if TYPE_CHECKING:
@@ -200,12 +203,34 @@ class MegatronBackend:
         release_model_parallel(model.created_group)
 
 
-BACKENDS: dict[str, TrainerBackend] = {"transformers": TransformersBackend(), "megatron": MegatronBackend()}
+class BackendConfig(BaseModel):
+    """A built-in backend takes no parameters: a policy's own keys (ranks, precision, ...) set it up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@hookimpl
+def register_trainer_backends(register):
+    register(
+        name="transformers",
+        config=BackendConfig,
+        build=lambda config: TransformersBackend(),
+        description="the policy's transformers causal LM, FSDP2 over a group's ranks",
+    )
+    register(
+        name="megatron",
+        config=BackendConfig,
+        build=lambda config: MegatronBackend(),
+        description="a megatron-core GPTModel holding the same weights, tensor parallel over a group",
+    )
 
 
 def trainer_backend(name: str) -> TrainerBackend:
-    """The backend a policy's `trainer_backend` names (the recipe allows only these)."""
-    return BACKENDS[name]
+    """The registered backend a policy's `trainer_backend` names (checked when the recipe is read)."""
+    from hpref.plugins import load_plugins
+
+    component = load_plugins().get("trainer_backend", name)
+    return component.build(component.config())
 
 
 def check_backends(config: RLConfig, policies: list[str], where: str) -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpref.runfolder.files import append_json_line, read_json_lines, write_text_atomic
 from hpref.runfolder.layout import RL_EVAL_ANSWERS, RL_METRICS
+
+if TYPE_CHECKING:
+    from hpref.rl.rollout_types import Rollout
 
 
 class MetricsWriter:
@@ -64,25 +67,27 @@ def keep_row(row: dict[str, Any], start: int) -> bool:
     return row["rollout"] <= start if row.get("eval") else row["rollout"] < start
 
 
-def rollout_metrics(rollout: dict[str, Any], stats: dict[str, float], version: int | None) -> dict[str, Any]:
-    """The metrics row of one policy's rollout: reward and true utility, throughput, versions."""
-    rewards = rollout["rewards"]
+def rollout_metrics(rollout: Rollout, stats: dict[str, float], version: int | None) -> dict[str, Any]:
+    """The metrics row of one policy's rollout: reward and true utility, throughput, versions, and
+    for a pairwise algorithm the share of its judged pairs that were ties."""
+    rewards = rollout.rewards
     mean = sum(rewards) / len(rewards)
     row: dict[str, Any] = {
-        "rollout": rollout["rollout_id"],
+        "rollout": rollout.rollout_id,
         "reward_mean": mean,
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-        "data_version": rollout["version"],
+        "data_version": rollout.version,
         "weight_version": version,
-        "gen_tokens": rollout["tokens"],
-        "answer_tokens": rollout["tokens"] / max(len(rewards), 1),  # one reward per answer
-        "gen_tokens_per_s": rollout["tokens"] / max(rollout["seconds"], 1e-9),
-        "opponent_tokens": rollout.get("opponent_tokens", 0),
-        "stale_regenerated": bool(rollout.get("stale_regenerated", False)),
+        "gen_tokens": rollout.tokens,
+        "answer_tokens": rollout.tokens / max(len(rewards), 1),  # one reward per answer
+        "gen_tokens_per_s": rollout.tokens / max(rollout.seconds, 1e-9),
+        "opponent_tokens": rollout.opponent_tokens,
+        "stale_regenerated": rollout.stale_regenerated,
     }
-    truth = rollout.get("true_utility")
-    if truth:
-        row["true_utility"] = sum(truth) / len(truth)
+    if rollout.true_utility:
+        row["true_utility"] = sum(rollout.true_utility) / len(rollout.true_utility)
+    if rollout.verdicts:
+        row["judged_tie_share"] = sum(v[2] for v in rollout.verdicts) / len(rollout.verdicts)
     row.update(stats)
     return row
 

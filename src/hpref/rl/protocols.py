@@ -1,4 +1,5 @@
-"""The seams of `hpref rl` as `typing.Protocol`s: what a reward and an engine component must be.
+"""The seams of `hpref rl` as `typing.Protocol`s: what a reward, an engine, an algorithm and a trainer
+backend must be.
 
 A plugin's `register_rewards` / `register_engines` (`hpref.hookspecs`) registers a `build` that
 returns such an object; the rollout executor and the engine's Ray actor call nothing else. The
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from hpref.recipe.rl import PolicyModelConfig, RLConfig
+    from hpref.rl.rollout_types import Rollout, TrainingRows, Verdict
 
 Prompt = tuple[str, ...]  # one conversation's turns: user, assistant, ..., user (the one to answer)
 
@@ -57,6 +59,62 @@ class Reward(Protocol):
     ) -> list[list[float]]:
         """One reward per answer: `groups[i]` are one policy's answers to `prompts[i]`; the result
         has the same shape. `opponents[i]`, when wanted, are the other policies' answers to it."""
+        ...
+
+
+@runtime_checkable
+class PairJudge(Reward, Protocol):
+    """A reward that also gives the three-way verdict on answer pairs, what online DPO trains on."""
+
+    def judge_answers(self, prompts: Sequence[Prompt], pairs: Sequence[tuple[str, str]]) -> list[Verdict]:
+        """(P(first preferred), P(second preferred), P(tie)) of each pair of answers to `prompts[i]`:
+        a tie is a tie, and a judge reads both orders and averages them (no position bias)."""
+        ...
+
+
+@runtime_checkable
+class Algorithm(Protocol):
+    """How a policy learns from its rollouts (a policy's `algorithm`; `register_algorithms`).
+
+    The rollout executor builds one per policy to learn what its rollouts must carry; the trainer
+    builds one per policy it trains and calls `prepare` once per rollout, then `loss` on every
+    micro-batch of every pass (the trainer runs the forward passes, the backward, clipping, the
+    optimizer step and the reductions over a group's ranks), then `summarise` on the summed stats.
+    """
+
+    #: the registered name
+    name: str
+    #: the executor judges answer pairs (`PairJudge.judge_answers`) into `Rollout.pairs` / `verdicts`
+    needs_preferences: bool
+    #: the pairs are the policy's answers against other policies' answers to the same prompts
+    cross_policy: bool
+
+    def check(self, policy: str, config: RLConfig, where: str) -> None:
+        """Before any actor starts: one `RecipeError` line for a setting this algorithm cannot run
+        with (the rollout's group size, the reward)."""
+        ...
+
+    def wants_reference(self) -> bool:
+        """Whether a step needs the starting policy's log-probs (`batch["ref"]`)."""
+        ...
+
+    def prepare(self, rollout: Rollout, tokenizer: PreTrainedTokenizerBase) -> TrainingRows:
+        """The rows a step trains on and the per-row values its loss reads."""
+        ...
+
+    def loss(
+        self, logprobs: torch.Tensor, batch: dict[str, Any], rows: list[int], prepared: TrainingRows
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch: `logprobs [B, T]` of `rows` (indices into `prepared`'s rows, whole groups)
+        under the policy, with `batch["mask"]` (1 on answer tokens), `batch["ref"]` (the reference's,
+        when wanted) and `batch["old"]` (the engine's, when `prepared.behaviour` is set). Returns the
+        loss as this micro-batch's share of the step's loss (the trainer back-propagates it as is,
+        so the micro-batches of a step add up to the one-batch loss) and statistics as sums that
+        add up over micro-batches and ranks."""
+        ...
+
+    def summarise(self, sums: dict[str, float]) -> dict[str, float]:
+        """The metrics of a step from the summed statistics of its micro-batches (over every rank)."""
         ...
 
 

@@ -14,9 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from hpref.data.prompts import Prompt, stream_rng
+from hpref.errors import UserError
 from hpref.recipe.rl import RLConfig, RolloutConfig
+from hpref.rl.algorithm_registry import build_algorithm
 from hpref.rl.evaluation import eval_report, scorer_report
 from hpref.rl.policy import apply_env
+from hpref.rl.protocols import PairJudge
+from hpref.rl.rollout_types import Rollout
 
 if TYPE_CHECKING:
     from hpref.rl.protocols import PromptSource, Reward
@@ -181,6 +185,14 @@ class RolloutExecutor:
         self.truth = getattr(self.reward, "true_utility", None) if self.prompts.ground_truth else None
         self.policies = list(policies)
         self.engines = engines
+        #: each policy's algorithm: what its rollouts carry (judged pairs for online DPO)
+        self.algorithms = {p: build_algorithm(p, self.config.policies[p]) for p in self.policies}
+        if any(a.needs_preferences for a in self.algorithms.values()) and not isinstance(
+            self.reward, PairJudge
+        ):
+            raise UserError(
+                f"rl.reward: '{self.config.reward.name}' does not judge answer pairs (judge_answers)"
+            )
         #: a shared base's one engine serves every policy's adapter, requests batched together
         passes = int(getattr(self.config.engine_config, "batch_rows", 0) or 0)
         self.batcher = RequestBatcher(engines[self.policies[0]], passes) if self.config.share_base else None
@@ -205,8 +217,19 @@ class RolloutExecutor:
             return await self.engines[policy].get_version.remote()
         return await self.engines[policy].get_version.remote(adapter=policy)
 
-    def _wants_opponents(self) -> bool:
-        return len(self.policies) > 1 and bool(getattr(self.reward, "wants_opponents", False))
+    def _wants_opponents(self, policy: str | None = None) -> bool:
+        """Whether other policies' answers are wanted: by the reward (cross-policy judging), or by
+        `policy`'s algorithm (cross-policy pairs); with no `policy`, by anyone."""
+        if len(self.policies) < 2:
+            return False
+        reward_wants = bool(getattr(self.reward, "wants_opponents", False))
+
+        def wants(q: str) -> bool:
+            algorithm = self.algorithms[q]
+            # a pairwise algorithm judges its own pairs: the reward's cross-policy setting is not its
+            return algorithm.cross_policy if algorithm.needs_preferences else reward_wants
+
+        return any(wants(q) for q in ([policy] if policy is not None else self.policies))
 
     async def _opponents(
         self, policy: str, rollout_id: int, prompts: list[tuple[str, ...]]
@@ -249,7 +272,7 @@ class RolloutExecutor:
         for key in [key for key in self._answers if key[1] < oldest]:
             del self._answers[key]
 
-    async def _produce(self, policy: str, rollout_id: int) -> dict[str, Any]:
+    async def _produce(self, policy: str, rollout_id: int) -> Rollout:
         rollout = self.config.policy_rollout(policy)
         prompts = rollout_prompts(self.prompts, rollout, rollout_id)
         out = await self._generate(
@@ -263,27 +286,39 @@ class RolloutExecutor:
         )
         g = rollout.group_size
         groups = [out["texts"][i * g : (i + 1) * g] for i in range(len(prompts))]
-        if self._wants_opponents():
+        algorithm = self.algorithms[policy]
+        judged: dict[str, Any] = {}
+        opponents, opponent_tokens = None, 0
+        if self._wants_opponents():  # someone judges against this policy's answers: lend them
             self._answers[(policy, rollout_id)] = groups
+        if self._wants_opponents(policy):
             opponents, opponent_tokens = await self._opponents(policy, rollout_id, prompts)
-            # a judge model's forward pass would block the event loop that serves every policy's get()
-            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups, opponents)
+        # a judge model's forward pass would block the event loop that serves every policy's get()
+        if algorithm.needs_preferences:
+            from hpref.rl.online_dpo import judged_pairs
+
+            rivals = opponents if algorithm.cross_policy else None
+            pairs, verdicts, opponent_texts, rewards = await asyncio.to_thread(
+                judged_pairs, self.reward, prompts, groups, rivals
+            )
+            judged = {"pairs": pairs, "verdicts": verdicts, "opponent_texts": opponent_texts}
         else:
-            opponent_tokens = 0
-            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups)
+            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups, opponents)
+            rewards = [float(s) for group in scores for s in group]
         truth = self.truth
-        out.update(
+        return Rollout.from_generation(
+            out,
             rollout_id=rollout_id,
             policy=policy,
             group_size=g,
             temperature=rollout.temperature,
             opponent_tokens=opponent_tokens,
-            rewards=[float(s) for group in scores for s in group],
+            rewards=rewards,
             true_utility=[truth(p, a) for p, group in zip(prompts, groups, strict=True) for a in group]
             if truth
             else None,
+            **judged,
         )
-        return out
 
     def _prefetch(self, policy: str, after: int) -> None:
         """Start generating the rollouts after `after` that can still be fresh when trained on.
@@ -308,7 +343,7 @@ class RolloutExecutor:
         for q in self.policies:
             self._prefetch(q, taken)
 
-    async def get(self, rollout_id: int, policy: str) -> dict[str, Any]:
+    async def get(self, rollout_id: int, policy: str) -> Rollout:
         if policy not in self.positions:
             raise KeyError(f"rollout executor: unknown policy '{policy}'")
         if rollout_id != self.positions[policy]:
@@ -322,7 +357,7 @@ class RolloutExecutor:
         decision = staleness_decision(
             policy,
             rollout_id,
-            None if data is None else data["version"],
+            None if data is None else data.version,
             engine_version,
             self.config.update_weights_interval,
             self.config.staleness_limit,
@@ -330,7 +365,7 @@ class RolloutExecutor:
         if decision == "regenerate":
             data = await self._produce(policy, rollout_id)
         assert data is not None
-        data["stale_regenerated"] = task is not None and decision == "regenerate"
+        data.stale_regenerated = task is not None and decision == "regenerate"
         self.positions[policy] = rollout_id + 1
         self._forget_answers()
         if self.batcher is not None:

@@ -1,6 +1,10 @@
-"""The trainer of one `hpref rl` policy: a GRPO step per rollout, weights for its engine, save and load.
+"""The trainer of one `hpref rl` policy: a step of its algorithm per rollout, weights for its engine,
+save and load.
 
-The numbers of the step (advantages, the clipped loss, the k3 KL) are `hpref.rl.algorithms`; the
+What a step trains on and its loss are the policy's algorithm's (`hpref.rl.protocols.Algorithm`,
+built by `hpref.rl.algorithm_registry`: `grpo` (`hpref.rl.grpo`), `online-dpo`
+(`hpref.rl.online_dpo`) or a plugin's); the trainer runs the micro-batches, the optimizer and the
+group's reductions. The
 padding maths is `hpref.rl.policy` (`group_batch`: each prompt once with its group's answers on its
 KV cache; `pad_batch` for the megatron model, which takes no cache). The policy's model is a
 transformers causal LM, or with `trainer_backend = "megatron"` a megatron-core GPTModel
@@ -32,6 +36,7 @@ from hpref.rl.policy import (
     shares_prefix,
     whole_groups,
 )
+from hpref.rl.rollout_types import Rollout, TrainingRows
 from hpref.rl.rollouts import expected_version
 
 if TYPE_CHECKING:
@@ -52,6 +57,14 @@ class PolicySlot:
     trainable: list[Any] = field(default_factory=list)
     rollouts_done: int = 0
     version: int = 0
+    #: how it learns (`hpref.rl.protocols.Algorithm`, the policy's `algorithm`)
+    algorithm: Any = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm is None:
+            from hpref.rl.algorithm_registry import build_algorithm
+
+            self.algorithm = build_algorithm(self.policy, self.config)
 
 
 def _slot_attribute(name: str) -> property:
@@ -67,8 +80,8 @@ def _slot_attribute(name: str) -> property:
 
 
 class TrainerActor:
-    """GRPO for one policy, or for every LoRA policy of a shared base: a step per rollout, weights
-    for the engine, save and load."""
+    """One policy, or every LoRA policy of a shared base: a step of its algorithm per rollout,
+    weights for the engine, save and load."""
 
     policy = _slot_attribute("policy")
     config = _slot_attribute("config")
@@ -208,8 +221,9 @@ class TrainerActor:
 
     @property
     def wants_reference(self) -> bool:
-        """Whether the active policy's step needs its start's log-probs (a KL term or its measure)."""
-        return self.config.kl_coef > 0 or self.config.measure_kl
+        """Whether the active policy's step needs its start's log-probs (its algorithm's call: GRPO's KL
+        term or its measure, DPO's reference)."""
+        return self.active.algorithm.wants_reference()
 
     def select(self, policy: str | None) -> None:
         """Work on `policy` (None: the one the trainer has); on a shared base, its adapter is the
@@ -244,77 +258,60 @@ class TrainerActor:
         if self.world_size > 1:
             leave_group()
 
-    def train(self, rollout: dict[str, Any]) -> dict[str, float]:
-        """One GRPO update on a rollout (`epochs_per_rollout` passes); returns its metrics.
+    def train(self, rollout: Rollout) -> dict[str, float]:
+        """One update of the policy's algorithm on a rollout (`epochs_per_rollout` passes); returns
+        its metrics.
 
-        A pass runs the rollout's answers in micro-batches of at most `micro_batch_tokens` padded
-        tokens (whole prompt groups, or rows, of similar length together: `_micro_batches`) and
-        accumulates their gradients before one optimizer step. Each micro-batch's loss is weighted
-        by its share of the rollout's tokens (token-mean) or answers (sequence-mean), so the step
-        equals the one-batch step. In a group each rank runs its share of the prompt groups
-        (`hpref.rl.sharding`) and every rank returns the group's metrics."""
+        The algorithm (`hpref.rl.protocols.Algorithm`: GRPO, online DPO, a plugin's) says which rows
+        the step trains on and the loss of each micro-batch; the trainer runs them in micro-batches of
+        at most `micro_batch_tokens` padded tokens (whole prompt groups, or rows, of similar length
+        together: `_micro_batches`) and accumulates their gradients before one optimizer step. Each
+        micro-batch's loss is its share of the step's, so the step equals the one-batch step. In a
+        group each rank runs its share of the prompt groups (`hpref.rl.sharding`) and every rank
+        returns the group's metrics."""
         import torch
 
-        from hpref.rl.algorithms import group_advantages, policy_loss
-
-        self.select(rollout.get("policy") if self.shared else None)
-        if rollout["rollout_id"] != self.rollouts_done:
+        self.select(rollout.policy if self.shared else None)
+        if rollout.rollout_id != self.rollouts_done:
             raise RuntimeError(
-                f"trainer '{self.policy}' got rollout {rollout['rollout_id']}, expected {self.rollouts_done}"
+                f"trainer '{self.policy}' got rollout {rollout.rollout_id}, expected {self.rollouts_done}"
             )
         start = time.perf_counter()
         # the last sync's merged state dict is garbage now (Ray has sent it): hand its pages back
         release_freed_memory()
-        cfg = self.config
-        rewards = torch.tensor(rollout["rewards"], dtype=torch.float32)
-        adv = group_advantages(rewards, rollout["group_size"], scale_by_std=cfg.scale_by_std)
-        completions = rollout["completions"]
-        total_tokens = max(sum(len(c) for c in completions), 1)
+        cfg, algorithm = self.config, self.active.algorithm
+        prepared = algorithm.prepare(rollout, self.tokenizer)
+        total_tokens = max(sum(len(c) for c in prepared.completions), 1)
         batches = []
-        for batch, rows in self._micro_batches(rollout):
-            # the engine's (behaviour) log-probs where the mask is 1: row by row, in token order
-            behaviour = torch.tensor([lp for i in rows for lp in rollout["logprobs"][i]], dtype=torch.float32)
-            old = torch.zeros_like(batch["mask"]).masked_scatter(batch["mask"].bool(), behaviour)
-            weight = (
-                float(batch["mask"].sum()) / total_tokens
-                if cfg.aggregation == "token-mean"
-                else len(rows) / len(completions)
-            )
-            if batch.get("padding"):
-                weight = 0.0
-            # FSDP2 averages gradients over the group: scaled back up, the group sums them
-            batch.update(old=old, adv=adv[rows], weight=weight * self.data_ranks)
+        for batch, rows in self._micro_batches(prepared):
+            if prepared.behaviour is not None:
+                # the engine's (behaviour) log-probs where the mask is 1: row by row, in token order
+                behaviour = torch.tensor(
+                    [lp for i in rows for lp in prepared.behaviour[i]], dtype=torch.float32
+                )
+                batch["old"] = torch.zeros_like(batch["mask"]).masked_scatter(batch["mask"].bool(), behaviour)
             batch = self._on_device(batch)
-            batch["ref"] = self._reference_logprobs(batch, rollout["temperature"])
+            batch["rows"] = rows
+            batch["ref"] = self._reference_logprobs(batch, prepared.temperature)
             batches.append(batch)
         model = self.root if self.root is not None else self.model
         stats: dict[str, float] = {}
         for epoch in range(cfg.epochs_per_rollout):
             self.optimizer.zero_grad(set_to_none=True)
-            sums = dict.fromkeys(("loss", "kl", "clip_fraction", "ratio_mean", "mismatch"), 0.0)
+            sums: dict[str, float] = {"mismatch": 0.0}
             sums["micro_batches"] = float(sum(not b.get("padding") for b in batches))  # the group's, summed
             worst = 0.0
             for batch in batches:
-                logp = self._logprobs(model, batch, rollout["temperature"])
-                out = policy_loss(
-                    logp,
-                    batch["old"],
-                    batch["adv"],
-                    batch["mask"],
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    ref_logprobs=batch["ref"],
-                    kl_coef=cfg.kl_coef,
-                    aggregation=cfg.aggregation,
-                )
-                (out.loss * batch["weight"]).backward()
+                logp = self._logprobs(model, batch, prepared.temperature)
+                loss, own = algorithm.loss(logp, batch, batch["rows"], prepared)
+                # a group's padding pass runs the backward FSDP2 needs from every rank, adding nothing;
+                # FSDP2 averages gradients over the group: scaled back up, the group sums them
+                (loss * (0.0 if batch.get("padding") else self.data_ranks)).backward()
                 if batch.get("padding"):
-                    continue  # a group's padding pass: no tokens of the rollout
-                share = float(batch["mask"].sum()) / total_tokens  # statistics are token means
-                sums["loss"] += float(out.loss.detach()) * batch["weight"] / self.data_ranks
-                for key in ("kl", "clip_fraction", "ratio_mean"):
-                    sums[key] += float(getattr(out, key)) * share
-                if epoch == 0:  # before any step: the trainer's and the engine's view of one policy
+                    continue
+                for key, value in own.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                if epoch == 0 and "old" in batch:  # before any step: the trainer's and the engine's view
                     gap = (logp.detach() - batch["old"]).abs() * batch["mask"]
                     sums["mismatch"] += float(gap.sum())
                     worst = max(worst, float(gap.max()))
@@ -329,12 +326,14 @@ class TrainerActor:
 
                 sums, maxes = reduce_stats(sums, {"worst": worst})
                 worst, grad_norm = maxes["worst"], full(grad_norm)
-            if epoch == 0:
+            if epoch == 0 and prepared.behaviour is not None:
                 stats["engine_trainer_logprob_diff"] = sums["mismatch"] / total_tokens
                 # the largest per-token |log importance ratio| between trainer and engine: one token
                 # far off (a bf16 engine, a stale or half-loaded weight) hides in the mean
                 stats["engine_trainer_logprob_diff_max"] = worst
-            stats.update({k: v for k, v in sums.items() if k != "mismatch"}, grad_norm=float(grad_norm))
+            stats.update(
+                algorithm.summarise(sums), micro_batches=sums["micro_batches"], grad_norm=float(grad_norm)
+            )
         self.rollouts_done += 1
         # glibc keeps a step's freed activations (GiBs at micro_batch_tokens 2,048) in its heaps;
         # without this the process sits at its largest step's peak for the rest of the run, and two
@@ -359,13 +358,14 @@ class TrainerActor:
             return batch
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _micro_batches(self, rollout: dict[str, Any]) -> list[tuple[dict[str, Any], list[int]]]:
-        """This rank's part of the rollout as (batch, its row indices) under `micro_batch_tokens`
+    def _micro_batches(self, prepared: TrainingRows) -> list[tuple[dict[str, Any], list[int]]]:
+        """This rank's part of the step's rows as (batch, its row indices) under `micro_batch_tokens`
         each: whole prompt groups as `group_batch`es where the model takes a KV cache, else rows as
-        `pad_batch`es. A group's ranks split the groups (or rows) by padded tokens and every rank
-        gets as many micro-batches as the busiest one (weight-0 `padding` ones added)."""
-        prompts, completions = rollout["prompt_ids"], rollout["completions"]
-        pad, group = self.tokenizer.pad_token_id, rollout["group_size"]
+        `pad_batch`es (whole groups still, when the algorithm pairs rows: online DPO). A group's
+        ranks split the groups (or rows) by padded tokens and every rank gets as many micro-batches
+        as the busiest one (weight-0 `padding` ones added)."""
+        prompts, completions = prepared.prompts, prepared.completions
+        pad, group = self.tokenizer.pad_token_id, prepared.group
         if shares_prefix(self.model) and whole_groups(prompts, group):
             # a group's padded cost: its prompt once and its answers at their longest
             answers = [completions[g : g + group] for g in range(0, len(completions), group)]
@@ -378,10 +378,16 @@ class TrainerActor:
                 ), rows
 
         else:
-            costs = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+            # rows, or whole groups of rows when the loss reads a group together (online DPO's pairs)
+            unit = group if prepared.whole_groups else 1
+            costs = [
+                sum(len(prompts[i]) + len(completions[i]) for i in range(u * unit, (u + 1) * unit))
+                for u in range(len(completions) // unit)
+            ]
 
             def make(items: list[int]) -> tuple[dict[str, Any], list[int]]:
-                return pad_batch([prompts[i] for i in items], [completions[i] for i in items], pad), items
+                rows = [u * unit + j for u in items for j in range(unit)]
+                return pad_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad), rows
 
         mine = list(range(len(costs)))
         if self.data_ranks > 1:

@@ -1,0 +1,51 @@
+"""The built-in RL algorithms, registered through `register_algorithms` like a plugin's, and the one
+place a policy's algorithm is built (`build_algorithm`: the trainer, the rollout executor and the
+launcher's checks all ask it). torch is imported only when an algorithm runs: `hpref --help` loads
+this module."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hpref.hookspecs import hookimpl
+from hpref.rl.grpo import GrpoConfig, build_grpo
+from hpref.rl.online_dpo import OnlineDpoConfig, build_online_dpo
+
+if TYPE_CHECKING:
+    from hpref.recipe.rl import PolicyConfig, RLConfig
+    from hpref.rl.protocols import Algorithm
+
+
+@hookimpl
+def register_algorithms(register):
+    register(name="grpo", config=GrpoConfig, build=build_grpo)
+    register(name="online-dpo", config=OnlineDpoConfig, build=build_online_dpo)
+
+
+def build_algorithm(policy: str, settings: PolicyConfig, where: str = "recipe") -> Algorithm:
+    """The policy's algorithm, its parameters validated (`rl.policies.<policy>.algorithm`)."""
+    from hpref.plugins import load_plugins
+    from hpref.recipe.rl_components import resolve_algorithm
+
+    config = resolve_algorithm(settings.algorithm, policy, where)
+    return load_plugins().get("algorithm", settings.algorithm.name).build(config, settings)
+
+
+def check_algorithms(config: RLConfig, policies: list[str], where: str) -> None:
+    """Before any actor starts: each policy's algorithm accepts the run's settings, and an algorithm
+    that trains on judged pairs has a reward whose config says it judges pairs (`judges_pairs`: the
+    built-in judge and rule rewards; `hpref.rl.protocols.PairJudge`), one line naming the key."""
+    from hpref.errors import RecipeError
+    from hpref.recipe.rl import resolve_reward
+
+    reward = (
+        config.reward_config if config.reward_config is not None else resolve_reward(config.reward, where)
+    )
+    for policy in policies:
+        algorithm = build_algorithm(policy, config.policies[policy], where)
+        algorithm.check(policy, config, where)
+        if algorithm.needs_preferences and not getattr(type(reward), "judges_pairs", False):
+            raise RecipeError(
+                f"{where}: rl.policies.{policy}.algorithm: {algorithm.name} trains on judged answer pairs, "
+                f"and the reward '{config.reward.name}' does not judge pairs (judge and rule do)"
+            )

@@ -1,0 +1,187 @@
+"""Online DPO as an `hpref.rl.protocols.Algorithm` (`algorithm = "online-dpo"`): each prompt's answers
+are sampled from the policy in pairs, the run's reward judges each pair three ways (a judge reads
+both orders and averages them; a tie stays a tie: `PairJudge.judge_answers`), and the policy takes
+the DPO-family loss of `hpref.models.dpo_loss` on the judged pairs against its start (the
+reference: the base with the adapters off for LoRA, a frozen copy otherwise) — Guo et al., 2024
+("Direct Language Model Alignment from Online AI Feedback"), TRL's `OnlineDPOTrainer`.
+
+With `pairs = "cross"` and several policies, each answer is paired with another policy's answer to the
+same prompt (the executor's opponents, `RolloutExecutor._opponents`): the policy learns from how its
+answers fare against its rivals', judged by the same judge — cross-policy DPO. The opponent's answer
+is re-read in this policy's tokens, so the policies need not share a tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from hpref.errors import RecipeError
+from hpref.models.dpo_loss import LossType
+from hpref.rl.rollout_types import Rollout, TrainingRows, Verdict
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpref.recipe.rl import PolicyConfig, RLConfig
+    from hpref.rl.protocols import PairJudge
+
+Prompt = tuple[str, ...]
+
+
+class OnlineDpoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    beta: float = Field(0.1, gt=0, description="DPO's beta: the weight of the log-ratio to the reference")
+    loss_type: LossType = Field(
+        "davidson",
+        description="sigmoid (DPO; a tie counts half a win each way), ipo, or davidson (tie-aware DPO-D, "
+        "Chen et al. 2024: a tie pulls the two answers' implicit rewards together)",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="conservative DPO's label noise (sigmoid and davidson)"
+    )
+    tie_strength: float = Field(
+        1.0, gt=0, description="Davidson's nu: P(tie) at equal rewards is nu / (2 + nu)"
+    )
+    pairs: Literal["own", "cross"] = Field(
+        "own",
+        description="own = the policy's answers paired two by two; cross = each answer against another "
+        "policy's answer to the same prompt (several policies)",
+    )
+
+    @model_validator(mode="after")
+    def _smoothing_fits(self) -> OnlineDpoConfig:
+        if self.loss_type == "ipo" and self.label_smoothing:
+            raise ValueError("label_smoothing is for the sigmoid and davidson losses; IPO has none")
+        return self
+
+
+class OnlineDpo:
+    name = "online-dpo"
+    needs_preferences = True
+
+    def __init__(self, config: OnlineDpoConfig, policy: PolicyConfig) -> None:
+        self.config = config
+        self.cross_policy = config.pairs == "cross"
+
+    def check(self, policy: str, config: RLConfig, where: str) -> None:
+        key = f"{where}: rl.policies.{policy}.algorithm"
+        group = config.rollout.group_size
+        if not self.cross_policy and group % 2:
+            raise RecipeError(
+                f"{key}: online-dpo pairs a prompt's answers two by two, and rl.rollout.group_size is "
+                f"{group}; make it even (2 is online DPO's usual)"
+            )
+        if self.cross_policy and len(config.policies) < 2:
+            raise RecipeError(f"{key}.pairs: 'cross' pairs answers with another policy's; the recipe has one")
+
+    def wants_reference(self) -> bool:
+        return True
+
+    def prepare(self, rollout: Rollout, tokenizer: Any) -> TrainingRows:
+        """Each judged pair as two consecutive rows sharing the prompt; an opponent's answer in this
+        policy's tokens (ending in its eos, as a sampled answer does)."""
+        import torch
+
+        if not rollout.pairs:
+            raise RuntimeError(
+                f"online-dpo: rollout {rollout.rollout_id} of '{rollout.policy}' has no judged pairs"
+            )
+        own = len(rollout.completions)
+        eos = tokenizer.eos_token_id
+        prompts, completions = [], []
+        for first, second in rollout.pairs:
+            for row in (first, second):
+                prompts.append(rollout.prompt_ids[first])
+                if row < own:
+                    completions.append(rollout.completions[row])
+                else:
+                    text = rollout.opponent_texts[row - own]
+                    completions.append(tokenizer.encode(text, add_special_tokens=False) + [eos])
+        return TrainingRows(
+            prompts=prompts,
+            completions=completions,
+            group=2,
+            behaviour=None,  # DPO compares the policy with its reference, not with the sampler
+            temperature=1.0,  # the policy's own distribution, as DPO's implicit reward reads it
+            values=torch.tensor(rollout.verdicts, dtype=torch.float32),
+            whole_groups=True,
+        )
+
+    def loss(
+        self, logprobs: torch.Tensor, batch: dict[str, Any], rows: list[int], prepared: TrainingRows
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        from hpref.models.dpo_loss import answer_logprobs, dpo_loss, pair_metrics
+
+        cfg = self.config
+        mask = batch["mask"]
+        answer = answer_logprobs(logprobs, mask, cfg.loss_type)
+        reference = answer_logprobs(batch["ref"], mask, cfg.loss_type)
+        targets = prepared.values[[r // 2 for r in rows[0::2]]].to(answer.device)
+        out = dpo_loss(
+            answer[0::2],
+            answer[1::2],
+            reference[0::2],
+            reference[1::2],
+            targets,
+            beta=cfg.beta,
+            loss_type=cfg.loss_type,
+            label_smoothing=cfg.label_smoothing,
+            tie_strength=cfg.tie_strength,
+        )
+        pairs = len(prepared.completions) // 2
+        stats = pair_metrics(out, targets, answer[0::2], answer[1::2])
+        return out.loss.sum() / pairs, stats
+
+    def summarise(self, sums: dict[str, float]) -> dict[str, float]:
+        from hpref.models.dpo_loss import mean_metrics
+
+        return mean_metrics(sums)
+
+
+def build_online_dpo(config: OnlineDpoConfig, policy: PolicyConfig) -> OnlineDpo:
+    """Online DPO: pairs of the policy's answers (or against other policies'), judged three ways by the
+    reward, trained with DPO, IPO or tie-aware DPO against the start."""
+    return OnlineDpo(config, policy)
+
+
+def judged_pairs(
+    judge: PairJudge,
+    prompts: Sequence[Prompt],
+    groups: Sequence[Sequence[str]],
+    opponents: Sequence[Sequence[str]] | None = None,
+) -> tuple[list[tuple[int, int]], list[Verdict], list[str], list[float]]:
+    """Pair a rollout's answers and judge them: (pairs as rows, verdicts, opponent texts, a reward per
+    answer). Without `opponents` a group's answers pair two by two (rows 2k, 2k + 1); with them each
+    answer pairs with one opponent answer to its prompt, taken in turn. An answer's reward is its
+    mean P(preferred) + half P(tie) over its pairs: the pairwise reward GRPO's judge gives."""
+    pairs: list[tuple[int, int]] = []
+    texts: list[tuple[str, str]] = []
+    pair_prompts: list[Prompt] = []
+    opponent_texts: list[str] = []
+    own = sum(len(g) for g in groups)
+    row = 0
+    for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
+        rivals = list(opponents[g]) if opponents else []
+        for k, answer in enumerate(answers):
+            if rivals:
+                opponent_texts.append(rivals[k % len(rivals)])
+                pairs.append((row + k, own + len(opponent_texts) - 1))
+                texts.append((answer, opponent_texts[-1]))
+                pair_prompts.append(prompt)
+            elif k % 2 == 0:
+                pairs.append((row + k, row + k + 1))
+                texts.append((answer, answers[k + 1]))
+                pair_prompts.append(prompt)
+        row += len(answers)
+    verdicts = [tuple(float(p) for p in v) for v in judge.judge_answers(pair_prompts, texts)]
+    scores: list[list[float]] = [[] for _ in range(own)]
+    for (first, second), (p_first, p_second, p_tie) in zip(pairs, verdicts, strict=True):
+        scores[first].append(p_first + 0.5 * p_tie)
+        if second < own:
+            scores[second].append(p_second + 0.5 * p_tie)
+    rewards = [sum(s) / len(s) for s in scores]
+    return pairs, verdicts, opponent_texts, rewards  # type: ignore[return-value]

@@ -1,0 +1,114 @@
+"""What travels through `hpref rl`, typed: an engine's `Generation`, and the `Rollout` the executor
+makes of it (answers + rewards, and the judged pairs a pairwise algorithm asks for), which the driver
+hands to the trainer and to the metrics row. One object from the executor on, filled in one place
+(`hpref.rl.rollouts.RolloutExecutor._produce`); the driver marks a regenerated one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+#: a three-way verdict on an answer pair: (P(first preferred), P(second preferred), P(tie))
+Verdict = tuple[float, float, float]
+
+
+class Generation(TypedDict):
+    """What every engine's `generate` returns (`hpref.rl.protocols.Engine`; built by
+    `hpref.rl.engines.generation_result`)."""
+
+    prompt_ids: list[list[int]]  # each answer's prompt tokens (a group's answers share one prompt)
+    completions: list[list[int]]  # each answer's tokens, eos included
+    logprobs: list[list[float]]  # per completion token, at the sampling temperature
+    texts: list[str]
+    version: int  # the engine's weight version that generated them
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class Rollout:
+    """One policy's rollout: `prompts x group_size` answers (a group's answers consecutive), one
+    reward each, and for an algorithm that `needs_preferences` the verdict of each pair."""
+
+    policy: str
+    rollout_id: int
+    group_size: int
+    temperature: float
+    prompt_ids: list[list[int]]
+    completions: list[list[int]]
+    logprobs: list[list[float]]
+    texts: list[str]
+    version: int
+    tokens: int
+    seconds: float
+    rewards: list[float]
+    #: answer pairs judged for an algorithm that `needs_preferences`, as (row, row): a row below
+    #: len(completions) is the policy's answer, a row from len(completions) on is
+    #: `opponent_texts[row - len(completions)]`, another policy's answer to the first row's prompt
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+    opponent_texts: list[str] = field(default_factory=list)
+    true_utility: list[float] | None = None
+    opponent_tokens: int = 0
+    stale_regenerated: bool = False
+
+    @classmethod
+    def from_generation(cls, out: Generation, **fields) -> Rollout:
+        return cls(
+            prompt_ids=out["prompt_ids"],
+            completions=out["completions"],
+            logprobs=out["logprobs"],
+            texts=out["texts"],
+            version=out["version"],
+            tokens=out["tokens"],
+            seconds=out["seconds"],
+            **fields,
+        )
+
+
+@dataclass
+class TrainingRows:
+    """What a step trains on (`Algorithm.prepare`): rows of (prompt, answer) tokens in groups of `group`
+    consecutive rows that share a prompt (a micro-batch holds whole groups), the log-probs the engine
+    sampled them with (None for rows it did not sample), the temperature the trainer's log-probs are
+    taken at, and the algorithm's own per-row data (`values`)."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    group: int
+    behaviour: list[list[float]] | None
+    temperature: float
+    values: Any = None
+    #: the loss reads a group's rows together (online DPO's pairs): a micro-batch never splits one
+    whole_groups: bool = False
+
+
+def rollout_of_tokens(
+    rollout_id: int,
+    prompt_ids: list[list[int]],
+    completions: list[list[int]],
+    logprobs: list[list[float]],
+    rewards: list[float],
+    group_size: int,
+    temperature: float = 1.0,
+    policy: str = "a",
+    **fields: Any,
+) -> Rollout:
+    """A rollout made of token ids alone, what a trainer reads (tests and benchmarks that step a
+    trainer without an engine): no texts, version 0."""
+    values: dict[str, Any] = {
+        "policy": policy,
+        "rollout_id": rollout_id,
+        "group_size": group_size,
+        "temperature": temperature,
+        "prompt_ids": prompt_ids,
+        "completions": completions,
+        "logprobs": logprobs,
+        "texts": [""] * len(completions),
+        "version": 0,
+        "tokens": sum(len(c) for c in completions),
+        "seconds": 0.0,
+        "rewards": rewards,
+    }
+    return Rollout(**{**values, **fields})
