@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from hpref.errors import RecipeError
 from hpref.recipe.rl import PolicyModelConfig, RLConfig, parse_rl_section
@@ -166,14 +166,16 @@ class DpoSection(Section):
         "rows): error names the row, skip leaves it out (counted in the log)",
     )
 
-    @model_validator(mode="after")
-    def _smoothing_is_sigmoid(self) -> DpoSection:
-        if self.label_smoothing and self.loss_type != "sigmoid":
+    @field_validator("label_smoothing")
+    @classmethod
+    def _smoothing_is_sigmoid(cls, value: float, info: ValidationInfo) -> float:
+        loss_type = info.data.get("loss_type", "sigmoid")
+        if value and loss_type != "sigmoid":
             raise ValueError(
-                f"label_smoothing is cDPO's, for loss_type = 'sigmoid'; '{self.loss_type}' has no "
-                "smoothed form (set label_smoothing = 0)"
+                f"{value} is cDPO's label noise, for loss_type = 'sigmoid'; '{loss_type}' has no smoothed "
+                "form (set label_smoothing = 0)"
             )
-        return self
+        return value
 
 
 class Recipe(Section):

@@ -205,7 +205,7 @@ def _check_export_overlap(to: Path, checkpoint_dir: Path) -> None:
         raise UserError(f"--to {to}: {reason}; name a folder outside it")
 
 
-def _replace_folder(tmp: Path, to: Path, overwrite: bool) -> None:
+def replace_folder(tmp: Path, to: Path, overwrite: bool) -> None:
     """Move the finished `tmp` to `to`. An existing `to` (empty, or an export) is first moved aside
     and deleted only once the new folder is in place, so `to` is always a complete export."""
     import uuid
@@ -266,6 +266,10 @@ def save_export(
     checkpoint_dir = resolve_checkpoint(source, step)
     _check_export_overlap(to, checkpoint_dir)
     recipe = recipe_of_run(checkpoint_dir, recipe_path)
+    if recipe.dpo is not None:  # an offline DPO run: its policy, as a causal-LM folder
+        from hpref.save.policy_export import export_policy
+
+        return export_policy(checkpoint_dir, to, recipe, dtype=dtype, adapter=adapter, overwrite=overwrite)
     if adapter and recipe.lora is None:
         raise UserError(
             f"--adapter: {checkpoint_dir} is a full fine-tuning run (its recipe has no [lora] section); "
@@ -324,7 +328,7 @@ def save_export(
             info["lora"] = "adapter" if adapter else "merged"
         write_text_atomic(tmp / CHECKPOINT_JSON, json.dumps(info, indent=2) + "\n")
         fsync_tree(tmp)
-        _replace_folder(tmp, to, overwrite)
+        replace_folder(tmp, to, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
