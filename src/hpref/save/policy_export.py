@@ -119,7 +119,7 @@ def export_policy(
 
     from hpref.models.causal_lm import policy_folder
     from hpref.runfolder.files import fsync_tree, write_text_atomic
-    from hpref.save.export import replace_folder
+    from hpref.save.target import replace_folder
 
     assert recipe.dpo is not None
     if adapter and recipe.lora is None:
