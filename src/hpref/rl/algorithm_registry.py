@@ -43,7 +43,7 @@ def check_algorithms(config: RLConfig, policies: list[str], where: str) -> None:
     )
     for policy in policies:
         algorithm = build_algorithm(policy, config.policies[policy], where)
-        algorithm.check(policy, config, where)
+        algorithm.check(policy, config, policies, where)
         if algorithm.needs_preferences and not getattr(type(reward), "judges_pairs", False):
             raise RecipeError(
                 f"{where}: rl.policies.{policy}.algorithm: {algorithm.name} trains on judged answer pairs, "

@@ -56,8 +56,10 @@ def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:
 def _check_rl_backends(recipe: Recipe, where: str) -> None:
     """Each policy's trainer backend can be built here (`hpref.rl.backends`: for
     `trainer_backend = "megatron"`, megatron-core installed and an architecture it maps)."""
+    from hpref.rl.algorithm_registry import check_algorithms
     from hpref.rl.backends import check_backends
 
     config = recipe.rl
     assert config is not None
     check_backends(config, sorted(config.policies), where)
+    check_algorithms(config, sorted(config.policies), where)

@@ -32,7 +32,7 @@ class Grpo:
     def __init__(self, config: GrpoConfig, policy: PolicyConfig) -> None:
         self.policy = policy
 
-    def check(self, policy: str, config: RLConfig, where: str) -> None:
+    def check(self, policy: str, config: RLConfig, policies: list[str], where: str) -> None:
         return None  # the policy's GRPO keys are checked with the recipe
 
     def wants_reference(self) -> bool:

@@ -23,6 +23,7 @@ from loguru import logger
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
 from hpref.recipe.rl import RLConfig, resolve_engine, rl_rewards
+from hpref.rl.algorithm_registry import check_algorithms
 from hpref.rl.backends import check_backends, trainer_backend
 from hpref.rl.driver import DriveResult, Handles, drive, restore, sync_bucket_bytes
 from hpref.rl.group import WeightSyncError
@@ -259,6 +260,7 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
         # a wrong target name is one line here, not an actor that dies while it is being built
         check_policy_lora(config, order, where)
     check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
+    check_algorithms(config, order, where)  # e.g. online DPO's pairs: an even group, a judging reward
     check_policy_models(config, order, where)
     # an engine may refuse policies it cannot run (vLLM: head sizes its kernels lack)
     engine = config.engine_config or resolve_engine(config.engine, where)

@@ -87,6 +87,9 @@ def rollout_metrics(rollout: Rollout, stats: dict[str, float], version: int | No
     if rollout.true_utility:
         row["true_utility"] = sum(rollout.true_utility) / len(rollout.true_utility)
     if rollout.verdicts:
+        row["judged_pairs"] = len(rollout.pairs)
+        # pairs against another policy's answer (online DPO's cross-policy pairs)
+        row["cross_policy_pairs"] = sum(second >= len(rollout.completions) for _, second in rollout.pairs)
         row["judged_tie_share"] = sum(v[2] for v in rollout.verdicts) / len(rollout.verdicts)
     row.update(stats)
     return row

@@ -67,7 +67,7 @@ class OnlineDpo:
         self.config = config
         self.cross_policy = config.pairs == "cross"
 
-    def check(self, policy: str, config: RLConfig, where: str) -> None:
+    def check(self, policy: str, config: RLConfig, policies: list[str], where: str) -> None:
         key = f"{where}: rl.policies.{policy}.algorithm"
         group = config.rollout.group_size
         if not self.cross_policy and group % 2:
@@ -75,8 +75,10 @@ class OnlineDpo:
                 f"{key}: online-dpo pairs a prompt's answers two by two, and rl.rollout.group_size is "
                 f"{group}; make it even (2 is online DPO's usual)"
             )
-        if self.cross_policy and len(config.policies) < 2:
-            raise RecipeError(f"{key}.pairs: 'cross' pairs answers with another policy's; the recipe has one")
+        if self.cross_policy and len(policies) < 2:
+            raise RecipeError(
+                f"{key}.pairs: 'cross' pairs each answer with another policy's, and only '{policy}' runs"
+            )
 
     def wants_reference(self) -> bool:
         return True

@@ -89,9 +89,9 @@ class Algorithm(Protocol):
     #: the pairs are the policy's answers against other policies' answers to the same prompts
     cross_policy: bool
 
-    def check(self, policy: str, config: RLConfig, where: str) -> None:
+    def check(self, policy: str, config: RLConfig, policies: list[str], where: str) -> None:
         """Before any actor starts: one `RecipeError` line for a setting this algorithm cannot run
-        with (the rollout's group size, the reward)."""
+        with (the rollout's group size, the policies that run: `policies`)."""
         ...
 
     def wants_reference(self) -> bool:
