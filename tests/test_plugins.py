@@ -107,8 +107,60 @@ def test_example_plugin_is_discovered_and_listed():
     plugins = {p["name"]: p for p in json.loads(result.stdout)["plugins"]}
     example = plugins["example"]
     assert example["distribution"] == "hpref-example" and example["version"] == "0.1.0"
-    assert set(example["hooks"]) == {"register_datasets", "register_schedulers", "register_commands"}
-    assert set(example["components"]) == {"dataset:tsv-pairs", "scheduler:step-decay"}
+    assert set(example["hooks"]) == {
+        "register_datasets",
+        "register_schedulers",
+        "register_commands",
+        "register_algorithms",
+    }
+    assert set(example["components"]) == {"dataset:tsv-pairs", "scheduler:step-decay", "algorithm:best-of-n"}
+
+
+def test_a_plugin_algorithm_trains_an_rl_policy_without_touching_hpref():
+    """The example plugin's `best-of-n` (rejection-sampling fine-tuning), named in a policy's
+    `algorithm`, is built by the trainer from the registry and steps the policy: the best answer of
+    each group gets likelier, the one it dropped is not trained on. Wrong if a plugin could not add
+    an RL algorithm through `register_algorithms` (issue #38), or the trainer still assumed GRPO."""
+    pytest.importorskip("torch")
+    import torch
+
+    from hpref.errors import RecipeError
+    from hpref.recipe.rl import parse_rl_section
+    from hpref.rl.algorithm_registry import check_algorithms
+    from hpref.rl.policy import completion_logprobs, pad_batch
+    from hpref.rl.rollout_types import rollout_of_tokens
+    from hpref.rl.trainer import TrainerActor
+    from tests.rl.tiny import TINY
+
+    data = {
+        "rollout": {"group_size": 2},
+        "defaults": {"model": TINY, "lr": 3e-2, "algorithm": {"name": "best-of-n", "top": 1}},
+        "policies": {"a": {}},
+    }
+    config = parse_rl_section(data, "test")
+    check_algorithms(config, ["a"], "test")
+    prompts, answers = [[1, 5, 6, 3]] * 2, [[20, 21, 22], [30, 31, 32]]
+    rollout = rollout_of_tokens(0, prompts, answers, [[-1.0] * 3] * 2, [0.2, 0.9], 2)
+    trainer = TrainerActor("a", config.policies["a"], 1)
+
+    def logps():
+        with torch.no_grad():
+            return completion_logprobs(trainer.model, pad_batch(prompts, answers, 0), 1.0).sum(-1).tolist()
+
+    before = logps()
+    stats = trainer.train(rollout)
+    after = logps()
+    assert stats["kept_answers"] == 1.0 and stats["loss"] == pytest.approx(-before[1] / 3, rel=1e-4)
+    assert after[1] > before[1] + 0.1  # the best answer (reward 0.9) was trained on
+    with pytest.raises(RecipeError, match="algorithm.top: 2 of a group of 2 keeps every answer"):
+        check_algorithms(
+            parse_rl_section(
+                {**data, "defaults": {**data["defaults"], "algorithm": {"name": "best-of-n", "top": 2}}},
+                "test",
+            ),
+            ["a"],
+            "test",
+        )
 
 
 def test_example_components_listed_with_parameters():

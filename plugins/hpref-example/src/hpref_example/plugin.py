@@ -110,3 +110,83 @@ def register_commands(app: typer.Typer):
         multiplier = component.build(component.config(), steps)
         for step in range(0, steps, every):
             typer.echo(f"{step}\t{multiplier(step):.6f}")
+
+
+# -- an RL algorithm: rejection-sampling fine-tuning ----------------------------------------------
+
+
+class BestOfNConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top: int = Field(1, ge=1, description="answers per prompt trained on: the group's best by reward")
+    min_reward: float | None = Field(None, description="train only on answers scoring at least this")
+
+
+class BestOfN:
+    """Rejection-sampling fine-tuning (RAFT, Dong et al. 2023; ReST's improve step): each prompt's
+    best-rewarded answers are trained on with the supervised loss, the rest are dropped. Written
+    against `hpref.rl.protocols.Algorithm` only: hpref's trainer runs the micro-batches, the
+    optimizer, the group's reductions, saves and resumes."""
+
+    name = "best-of-n"
+    needs_preferences = False
+    cross_policy = False
+
+    def __init__(self, config: BestOfNConfig, policy) -> None:
+        self.config = config
+
+    def check(self, policy, config, policies, where) -> None:
+        from hpref.errors import RecipeError
+
+        if self.config.top >= config.rollout.group_size:
+            raise RecipeError(
+                f"{where}: rl.policies.{policy}.algorithm.top: {self.config.top} of a group of "
+                f"{config.rollout.group_size} keeps every answer; make it smaller than rl.rollout.group_size"
+            )
+
+    def wants_reference(self) -> bool:
+        return False
+
+    def prepare(self, rollout, tokenizer):
+        import torch
+
+        from hpref.rl.rollout_types import TrainingRows
+
+        # each group's `top` answers by reward, best first; one below `min_reward` weighs 0
+        g, floor = rollout.group_size, self.config.min_reward
+        rows = [
+            i
+            for start in range(0, len(rollout.rewards), g)
+            for i in sorted(range(start, start + g), key=lambda i: -rollout.rewards[i])[: self.config.top]
+        ]
+        keep = [1.0 if floor is None or rollout.rewards[i] >= floor else 0.0 for i in rows]
+        return TrainingRows(
+            prompts=[rollout.prompt_ids[i] for i in rows],
+            completions=[rollout.completions[i] for i in rows],
+            group=self.config.top,
+            behaviour=None,
+            temperature=1.0,
+            values=torch.tensor(keep),
+        )
+
+    def loss(self, logprobs, batch, rows, prepared):
+        # token-mean negative log-likelihood over the kept answers of the whole step
+        mask = batch["mask"] * prepared.values[rows].to(logprobs.device)[:, None]
+        total = sum(
+            len(prepared.completions[i]) * float(prepared.values[i]) for i in range(len(prepared.values))
+        )
+        nll = -(logprobs * mask).sum() / max(total, 1.0)
+        return nll, {"loss": float(nll.detach()), "kept_answers": float(prepared.values[rows].sum())}
+
+    def summarise(self, sums):
+        return {"loss": sums.get("loss", 0.0), "kept_answers": sums.get("kept_answers", 0.0)}
+
+
+def build_best_of_n(config: BestOfNConfig, policy) -> BestOfN:
+    """Rejection-sampling fine-tuning: the supervised loss on each prompt's best-rewarded answers."""
+    return BestOfN(config, policy)
+
+
+@hookimpl
+def register_algorithms(register):
+    register(name="best-of-n", config=BestOfNConfig, build=build_best_of_n)
