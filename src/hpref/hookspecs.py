@@ -151,6 +151,9 @@ def register_rewards(register) -> None:
     one score per answer (evals then compare a policy's answer with its start's directly instead of
     reading two scores as a Bradley-Terry preference; `hpref.rl.evaluation.scorer_report`). A prompt
     is a tuple of turns: user, assistant, ..., user. The same components serve as `[rl.eval_scorer]`.
+    A reward online DPO can train on also has `judge_answers(prompts, pairs)` -> one (P(first),
+    P(second), P(tie)) per answer pair (`hpref.rl.protocols.PairJudge`) and says so with the class
+    attribute `judges_pairs = True` on its config, which `hpref rl` checks before any actor starts.
     """
 
 

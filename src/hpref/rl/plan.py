@@ -170,7 +170,10 @@ def trainer_memory(
     adapter, gradients and AdamW moments, one micro-batch at a time."""
     ranks = policy.ranks
     answers, group = rollout.max_new_tokens, rollout.group_size
-    full_reference = (policy.kl_coef > 0 or policy.measure_kl) and policy.lora is None
+    from hpref.rl.algorithm_registry import build_algorithm
+
+    # the algorithm's call (GRPO: a KL term or its measure; DPO: always); LoRA's is its base
+    full_reference = policy.lora is None and build_algorithm("plan", policy).wants_reference()
     terms = {
         "weights": (shape.params + (adapters - 1) * shape.trainable) * 4 // ranks,
         "grads": adapters * shape.trainable * 4 // ranks,
