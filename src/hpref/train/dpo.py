@@ -93,7 +93,8 @@ class DpoObjective:
 
     # ---------------------------------------------------------------------------------------- pieces
     def _micro_batch(self, data: PairData, indices: Sequence[int], filler_id: int, device: torch.device):
-        """(packed batch, predict_at, sequence_of, real example indices) of one micro-batch."""
+        """(packed batch, `predict_at`, `sequence_of`) of one micro-batch (`answer_positions`); a filler
+        is two 1-token sequences with no answer token."""
         pad = filler(filler_id, paired=True)
         batch = collate([data.examples[i] if i >= 0 else pad for i in indices]).to(device)
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
@@ -121,7 +122,8 @@ class DpoObjective:
         very packing, the uncached ones stored."""
         if run:
             with torch.no_grad(), self.reference_mode():
-                computed = self._logps(self.reference_model or model, batch, at, of).float()
+                reference = self.reference_model if self.reference_model is not None else model
+                computed = self._logps(reference, batch, at, of).float()
             for k, i in enumerate(indices):
                 if i >= 0 and i not in cache.values:
                     cache.values[i] = (float(computed[k, 0]), float(computed[k, 1]))
@@ -132,11 +134,14 @@ class DpoObjective:
         )
 
     @staticmethod
-    def _needs_reference(micro: Sequence[Sequence[int]], cache: ReferenceCache, group: Any = None) -> bool:
+    def _needs_reference(
+        micro: Sequence[Sequence[int]], cache: ReferenceCache, device: torch.device, group: Any = None
+    ) -> bool:
         """Collective: whether any rank lacks a cached reference for a pair of this step. A sharded
         model's forward is collective (FSDP2 gathers each unit's weights), so when one rank needs a
         reference forward, every rank runs one at every micro-batch of the step."""
-        need = torch.tensor([float(any(i >= 0 and i not in cache.values for mb in micro for i in mb))])
+        missing = any(i >= 0 and i not in cache.values for mb in micro for i in mb)
+        need = torch.tensor([float(missing)], device=device)  # on the device: NCCL reduces no CPU tensor
         if dist.is_initialized():
             dist.all_reduce(need, group=group)
         return bool(need.item())
@@ -161,7 +166,7 @@ class DpoObjective:
 
         kept = DpoLoss(out.loss[real], out.reward_a[real], out.reward_b[real])
         m = pair_metrics(kept, labels[real], logps[real, 0], logps[real, 1])
-        return torch.tensor([m[k] for k in METRIC_KEYS], dtype=torch.float64)
+        return torch.tensor([m[k] for k in METRIC_KEYS], dtype=torch.float64, device=labels.device)
 
     # ------------------------------------------------------------------------------------ the seam
     def train_step(self, setup: Any, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,9 +178,9 @@ class DpoObjective:
         rank, world, group = setup.data_rank_and_size
         scale = world / plan.num_sequences
         loss_sum = torch.zeros((), device=device)
-        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=device)
         micro = plan.for_rank(rank)
-        run_reference = self._needs_reference(micro, self.cache, group)
+        run_reference = self._needs_reference(micro, self.cache, device, group)
         for k, indices in enumerate(micro):
             set_gradient_sync(model, k == len(micro) - 1)
             batch, at, of = self._micro_batch(self.train, indices, setup.filler_token_id, device)
@@ -213,8 +218,8 @@ class DpoObjective:
         )
         was_training = setup.model.training
         setup.model.eval()
-        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
-        run_reference = self._needs_reference(plan.for_rank(rank), self.eval_cache, group)
+        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=setup.device)
+        run_reference = self._needs_reference(plan.for_rank(rank), self.eval_cache, setup.device, group)
         for indices in plan.for_rank(rank):
             batch, at, of = self._micro_batch(self.eval, indices, setup.filler_token_id, setup.device)
             ref = self._reference(setup.model, self.eval_cache, indices, batch, at, of, run=run_reference)
@@ -278,6 +283,8 @@ def build_dpo_setup(recipe: Recipe, info: Any):
     lm, tokenizer = build_policy_model(settings.model)
     lm.set_attn_implementation(register_varlen_attention())
     disable_dropout(lm)
+    if train_cfg.activation_checkpointing:  # recompute each block in backward (non-reentrant: FSDP2, LoRA)
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     positions = getattr(lm.config, "max_position_embeddings", None)
     if isinstance(positions, int) and train_cfg.max_length > positions:
         from hpref.errors import RecipeError
