@@ -101,7 +101,9 @@ def test_an_online_dpo_step_is_the_dpo_loss_whatever_the_micro_batching_and_lear
 
     trainer, first = stepped(4096, True)
     assert first["loss"] == pytest.approx(math.log(3.0), abs=1e-5)
-    assert first["rewards_margin"] == pytest.approx(0.0, abs=1e-6) and "kl" not in first
+    assert first["rewards_margin"] == pytest.approx(0.0, abs=1e-6) and first["kl"] == pytest.approx(
+        0.0, abs=1e-6
+    )
     weights = trainer.model.state_dict()
     for budget, share in ((16, True), (4096, False), (16, False)):
         other, stats = stepped(budget, share)
@@ -111,7 +113,7 @@ def test_an_online_dpo_step_is_the_dpo_loss_whatever_the_micro_batching_and_lear
             torch.testing.assert_close(value, weights[key], atol=1e-5, rtol=1e-5)
     second = trainer.train(_rollout(1))
     assert second["loss"] < first["loss"]
-    assert second["rewards_margin"] > 0 and second["rewards_accuracy"] == 1.0
+    assert second["rewards_margin"] > 0 and second["rewards_accuracy"] == 1.0 and second["kl"] > 0
 
 
 def test_cross_policy_pairs_read_the_rivals_answer_in_the_policys_own_tokens():
@@ -130,7 +132,8 @@ def test_cross_policy_pairs_read_the_rivals_answer_in_the_policys_own_tokens():
     assert rows.completions[1] == tokenizer.encode("the sea", add_special_tokens=False) + [
         tokenizer.eos_token_id
     ]
-    assert rows.values.tolist() == [list(v) for v in VERDICTS[:2]]
+    assert rows.values["targets"].tolist() == [list(v) for v in VERDICTS[:2]]
+    assert rows.values["own"].tolist() == [True, False, True, False]  # KL is measured on its own answers
 
 
 @pytest.mark.parametrize(

@@ -109,20 +109,27 @@ class OnlineDpo:
             group=2,
             behaviour=None,  # DPO compares the policy with its reference, not with the sampler
             temperature=1.0,  # the policy's own distribution, as DPO's implicit reward reads it
-            values=torch.tensor(rollout.verdicts, dtype=torch.float32),
+            values={
+                "targets": torch.tensor(rollout.verdicts, dtype=torch.float32),
+                # the policy's own samples, where the k3 estimate of its KL to the start holds
+                "own": torch.tensor([row < own for pair in rollout.pairs for row in pair]),
+            },
             whole_groups=True,
         )
 
     def loss(
         self, logprobs: torch.Tensor, batch: dict[str, Any], rows: list[int], prepared: TrainingRows
     ) -> tuple[torch.Tensor, dict[str, float]]:
+        import torch
+
         from hpref.models.dpo_loss import answer_logprobs, dpo_loss, pair_metrics
+        from hpref.rl.algorithms import k3_kl
 
         cfg = self.config
         mask = batch["mask"]
         answer = answer_logprobs(logprobs, mask, cfg.loss_type)
         reference = answer_logprobs(batch["ref"], mask, cfg.loss_type)
-        targets = prepared.values[[r // 2 for r in rows[0::2]]].to(answer.device)
+        targets = prepared.values["targets"][[r // 2 for r in rows[0::2]]].to(answer.device)
         out = dpo_loss(
             answer[0::2],
             answer[1::2],
@@ -136,12 +143,19 @@ class OnlineDpo:
         )
         pairs = len(prepared.completions) // 2
         stats = pair_metrics(out, targets, answer[0::2], answer[1::2])
+        with torch.no_grad():  # KL(policy || start) on the policy's own answers, as GRPO measures it
+            own = mask * prepared.values["own"][rows].to(mask.device, mask.dtype)[:, None]
+            stats["kl_sum"] = float((k3_kl(logprobs, batch["ref"]) * own).sum())
+            stats["kl_tokens"] = float(own.sum())
         return out.loss.sum() / pairs, stats
 
     def summarise(self, sums: dict[str, float]) -> dict[str, float]:
         from hpref.models.dpo_loss import mean_metrics
 
-        return mean_metrics(sums)
+        out = mean_metrics(sums)
+        if sums.get("kl_tokens"):
+            out["kl"] = sums["kl_sum"] / sums["kl_tokens"]
+        return out
 
 
 def build_online_dpo(config: OnlineDpoConfig, policy: PolicyConfig) -> OnlineDpo:
