@@ -184,8 +184,11 @@ class DpoObjective:
         for k, indices in enumerate(micro):
             set_gradient_sync(model, k == len(micro) - 1)
             batch, at, of = self._micro_batch(self.train, indices, setup.filler_token_id, device)
-            ref = self._reference(model, self.cache, indices, batch, at, of, run=run_reference)
+            # the policy first: PEFT's `disable_adapter` marks the adapters frozen while it lasts, and
+            # FSDP2 fixes each parameter's gradient dtype at its first forward, so a run whose first
+            # forward were the reference's would reduce the adapters' bf16 gradients into fp32 masters
             logps = self._logps(model, batch, at, of)
+            ref = self._reference(model, self.cache, indices, batch, at, of, run=run_reference)
             out = self._loss(logps, ref, batch.labels)
             per_pair = out.loss * batch.weights
             (per_pair.sum() * scale).backward()
@@ -222,8 +225,8 @@ class DpoObjective:
         run_reference = self._needs_reference(plan.for_rank(rank), self.eval_cache, setup.device, group)
         for indices in plan.for_rank(rank):
             batch, at, of = self._micro_batch(self.eval, indices, setup.filler_token_id, setup.device)
+            logps = self._logps(setup.model, batch, at, of)  # the policy first, as in `train_step`
             ref = self._reference(setup.model, self.eval_cache, indices, batch, at, of, run=run_reference)
-            logps = self._logps(setup.model, batch, at, of)
             sums += self._sums(self._loss(logps, ref, batch.labels), batch.labels, logps, batch.weights > 0)
         setup.model.train(was_training)
         result = {f"eval_{k}": v for k, v in self.interval_metrics(sums, group).items()}
