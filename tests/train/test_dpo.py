@@ -332,3 +332,42 @@ def test_a_dpo_recipe_with_a_sequence_classifier_or_no_chat_template_is_refused(
         check_train(recipe_from_dict(recipe, source=Path("r.toml")))
     assert str(err.value).startswith(f"r.toml: dpo.model.path: {plain}: its tokenizer has no chat template")
     assert "\n" not in str(err.value)
+
+
+def test_hpref_train_refuses_a_pair_file_with_two_prompts_with_exit_2_before_training(tmp_path):
+    """The whole command, in-process: a pair file whose row 2 continues two different conversations
+    ends `hpref train` with exit 2 and one line naming the file's section and the row, before any
+    step (no metrics, no checkpoint). If this fails, the refusal happens too late (after steps were
+    taken) or surfaces as a crash (exit 1) instead of a user error."""
+    from hpref.train import run_train
+
+    same = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = [
+        {
+            "chosen": [*same[:1], {"role": "assistant", "content": "a"}],
+            "rejected": [*same[:1], {"role": "assistant", "content": "b"}],
+        },
+        {
+            "chosen": [*same, {"role": "user", "content": "and?"}, {"role": "assistant", "content": "x"}],
+            "rejected": [
+                same[0],
+                {"role": "assistant", "content": "HEY"},
+                {"role": "user", "content": "and?"},
+                {"role": "assistant", "content": "y"},
+            ],
+        },
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = dpo_recipe(
+        pairs,
+        tmp_path / "runs",
+        "bad",
+        dataset={"train": {"name": "pairwise", "path": str(pairs)}, "eval": None},
+    )
+    recipe["dataset"].pop("eval")
+    assert run_train(toml_of(recipe, tmp_path / "bad.toml")) == 2
+    run_dir = tmp_path / "runs" / "bad"
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "dataset.train: row 2: the two answers continue different conversations" in log
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
