@@ -359,13 +359,8 @@ def test_hpref_train_refuses_a_pair_file_with_two_prompts_with_exit_2_before_tra
     ]
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = dpo_recipe(
-        pairs,
-        tmp_path / "runs",
-        "bad",
-        dataset={"train": {"name": "pairwise", "path": str(pairs)}, "eval": None},
-    )
-    recipe["dataset"].pop("eval")
+    recipe = dpo_recipe(pairs, tmp_path / "runs", "bad")
+    recipe["dataset"] = {"train": {"name": "pairwise", "path": str(pairs)}}
     assert run_train(toml_of(recipe, tmp_path / "bad.toml")) == 2
     run_dir = tmp_path / "runs" / "bad"
     log = (run_dir / "logs" / "rank0.log").read_text()
