@@ -175,6 +175,11 @@ def test_full_fine_tuning_learns_the_toy_preference(tmp_path, pairs):
     assert last["eval_loss"] < math.log(2) - 0.05
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_rewards_accuracy"] == last["eval_rewards_accuracy"]
+    from hpref.errors import UserError
+    from hpref.save.export import save_export
+
+    with pytest.raises(UserError, match="is a full fine-tuning run .* export it without --adapter"):
+        save_export(run_dir, tmp_path / "adapter", adapter=True)  # no adapter to write
 
 
 def test_save_exports_a_causal_lm_that_gives_the_trained_log_probs(tmp_path, lora_run, base_folder):

@@ -9,7 +9,10 @@ reduced once per step (`set_requires_gradient_sync(False)` on all but the last m
 loss is all-reduced once per step, for logging.
 
 The model, optimizer, scheduler and loss come from the worker (`hpref.components.Components`); eval
-is the shared `hpref.prediction.evaluation.evaluate_battles`, the same call `hpref eval` makes.
+is the shared `hpref.prediction.evaluation.evaluate_battles`, the same call `hpref eval` makes. A run
+that trains something else (offline DPO: `hpref.train.dpo`) hands `fit` a `TrainObjective`, whose
+step, metrics and eval replace the preference model's; the plan, logs, checkpoints and resume are
+the same.
 """
 
 from __future__ import annotations
