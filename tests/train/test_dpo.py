@@ -366,3 +366,28 @@ def test_hpref_train_refuses_a_pair_file_with_two_prompts_with_exit_2_before_tra
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "dataset.train: row 2: the two answers continue different conversations" in log
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_arena_votes_train_their_ties_and_name_a_multi_turn_row(tiny_lm):
+    """The arena sample from ../shared (Kaggle LMSYS votes): its ties become tie-labelled pairs (the
+    loss's tie form trains them), and a multi-turn battle, whose two models answered the earlier
+    turns differently, is refused naming its row, or skipped and counted with differing_history =
+    "skip". If this fails, arena ties are lost or mislabelled, or DPO trains on a prompt that only
+    one answer continues."""
+    from hpref.data.readers import ArenaConfig, ArenaReader
+    from hpref.train.dpo_data import prompt_turns, tokenize_pairs
+    from tests.conftest import SHARED
+
+    path = SHARED / "data" / "lmsys-arena-kaggle-sample-a.csv.gz"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    battles = list(ArenaReader(ArenaConfig(path=str(path), limit=100), seed=0).battles())
+    _, tokenizer = tiny_lm
+    multi = next(b for b in battles if prompt_turns(b) is None)
+    with pytest.raises(DataError, match=rf"^arena: row {multi.id}: the two answers continue different"):
+        tokenize_pairs(battles, tokenizer, max_length=256, name="arena")
+    data = tokenize_pairs(battles, tokenizer, max_length=256, differing_history="skip", name="arena")
+    kept_ties = [e for e in data.examples if e.label == (0.0, 0.0, 1.0)]
+    assert data.counts["ties"] == len(kept_ties) > 0  # trained as ties, none dropped
+    assert data.counts["differing_history"] == sum(prompt_turns(b) is None for b in battles) > 0
+    assert all(e.label == b.label for e, b in zip(data.examples, data.battles, strict=True))
