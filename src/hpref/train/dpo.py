@@ -209,6 +209,13 @@ class DpoObjective:
         dist.all_reduce(total, group=group)
         return mean_metrics(dict(zip(METRIC_KEYS, total.tolist(), strict=True)))
 
+    @staticmethod
+    def log_suffix(record: dict[str, Any]) -> str:
+        """What the console line adds after the loss: the implicit rewards' accuracy and margin (and
+        the tie gap with ties); the rest is in `metrics.jsonl`."""
+        shown = (("rewards_accuracy", "acc"), ("rewards_margin", "margin"), ("tie_reward_gap", "tie gap"))
+        return "".join(f" {name} {record[key]:.3f}" for key, name in shown if key in record)
+
     @torch.no_grad()
     def evaluate(self, setup: Any, step: int, epoch: int, metrics: Any) -> dict[str, float]:
         """Collective: the DPO metrics on `dataset.eval` (every pair once, no gradient), written as an

@@ -136,6 +136,8 @@ class TrainObjective(Protocol):
 
     def interval_metrics(self, sums: torch.Tensor, group: Any = None) -> dict[str, float]: ...
 
+    def log_suffix(self, record: dict[str, Any]) -> str: ...
+
     def evaluate(self, setup: Any, step: int, epoch: int, metrics: MetricsFile) -> dict[str, float]: ...
 
     def rank_state(self) -> dict[str, Any]: ...
@@ -224,10 +226,8 @@ def start_run(setup: TrainSetup, resume_from: Path | None) -> RunState:
     stats = RunStats()
     if resume_from is not None:
         stats.step = resume.restore(setup, resume_from)
-    elif (
-        setup.objective is None and init_weights_folder(setup.run_dir) is None
-    ):  # `hpref init` weights: as they are
-        init_head_to_prior(setup.model, setup.train_data)
+    elif setup.objective is None and init_weights_folder(setup.run_dir) is None:
+        init_head_to_prior(setup.model, setup.train_data)  # `hpref init` weights are used as they are
     metrics.start(stats.step if resume_from is not None else None)
     run = RunState(
         metrics,
@@ -340,15 +340,7 @@ def _log_interval(setup: TrainSetup, run: RunState, epoch: int, lr: float, grad_
     if setup.objective is not None and run.interval.sums is not None:  # collective
         extra = setup.objective.interval_metrics(run.interval.sums, setup.data_rank_and_size[2])
         record.update({k: v for k, v in extra.items() if k != "loss"})
-        objective = "".join(
-            f" {name} {record[key]:.3f}"
-            for key, name in (
-                ("rewards_accuracy", "acc"),
-                ("rewards_margin", "margin"),
-                ("tie_reward_gap", "tie gap"),
-            )
-            if key in record
-        )
+        objective = setup.objective.log_suffix(record)
     run.metrics.write(record)
     stats.add(record)
     logger.info(
