@@ -137,7 +137,10 @@ class LaunchSection(Section):
 class DpoSection(Section):
     """`[dpo]`: `hpref train` trains a causal-LM policy from pairs with a DPO-family objective
     (`hpref.models.dpo_loss`) instead of a judge; its presence is what makes a recipe a DPO recipe.
-    TRL's `DPOTrainer` names: beta, loss_type, label_smoothing."""
+    TRL's `DPOTrainer` names: beta, loss_type, label_smoothing. The recipe's `[dataset.*]`, `[optimizer]`,
+    `[scheduler]`, `[train]` (batch_size counts pairs), `[lora]` and `[launch]` apply as for a judge;
+    `[model]` must be absent, and `[formatter]` and `train.swap` do not apply (a pair's two answers
+    are one packed example, laid out by the policy's chat template)."""
 
     model: PolicyModelConfig = Field(
         default_factory=PolicyModelConfig,
