@@ -61,6 +61,10 @@ class VarlenContext:
     backend: str
     cu_seqlens: torch.Tensor  # int32 [n + 1] on the compute device
     max_seqlen: int
+    #: CPU bf16: attend in fp32 in every forward, not only in one autograd will differentiate
+    #: (`upcast_for_backward`), so a forward without gradient computes exactly what a training
+    #: forward does (DPO's reference and its policy, `hpref.models.pair_logprobs`)
+    fp32_attention: bool = False
     _boundaries: list[int] | None = None
     _segment_ids: torch.Tensor | None = None
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict)
@@ -282,7 +286,8 @@ def upcast_for_backward(q: torch.Tensor, softcap: float | None) -> bool:
 
 def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
     dtype = q.dtype
-    if upcast_for_backward(q, softcap):  # one cast per layer, not one per sequence
+    fp32 = ctx.fp32_attention and q.dtype == torch.bfloat16 and softcap is None
+    if fp32 or upcast_for_backward(q, softcap):  # one cast per layer, not one per sequence
         q, k, v = q.float(), k.float(), v.float()
     outputs = []
     bounds = ctx.boundaries

@@ -57,8 +57,13 @@ class PackedLogProbs(nn.Module):
         predict_at: torch.Tensor,
         sequence_of: torch.Tensor,
     ) -> torch.Tensor:
+        # fp32 attention in every forward: the reference's (no gradient) must compute exactly what the
+        # policy's (with gradient) does, or the implicit rewards start off zero under bf16
         ctx = VarlenContext(
-            backend=self.backend, cu_seqlens=cu_seqlens.to(torch.int32), max_seqlen=max_seqlen
+            backend=self.backend,
+            cu_seqlens=cu_seqlens.to(torch.int32),
+            max_seqlen=max_seqlen,
+            fp32_attention=True,
         )
         hidden = self.lm.get_decoder()(
             input_ids=input_ids[None],
