@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.rl_real [--rollouts N] [--contenders hpref-2,hpref-1,trl-bf16,hpref-1-vllm]
                                            [--reward DIR] [--scorer DIR] [--out benchmarks/RL.md]
+                                           [--dpo-prompts P] [--eval-prompts K]
 
 What runs (all on SmolLM2-135M-Instruct with LoRA r 16 / alpha 32 on every block linear, HH-RLHF
 helpful-base prompts from ../shared, 8 prompts x 4 answers of at most 64 tokens per update, the
@@ -18,6 +19,13 @@ rollout):
   answer), group size, answer length, learning rate and number of updates; TRL's transformers
   generation on the CPU; bf16 is TRL's best setting on this CPU (hpref's trainer computes in bf16
   autocast here: `precision = "auto"`), fp32 its default.
+- Online DPO (issue #38; `benchmarks.online_dpo_trl`): `hpref-1-dpo` (`hpref-2-dpo`) is the same recipe
+  with every policy's `algorithm = { name = "online-dpo", loss_type = "sigmoid", beta = 0.1 }`,
+  `rl.rollout.group_size = 2` and `--dpo-prompts` prompts per rollout (default 8: 16 answers per
+  update); `trl-dpo-bf16` / `trl-dpo-fp32` TRL's `OnlineDPOTrainer` with the same model, LoRA, prompts
+  in the same order, reward export (a score per answer, the higher one chosen), 2 answers per prompt,
+  answer length, temperature, learning rate, beta and number of updates. Their own table: seconds per
+  update, peak PSS, the DPO loss, hpref / TRL.
 
 The rewards: `--reward` (default `runs/minilm-reward-helpful-f0-export`) and `--scorer` (default
 `runs/minilm-reward-helpful-f1-export`), the recipe's two: `hpref train minilm-reward` on the two
@@ -29,7 +37,7 @@ between consecutive updates), the peak PSS (and RSS) of the process tree (hpref:
 Ray actor and Ray's own daemons; PSS splits the pages they share, which summed RSS counts once per
 process), the mean 1-minute load average, and the training reward of the first and last updates;
 hpref also the eval numbers. Contenders run in the order given, one at a time; the machine must be
-otherwise quiet.
+otherwise quiet. `--eval-prompts` shortens hpref's start and end evals (smoke runs).
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ from benchmarks.common import REPO, python_module, read_json, run_measured, writ
 HELPFUL = REPO.parent / "shared" / "data" / "hh-rlhf-helpful-base-test.jsonl.gz"
 RECIPE = REPO / "recipes" / "rl-smollm2.toml"
 REWARD_ENV = "HPREF_BENCH_REWARD"
+HPREF_CONTENDERS = [
+    f"hpref-{n}{algo}{engine}" for n in (1, 2) for algo in ("", "-dpo") for engine in ("", "-vllm")
+]
+TRL_CONTENDERS = [f"trl-{algo}{precision}" for algo in ("", "dpo-") for precision in ("bf16", "fp32")]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,8 +121,11 @@ def ensure_export(path: Path, fold: int, work: Path) -> Path:
     return path
 
 
-def run_hpref_rl(name: str, rollouts: int, reward: Path, scorer: Path, work: Path) -> dict:
-    """`hpref-2` / `hpref-1` (policies a,b / a), `-vllm` on the vLLM engine (#24)."""
+def run_hpref_rl(
+    name: str, rollouts: int, reward: Path, scorer: Path, work: Path, dpo_prompts: int, eval_prompts: int
+) -> dict:
+    """`hpref-2` / `hpref-1` (policies a,b / a), `-vllm` on the vLLM engine (#24), `-dpo` online DPO
+    (#38) on TRL's terms (`benchmarks.online_dpo_trl.hpref_overrides`)."""
     policies = hpref_policies(name)
     cmd = [
         hpref_bin(), "rl", str(RECIPE), "--policies", policies,
@@ -122,6 +137,12 @@ def run_hpref_rl(name: str, rollouts: int, reward: Path, scorer: Path, work: Pat
     ]  # fmt: skip
     if name.endswith("-vllm"):
         cmd += ["--set", 'rl.engine.name="vllm"']
+    if "-dpo" in name:
+        from benchmarks.online_dpo_trl import hpref_overrides
+
+        cmd += hpref_overrides(dpo_prompts)
+    if eval_prompts:
+        cmd += ["--set", f"rl.rollout.eval_prompts={eval_prompts}"]
     measured = run_measured(cmd, work / f"{name}.log", timeout=4 * 3600)
     if measured["rc"] != 0:
         raise SystemExit(f"{name} failed: see {measured['log']}")
@@ -166,9 +187,16 @@ def hpref_result(run: Path, policies: str, rollouts: int, measured: dict) -> dic
             "gen_tokens_per_s_median": statistics.median(r["gen_tokens_per_s"] for r in train),
             # seconds the engine spent generating each rollout (its tokens over its tokens per s)
             "gen_s_median": statistics.median(r["gen_tokens"] / r["gen_tokens_per_s"] for r in train),
-            "engine_trainer_logprob_diff": statistics.mean(r["engine_trainer_logprob_diff"] for r in train),
+            # the engine's log-probs against the trainer's (GRPO; online DPO samples without them)
+            "engine_trainer_logprob_diff": statistics.mean(
+                r.get("engine_trainer_logprob_diff", 0.0) for r in train
+            ),
             **{k: v for k, v in ev.items() if k.startswith("eval_")},
         }
+        if "judged_pairs" in train[0]:  # online DPO: its loss, accuracy (reward_mean is pairwise)
+            from benchmarks.online_dpo_trl import hpref_fields
+
+            out[p].update(hpref_fields(train))
     out["leaderboard"] = summary["leaderboard"]
     return out
 
@@ -181,22 +209,27 @@ def recipe_defaults() -> dict:
     return tomllib.loads(RECIPE.read_text())["rl"]["defaults"]
 
 
-def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
+def run_trl(name: str, rollouts: int, reward: Path, work: Path, dpo_prompts: int) -> dict:
+    """`trl-bf16` / `trl-fp32`: TRL's GRPOTrainer (`benchmarks.rl_trl`); `trl-dpo-bf16` / `trl-dpo-fp32`:
+    its OnlineDPOTrainer (`benchmarks.online_dpo_trl`)."""
     from hpref.builtin.prompts import PairwisePromptsConfig, build_pairwise
     from hpref.data.prompts import conversation_messages
     from hpref.models.hf import gguf_folder, smollm2_file
 
-    # the recipe's prompt stream, in hpref's order: policy a's rollout r answers prompts [8r, 8r + 8)
+    dpo = name.startswith("trl-dpo-")
+    precision = name.rsplit("-", 1)[1]
+    per_update = dpo_prompts if dpo else 8
+    # the recipe's prompt stream, in hpref's order: policy a's rollout r answers prompts [Pr, Pr + P)
     source = build_pairwise(
         PairwisePromptsConfig(path=str(HELPFUL), eval_fraction=0.05, max_prompt_chars=1000)
     )
-    prompts = [conversation_messages(p) for p in source.train_prompts(0, 0, rollouts * 8)]
+    prompts = [conversation_messages(p) for p in source.train_prompts(0, 0, rollouts * per_update)]
     spec = {
         "model_path": str(gguf_folder(smollm2_file(), "causal-lm")),
         "prompts": prompts,
         "reward": "benchmarks.rl_real:trl_reward",
-        "group_size": 4,
-        "prompts_per_update": 8,
+        "group_size": 2 if dpo else 4,
+        "prompts_per_update": per_update,
         "num_updates": rollouts,
         "max_new_tokens": 64,
         "temperature": 1.0,
@@ -212,21 +245,34 @@ def run_trl(precision: str, rollouts: int, reward: Path, work: Path) -> dict:
         "gradient_checkpointing": False,
         "threads": os.cpu_count() or 1,
         "seed": 0,
-        "output_dir": str(work / f"trl-{precision}"),
+        "output_dir": str(work / name),
     }
-    spec_file = write_json(work / f"trl-{precision}.json", spec)
-    result_file = work / f"trl-{precision}-result.json"
+    if dpo:
+        from benchmarks import online_dpo_trl
+
+        spec.update(beta=online_dpo_trl.BETA, loss_type=online_dpo_trl.LOSS_TYPE)
+    spec_file = write_json(work / f"{name}.json", spec)
+    result_file = work / f"{name}-result.json"
     env = {**os.environ, REWARD_ENV: str(reward), "PYTHONPATH": str(REPO)}
+    module = "benchmarks.online_dpo_trl" if dpo else "benchmarks.rl_trl"
     measured = run_measured(
-        python_module("benchmarks.rl_trl", str(spec_file), "--out", str(result_file)),
-        work / f"trl-{precision}.log",
+        python_module(module, str(spec_file), "--out", str(result_file)),
+        work / f"{name}.log",
         env=env,
         timeout=4 * 3600,
     )
     if measured["rc"] != 0:
-        raise SystemExit(f"trl-{precision} failed: see {measured['log']}")
-    write_json(work / f"trl-{precision}-measured.json", measured)
-    return trl_result(read_json(result_file), measured)
+        raise SystemExit(f"{name} failed: see {measured['log']}")
+    write_json(work / f"{name}-measured.json", measured)
+    return any_trl_result(name, read_json(result_file), measured)
+
+
+def any_trl_result(name: str, got: dict, measured: dict) -> dict:
+    if name.startswith("trl-dpo-"):
+        from benchmarks import online_dpo_trl
+
+        return online_dpo_trl.trl_result(got, measured)
+    return trl_result(got, measured)
 
 
 def trl_result(got: dict, measured: dict) -> dict:
@@ -248,13 +294,16 @@ def trl_result(got: dict, measured: dict) -> dict:
     }
 
 
-def table(results: dict[str, dict], rollouts: int) -> list[str]:
+def table(results: dict[str, dict], rollouts: int, eval_prompts: int = 0) -> list[str]:
+    grpo = [name for name in results if "-dpo" not in name]  # DPO: `benchmarks.online_dpo_trl.table`
     lines = [
         "| contender | wall (s) | loop to last update (s) | s / update | median s between updates "
         "| leader's generation s (share of a step) | peak PSS GiB (RSS) | load | reward, first -> last 1/4 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
+    ] if grpo else []  # fmt: skip
     for name, r in results.items():
+        if name not in grpo:
+            continue
         policies = [p for p in ("a", "b") if p in r]
         rewards = "; ".join(
             f"{p}: {r[p]['reward_first_quarter']:+.3f} -> {r[p]['reward_last_quarter']:+.3f}"
@@ -284,7 +333,7 @@ def table(results: dict[str, dict], rollouts: int) -> list[str]:
     if evals:
         lines += [
             "",
-            f"Held-out eval after {rollouts} updates (32 prompts, greedy; start -> end):",
+            f"Held-out eval after {rollouts} updates ({eval_prompts or 32} prompts, greedy; start -> end):",
             "",
             "| run, policy | training reward | second scorer | win vs start (scorer) | answer tokens | KL |",
             "| --- | --- | --- | ---: | --- | ---: |",
@@ -300,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reward", type=Path, default=REPO / "runs" / "minilm-reward-helpful-f0-export")
     parser.add_argument("--scorer", type=Path, default=REPO / "runs" / "minilm-reward-helpful-f1-export")
     parser.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
+    parser.add_argument("--dpo-prompts", type=int, default=8, help="online DPO: prompts per update")
+    parser.add_argument("--eval-prompts", type=int, default=0, help="hpref's eval prompts (0: the recipe's)")
     parser.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temp folder)")
     parser.add_argument(
         "--reread", action="store_true", help="rebuild the table from the runs already in --work, run nothing"
@@ -319,17 +370,19 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("hpref-"):
             results[name] = hpref_result(work / name, hpref_policies(name), args.rollouts, measured)
         else:
-            results[name] = trl_result(read_json(work / f"{name}-result.json"), measured)
+            results[name] = any_trl_result(name, read_json(work / f"{name}-result.json"), measured)
     for name in [] if args.reread else args.contenders.split(","):
         print(f"running {name} ...", flush=True)
-        if name in ("hpref-2", "hpref-1", "hpref-2-vllm", "hpref-1-vllm"):
-            results[name] = run_hpref_rl(name, args.rollouts, reward, scorer, work)
-        elif name.startswith("trl-"):
-            results[name] = run_trl(name.removeprefix("trl-"), args.rollouts, reward, work)
+        if name in HPREF_CONTENDERS:
+            results[name] = run_hpref_rl(
+                name, args.rollouts, reward, scorer, work, args.dpo_prompts, args.eval_prompts
+            )
+        elif name in TRL_CONTENDERS:
+            results[name] = run_trl(name, args.rollouts, reward, work, args.dpo_prompts)
         else:
             raise SystemExit(f"unknown contender {name}")
         print(f"{name}: {results[name]['seconds_per_update']:.1f} s / update", flush=True)
-    lines = table(results, args.rollouts)
+    lines = table(results, args.rollouts, args.eval_prompts)
     if "hpref-1" in results and "hpref-2" in results:
         ratio = results["hpref-2"]["loop_to_last_update_s"] / (
             2 * results["hpref-1"]["loop_to_last_update_s"]
@@ -338,10 +391,16 @@ def main(argv: list[str] | None = None) -> int:
     if "hpref-1" in results and "hpref-1-vllm" in results:
         ratio = results["hpref-1-vllm"]["seconds_per_update"] / results["hpref-1"]["seconds_per_update"]
         lines += [f"hpref-1-vllm / hpref-1 seconds per update: {ratio:.2f}"]
-    for trl in [n for n in results if n.startswith("trl-")]:
+    for trl in [n for n in results if n.startswith("trl-") and "-dpo" not in n]:
         if "hpref-1" in results:
             ratio = results["hpref-1"]["seconds_per_update"] / results[trl]["seconds_per_update"]
             lines += [f"hpref-1 / {trl} seconds per update: {ratio:.2f}"]
+    dpo = {name: r for name, r in results.items() if "-dpo" in name}
+    if dpo:
+        from benchmarks import online_dpo_trl
+
+        lines += ["", f"Online DPO, {args.dpo_prompts} prompts x 2 answers per update:", ""]
+        lines += online_dpo_trl.table(dpo)
     print("\n".join(lines))
     if args.out:
         write_json(args.out, {"rollouts": args.rollouts, "results": results, "table": lines})
