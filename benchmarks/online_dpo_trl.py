@@ -387,11 +387,16 @@ def table(results: dict[str, dict]) -> list[str]:
             f"{a.get('loss_first_quarter', nan):.4f} -> {a.get('loss_last_quarter', nan):.4f} "
             f"| {a.get('accuracy_last_quarter', nan):.2f} | {scores} |"
         )
-    lines.append("")
-    for hpref in [n for n in results if n.startswith("hpref-")]:
-        for trl_name in [n for n in results if n.startswith("trl-")]:
-            ratio = results[hpref]["seconds_per_update"] / results[trl_name]["seconds_per_update"]
-            lines.append(f"{hpref} / {trl_name} seconds per update: {ratio:.2f} (target <= 0.5)")
+    per_update = {name: r["seconds_per_update"] for name, r in results.items()}
+    ratios = [
+        f"{hpref} / {trl_name} seconds per update: {per_update[hpref] / per_update[trl_name]:.2f} "
+        "(target <= 0.5)"
+        for hpref in results
+        if hpref.startswith("hpref-")
+        for trl_name in results
+        if trl_name.startswith("trl-")
+    ]
+    lines += ["", *ratios] if ratios else []
     lines += [
         "",
         f"Both sides: standard DPO (`{LOSS_TYPE}`), beta {BETA}, 2 answers per prompt, reference = the "
