@@ -75,7 +75,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.rl_trl import _load, _PeakRss, _timed  # noqa: E402
+from benchmarks.rl_trl import _load, _PeakRss, _timed, checkpointing_kwargs  # noqa: E402
 
 #: the DPO settings both sides train with: standard DPO (hpref's default is the tie-aware "davidson")
 LOSS_TYPE = "sigmoid"
@@ -115,16 +115,6 @@ _SETTINGS = (
     "seed",
     "dataloader_num_workers",
 )
-
-
-def _checkpointing_kwargs(config_cls: type, on: bool) -> dict[str, bool]:
-    """Gradient checkpointing under the name this transformers takes: `gradient_checkpointing` up to
-    5.2x, `activation_checkpointing` after the rename (the old name then a deprecated alias)."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(config_cls)}
-    key = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    return {key: on}
 
 
 def run_trl_online_dpo(spec: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +175,7 @@ def run_trl_online_dpo(spec: dict[str, Any]) -> dict[str, Any]:
         # TRL's defaults are bf16=True and gradient_checkpointing=True: both from the spec. On the CPU
         # bf16 is accelerate's autocast around the forward passes, the weights stay fp32.
         bf16=bool(spec["bf16"]),
-        **_checkpointing_kwargs(OnlineDPOConfig, bool(spec["gradient_checkpointing"])),
+        **checkpointing_kwargs(OnlineDPOConfig, bool(spec["gradient_checkpointing"])),
         model_init_kwargs={"dtype": "float32"},  # the model is loaded by TRL, in fp32
         # one optimizer step per P prompts x 2 answers
         per_device_train_batch_size=per_update,

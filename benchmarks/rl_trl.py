@@ -145,6 +145,16 @@ def _timed(record: list[float], fn: Any) -> Any:
     return wrapper
 
 
+def checkpointing_kwargs(config_cls: type, on: bool) -> dict[str, bool]:
+    """Gradient checkpointing under the name this transformers takes: `gradient_checkpointing` up to
+    5.2x, `activation_checkpointing` after the rename (the old name then a deprecated alias)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    key = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {key: on}
+
+
 def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
     """One TRL GRPO run as `spec` describes (see the module docstring); returns timings, rewards,
     peak RSS and the TRL settings used."""
@@ -206,9 +216,9 @@ def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
         # TRL's defaults are bf16=True and gradient_checkpointing=True (not transformers'): set both
         # from the spec. On the CPU bf16 is accelerate's autocast around the model's forward, the
         # weights stay fp32. transformers 5.25 renamed gradient_checkpointing to
-        # activation_checkpointing (the old name is a deprecated alias that then mirrors it).
+        # activation_checkpointing; the one installed here may predate it (`checkpointing_kwargs`).
         bf16=bool(spec["bf16"]),
-        activation_checkpointing=bool(spec["gradient_checkpointing"]),
+        **checkpointing_kwargs(GRPOConfig, bool(spec["gradient_checkpointing"])),
         # the model is loaded by TRL (the documented path), in fp32 whatever the folder's config says
         model_init_kwargs={"dtype": "float32"},
         # one optimizer step per generation batch of prompts_per_update x group_size answers
