@@ -34,9 +34,14 @@ attention, log-probs gathered at answer positions vs TRL's selective log-softmax
 in a log-prob, which Adam's normalised updates carry into the weights; a per-step loss difference of
 FP32_TOLERANCE = 2e-3 is a tenth of how much the loss moves over the first ten steps at this LR and
 far above rounding, so a real difference (another loss, token, mask or weighting) shows above it
-within a few steps. bf16 differs by design: hpref casts the weights to bf16 (FSDP2's mixed
-precision) where TRL autocasts from fp32 masters, and bf16 keeps 8 mantissa bits, so a ~100-token
-answer's summed log-prob carries ~1e-2 of rounding; BF16_TOLERANCE = 2e-2.
+within a few steps (the smoke run below: 7e-7 over 2 steps). bf16 differs by design: hpref stores
+the frozen base in bf16 and casts the adapters to it (FSDP2's mixed precision) where TRL autocasts
+each matmul from fp32 weights, and bf16 keeps 8 mantissa bits, so the two bf16 models are not the
+same function: both start at exactly log 2 (policy = reference on each side), then the rounding of
+the gradients (Adam's first steps move each weight by about +-lr whatever the gradient's size, so
+near-zero gradients that round to opposite signs move weights apart) parts the curves by ~1e-2
+within three steps (measured 1.8e-2 at 4 pairs a step); BF16_TOLERANCE = 5e-2 bounds that drift,
+and the fp32 pair is the check that the objective is the same.
 
 Skips cleanly (exit 0, a line) when the data file is absent. A quick smoke: `--pairs 16 --steps 2
 --batch 4 --contenders hpref,trl-fp32-no-gc`.
@@ -57,7 +62,7 @@ from benchmarks.common import REPO, python_module, read_json, run_measured, writ
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "hh-rlhf-helpful-base-test.jsonl.gz"
 HPREF = str(REPO / ".venv" / "bin" / "hpref")
 FP32_TOLERANCE = 2e-3
-BF16_TOLERANCE = 2e-2
+BF16_TOLERANCE = 5e-2
 #: contender -> settings; hpref's None = the shipped recipe's own
 CONTENDERS = {
     "hpref": {"side": "hpref", "precision": None},
