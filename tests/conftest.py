@@ -52,6 +52,8 @@ LONGEST_MODULES_FIRST = (
     "tests/train/test_real_hh_accuracy.py",
     "tests/train/test_lora.py",
     "tests/test_cli_recipes.py",
+    "tests/train/test_dpo_train.py",
+    "tests/rl/test_online_dpo.py",
     "tests/models/test_gguf_decoder.py",
     "tests/rl/test_cluster.py",
     "tests/train/test_engine.py",

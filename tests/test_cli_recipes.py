@@ -102,7 +102,7 @@ def test_misspelt_shipped_recipe_name_suggests_the_nearest():
         "error: quickstrat: no such file, nor a shipped recipe of that name (did you mean 'quickstart'?)"
     )
     far = run_hpref("recipes", "show", "zzz")
-    assert far.returncode == 2 and "shipped: gemma2-9b-arena, llama3-8b-arena" in far.stderr
+    assert far.returncode == 2 and "shipped: dpo-smollm2, gemma2-9b-arena, llama3-8b-arena" in far.stderr
 
 
 def test_components_show_required_parameters_without_a_default():
@@ -132,7 +132,7 @@ def test_plugins_table_lists_the_example_plugin():
         assert column in header
     row = next(line for line in table.splitlines() if "│ example " in line)
     assert "0.1.0" in row and "hpref-example" in row and "dataset:tsv-pairs" in row
-    assert "register_commands" in row  # the first hook, alphabetically, shares the row
+    assert "register_algorithms" in row  # the first hook, alphabetically, shares the row
 
 
 def _needs_absent_shared(recipe) -> bool:
