@@ -269,7 +269,7 @@ def test_ties_are_trained_or_dropped_and_counted_never_silently():
         ({"beta": -0.1}, "r.toml: dpo.beta: Input should be greater than 0"),
         (
             {"loss_type": "ipo", "label_smoothing": 0.1},
-            "r.toml: dpo.label_smoothing: Value error, 0.1 is cDPO's",
+            "r.toml: dpo.label_smoothing: Value error, 0.1 is conservative DPO's",
         ),
         ({"ties": "ignore"}, "r.toml: dpo.ties: Input should be 'train' or 'drop'"),
     ],

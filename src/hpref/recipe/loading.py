@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import tomllib
-from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from hpref.errors import RecipeError
+from hpref.recipe.dpo import DpoSettings
 from hpref.recipe.rl import PolicyModelConfig, RLConfig, parse_rl_section
 from hpref.recipe.schema import ComponentSection, LoraSection, Section, describe_error, resolve_component
 
@@ -134,7 +135,7 @@ class LaunchSection(Section):
     )
 
 
-class DpoSection(Section):
+class DpoSection(DpoSettings, Section):
     """`[dpo]`: `hpref train` trains a causal-LM policy from pairs with a DPO-family objective
     (`hpref.models.dpo_loss`) instead of a judge; its presence is what makes a recipe a DPO recipe.
     TRL's `DPOTrainer` names: beta, loss_type, label_smoothing. The recipe's `[dataset.*]`, `[optimizer]`,
@@ -146,18 +147,6 @@ class DpoSection(Section):
         default_factory=PolicyModelConfig,
         description="the policy: name = smollm2, a causal-LM folder or .gguf path, or a tiny random init",
     )
-    beta: float = Field(0.1, gt=0, description="strength of the implicit KL to the reference (TRL's beta)")
-    loss_type: Literal["sigmoid", "ipo", "davidson"] = Field(
-        "sigmoid",
-        description="sigmoid = DPO (Rafailov 2023), ipo = IPO (Azar 2023), "
-        "davidson = tie-aware DPO-D (Chen 2024)",
-    )
-    label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="sigmoid only: share of each label assumed flipped (cDPO)"
-    )
-    tie_strength: float = Field(
-        1.0, gt=0, description="davidson only: nu, P(tie) = nu / (2 + nu) at equal rewards"
-    )
     ties: Literal["train", "drop"] = Field(
         "train",
         description="pairs labelled a tie: train = the loss's tie form (equal rewards), drop = leave them "
@@ -168,17 +157,6 @@ class DpoSection(Section):
         description="a pair whose two conversations differ before the final answer (multi-turn arena "
         "rows): error names the row, skip leaves it out (counted in the log)",
     )
-
-    @field_validator("label_smoothing")
-    @classmethod
-    def _smoothing_is_sigmoid(cls, value: float, info: ValidationInfo) -> float:
-        loss_type = info.data.get("loss_type", "sigmoid")
-        if value and loss_type != "sigmoid":
-            raise ValueError(
-                f"{value} is cDPO's label noise, for loss_type = 'sigmoid'; '{loss_type}' has no smoothed "
-                "form (set label_smoothing = 0)"
-            )
-        return value
 
 
 class Recipe(Section):

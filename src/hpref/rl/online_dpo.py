@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from hpref.errors import RecipeError
 from hpref.models.dpo_loss import LossType
+from hpref.recipe.dpo import DpoSettings
 from hpref.rl.rollout_types import Rollout, TrainingRows, Verdict
 
 if TYPE_CHECKING:
@@ -31,32 +32,20 @@ if TYPE_CHECKING:
 Prompt = tuple[str, ...]
 
 
-class OnlineDpoConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OnlineDpoConfig(DpoSettings):
+    """DPO's settings (`hpref.recipe.dpo.DpoSettings`), tie-aware by default: a judge's verdicts carry
+    ties and soft probabilities, which `davidson` trains on as they are."""
 
-    beta: float = Field(0.1, gt=0, description="DPO's beta: the weight of the log-ratio to the reference")
     loss_type: LossType = Field(
         "davidson",
-        description="sigmoid (DPO; a tie counts half a win each way), ipo, or davidson (tie-aware DPO-D, "
-        "Chen et al. 2024: a tie pulls the two answers' implicit rewards together)",
-    )
-    label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="conservative DPO's label noise (sigmoid and davidson)"
-    )
-    tie_strength: float = Field(
-        1.0, gt=0, description="Davidson's nu: P(tie) at equal rewards is nu / (2 + nu)"
+        description="sigmoid = DPO (a tie counts half a win each way), ipo, or davidson = tie-aware DPO-D "
+        "(Chen et al. 2024: a tie pulls the two answers' implicit rewards together)",
     )
     pairs: Literal["own", "cross"] = Field(
         "own",
         description="own = the policy's answers paired two by two; cross = each answer against another "
         "policy's answer to the same prompt (several policies)",
     )
-
-    @model_validator(mode="after")
-    def _smoothing_fits(self) -> OnlineDpoConfig:
-        if self.loss_type == "ipo" and self.label_smoothing:
-            raise ValueError("label_smoothing is for the sigmoid and davidson losses; IPO has none")
-        return self
 
 
 class OnlineDpo:
