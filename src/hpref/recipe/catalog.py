@@ -53,6 +53,10 @@ def recipe_summary(path: Path) -> dict[str, Any]:
             first_line = line.lstrip("# ").strip()
             break
     model = data.get("model", {}).get("name", "-") if isinstance(data.get("model"), dict) else "-"
+    dpo = data.get("dpo")
+    if isinstance(dpo, dict) and isinstance(dpo.get("model"), dict):  # a DPO recipe's policy
+        policy = dpo["model"]
+        model = f"dpo: {policy.get('name') or policy.get('path') or 'tiny'}"
     train = data.get("dataset", {}).get("train", {}) if isinstance(data.get("dataset"), dict) else {}
     return {
         "name": path.stem,
