@@ -182,3 +182,33 @@ timeout 300 "$PY" -m benchmarks.rl_gpu --policy "$OUT/policy-1b" --updates 2 || 
 #    the bottleneck a 2-core CPU is) and its GPU memory near one policy's.
 timeout 600 "$PY" -m benchmarks.rl_shared --gpu --rollouts 2 --rounds 1 --runs alone,shared-2,separate-2 \
   --once "" --engine-adapters "" --out "$OUT/rl-shared-gpu.json" || echo "rl shared (gpu): failed"
+
+# 7. DPO on one GPU (#38). Not run yet.
+#    a) Offline DPO of SmolLM2-135M (recipes/dpo-smollm2.toml: LoRA r 16, HH-RLHF helpful-base from
+#       ../shared) in bf16 on nccl, packed pairs through flash_varlen / torch_varlen attention, 32 steps of
+#       8 pairs: tokens/s and peak memory from the run's summary; then `hpref save` and vLLM loads the
+#       merged export (the CPU test, tests/train/test_dpo_train.py, does the same on vLLM's CPU build).
+#       Expect the first step's loss at exactly log 2 (policy = reference) and no truncated pair.
+if [ -f ../shared/data/hh-rlhf-helpful-base-test.jsonl.gz ]; then
+  timeout 600 hpref train dpo-smollm2 --set run.output_dir="\"$OUT/runs\"" --set train.max_steps=32 \
+    --set train.precision='"bf16"' --set launch.backend='"nccl"' --set train.eval_interval=0 \
+    --set train.eval_steps=0 || echo "dpo (offline, gpu): failed"
+  timeout 300 hpref save "$OUT/runs/dpo-smollm2" --to "$OUT/dpo-smollm2-export" || echo "dpo save: failed"
+  "$PY" - "$OUT/dpo-smollm2-export" <<'PYEOF' || echo "dpo export on vLLM: failed"
+import sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=True)
+out = llm.generate(["Write one sentence about the sea."], SamplingParams(max_tokens=32, temperature=0))
+print("vLLM loaded the DPO export:", repr(out[0].outputs[0].text))
+PYEOF
+#    b) Online DPO on the GPU: one SmolLM2 LoRA policy with `algorithm = "online-dpo"` (sigmoid, beta
+#       0.1), 8 prompts x 2 answers per update, its trainer rank on the GPU (bf16 autocast) and vLLM
+#       sampling beside it on the same GPU (colocated), the MiniLM reward export judging the pairs;
+#       3 rollouts. Needs runs/minilm-reward-helpful-f{0,1}-export (README, "Multi-policy RL").
+#       Expect seconds per update well under the CPU's (benchmarks/README.md, "Online DPO vs TRL").
+  timeout 900 hpref rl rl-smollm2 --policies a --set run.output_dir="\"$OUT/runs\"" --set rl.num_rollouts=3 \
+    --set rl.eval_interval=0 --set rl.save_interval=0 --set rl.rollout.eval_prompts=4 \
+    --set rl.rollout.group_size=2 --set 'rl.defaults.algorithm={ name = "online-dpo", loss_type = "sigmoid" }' \
+    --set rl.defaults.gpus_per_rank=0.5 --set rl.colocate=true --set rl.engine.name='"vllm"' \
+    --set rl.engine.num_gpus=0.5 --set rl.engine.gpu_memory_utilization=0.3 || echo "online dpo (gpu): failed"
+fi
