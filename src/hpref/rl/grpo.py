@@ -94,5 +94,7 @@ class Grpo:
 
 
 def build_grpo(config: GrpoConfig, policy: PolicyConfig) -> Grpo:
-    """GRPO / Dr. GRPO on the policy's reward per answer (`scale_by_std = false`: Dr. GRPO)."""
+    """GRPO on a reward per answer; set by the policy's keys (clip_low, clip_high, kl_coef, scale_by_std).
+
+    `scale_by_std = false` is Dr. GRPO; `measure_kl`, `aggregation` and `epochs_per_rollout` too."""
     return Grpo(config, policy)

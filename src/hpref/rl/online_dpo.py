@@ -148,8 +148,10 @@ class OnlineDpo:
 
 
 def build_online_dpo(config: OnlineDpoConfig, policy: PolicyConfig) -> OnlineDpo:
-    """Online DPO: pairs of the policy's answers (or against other policies'), judged three ways by the
-    reward, trained with DPO, IPO or tie-aware DPO against the start."""
+    """Online DPO: the policy's answers judged in pairs, three ways, by the reward; DPO against the start.
+
+    Pairs are the policy's own answers two by two, or each against another policy's (`pairs`); the
+    loss is DPO, IPO or tie-aware DPO (`loss_type`)."""
     return OnlineDpo(config, policy)
 
 
