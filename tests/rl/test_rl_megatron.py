@@ -78,7 +78,7 @@ def test_megatron_log_probs_equal_the_transformers_policys(world):
     _cfg, rollouts = world
     mc, hf = trainer("megatron"), trainer("transformers")
     assert type(mc.model).__name__ == "MegatronCausalLM" and "gpt" in dict(mc.model.named_children())
-    batch = pad_batch(rollouts[0]["prompt_ids"], rollouts[0]["completions"], mc.tokenizer.pad_token_id)
+    batch = pad_batch(rollouts[0].prompt_ids, rollouts[0].completions, mc.tokenizer.pad_token_id)
     mask = batch["mask"].bool()
     for temperature in (1.0, 0.7):
         with torch.no_grad():
@@ -86,11 +86,11 @@ def test_megatron_log_probs_equal_the_transformers_policys(world):
             theirs = completion_logprobs(hf.model, batch, temperature)
         assert float((ours - theirs)[mask].abs().max()) < 1e-5
     # and the engine's own sampling log-probs are what the megatron trainer computes at the start
-    for i, ref in enumerate(rollouts[0]["logprobs"]):
-        s = len(rollouts[0]["prompt_ids"][i]) - 1
+    for i, ref in enumerate(rollouts[0].logprobs):
+        s = len(rollouts[0].prompt_ids[i]) - 1
         assert (
             ours.new_tensor(ref)
-            .sub(completion_logprobs(mc.model, batch, rollouts[0]["temperature"])[i, s : s + len(ref)])
+            .sub(completion_logprobs(mc.model, batch, rollouts[0].temperature)[i, s : s + len(ref)])
             .abs()
             .max()
             < 1e-4
@@ -114,7 +114,7 @@ def test_tied_embeddings_are_one_megatron_weight_and_two_transformers_keys(world
     mc = MegatronCausalLM(tied.config)
     mc.load_hf_state(tied.state_dict())
     assert mc.gpt.output_layer.weight is None  # megatron reads the embedding as its output weight
-    batch = pad_batch(rollouts[1]["prompt_ids"], rollouts[1]["completions"], tokenizer.pad_token_id)
+    batch = pad_batch(rollouts[1].prompt_ids, rollouts[1].completions, tokenizer.pad_token_id)
     with torch.no_grad():
         gap = completion_logprobs(mc, batch, 0.8) - completion_logprobs(tied, batch, 0.8)
     assert float(gap[batch["mask"].bool()].abs().max()) < 1e-5
@@ -272,7 +272,7 @@ def test_refusals_are_one_line_naming_the_key(tmp_path, monkeypatch):
     check_backends(rl_config(ranks=2, trainer_tensor_parallel=2, model=TINY_TP2), ["a"], "test")
     with pytest.raises(
         RecipeError,
-        match=r"^test: rl.policies.a.trainer_backend: Input should be 'transformers' or 'megatron'",
+        match=r"^test: rl.policies.a.trainer_backend: unknown trainer_backend 'nemo'; known: megatron, "
     ):
         rl_config(trainer_backend="nemo")
 

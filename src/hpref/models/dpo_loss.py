@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 
 from hpref.models.heads import davidson_logits
 from hpref.models.loss import soft_cross_entropy
+from hpref.recipe.dpo import LossType
 
-LossType = Literal["sigmoid", "ipo", "davidson"]
-LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "davidson")
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
 #: the outcomes of a pair's label, in `targets`' column order
 A_WINS, B_WINS, TIE = 0, 1, 2

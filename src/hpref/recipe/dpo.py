@@ -9,12 +9,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+#: the DPO family's losses (`hpref.models.dpo_loss`)
+LossType = Literal["sigmoid", "ipo", "davidson"]
+
 
 class DpoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
     beta: float = Field(0.1, gt=0, description="strength of the implicit KL to the reference (TRL's beta)")
-    loss_type: Literal["sigmoid", "ipo", "davidson"] = Field(
+    loss_type: LossType = Field(
         "sigmoid",
         description="sigmoid = DPO (Rafailov 2023; a tie counts half a win each way), ipo = IPO (Azar "
         "2023), davidson = tie-aware DPO-D (Chen 2024: a tie pulls the two implicit rewards together)",

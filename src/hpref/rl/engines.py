@@ -22,15 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
 from hpref.recipe.schema import LoraSection
-from hpref.rl.policy import (
-    apply_env,
-    build_policy_model,
-    cache_keyword,
-    encode_prompt,
-    left_padded,
-    stop_token_ids,
-    trim_completion,
-)
+from hpref.rl.policy import apply_env, cache_keyword, left_padded, stop_token_ids, trim_completion
 from hpref.rl.versioned import VersionedWeights
 
 if TYPE_CHECKING:
@@ -165,6 +157,8 @@ class EngineActor(VersionedWeights):
         torch.set_num_threads(threads)
         self.policy = policy
         self.batch_rows = batch_rows
+        from hpref.models.causal_lm import build_policy_model  # torch: not at import (`hpref --help`)
+
         self.model, self.tokenizer = build_policy_model(model)
         self.peft: Any = None  # PEFT's handle of a shared base's adapters
         self.adapter_shapes = {}
@@ -205,6 +199,8 @@ class EngineActor(VersionedWeights):
         load_adapter_tensors(self.model, adapter, state, source=f"engine '{self.policy}' adapter '{adapter}'")
 
     def prompt_ids(self, prompts: list[tuple[str, ...]]) -> list[list[int]]:
+        from hpref.models.causal_lm import encode_prompt
+
         return [encode_prompt(self.tokenizer, p) for p in prompts]
 
     def generate(

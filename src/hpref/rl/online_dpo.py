@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from hpref.errors import RecipeError
-from hpref.models.dpo_loss import LossType
-from hpref.recipe.dpo import DpoSettings
+from hpref.recipe.dpo import DpoSettings, LossType
 from hpref.rl.rollout_types import Rollout, TrainingRows, Verdict
 
 if TYPE_CHECKING:

@@ -12,21 +12,32 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
-
-# re-exported: rl's modules and tests import these here
-from hpref.models.causal_lm import (  # noqa: F401
-    ASSISTANT,
-    TOKENIZER_MIN_FREQUENCY,
-    TOKENIZER_SEED,
-    USER,
-    build_policy_model,
-    causal_lm_problem,
-    encode_prompt,
-    policy_folder,
-    policy_tokenizer,
-    tiny_policy_config,
-)
 from hpref.recipe.rl import PolicyModelConfig, RLConfig
+
+#: the causal-LM helpers moved to `hpref.models.causal_lm`; rl's modules and tests still import them
+#: here. Looked up on first use (PEP 562), not at import: `hpref.models` imports torch, and the rl
+#: engines' plugin modules import this one when `hpref --help` loads every plugin.
+_CAUSAL_LM = (
+    "ASSISTANT",
+    "TOKENIZER_MIN_FREQUENCY",
+    "TOKENIZER_SEED",
+    "USER",
+    "build_policy_model",
+    "causal_lm_problem",
+    "encode_prompt",
+    "policy_folder",
+    "policy_tokenizer",
+    "tiny_policy_config",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CAUSAL_LM:
+        from hpref.models import causal_lm
+
+        return getattr(causal_lm, name)
+    raise AttributeError(f"module 'hpref.rl.policy' has no attribute '{name}'")
+
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +68,8 @@ def policy_skeleton(model: PolicyModelConfig) -> Any:
     (seconds less than a build), for checks of settings that depend on the architecture."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpref.models.causal_lm import policy_folder, tiny_policy_config
 
     folder = policy_folder(model)
     if folder is not None:
@@ -96,6 +109,7 @@ def check_policy_models(config: RLConfig, policies: list[str], where: str) -> No
     head that transformers can generate from) and a tokenizer with a chat template (its prompts are
     conversations). A `RecipeError` of one line naming the policy and the folder."""
     from hpref.errors import RecipeError
+    from hpref.models.causal_lm import causal_lm_problem, policy_folder
 
     for p in policies:
         model = config.policies[p].model

