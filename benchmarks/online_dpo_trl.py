@@ -75,7 +75,14 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from benchmarks.rl_trl import _load, _PeakRss, _timed, checkpointing_kwargs  # noqa: E402
+from benchmarks.rl_trl import (  # noqa: E402
+    _load,
+    _PeakRss,
+    _timed,
+    checkpointing_kwargs,
+    shared_trainer_args,
+    step_timer,
+)
 
 #: the DPO settings both sides train with: standard DPO (hpref's default is the tie-aware "davidson")
 LOSS_TYPE = "sigmoid"
@@ -129,7 +136,7 @@ def run_trl_online_dpo(spec: dict[str, Any]) -> dict[str, Any]:
     import huggingface_hub.constants
     import trl
     from datasets import Dataset
-    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoTokenizer, PrinterCallback
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     huggingface_hub.constants.HF_HUB_OFFLINE = True
@@ -197,36 +204,11 @@ def run_trl_online_dpo(spec: dict[str, Any]) -> dict[str, Any]:
         disable_dropout=True,
         # the prompts in the spec's order
         train_sampling_strategy="sequential",
-        dataloader_num_workers=0,
-        # the optimizer hpref uses
-        optim="adamw_torch",
-        learning_rate=float(spec["lr"]),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        adam_beta1=0.9,
-        adam_beta2=0.99,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        seed=int(spec["seed"]),
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+        **shared_trainer_args(spec),
     )
 
     steps: list[float] = []
     logged: list[dict[str, float]] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            self.began = time.perf_counter()
-
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            steps.append(time.perf_counter() - self.began)
-
-        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None, **__: Any) -> None:
-            if logs and "objective/scores" in logs:  # the step logs (not train()'s closing summary)
-                logged.append(dict(logs))
 
     trainer = OnlineDPOTrainer(
         model=spec["model_path"],
@@ -235,7 +217,7 @@ def run_trl_online_dpo(spec: dict[str, Any]) -> dict[str, Any]:
         train_dataset=Dataset.from_dict({"prompt": prompts}),  # conversational, in memory
         processing_class=AutoTokenizer.from_pretrained(spec["model_path"]),
         peft_config=peft_config,
-        callbacks=[Timer()],
+        callbacks=[step_timer(steps, logged, "objective/scores")],
     )
     trainer.remove_callback(PrinterCallback)  # keep stdout for the JSON result
     generate_s: list[float] = []

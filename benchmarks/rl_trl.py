@@ -155,6 +155,47 @@ def checkpointing_kwargs(config_cls: type, on: bool) -> dict[str, bool]:
     return {key: on}
 
 
+def shared_trainer_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """The TrainingArguments both TRL runners set alike: the optimizer hpref uses (transformers'
+    default would be the fused AdamW), a constant lr, every step logged (for the per-update numbers),
+    nothing saved, reported or printed."""
+    return {
+        "dataloader_num_workers": 0,
+        "optim": "adamw_torch",
+        "learning_rate": float(spec["lr"]),
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.99,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "seed": int(spec["seed"]),
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+    }
+
+
+def step_timer(steps: list[float], logged: list[dict[str, float]], step_key: str) -> Any:
+    """A callback timing each optimizer step (`on_step_begin` to `on_step_end`) into `steps` and
+    keeping each step's logs (those with `step_key`, not train()'s closing summary) in `logged`."""
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.began = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            steps.append(time.perf_counter() - self.began)
+
+        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None, **__: Any) -> None:
+            if logs and step_key in logs:
+                logged.append(dict(logs))
+
+    return Timer()
+
+
 def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
     """One TRL GRPO run as `spec` describes (see the module docstring); returns timings, rewards,
     peak RSS and the TRL settings used."""
@@ -167,7 +208,7 @@ def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
     import huggingface_hub.constants
     import trl
     from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     huggingface_hub.constants.HF_HUB_OFFLINE = True
@@ -242,37 +283,11 @@ def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
         beta=float(spec["beta"]),  # 0: TRL builds no reference model
         # the prompts in the spec's order
         shuffle_dataset=False,
-        dataloader_num_workers=0,
-        # the optimizer hpref uses (transformers' default here would be the fused AdamW)
-        optim="adamw_torch",
-        learning_rate=float(spec["lr"]),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        adam_beta1=0.9,
-        adam_beta2=0.99,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        seed=int(spec["seed"]),
-        # every step logged (for the reward per update); nothing saved, reported or printed
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
+        **shared_trainer_args(spec),
     )
 
     steps: list[float] = []
     logged: list[dict[str, float]] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_: Any, **__: Any) -> None:
-            self.began = time.perf_counter()
-
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            steps.append(time.perf_counter() - self.began)
-
-        def on_log(self, _args: Any, _state: Any, _control: Any, logs: dict | None = None, **__: Any) -> None:
-            if logs and "reward" in logs:  # the step logs (not train()'s closing summary)
-                logged.append(dict(logs))
 
     trainer = GRPOTrainer(
         model=spec["model_path"],
@@ -280,7 +295,7 @@ def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts}),  # conversational, in memory
         peft_config=peft_config,
-        callbacks=[Timer()],
+        callbacks=[step_timer(steps, logged, "reward")],
     )
     trainer.remove_callback(PrinterCallback)  # keep stdout for the JSON result
     generate_s: list[float] = []
