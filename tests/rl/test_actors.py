@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import completion_logprobs, group_batch, pad_batch, trim_completion  # noqa: E402
-from hpref.rl.rollout_types import rollout_of_tokens
+from hpref.rl.rollout_types import rollout_of_tokens  # noqa: E402
 from hpref.rl.rollouts import (  # noqa: E402
     RolloutExecutor,
     StaleWeightsError,

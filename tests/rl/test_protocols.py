@@ -1,4 +1,5 @@
-"""The built-in rewards, engines, algorithms and trainer backends against the seams they plug into (`hpref.rl.protocols`).
+"""The built-in rewards, engines, algorithms and trainer backends against the seams they plug into
+(`hpref.rl.protocols`).
 
 Wrong if a built-in lost a method the rollout executor or the engine's Ray actor calls, or took it
 with other parameter names than the protocol (a plugin written against the protocol would break).
