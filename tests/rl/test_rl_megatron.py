@@ -272,7 +272,7 @@ def test_refusals_are_one_line_naming_the_key(tmp_path, monkeypatch):
     check_backends(rl_config(ranks=2, trainer_tensor_parallel=2, model=TINY_TP2), ["a"], "test")
     with pytest.raises(
         RecipeError,
-        match=r"^test: rl.policies.a.trainer_backend: unknown trainer_backend 'nemo'; known: megatron, "
+        match=r"^test: rl.policies.a.trainer_backend: unknown trainer_backend 'nemo'; known: megatron, ",
     ):
         rl_config(trainer_backend="nemo")
 
