@@ -80,6 +80,7 @@ from benchmarks.rl_trl import (  # noqa: E402
     _PeakRss,
     _timed,
     checkpointing_kwargs,
+    lora_config,
     shared_trainer_args,
     step_timer,
 )
@@ -163,18 +164,7 @@ def run_trl_online_dpo(spec: dict[str, Any]) -> dict[str, Any]:
 
     reward.__name__ = "reward"
 
-    peft_config = None
-    if spec.get("lora"):
-        from peft import LoraConfig
-
-        lora = spec["lora"]
-        peft_config = LoraConfig(
-            r=int(lora["r"]),
-            lora_alpha=lora["alpha"],
-            lora_dropout=float(lora.get("dropout", 0.0)),
-            target_modules=list(lora["target_modules"]),
-            task_type="CAUSAL_LM",
-        )
+    peft_config = lora_config(spec)
 
     args = OnlineDPOConfig(
         output_dir=spec["output_dir"],

@@ -196,6 +196,22 @@ def step_timer(steps: list[float], logged: list[dict[str, float]], step_key: str
     return Timer()
 
 
+def lora_config(spec: dict[str, Any]) -> Any:
+    """PEFT's config of the spec's `lora` (r, alpha, dropout, target modules), or None: full fine-tune."""
+    if not spec.get("lora"):
+        return None
+    from peft import LoraConfig
+
+    lora = spec["lora"]
+    return LoraConfig(
+        r=int(lora["r"]),
+        lora_alpha=lora["alpha"],
+        lora_dropout=float(lora.get("dropout", 0.0)),
+        target_modules=list(lora["target_modules"]),
+        task_type="CAUSAL_LM",
+    )
+
+
 def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
     """One TRL GRPO run as `spec` describes (see the module docstring); returns timings, rewards,
     peak RSS and the TRL settings used."""
@@ -238,18 +254,7 @@ def run_trl_grpo(spec: dict[str, Any]) -> dict[str, Any]:
 
     reward.__name__ = "reward"  # TRL logs it as rewards/reward/mean; the total is "reward"
 
-    peft_config = None
-    if spec.get("lora"):
-        from peft import LoraConfig
-
-        lora = spec["lora"]
-        peft_config = LoraConfig(
-            r=int(lora["r"]),
-            lora_alpha=lora["alpha"],
-            lora_dropout=float(lora.get("dropout", 0.0)),
-            target_modules=list(lora["target_modules"]),
-            task_type="CAUSAL_LM",
-        )
+    peft_config = lora_config(spec)
 
     args = GRPOConfig(
         output_dir=spec["output_dir"],
