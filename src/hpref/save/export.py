@@ -32,6 +32,7 @@ from hpref.runfolder.checkpoints import resolve_checkpoint
 from hpref.runfolder.layout import METRICS, RECIPE, SUMMARY
 from hpref.runfolder.safe_load import CheckpointError  # noqa: F401  (callers catch it from here)
 from hpref.runtime.checkpoint import load_model_from_checkpoint, recipe_of_run
+from hpref.save.card import metrics_and_recipe
 from hpref.save.target import check_export_overlap, check_export_target, replace_folder
 
 Dtype = Literal["fp32", "bf16"]
@@ -154,18 +155,8 @@ def model_card(
             else "`hpref.models.PreferenceModel.from_pretrained(folder)`"
         ),
         "",
-        "## Eval metrics",
-        "",
     ]
-    if metrics:
-        lines += ["| metric | value |", "|---|---|"]
-        lines += [
-            f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()
-        ]
-    else:
-        lines.append("No evaluation was recorded for this checkpoint.")
-    lines += ["", "## Training recipe", "", "```toml", recipe_toml.rstrip(), "```", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + metrics_and_recipe(metrics, recipe_toml))
 
 
 def save_export(

@@ -30,6 +30,7 @@ from hpref.builtin.scoring import CHECKPOINT_JSON, MODEL_CARD
 from hpref.errors import UserError
 from hpref.recipe import Recipe
 from hpref.runfolder.layout import RECIPE, SUMMARY, TRAIN_STATE
+from hpref.save.card import metrics_and_recipe
 
 
 def load_policy(checkpoint_dir: Path, recipe: Recipe) -> tuple[Any, Any, Any]:
@@ -97,18 +98,8 @@ def policy_card(recipe: Recipe, checkpoint: Path, step: Any, dtype: str, adapter
         f"- weights: {dtype}" + (", LoRA adapter" if adapter else ", LoRA merged" if recipe.lora else ""),
         f"- load: {load}",
         "",
-        "## Eval metrics",
-        "",
     ]
-    if metrics:
-        lines += ["| metric | value |", "|---|---|"]
-        lines += [
-            f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items()
-        ]
-    else:
-        lines.append("No evaluation was recorded for this checkpoint.")
-    lines += ["", "## Training recipe", "", "```toml", recipe.to_toml().rstrip(), "```", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + metrics_and_recipe(metrics, recipe.to_toml()))
 
 
 def export_policy(
