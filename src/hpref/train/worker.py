@@ -246,7 +246,16 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent()
     start_heartbeat(int(os.environ.get("RANK", "0")))
     logger.remove()  # loguru's default stderr handler would print on every rank
-    sys.exit(run_worker(args.recipe, args.overrides, resume=args.resume))
+    code = run_worker(args.recipe, args.overrides, resume=args.resume)
+    if code != 0 and dist.is_initialized():
+        # A failed rank under the launcher keeps its process group (see run_worker's finally):
+        # interpreter teardown then destroys gloo's objects while its threads still run, and
+        # std::terminate turns the error's exit code into SIGABRT. Leave without teardown: the logs
+        # are closed and torchelastic's error file is written by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
