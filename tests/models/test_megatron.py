@@ -189,17 +189,20 @@ def _free_port() -> int:
 
 def _run_tp(folder: Path, out: Path, nproc: int, *mode: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={_free_port()}",
-        str(WORKER),
-    ]
-    done = subprocess.run(
-        [*cmd, str(folder), str(out), *mode], env=env, capture_output=True, text=True, timeout=300
-    )
+    for _attempt in range(3):  # a free port can be taken by another test's process before torchrun binds it
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={_free_port()}",
+            str(WORKER),
+        ]
+        done = subprocess.run(
+            [*cmd, str(folder), str(out), *mode], env=env, capture_output=True, text=True, timeout=300
+        )
+        if "EADDRINUSE" not in done.stderr:
+            break
     assert done.returncode == 0, done.stderr[-3000:]
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in done.stderr  # megatron's CUDA advice, off on CPU
     return json.loads(out.read_text())

@@ -29,6 +29,10 @@ from hpref.runtime.ray_cluster import actor_death, ray_cause
 BUCKETS_IN_FLIGHT = 2
 
 
+#: seconds a group call that failed waits for its other ranks' outcome, in case one of them died
+DEATH_NOTICE_S = 10.0
+
+
 class WeightSyncError(RuntimeError):
     """A weight update that did not reach an engine whole; the engine still serves its old version."""
 
@@ -67,8 +71,24 @@ class TrainerGroup:
         self.base.connected = engine
 
     async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """`method(*args)` on every rank at once; the first failure (a dead rank) is the call's."""
-        return await asyncio.gather(*(getattr(r, method).remote(*args, **kwargs) for r in self.ranks))
+        """`method(*args)` on every rank at once. When ranks fail, a dead rank's death is the call's
+        error: the rank it was in a collective with fails too (gloo: "connection reset by peer"),
+        often first, and that error would name the survivor instead of the rank that died. So a
+        failure that is not a death waits a little (`DEATH_NOTICE_S`) for the others' outcome; a
+        survivor stuck in a collective (NCCL may wait for its timeout) does not hold the call."""
+        calls = [asyncio.ensure_future(getattr(r, method).remote(*args, **kwargs)) for r in self.ranks]
+        done, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+        failures = [c.exception() for c in calls if c in done and c.exception() is not None]
+        if not failures:
+            return [c.result() for c in calls]
+        if pending and all(actor_death(f) is None for f in failures):
+            more, pending = await asyncio.wait(
+                pending, timeout=DEATH_NOTICE_S, return_when=asyncio.FIRST_EXCEPTION
+            )
+            failures += [c.exception() for c in more if c.exception() is not None]
+        for call in pending:
+            call.cancel()
+        raise next((f for f in failures if actor_death(f) is not None), failures[0])
 
     async def start(self) -> None:
         """Form the process group (ranks > 1): rank 0 serves the rendezvous, every rank joins,

@@ -95,10 +95,24 @@ def _loopback_environment() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": loopback} if loopback else {}
 
 
+#: what a rank's collective raises when a peer process is gone (gloo's and NCCL's words): an echo of
+#: another rank's failure, not a cause
+PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "remote process exited")
+
+
 def _first_real_failure(exc: Any) -> tuple[int, Any]:
     """The rank whose failure explains the run: the earliest with an error of its own (exit code
-    > 0, which carries a message) before ranks that torchrun stopped with a signal afterwards."""
-    failures = sorted(exc.failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp))
+    > 0, which carries a message) before ranks that torchrun stopped with a signal afterwards, and
+    before ranks whose error only says a peer went away (a failed rank exits at once, and a peer
+    blocked in a collective with it raises within the same second: error files keep whole seconds)."""
+
+    def peer_lost(failure: Any) -> bool:
+        return any(words in str(failure.message).lower() for words in PEER_LOST)
+
+    failures = sorted(
+        exc.failures.items(),
+        key=lambda item: (item[1].exitcode <= 0, peer_lost(item[1]), item[1].timestamp),
+    )
     return failures[0] if failures else exc.get_first_failure()
 
 
