@@ -288,7 +288,7 @@ def rl_warmup_command(
     ),
     overrides: list[str] = SetOption,
 ) -> None:
-    """Build (or find in the cache) the supervised warm-up checkpoint `hpref rl` starts tiny policies from.
+    """Build (or find in the cache) the supervised warm-up checkpoints `hpref rl` starts policies from.
 
     `hpref rl` does the same on its own before the first rollout; this command does it ahead of time
     and prints one line per policy: its id, a tab, the checkpoint folder (a transformers causal LM).
@@ -343,9 +343,9 @@ def eval_cmd(
 
 @app.command("save")
 def save_cmd(
-    run_dir: Path = typer.Argument(..., help="A training run folder (or one checkpoint folder)."),
+    run_dir: Path = typer.Argument(..., help="A train or rl run folder (or one of its saves)."),
     to: Path | None = typer.Option(None, "--to", help="Export folder to write (HF-style, self-contained)."),
-    step: str = typer.Option("latest", "--step", help="Checkpoint step number, or latest."),
+    step: str = typer.Option("latest", "--step", help="Step number, rl: rollout-N, or latest."),
     dtype: str = typer.Option("fp32", "--dtype", help="bf16 | fp32 weights in the export."),
     now: bool = typer.Option(False, "--now", help="Ask the live run to checkpoint now; print its path."),
     timeout: float = typer.Option(1800, "--timeout", help="With --now: seconds to wait for the checkpoint."),
@@ -364,13 +364,14 @@ def save_cmd(
         "--adapter",
         help="LoRA run: write PEFT's adapter folder + hpref's head instead of merged weights.",
     ),
+    policy: str | None = typer.Option(None, "--policy", help="rl run: the policy to export (a causal LM)."),
 ) -> None:
     """Export a checkpoint as an HF-style folder with a model card, or checkpoint a live run (--now)."""
     from hpref.save.command import SaveRequest, save_command
 
     request = SaveRequest(
         run_dir, to=to, step=step, dtype=dtype, now=now, timeout=timeout, overwrite=overwrite,
-        recipe=recipe, adapter=adapter,
+        recipe=recipe, adapter=adapter, policy=policy,
     )  # fmt: skip
     raise typer.Exit(save_command(request))
 

@@ -139,7 +139,7 @@ def register_prompts(register) -> None:
 
 @hookspec
 def register_rewards(register) -> None:
-    """Register reward components for `hpref rl` (`[rl.reward]`).
+    """Register reward components for `hpref rl` (`[rl.reward]`, or each of `[rl.rewards.<name>]`).
 
     `build(config)` returns an object with
     `score_groups(prompts, groups, opponents=None) -> list[list[float]]`: `groups[i]` are one
@@ -151,6 +151,8 @@ def register_rewards(register) -> None:
     one score per answer (evals then compare a policy's answer with its start's directly instead of
     reading two scores as a Bradley-Terry preference; `hpref.rl.evaluation.scorer_report`). A prompt
     is a tuple of turns: user, assistant, ..., user. The same components serve as `[rl.eval_scorer]`.
+    A reward that sets `wants_rows = True` is also given `rows=` (`rows[i]`: the prompt file's row
+    of `prompts[i]`, its columns beside the conversation's: a reference answer, a label).
     A reward online DPO can train on also has `judge_answers(prompts, pairs)` -> one (P(first),
     P(second), P(tie)) per answer pair (`hpref.rl.protocols.PairJudge`) and says so with the class
     attribute `judges_pairs = True` on its config, which `hpref rl` checks before any actor starts.

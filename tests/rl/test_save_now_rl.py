@@ -111,7 +111,8 @@ def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path):
     assert path.is_dir()  # keep_last = 0: the requested save stays beside the final one
     assert not (run_dir / "heartbeat.json").exists()  # the run is over: no longer "alive"
 
-    # an rl save holds policies, not a preference model: exporting it is one line and exit 2
+    # an rl save holds policies, not a preference model: exporting it without naming one of them
+    # (`--policy`) is one line and exit 2
     export = subprocess.run(
         [*HPREF, "save", str(run_dir), "--to", str(tmp_path / "export")],
         env=env,
@@ -120,4 +121,5 @@ def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path):
         timeout=120,
     )
     assert export.returncode == 2, export.stderr
-    assert "an hpref rl save" in export.stderr and not (tmp_path / "export").exists()
+    assert "--policy" in export.stderr and "its policies: a, b" in export.stderr
+    assert not (tmp_path / "export").exists()

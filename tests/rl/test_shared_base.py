@@ -277,6 +277,26 @@ def test_a_shared_run_trains_as_separate_ones_and_resumes_exactly(ray_cluster, t
     for key, value in files[separate].items():
         torch.testing.assert_close(files[shared][key], value, rtol=1e-4, atol=1e-6)
 
+    # each policy of the shared base exports (`hpref save --policy`) as its base plus its own saved
+    # adapter, and policy a as its separately trained twin: wrong if the export took another adapter
+    # of the shared trainer, or none (the seeded base itself)
+    from transformers import AutoModelForCausalLM
+
+    from hpref.models.causal_lm import build_policy_model
+    from hpref.recipe.rl import PolicyModelConfig
+    from hpref.save.export import save_export
+    from tests.rl.exports import check_merged
+
+    start = build_policy_model(PolicyModelConfig(**TINY))[0].state_dict()
+    exported = {}
+    for d, p in ((separate, "a"), (shared, "a"), (shared, "b")):
+        folder = save_export(d, tmp_path / f"{d.name}-{p}", policy=p)
+        exported[d, p] = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    for p in ("a", "b"):
+        assert check_merged(exported[shared, p], start, shared / final[shared] / p / "adapter") > 0
+    for key, value in exported[separate, "a"].items():
+        torch.testing.assert_close(exported[shared, "a"][key], value, rtol=1e-4, atol=1e-6)
+
 
 def test_requests_that_queue_while_the_shared_engine_works_go_as_one_batch():
     # Wrong if a shared engine got the policies' requests one by one (no batching), lost one, or

@@ -120,15 +120,18 @@ def test_split_gives_whole_groups_to_the_least_loaded_rank():
 def test_two_rank_update_equals_the_one_rank_update_and_streams_whole(world, tmp_path):
     """If this fails, a policy trained over ranks learns something other than the same policy on
     one rank (a gradient averaged instead of summed, a group split that drops or repeats answers, a
-    padding pass that counts), or its engine gets shards or a partial model."""
+    padding pass that counts), or its engine gets shards or a partial model. The entropy and the
+    advantages' spread are the one-rank numbers too (through the FSDP2 root, summed over ranks)."""
     cfg, rollouts, group = world
     alone = one_rank(cfg)
     start = {k: v.clone() for k, v in alone.update_weights()[1].items()}
     want_stats = alone.train(rollouts[0])
     want = alone.update_weights()[1]
     stats = run(group.train(rollouts[0]))
-    for key in ("loss", "kl", "clip_fraction", "ratio_mean", "engine_trainer_logprob_diff"):
+    metrics = ("loss", "kl", "clip_fraction", "ratio_mean", "engine_trainer_logprob_diff", "entropy")
+    for key in (*metrics, "low_entropy_share", "advantage_std", "advantage_min", "advantage_max"):
         assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
+    assert want_stats["entropy"] > 0
     assert stats["grad_norm"] == pytest.approx(want_stats["grad_norm"], rel=1e-5)
     assert want_stats["micro_batches"] == 3 and stats["micro_batches"] >= 2  # both ranks ran real ones
 

@@ -125,6 +125,38 @@ class TestOneFp32Engine:
         assert ours["completions"] == theirs["completions"]
         assert ours["texts"] == theirs["texts"]
 
+    def test_the_sampling_knobs_mean_the_same_on_vllm_as_on_the_transformers_engine(self, fp32_engine):
+        """Same weights, greedy with a repetition penalty, then also a stop string: vLLM (its own
+        `SamplingParams`, its detokenizer ending the answer) and the transformers engine give the
+        same tokens and texts; if not, the penalty's form or the tokens it sees, or where a stop
+        string ends an answer, differ between the engines. A tiny top_p samples the greedy answer."""
+        from hpref.rl.engines import EngineActor
+        from tests.rl.test_sampling import a_stop_string
+
+        spec = PolicyModelConfig(**TINY_VLLM)
+        host, _ = fp32_engine
+        model, _ = build_policy_model(spec)  # back to the start weights, whatever the tests above synced
+        ray.get(host.begin_update.remote(ray.get(host.get_version.remote()) + 1))
+        ray.get(host.load_weights.remote(model.state_dict()))
+        ray.get(host.commit_update.remote())
+        local = EngineActor("a", spec)
+        penalty = dict(greedy=True, repetition_penalty=1.3)
+        theirs = local.generate(PROMPTS, 1, 10, 1.0, **penalty)
+        assert theirs["completions"] != local.generate(PROMPTS, 1, 10, 1.0, greedy=True)["completions"]
+        assert (
+            ray.get(host.generate.remote(PROMPTS, 1, 10, 1.0, **penalty))["completions"]
+            == theirs["completions"]
+        )
+        stop = [a_stop_string(theirs["texts"])]  # from inside an answer
+        cut = local.generate(PROMPTS, 1, 10, 1.0, stop=stop, **penalty)
+        ours = ray.get(host.generate.remote(PROMPTS, 1, 10, 1.0, stop=stop, **penalty))
+        assert ours["completions"] == cut["completions"] and ours["texts"] == cut["texts"]
+        assert any(len(c) < len(f) for c, f in zip(cut["completions"], theirs["completions"], strict=True))
+        nucleus = ray.get(
+            host.generate.remote(PROMPTS, 2, 10, 1.0, seed=4, top_p=1e-6, repetition_penalty=1.3)
+        )
+        assert nucleus["completions"] == [c for c in theirs["completions"] for _ in range(2)]
+
 
 def lp_gap(a, b):
     """The largest per-token log-prob difference of two results with the same completions."""
@@ -310,6 +342,27 @@ def test_two_policies_on_vllm_stop_and_resume_exactly(ray_cluster, tmp_path):
         math.isfinite(r["engine_trainer_logprob_diff"]) and math.isfinite(r["ratio_mean"]) for r in trained
     )
     assert any(r.get("eval") for r in rows)
+
+    # and what it trained ships (`hpref save --policy`): policy a exported at the last save (a full
+    # fine-tune of its warm-up checkpoint) holds the save's weights, and plain transformers on it
+    # answers the eval prompts greedily as the run's vLLM engine did there. Wrong if the export is
+    # not those weights, its tokenizer or chat template lay prompts out otherwise, or its answers do
+    # not stop where the engine's stopped. (That vLLM loads the folder this writer makes is
+    # test_dpo_train.py's `test_vllm_loads_the_export...`: a vLLM start here costs ~18 s more.)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpref.save.export import save_export
+    from tests.rl.exports import greedy_answers, recorded_answers
+
+    export = save_export(run_dir, tmp_path / "a", policy="a")
+    saved = load_file(str(run_dir / "checkpoints" / "rollout-000003" / "a" / "model" / "model.safetensors"))
+    exported = load_file(str(export / "model.safetensors"))
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], v) for k, v in saved.items())
+    recorded = recorded_answers(run_dir, "rollout-000003", "a")
+    prompts, answers = [p for p, _ in recorded], [a for _, a in recorded]
+    lm, tokenizer = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
+    assert greedy_answers(lm, tokenizer, prompts, 6) == answers
 
 
 def test_tensor_parallel_engines_sync_through_their_worker_processes(ray_cluster):

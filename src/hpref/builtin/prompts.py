@@ -13,7 +13,7 @@ errors, `on_error`, `limit`) and split, deduplicate and cap it with `hpref.data.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,7 +27,7 @@ from hpref.data.prompts import (
     stream_rng,
 )
 from hpref.data.readers import ArenaConfig, ArenaReader, PairwiseConfig, PairwiseReader
-from hpref.data.tables import Format
+from hpref.data.tables import Format, is_missing
 from hpref.hookspecs import hookimpl
 
 
@@ -79,6 +79,7 @@ class SyntheticPrompts:
 
     ground_truth = True
     source = "synthetic arena"
+    columns: tuple[str, ...] = ()  # generated questions come from no file row
 
     def __init__(self, config: SyntheticPromptsConfig) -> None:
         self.families = config.families
@@ -94,11 +95,32 @@ class SyntheticPrompts:
     def eval_prompts(self, seed: int, count: int) -> list[Prompt]:
         return [self._prompt("eval", seed, i) for i in range(count)]
 
+    def row(self, prompt: Prompt) -> dict[str, Any]:
+        return {}
 
-def _from_reader(reader: BattleSource, config: _FilePromptsConfig) -> PromptSet:
-    def prompts() -> Iterator[Prompt]:
-        for battle in reader.battles():
-            yield prompt_of_battle(battle)
+
+def _other_columns(raw: Any, conversation: set[str]) -> dict[str, Any]:
+    """A row's columns beside the conversation's (a reference answer, a label, an id), as plain
+    Python values (Parquet's numpy scalars unwrapped; a missing value is None)."""
+    if not isinstance(raw, dict):
+        return {}
+    out = {}
+    for column, value in raw.items():
+        if column in conversation:
+            continue
+        if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # a numpy scalar
+            value = value.item()
+        out[str(column)] = None if is_missing(value) else value
+    return out
+
+
+def _from_reader(reader: BattleSource, config: _FilePromptsConfig, conversation: set[str]) -> PromptSet:
+    """The prompts of `reader`'s rows, each with its other columns (all but `conversation`'s, the
+    columns its text comes from), for rewards that read them (`rule`'s `function(prompt, answer, row)`)."""
+
+    def prompts() -> Iterator[tuple[Prompt, dict[str, Any]]]:
+        for battle, raw in reader.battles_with_rows():
+            yield prompt_of_battle(battle), _other_columns(raw, conversation)
 
     return PromptSet.build(
         reader.source,
@@ -122,18 +144,20 @@ def build_pairwise(config: PairwisePromptsConfig) -> PromptSet:
     """The conversation before the final answer of chosen/rejected pairs (HH-RLHF, TRL formats)."""
     columns = {k: getattr(config, k) for k in ("prompt_column", "chosen_column", "rejected_column")}
     reader = PairwiseReader(PairwiseConfig(**_reader_fields(config), **columns), seed=0)
-    return _from_reader(reader, config)
+    return _from_reader(reader, config, set(columns.values()))
 
 
 def build_arena(config: ArenaPromptsConfig) -> PromptSet:
     """The conversation before the final answers of arena-schema battles (CSV, Parquet, JSONL)."""
-    return _from_reader(ArenaReader(ArenaConfig(**_reader_fields(config)), seed=0), config)
+    conversation = {"prompt", "response_a", "response_b"}
+    return _from_reader(ArenaReader(ArenaConfig(**_reader_fields(config)), seed=0), config, conversation)
 
 
 def build_file(config: FilePromptsConfig) -> PromptSet:
     """A plain file of prompts: a `prompt` column, or `messages` in chat format."""
     columns = {"prompt_column": config.prompt_column, "messages_column": config.messages_column}
-    return _from_reader(PromptFileReader(PromptFileConfig(**_reader_fields(config), **columns)), config)
+    reader = PromptFileReader(PromptFileConfig(**_reader_fields(config), **columns))
+    return _from_reader(reader, config, set(columns.values()))
 
 
 @hookimpl

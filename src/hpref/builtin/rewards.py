@@ -63,8 +63,14 @@ class RuleConfig(_CrossPolicy):
     )
     function: str | None = Field(
         None,
-        description="'module:function' taking (prompt turns, answer) and returning a float, instead of "
-        "the synthetic arena's judge",
+        description="'module:function' taking (prompt turns, answer) — or (prompt turns, answer, row), the "
+        "prompt file row's other columns (a reference answer, a label) — and returning a float, instead "
+        "of the synthetic arena's judge",
+    )
+    columns: list[str] = Field(
+        default_factory=list,
+        description="the prompt file's columns the function reads from its row: checked before the run "
+        "starts (empty: not checked; the row has every column beside the conversation's)",
     )
 
 
@@ -101,19 +107,37 @@ def check_reward_exports(rewards: dict[str, Any], where: str) -> None:
             raise RecipeError(f"{where}: {key}.{field}: {problem}")
 
 
-def _import_function(spec: str) -> Callable[[Prompt, str], float]:
+def rule_function(spec: str, key: str = "rl.reward") -> tuple[Callable[..., float], bool]:
+    """A rule reward's user function and whether it takes the row: `(prompt, answer)` or
+    `(prompt, answer, row)`. A `UserError` naming `key`.function when it cannot be loaded or called so."""
+    import inspect
+
     from hpref.errors import UserError
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise UserError(f"rl.reward.function: expected 'module:function', got {spec!r}")
+        raise UserError(f"{key}.function: expected 'module:function', got {spec!r}")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise UserError(f"rl.reward.function: cannot load {spec!r}: {exc}") from None
+        raise UserError(f"{key}.function: cannot load {spec!r}: {exc}") from None
     if not callable(fn):
-        raise UserError(f"rl.reward.function: {spec!r} is not callable")
-    return fn
+        raise UserError(f"{key}.function: {spec!r} is not callable")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: called as (prompt, answer)
+        return fn, False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    rest = any(p.kind == p.VAR_POSITIONAL for p in params)
+    keyword_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if len(required) > 3 or keyword_only or (len(positional) < 2 and not rest):
+        shown = ", ".join(p.name for p in params)
+        raise UserError(
+            f"{key}.function: {spec!r} takes ({shown}); a rule function takes (prompt, answer) or "
+            "(prompt, answer, row)"
+        )
+    return fn, len(positional) >= 3 or rest
 
 
 class RuleReward:
@@ -124,7 +148,8 @@ class RuleReward:
 
         self.config = config
         self._synthetic = synthetic
-        self._utility = _import_function(config.function) if config.function else synthetic.answer_utility
+        function, self.wants_rows = rule_function(config.function) if config.function else (None, False)
+        self._function = function or synthetic.answer_utility
         #: scores within a group are win probabilities against each other (else: one score per answer)
         self.pairwise = config.mode == "pairwise"
         # a utility is absolute: other policies' answers would not change it
@@ -134,19 +159,27 @@ class RuleReward:
     def true_utility(self, prompt: Prompt, answer: str) -> float:
         return float(self._synthetic.answer_utility(prompt, answer))
 
+    def _utility(self, prompt: Prompt, answer: str, row: dict[str, Any] | None) -> float:
+        if self.wants_rows:
+            return float(self._function(prompt, answer, dict(row or {})))
+        return float(self._function(prompt, answer))
+
     def score_groups(
         self,
         prompts: Sequence[Prompt],
         groups: Sequence[Sequence[str]],
         opponents: Sequence[Sequence[str]] | None = None,
+        rows: Sequence[dict[str, Any]] | None = None,
     ) -> list[list[float]]:
+        """`rows[i]`: the prompt file's row of `prompts[i]`, for a function that takes it."""
         out = []
         for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
+            row = rows[g] if rows else None
             if self.config.mode == "utility":
-                out.append([float(self._utility(prompt, a)) for a in answers])
+                out.append([self._utility(prompt, a, row) for a in answers])
                 continue
             everyone = [*answers, *(opponents[g] if opponents else ())]
-            utilities = [float(self._utility(prompt, a)) for a in everyone]
+            utilities = [self._utility(prompt, a, row) for a in everyone]
 
             def win(i: int, j: int, u: list[float] = utilities) -> float:
                 p_a, _p_b, p_tie = self._synthetic.davidson(u[i], u[j])
@@ -156,12 +189,16 @@ class RuleReward:
         return out
 
     def judge_answers(
-        self, prompts: Sequence[Prompt], pairs: Sequence[tuple[str, str]]
+        self,
+        prompts: Sequence[Prompt],
+        pairs: Sequence[tuple[str, str]],
+        rows: Sequence[dict[str, Any]] | None = None,
     ) -> list[tuple[float, float, float]]:
         """Davidson's three outcomes on the two answers' utilities (the arena judge's own model of ties)."""
+        rows = rows or [None] * len(prompts)  # type: ignore[list-item]
         return [
-            self._synthetic.davidson(float(self._utility(p, a)), float(self._utility(p, b)))
-            for p, (a, b) in zip(prompts, pairs, strict=True)
+            self._synthetic.davidson(self._utility(p, a, row), self._utility(p, b, row))
+            for p, (a, b), row in zip(prompts, pairs, rows, strict=True)
         ]
 
 

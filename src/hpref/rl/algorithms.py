@@ -1,4 +1,6 @@
-"""The numbers of GRPO, as small pure torch functions the trainer actor calls and tests check.
+"""The numbers of the `grpo` algorithm (its advantage estimators: GRPO, RLOO, REINFORCE++; the
+clipped surrogate) and of the policy's token entropy, as small pure torch functions the trainer
+actor calls and tests check.
 
 Shapes: a batch is `B` sampled completions, `B = groups x group_size`, each completion padded to `T`
 tokens; `mask [B, T]` is 1 on completion tokens the policy produced and 0 on padding (and on prompt
@@ -7,12 +9,29 @@ tokens, which are never trained on). Log-probabilities are of the sampled token 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 Aggregation = Literal["token-mean", "sequence-mean"]
+
+#: sums and maxima of per-rank statistics over a trainer group's data ranks (`hpref.rl.sharding.
+#: reduce_stats`), or the statistics as they are on one data rank
+StatsReduce = Callable[[dict[str, float], dict[str, float]], tuple[dict[str, float], dict[str, float]]]
+
+#: a token whose sampling distribution has less entropy than this (nats) counts as low-entropy in
+#: `low_entropy_share`. 0.672 is the boundary Wang et al. 2025 ("Beyond the 80/20 Rule: High-Entropy
+#: Minority Tokens Drive Effective RL for LLM Reasoning") draw between the "following" tokens and the
+#: "forking" ones that carry RL's gains (the 80th percentile of Qwen3-8B's chain-of-thought tokens):
+#: a share that climbs towards 1 means the forks are closing, the collapse people plot entropy for.
+LOW_ENTROPY_NATS = 0.672
+
+#: OpenRLHF clamps the per-token log-ratio of REINFORCE++'s KL reward to this range: one token far
+#: off its reference cannot swamp an answer's return
+KL_REWARD_CLAMP = 10.0
 
 
 def group_advantages(
@@ -34,6 +53,138 @@ def group_advantages(
     if scale_by_std and group_size > 1:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
     return centred.reshape(-1)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO advantages (Ahmadian et al. 2024): each reward minus the mean of the other answers to its
+    prompt, `G / (G - 1) x (r - group mean)`; no std scaling. The baseline leaves the answer out, so
+    it does not depend on the answer it judges and the estimate is unbiased. `rewards [B]` as in
+    `group_advantages`; a group of one has no other answer and gets 0."""
+    if group_size == 1:
+        return torch.zeros_like(rewards, dtype=torch.float32)
+    centred = group_advantages(rewards, group_size, scale_by_std=False)
+    return centred * (group_size / (group_size - 1))
+
+
+def reinforce_returns(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """REINFORCE++'s per-token returns `[B, T]` (Hu 2025, as OpenRLHF's `compute_reward` and
+    `get_cumulative_returns` compute them): each answer token is rewarded `-kl_coef x (log pi_old -
+    log pi_ref)` of its sampled token (the k1 estimate, clamped to +-`KL_REWARD_CLAMP`), its last
+    token also gets the answer's reward `rewards [B]`, and a token's return is the sum of its own
+    and every later token's reward (gamma 1). Without a reference or with `kl_coef` 0 every token
+    of an answer returns its reward. Zero off the mask."""
+    mask = mask.float()
+    token_rewards = torch.zeros_like(mask)
+    if kl_coef and old_logprobs is not None and ref_logprobs is not None:
+        log_ratio = (old_logprobs.float() - ref_logprobs.float()).clamp(-KL_REWARD_CLAMP, KL_REWARD_CLAMP)
+        token_rewards = -kl_coef * log_ratio * mask
+    # the last answer token of each row (a row with none puts it on a masked column, which is dropped)
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1, keepdim=True)
+    token_rewards = token_rewards.scatter_add(1, last, rewards.float().to(mask.device)[:, None])
+    returns = token_rewards.flip(1).cumsum(1).flip(1)
+    return returns * mask
+
+
+def batch_normalised(
+    values: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    counted: list[bool],
+    reduce: StatsReduce | None = None,
+    eps: float = 1e-8,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """REINFORCE++'s advantages: a step's per-token `values` (one `[b, T]` tensor per micro-batch)
+    less their mean over every masked token of the step, over their std (the population one, its
+    variance floored at `eps`), as OpenRLHF whitens advantages over the whole rollout batch. The
+    mean and std are of the micro-batches `counted` (not a group's padding ones) on every rank
+    (`reduce`; None on one), so they do not depend on how the rows are split. Returns the
+    advantages (zero off the mask) and their spread: `advantage_std`, `advantage_min`,
+    `advantage_max` over those tokens."""
+    mine = [(v.double(), m.bool()) for v, m, keep in zip(values, masks, counted, strict=True) if keep]
+    picked = [v[m] for v, m in mine]
+    sums = {
+        "tokens": float(sum(p.numel() for p in picked)),
+        "sum": float(sum(p.sum() for p in picked)),
+        "squares": float(sum((p * p).sum() for p in picked)),
+    }
+    maxes = {
+        "max": max((float(p.max()) for p in picked if p.numel()), default=-math.inf),
+        "neg_min": max((-float(p.min()) for p in picked if p.numel()), default=-math.inf),
+    }
+    sums, maxes = reduce(sums, maxes) if reduce is not None else (sums, maxes)
+    if not sums["tokens"]:
+        zero = {"advantage_std": 0.0, "advantage_min": 0.0, "advantage_max": 0.0}
+        return [torch.zeros_like(v, dtype=torch.float32) for v in values], zero
+    mean = sums["sum"] / sums["tokens"]
+    var = max(sums["squares"] / sums["tokens"] - mean * mean, 0.0)  # summed in float64: exact enough
+    scale = 1.0 / math.sqrt(max(var, eps))
+    out = [((v.double() - mean) * scale * m).float() for v, m in zip(values, masks, strict=True)]
+    spread = {
+        "advantage_std": math.sqrt(var) * scale,
+        "advantage_min": (-maxes["neg_min"] - mean) * scale,
+        "advantage_max": (maxes["max"] - mean) * scale,
+    }
+    return out, spread
+
+
+def advantage_spread(advantages: torch.Tensor) -> dict[str, float]:
+    """The spread of one advantage per answer (GRPO, RLOO): the std over the rollout's answers
+    (unbiased; groups whose answers all scored alike pull it below 1 under GRPO's scaling), min, max."""
+    return {
+        "advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+        "advantage_min": float(advantages.min()) if advantages.numel() else 0.0,
+        "advantage_max": float(advantages.max()) if advantages.numel() else 0.0,
+    }
+
+
+def token_entropy(
+    logits: torch.Tensor, temperature: float = 1.0, chunk_elements: int = 1 << 24
+) -> torch.Tensor:
+    """The entropy (nats) of `softmax(logits / temperature)` for each row of `logits [N, V]`, as `[N]`
+    float32, without gradient. Taken `chunk_elements` logits at a time (64 MiB of float32 each): the
+    softmax of every row at once would add a few float32 copies of the head's logits to a step's peak
+    memory at a 49k-token vocabulary."""
+    rows = max(1, chunk_elements // max(logits.shape[-1], 1))
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for start in range(0, logits.shape[0], rows):
+            logp = torch.log_softmax(logits[start : start + rows].float() / temperature, dim=-1)
+            out[start : start + rows] = -(logp.exp() * logp).sum(-1)
+    return out
+
+
+def entropy_sums(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    rows: list[int] | None = None,
+    sampled: list[bool] | None = None,
+) -> dict[str, float]:
+    """A micro-batch's entropy statistics as sums that add up over micro-batches and ranks: the
+    entropy of the masked tokens, how many are below `LOW_ENTROPY_NATS`, and how many there are.
+    `sampled[rows[i]]` False leaves row i out (`TrainingRows.sampled`: not the policy's own answer)."""
+    keep = mask.bool()
+    if sampled is not None and rows is not None:
+        keep = keep & torch.tensor([sampled[r] for r in rows], device=keep.device)[:, None]
+    values = entropy[keep]
+    return {
+        "entropy_sum": float(values.sum()),
+        "entropy_low_tokens": float((values < LOW_ENTROPY_NATS).sum()),
+        "entropy_tokens": float(values.numel()),
+    }
+
+
+def entropy_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """`entropy` (the token mean) and `low_entropy_share` from the summed `entropy_sums`."""
+    tokens = max(sums.get("entropy_tokens", 0.0), 1.0)
+    return {
+        "entropy": sums.get("entropy_sum", 0.0) / tokens,
+        "low_entropy_share": sums.get("entropy_low_tokens", 0.0) / tokens,
+    }
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

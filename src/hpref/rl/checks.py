@@ -4,7 +4,7 @@ An `hpref rl` recipe trains no judge: its `[rl]` section was typed and checked w
 (`hpref.recipe.rl`); here only what needs the policies' models or this machine: the adapters of its
 policies (`[lora]` or `rl.policies.<id>.lora`: peft, and target modules each policy's LM has), the
 megatron-core policies' architectures, policies that `share_base = true` asks to share one base,
-and the reward exports (this machine's files).
+and the reward exports and the warm-up's data file (this machine's files).
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ def check_rl(recipe: Recipe, where: str | Path | None = None, *, machine: bool =
     if machine:
         _check_rl_backends(recipe, where)
         from hpref.builtin.rewards import check_reward_exports
-        from hpref.recipe.rl import rl_rewards
+        from hpref.recipe.rl_rewards import rl_rewards
 
         check_reward_exports(rl_rewards(recipe.rl), where)  # the exports are this machine's files
+        from hpref.rl.warmup_data import check_source
+
+        check_source(recipe.rl.warmup, where)  # the warm-up's data file, its columns
 
 
 def _check_rl_lora(recipe: Recipe, where: str, machine: bool) -> None:

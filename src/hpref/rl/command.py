@@ -77,18 +77,24 @@ def warmup_lines(request: WarmupRequest) -> Iterator[str]:
     line per policy: its id, a tab, the checkpoint folder (or its own `model.path`)."""
     from hpref.errors import RecipeError
     from hpref.rl.policy import policy_tokenizer
-    from hpref.rl.warmup import warmup_checkpoint
+    from hpref.rl.shared_base import resolve_share_base
+    from hpref.rl.warmup import warmup_checkpoint, warmup_settings
+    from hpref.rl.warmup_data import check_source
 
     loaded = _rl_recipe(request.recipe_path, list(request.overrides))
     config = loaded.rl
+    where = str(request.recipe_path)
     if config.warmup is None:
-        raise RecipeError(f"{request.recipe_path}: rl.warmup: the recipe has no [rl.warmup] section to build")
-    ids = policy_ids(request.policies) if request.policies else sorted(config.policies)
-    for p in config.select(ids):
-        model = config.policies[p].model
-        if model.pretrained:
-            shown = model.path or model.name
-            yield f"{p}\t{shown}\t(pretrained: no warm-up)"
+        raise RecipeError(f"{where}: rl.warmup: the recipe has no [rl.warmup] section to build")
+    ids = config.select(policy_ids(request.policies) if request.policies else sorted(config.policies))
+    check_source(config.warmup, where)
+    # decided as `hpref rl --policies` with these ids decides it: a shared base has one warm-up
+    settings = warmup_settings(resolve_share_base(config, ids, where), ids)
+    for p in ids:
+        if p not in settings:
+            model = config.policies[p].model
+            yield f"{p}\t{model.path or model.name}\t(pretrained: no warm-up)"
             continue
+        model, lora = settings[p]
         policy_tokenizer(model)
-        yield f"{p}\t{warmup_checkpoint(model, config.warmup)}"
+        yield f"{p}\t{warmup_checkpoint(model, config.warmup, lora=lora)}"

@@ -34,7 +34,7 @@ from hpref.rl.parking import Parker
 from hpref.rl.placement import colocated
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
-from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX
+from hpref.runfolder.layout import CHECKPOINTS, RL_EXECUTOR, ROLLOUT_PREFIX
 from hpref.runfolder.save_trigger import check_save_trigger
 from hpref.runtime.ray_cluster import actor_death
 
@@ -94,7 +94,7 @@ async def save_all(
     rel = f"{CHECKPOINTS}/{ROLLOUT_PREFIX}{positions[leader]:06d}"
     folder = run_dir / rel
     await asyncio.gather(*(handles.trainers[p].save(str(folder / p)) for p in order))
-    await handles.executor.save.remote(str(folder / "executor"))
+    await handles.executor.save.remote(str(folder / RL_EXECUTOR))
     record = CheckpointRecord(leader, {p: positions[p] for p in order}, save_dir=rel)
     write_record(run_dir, record)
     logger.info(f"saved {rel}: " + ", ".join(f"{p} at rollout {positions[p]}" for p in order))
@@ -292,7 +292,7 @@ async def restore(
     folder = source / record.save_dir
     loaded = await asyncio.gather(*(handles.trainers[p].load(str(folder / p)) for p in order))
     starts = dict(zip(order, loaded, strict=True))
-    executor_positions = await handles.executor.load.remote(str(folder / "executor"))
+    executor_positions = await handles.executor.load.remote(str(folder / RL_EXECUTOR))
     check_resume(record, leader, starts, executor_positions)
     await asyncio.gather(
         *(push_weights(handles.trainers[p], handles.engines[p], p, bucket_bytes) for p in order if starts[p])

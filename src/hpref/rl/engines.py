@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
+from hpref.recipe.rl_sampling import KNOBS_OFF
 from hpref.recipe.schema import LoraSection
-from hpref.rl.policy import apply_env, cache_keyword, left_padded, stop_token_ids, trim_completion
+from hpref.rl.policy import (
+    apply_env,
+    cache_keyword,
+    left_padded,
+    stop_string_cut,
+    stop_token_ids,
+    trim_completion,
+)
 from hpref.rl.versioned import VersionedWeights
 
 if TYPE_CHECKING:
@@ -34,6 +43,8 @@ class TransformersEngineConfig(BaseModel):
 
     #: serves several LoRA adapters over one base (`rl.share_base`; PEFT's mixed-adapter batches)
     serves_adapters: ClassVar[bool] = True
+    #: the sampling knobs `generate` takes (`hpref.recipe.rl_sampling`): all of them
+    sampling_knobs: ClassVar[frozenset[str]] = frozenset(KNOBS_OFF)
 
     threads: int = Field(1, ge=1, description="torch threads of each engine actor")
     batch_rows: int = Field(
@@ -95,9 +106,16 @@ def generation_result(
     logprobs: list[list[float]],
     version: int,
     started: float,
+    stop: Sequence[str] = (),
 ) -> dict[str, Any]:
     """What every engine's `generate` returns (`hpref.rl.protocols.Engine`); texts are decoded by the
-    policy's own tokenizer, so every engine gives the reward the same text for the same tokens."""
+    policy's own tokenizer, so every engine gives the reward the same text for the same tokens, and
+    each answer is cut at its first `stop` string here (`stop_string_cut`: tokens, log-probs and text
+    alike), so every engine ends answers at the same place."""
+    if stop:
+        keep = [stop_string_cut(tokenizer, c, stop) for c in completions]
+        completions = [c[:k] for c, k in zip(completions, keep, strict=True)]
+        logprobs = [lp[:k] for lp, k in zip(logprobs, keep, strict=True)]
     return {
         "prompt_ids": rows,
         "completions": completions,
@@ -118,9 +136,11 @@ def generate_request(
     seed: int = 0,
     greedy: bool = False,
     adapter: str | None = None,
+    **knobs: Any,
 ) -> dict[str, Any]:
     """`generate`'s arguments as one request of `generate_batch` (every engine's `generate` is the
-    batch of its one request, so a request is served alike alone or batched)."""
+    batch of its one request, so a request is served alike alone or batched); `knobs`: the sampling
+    knobs that are on (`hpref.recipe.rl_sampling`), absent ones off."""
     return dict(
         prompts=prompts,
         group_size=group_size,
@@ -130,6 +150,7 @@ def generate_request(
         seed=seed,
         greedy=greedy,
         adapter=adapter,
+        **knobs,
     )
 
 
@@ -213,11 +234,17 @@ class EngineActor(VersionedWeights):
         seed: int = 0,
         greedy: bool = False,
         adapter: str | None = None,
+        *,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop: Sequence[str] = (),
     ) -> dict[str, Any]:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
-        (`adapter`: the policy's, on a shared base)."""
+        (`adapter`: the policy's, on a shared base; the sampling knobs: `hpref.recipe.rl_sampling`)."""
         asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
-        return self.generate_batch([generate_request(*asked)])[0]
+        knobs = dict(top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, stop=tuple(stop))
+        return self.generate_batch([generate_request(*asked, **knobs)])[0]
 
     def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Several `generate` requests (their keyword arguments) in as few batches as their group
@@ -251,8 +278,9 @@ class EngineActor(VersionedWeights):
         """One batch of requests of one group size: every prompt's KV cache computed once
         (`_prefill`), then sampled step by step, each request's rows by `RowSampler`."""
         import torch
+        from transformers import StoppingCriteriaList
 
-        from hpref.rl.sampling import Block, RowSampler
+        from hpref.rl.sampling import Block, RowSampler, StopAtStrings
 
         start = time.perf_counter()
         group = requests[0]["group_size"]
@@ -265,10 +293,7 @@ class EngineActor(VersionedWeights):
         blocks, first = [], 0
         for r, ids in zip(requests, per_request, strict=True):
             rows = len(ids) * group
-            greedy = bool(r.get("greedy", False))
-            blocks.append(
-                Block(first, first + rows, r["temperature"], r.get("top_k", 0), greedy, r.get("seed", 0))
-            )
+            blocks.append(Block.of_request(r, first, first + rows))
             first += rows
         width = max(len(p) for p in prompt_ids)
         pad = self.tokenizer.pad_token_id
@@ -279,7 +304,8 @@ class EngineActor(VersionedWeights):
                 cache = self._prefill(input_ids, attention, group)
         input_ids = input_ids.repeat_interleave(group, dim=0)
         attention = attention.repeat_interleave(group, dim=0)
-        sampler = RowSampler(blocks)
+        sampler = RowSampler(blocks, [width - len(prompt_ids[i // group]) for i in range(first)])
+        stopping = StopAtStrings(self.tokenizer, blocks, width)  # ends a row at its stop string
         with torch.no_grad(), self._on_adapters(row_adapters):
             out = self.model.generate(
                 input_ids=input_ids,
@@ -290,6 +316,7 @@ class EngineActor(VersionedWeights):
                 eos_token_id=self.stop_ids,
                 do_sample=False,  # greedy over `sampler`'s scores: exactly the token it drew
                 logits_processor=[sampler],
+                stopping_criteria=StoppingCriteriaList([stopping]) if stopping.rows else None,
                 return_dict_in_generate=True,
             )
         new = out.sequences[:, width:]
@@ -303,7 +330,11 @@ class EngineActor(VersionedWeights):
                 completions.append(tokens)
                 logprobs.append(logp[i, : len(tokens)].tolist())
             version = self.get_version(r.get("adapter"))
-            results.append(generation_result(self.tokenizer, rows, completions, logprobs, version, start))
+            results.append(
+                generation_result(
+                    self.tokenizer, rows, completions, logprobs, version, start, block.stop_strings
+                )
+            )
         return results
 
     def _prefill(self, input_ids: Any, attention: Any, group_size: int) -> Any:

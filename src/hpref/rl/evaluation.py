@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hpref.rl.protocols import Reward
+    from hpref.rl.reward_set import RewardSet
 
 Utilities = dict[str, list[float]]  # player (a policy, or `<id>@start`) -> score per eval prompt
 Expected = Callable[[float, float], float]  # two answers' scores -> expected score of the first
@@ -74,35 +74,59 @@ def eval_report(
 
 
 def scorer_report(
-    reward: Reward, prompts: Sequence[tuple[str, ...]], answers: dict[str, list[str]], policies: list[str]
+    reward: RewardSet,
+    prompts: Sequence[tuple[str, ...]],
+    answers: dict[str, list[str]],
+    policies: list[str],
+    rows: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One reward component's view of an eval's answers: `scores` (per player, one per prompt),
-    `means` per player, `win_rate_vs_start` per policy, and `battles` for the leaderboard
-    (pointwise scorers only; a judge's group scores are relative to the group, not scores of single
-    answers).
+    """One scorer's view of an eval's answers (the training rewards, `hpref.rl.reward_set`, or the
+    eval scorer): `scores` (per player, one per prompt), `means` per player, `win_rate_vs_start` per
+    policy, `battles` for the leaderboard (pointwise scorers only; a judge's group scores are
+    relative to the group, not scores of single answers), and with named rewards `components`: each
+    component's mean per player.
 
-    `answers[player][i]` answers `prompts[i]`. A pointwise reward scores every answer once; a pairwise
-    one (`reward.pairwise`) is asked each prompt's answers of all players as one group (an answer's
-    score: its mean expected score against the others) and each policy's answer against its start's.
+    `answers[player][i]` answers `prompts[i]` (`rows[i]`: its prompt file row, for rewards that read
+    it). A pointwise reward scores every answer once; a pairwise one (`reward.pairwise`) is asked
+    each prompt's answers of all players as one group (an answer's score: its mean expected score
+    against the others) and each policy's answer against its start's.
     """
     players = list(answers)
     groups = [[answers[p][i] for p in players] for i in range(len(prompts))]
-    scored = reward.score_groups(list(prompts), groups)
-    per_player = {p: [float(scored[i][k]) for i in range(len(prompts))] for k, p in enumerate(players)}
+    scored, parts = reward.score_components(list(prompts), groups, None, rows)
+
+    def by_player(table: list[list[float]]) -> dict[str, list[float]]:
+        return {p: [float(table[i][k]) for i in range(len(prompts))] for k, p in enumerate(players)}
+
+    per_player = by_player(scored)
     means = {p: sum(s) / len(s) for p, s in per_player.items()}
+    components = {}
+    if reward.named:
+        for name, table in parts.items():
+            components[name] = {p: sum(s) / len(s) for p, s in by_player(table).items()}
     starts = [p for p in policies if p in answers and f"{p}@start" in answers]
-    if not getattr(reward, "pairwise", False):
+    if not reward.pairwise:
         report = eval_report(per_player, policies, bradley_terry_expected)
         return {
             "scores": per_player,
             "means": means,
+            "components": components,
             "win_rate_vs_start": report["win_rate_vs_start"],
             "battles": report["battles"],
         }
     win_rates = {}
     for p in starts:
         pairs = reward.score_groups(
-            list(prompts), [[a, b] for a, b in zip(answers[p], answers[f"{p}@start"], strict=True)]
+            list(prompts),
+            [[a, b] for a, b in zip(answers[p], answers[f"{p}@start"], strict=True)],
+            None,
+            rows,
         )
         win_rates[p] = sum(float(g[0]) for g in pairs) / len(pairs)
-    return {"scores": per_player, "means": means, "win_rate_vs_start": win_rates, "battles": []}
+    return {
+        "scores": per_player,
+        "means": means,
+        "components": components,
+        "win_rate_vs_start": win_rates,
+        "battles": [],
+    }

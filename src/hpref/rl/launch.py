@@ -22,7 +22,8 @@ from loguru import logger
 
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
-from hpref.recipe.rl import RLConfig, resolve_engine, rl_rewards
+from hpref.recipe.rl import RLConfig, resolve_engine
+from hpref.recipe.rl_rewards import reward_parts, rl_rewards
 from hpref.rl.algorithm_registry import check_algorithms
 from hpref.rl.backends import check_backends, trainer_backend
 from hpref.rl.driver import DriveResult, Handles, drive, restore, sync_bucket_bytes
@@ -175,19 +176,40 @@ def close_then_kill(handle: ActorHandle) -> Callable[[], None]:
 
 
 def check_rewards_fit_prompts(config: RLConfig, prompts: PromptSource, where: str) -> None:
-    """The `rule` reward's built-in utility is the synthetic arena's judge: on other prompts it would
-    score nonsense, so it needs prompts with a ground truth or a user `function`."""
-    for key, section, validated in (
-        ("rl.reward", config.reward, config.reward_config),
-        ("rl.eval_scorer", config.eval_scorer, config.eval_scorer_config),
-    ):
-        if section is None or section.name != "rule" or prompts.ground_truth:
-            continue
-        if getattr(validated, "function", None) is None:
+    """Each reward can score these prompts, one line naming its key: the `rule` reward's built-in
+    utility is the synthetic arena's judge (on other prompts it would score nonsense, so it needs
+    prompts with a ground truth or a user `function`); a user function takes (prompt, answer) or
+    (prompt, answer, row); the prompt file has the `columns` a reward reads from its rows."""
+    from hpref.builtin.rewards import rule_function
+
+    scorer = [("rl.eval_scorer", config.eval_scorer, config.eval_scorer_config)] if config.eval_scorer else []
+    parts = [(p.key, p.section, p.config) for p in reward_parts(config)]
+    available = tuple(getattr(prompts, "columns", ()))
+    for key, section, validated in parts + scorer:
+        function = getattr(validated, "function", None)
+        if section.name == "rule" and function is None and not prompts.ground_truth:
             raise RecipeError(
                 f"{where}: {key}.name: 'rule' scores with the synthetic arena's judge, which knows nothing "
                 f"of the prompts from {prompts.source}; use a 'judge' (path = an `hpref save` export) or set "
                 f"{key}.function = 'module:function'"
+            )
+        takes_row = False
+        if section.name == "rule" and function is not None:
+            try:
+                _fn, takes_row = rule_function(function, key)
+            except UserError as exc:
+                raise RecipeError(f"{where}: {exc}") from None
+        wanted = list(getattr(validated, "columns", None) or ())
+        if wanted and not takes_row:
+            raise RecipeError(
+                f"{where}: {key}.columns: the function {function!r} takes (prompt, answer), so it never "
+                "sees a row; give it a third parameter, row, or drop columns"
+            )
+        missing = [c for c in wanted if c not in available]
+        if missing:
+            raise RecipeError(
+                f"{where}: {key}.columns: {', '.join(map(repr, missing))} not in the prompts from "
+                f"{prompts.source} (its columns beside the conversation: {', '.join(available) or 'none'})"
             )
 
 
@@ -222,23 +244,22 @@ def resume_source(run_dir: Path, resume: str | None) -> Path | None:
 
 
 def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
-    """Point every policy without `model.path` at its warm-up checkpoint (trained now or cached).
+    """Point every policy that starts from a warm-up (tiny ones on the synthetic arena's answers,
+    every one on `[rl.warmup] path`'s: `hpref.rl.warmup.warmup_settings`) at its checkpoint (trained
+    now or cached).
 
     Returns {policy: checkpoint folder}. Without `[rl.warmup]` policies keep their model settings.
-    The folders are content-addressed by the model and warm-up settings, so a resumed run starts
-    from exactly the checkpoint its first run started from.
+    The folders are content-addressed by the model, adapter and warm-up settings (and the data
+    file's bytes), so a resumed run starts from exactly the checkpoint its first run started from.
     """
     if config.warmup is None:
         return {}
-    from hpref.rl.warmup import warmup_checkpoint
+    from hpref.rl.warmup import warmup_checkpoint, warmup_settings
 
     out = {}
-    for p in order:
-        model = config.policies[p].model
-        if model.pretrained:
-            continue
-        folder = warmup_checkpoint(model, config.warmup)
-        config.policies[p].model = model.model_copy(update={"path": str(folder)})
+    for p, (model, lora) in warmup_settings(config, order).items():
+        folder = warmup_checkpoint(model, config.warmup, lora=lora)
+        config.policies[p].model = model.model_copy(update={"path": str(folder), "name": None})
         out[p] = str(folder)
     return out
 
@@ -246,7 +267,8 @@ def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
 def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     """Everything `hpref rl` checks before it writes anything or starts an actor, each mistake one
     line naming the key: adapters that fit their LM, megatron policies, policy folders that hold a
-    causal LM with a chat template, reward exports, and the prompt file, which is read here. Returns
+    causal LM with a chat template, the warm-up's data file, reward exports, and the prompt file,
+    which is read here. Returns
     the built `[rl.prompts]` source."""
     from hpref.rl.policy import check_policy_models
     from hpref.rl.rollouts import build_prompt_source
@@ -262,6 +284,9 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
     check_algorithms(config, order, where)  # e.g. online DPO's pairs: an even group, a judging reward
     check_policy_models(config, order, where)
+    from hpref.rl.warmup_data import check_source
+
+    check_source(config.warmup, where)  # its file and columns; its rows are read when it trains
     # an engine may refuse policies it cannot run (vLLM: head sizes its kernels lack)
     engine = config.engine_config or resolve_engine(config.engine, where)
     engine_check = getattr(engine, "check_policies", None)
@@ -385,6 +410,8 @@ def run_rl(
         else:
             why = "no eval ran (eval_interval = 0)"
         logger.info(f"no leaderboard in {RL_SUMMARY}: {why}")
+    from hpref.rl.metrics import last_rollout_rows
+
     write_json_atomic(
         run_dir / RL_SUMMARY,
         {
@@ -396,6 +423,8 @@ def run_rl(
                 {k: v for k, v in e.items() if k not in ("battles", "leaderboard_battles")}
                 for e in result.evals
             ],
+            # each policy's last training metrics: rewards (per component), entropy, lengths, clipping
+            "last_rollout": last_rollout_rows(run_dir, order),
             "leaderboard": leaderboard,  # {} when no eval ran or nothing scored pointwise
             "leaderboard_by": leaderboard_by,  # "ground truth", "eval scorer", "reward" or None
             "warmup_checkpoints": warm_started,

@@ -74,8 +74,10 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
-    """`metrics/rewards.png`: reward and true utility against rollout (raw, thin, and a trailing
-    mean), and each eval's win rate against the starting checkpoint; one colour per policy."""
+    """`metrics/rewards.png`: against rollout (raw, thin, and a trailing mean; one colour per policy)
+    the reward, each reward component (several rewards; one line style each), the true utility
+    (synthetic prompts), the policy's entropy on its answers and the answer length (median, and the
+    90th percentile dashed), then each eval's win rate against the starting checkpoint."""
     folder = run_dir / RL_METRICS
     series, evals = {}, {}
     for p in policies:
@@ -91,18 +93,42 @@ def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reward, ax_truth, ax_win) = plt.subplots(1, 3, figsize=(15, 4))
+    every = [r for rows in series.values() for r in rows]
+
+    def everywhere(key: str) -> bool:
+        return bool(every) and all(key in r for r in every)
+
+    components = sorted(
+        {k[7:-5] for r in every for k in r if k.startswith("reward_") and k.endswith("_mean") and len(k) > 12}
+    )
+    # (title, [(metric key, line style)]): a panel only for what the run's rows carry
+    panels = [("reward", [("reward_mean", "-")])]
+    if components:
+        styles = ["-", "--", ":", "-."]
+        lines = [(f"reward_{c}_mean", styles[i % len(styles)]) for i, c in enumerate(components)]
+        panels.append((f"reward components ({', '.join(components)})", lines))
+    if everywhere("true_utility"):
+        panels.append(("true utility (ground-truth judge)", [("true_utility", "-")]))
+    if everywhere("entropy"):
+        panels.append(("entropy of the policy on its answers (nats/token)", [("entropy", "-")]))
+    if everywhere("answer_tokens_p50"):
+        panels.append(
+            ("answer tokens (median; p90 dashed)", [("answer_tokens_p50", "-"), ("answer_tokens_p90", "--")])
+        )
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4))
+    ax_win = axes[-1]
     for i, (p, rows) in enumerate(series.items()):
         colour = f"C{i}"
         x = [r["rollout"] for r in rows]
         window = max(1, len(rows) // 20)
-        panels = [(ax_reward, "reward_mean")]
-        if rows and all("true_utility" in r for r in rows):
-            panels.append((ax_truth, "true_utility"))
-        for ax, key in panels:
-            y = [r[key] for r in rows]
-            ax.plot(x, y, color=colour, alpha=0.25, linewidth=0.8)
-            ax.plot(x, moving_average(y, window), color=colour, label=f"{p} (mean of {window})")
+        for ax, (_title, lines) in zip(axes, panels, strict=False):
+            for key, style in lines:
+                if not all(key in r for r in rows):
+                    continue
+                y = [r[key] for r in rows]
+                ax.plot(x, y, color=colour, alpha=0.25, linewidth=0.8, linestyle=style)
+                label = f"{p} (mean of {window})" if key == lines[0][0] else None
+                ax.plot(x, moving_average(y, window), color=colour, linestyle=style, label=label)
         if evals.get(p):
             ax_win.plot(
                 [r["rollout"] for r in evals[p]],
@@ -111,11 +137,11 @@ def plot_metrics(run_dir: Path, policies: Sequence[str]) -> Path | None:
                 marker="o",
                 label=p,
             )
-    ax_reward.set(title="reward", xlabel="rollout")
-    ax_truth.set(title="true utility (ground-truth judge)", xlabel="rollout")
+    for ax, (title, _lines) in zip(axes, panels, strict=False):
+        ax.set(title=title, xlabel="rollout")
     ax_win.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")
     ax_win.set(title="win rate vs starting checkpoint (eval, greedy)", xlabel="rollout")
-    ax_reward.legend()
+    axes[0].legend()
     if any(evals.values()):
         ax_win.legend()
     fig.tight_layout()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,18 @@ class MetricsWriter:
         return path
 
 
+def last_rollout_rows(run_dir: Path, policies: list[str]) -> dict[str, dict[str, Any]]:
+    """Each policy's last training row of metrics.jsonl (its reward and reward components, entropy,
+    clip fraction, answer lengths at the end of the run), for `rl_summary.json`."""
+    out = {}
+    for policy in policies:
+        path = run_dir / RL_METRICS / f"{policy}.jsonl"
+        rows = [r for r in read_json_lines(path) if not r.get("eval")] if path.is_file() else []
+        if rows:
+            out[policy] = rows[-1]
+    return out
+
+
 def keep_row(row: dict[str, Any], start: int) -> bool:
     """Whether a metrics row survives a resume at `start`: training rows of earlier rollouts, and
     eval rows taken at or before the resumed position."""
@@ -84,6 +97,9 @@ def rollout_metrics(rollout: Rollout, stats: dict[str, float], version: int | No
         "opponent_tokens": rollout.opponent_tokens,
         "stale_regenerated": rollout.stale_regenerated,
     }
+    row.update(length_percentiles([len(c) for c in rollout.completions]))
+    for name, values in (rollout.reward_components or {}).items():  # several rewards: each on its own
+        row[f"reward_{name}_mean"] = sum(values) / len(values)
     if rollout.true_utility:
         row["true_utility"] = sum(rollout.true_utility) / len(rollout.true_utility)
     if rollout.verdicts:
@@ -93,6 +109,24 @@ def rollout_metrics(rollout: Rollout, stats: dict[str, float], version: int | No
         row["judged_tie_share"] = sum(v[2] for v in rollout.verdicts) / len(rollout.verdicts)
     row.update(stats)
     return row
+
+
+def length_percentiles(lengths: list[int]) -> dict[str, float]:
+    """`answer_tokens_p10`, `_p50`, `_p90` and `_max` of a rollout's answer lengths (eos included):
+    a mean hides the answers that collapse to nothing or run to the token limit."""
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+    if len(ordered) == 1:
+        deciles = [float(ordered[0])] * 9
+    else:  # linear interpolation between the closest ranks (numpy's default percentile)
+        deciles = statistics.quantiles(ordered, n=10, method="inclusive")
+    return {
+        "answer_tokens_p10": deciles[0],
+        "answer_tokens_p50": deciles[4],
+        "answer_tokens_p90": deciles[8],
+        "answer_tokens_max": float(ordered[-1]),
+    }
 
 
 #: an eval's scorers, as its report names them (`RolloutExecutor.evaluate`) and its rows prefix them
@@ -121,6 +155,11 @@ def eval_row(evaluation: dict[str, Any], policy: str) -> dict[str, Any]:
             row[f"eval_{name}_start"] = scored["means"][start]
         if policy in scored["win_rate_vs_start"]:
             row[f"eval_{name}_win_rate_vs_start"] = scored["win_rate_vs_start"][policy]
+    for name, means in evaluation.get("reward_components", {}).items():  # several rewards: each alone
+        if policy in means:
+            row[f"eval_reward_{name}"] = means[policy]
+            if start in means:
+                row[f"eval_reward_{name}_start"] = means[start]
     lengths = evaluation.get("answer_tokens", {})
     if policy in lengths:
         row["eval_answer_tokens"] = lengths[policy]
@@ -141,6 +180,11 @@ def eval_line(evaluation: dict[str, Any], policy: str) -> str:
                 f"{key}_start", row.get("eval_start_true_utility") if key == "eval_true_utility" else None
             )
             parts.append(f"{label} {row[key]:.3f}" + (f" (start {start:.3f})" if start is not None else ""))
+    components = [
+        k[12:] for k in row if k.startswith("eval_reward_") and not k.endswith(("_start", "_vs_start"))
+    ]
+    if components:  # several rewards: each one's mean
+        parts.append("(" + ", ".join(f"{c} {row[f'eval_reward_{c}']:.3f}" for c in components) + ")")
     win = row.get("eval_scorer_win_rate_vs_start", row.get("eval_win_rate_vs_start"))
     if win is not None:
         parts.append(f"win rate vs start {win:.3f}")

@@ -91,6 +91,7 @@ class OnlineDpo:
                 else:
                     text = rollout.opponent_texts[row - own]
                     completions.append(tokenizer.encode(text, add_special_tokens=False) + [eos])
+        sampled = [row < own for pair in rollout.pairs for row in pair]
         return TrainingRows(
             prompts=prompts,
             completions=completions,
@@ -100,9 +101,10 @@ class OnlineDpo:
             values={
                 "targets": torch.tensor(rollout.verdicts, dtype=torch.float32),
                 # the policy's own samples, where the k3 estimate of its KL to the start holds
-                "own": torch.tensor([row < own for pair in rollout.pairs for row in pair]),
+                "own": torch.tensor(sampled),
             },
             whole_groups=True,
+            sampled=sampled,
         )
 
     def loss(
@@ -159,14 +161,17 @@ def judged_pairs(
     prompts: Sequence[Prompt],
     groups: Sequence[Sequence[str]],
     opponents: Sequence[Sequence[str]] | None = None,
+    rows: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[list[tuple[int, int]], list[Verdict], list[str], list[float]]:
     """Pair a rollout's answers and judge them: (pairs as rows, verdicts, opponent texts, a reward per
     answer). Without `opponents` a group's answers pair two by two (rows 2k, 2k + 1); with them each
     answer pairs with one opponent answer to its prompt, taken in turn. An answer's reward is its
-    mean P(preferred) + half P(tie) over its pairs: the pairwise reward GRPO's judge gives."""
+    mean P(preferred) + half P(tie) over its pairs: the pairwise reward GRPO's judge gives. `rows[i]`:
+    the prompt file's row of `prompts[i]`, for a judge that reads it (`hpref.rl.reward_set`)."""
     pairs: list[tuple[int, int]] = []
     texts: list[tuple[str, str]] = []
     pair_prompts: list[Prompt] = []
+    pair_rows: list[dict[str, Any]] = []
     opponent_texts: list[str] = []
     own = sum(len(g) for g in groups)
     row = 0
@@ -178,12 +183,15 @@ def judged_pairs(
                 pairs.append((row + k, own + len(opponent_texts) - 1))
                 texts.append((answer, opponent_texts[-1]))
                 pair_prompts.append(prompt)
+                pair_rows.append(rows[g] if rows else {})
             elif k % 2 == 0:
                 pairs.append((row + k, row + k + 1))
                 texts.append((answer, answers[k + 1]))
                 pair_prompts.append(prompt)
+                pair_rows.append(rows[g] if rows else {})
         row += len(answers)
-    verdicts = [tuple(float(p) for p in v) for v in judge.judge_answers(pair_prompts, texts)]
+    extra = {"rows": pair_rows} if rows is not None else {}
+    verdicts = [tuple(float(p) for p in v) for v in judge.judge_answers(pair_prompts, texts, **extra)]
     scores: list[list[float]] = [[] for _ in range(own)]
     for (first, second), (p_first, p_second, p_tie) in zip(pairs, verdicts, strict=True):
         scores[first].append(p_first + 0.5 * p_tie)

@@ -2,13 +2,14 @@
 
 The engine and the trainer of one policy build the same model independently (`build_policy_model`:
 a local folder, or a seeded tiny Llama), so version 0 needs no weight transfer. Numbers live in
-small functions that tests call directly (`encode_prompt`, `trim_completion`, `pad_batch`,
-`group_batch`).
+small functions that tests call directly (`encode_prompt`, `trim_completion`, `stop_string_cut`,
+`pad_batch`, `group_batch`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
@@ -126,13 +127,11 @@ def check_policy_models(config: RLConfig, policies: list[str], where: str) -> No
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: nn.Module | None = None) -> list[int]:
-    """Token ids that end an answer: the tokenizer's eos and every eos id of the model's generation
-    config (an instruct model may stop on its end-of-turn token as well as on eos)."""
-    ids = [tokenizer.eos_token_id]
-    generation = getattr(model, "generation_config", None)
-    extra = getattr(generation, "eos_token_id", None)
-    ids.extend(extra if isinstance(extra, list) else [extra])
-    return sorted({int(i) for i in ids if i is not None})
+    """`hpref.models.causal_lm.stop_token_ids` (which an export writes into its generation config),
+    kept importable here without importing torch: the engines' plugin module imports this name."""
+    from hpref.models.causal_lm import stop_token_ids as stop_ids
+
+    return stop_ids(tokenizer, model)
 
 
 def trim_completion(tokens: list[int], stop_ids: int | list[int], pad_id: int) -> list[int]:
@@ -148,6 +147,32 @@ def trim_completion(tokens: list[int], stop_ids: int | list[int], pad_id: int) -
             break
         out.append(t)
     return out
+
+
+def stop_string_cut(tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop: Sequence[str]) -> int:
+    """How many of an answer's `tokens` stay when it ends at a stop string (`[rl.rollout] stop`).
+
+    The answer ends where a stop string first completes in its text (the earliest end, ties in the
+    list's order: vLLM's rule), without the stop string; the tokens kept are those whose text lies
+    wholly before it, so the answer's text is exactly its tokens' text and the trainer trains on
+    those tokens, with their engine log-probs. A token holding text before the stop string and its
+    first characters goes with the stop string (vLLM's text keeps those characters, its tokens the
+    whole token). All of them when no stop string appears."""
+    if not stop:
+        return len(tokens)
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    ends = [(text.find(s) + len(s), i) for i, s in enumerate(stop) if s in text]
+    if not ends:
+        return len(tokens)
+    end, first = min(ends)
+    start = end - len(stop[first])
+    keep = len(tokens) - 1  # the whole answer holds the stop string
+    while keep > 0:
+        head = tokenizer.decode(tokens[:keep], skip_special_tokens=True)
+        if len(head) <= start and text.startswith(head):
+            break
+        keep -= 1
+    return keep
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -197,36 +222,62 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
     return {"input_ids": input_ids, "attention_mask": attention, "targets": input_ids[:, 1:], "mask": mask}
 
 
-def completion_logprobs(model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
+def completion_logprobs(
+    model: nn.Module, batch: dict[str, Any], temperature: float, *, entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of the batch's answer tokens under `model` at `temperature` (the
     sampling distribution the engine drew from), shaped like the batch's `mask` and zero where it is
     0: `[B, L-1]` for a `pad_batch`, `[B, Wc]` for a `group_batch` (`shares_prefix` models only).
+
+    With `entropy`: (log-probs, entropy), the second the entropy of that distribution at each
+    answer position, shaped the same, from the logits the log-probs come from (no second forward
+    pass; without gradient and chunked: `hpref.rl.algorithms.token_entropy`). A second value
+    returned rather than an output argument: FSDP2's root copies the containers it is called with
+    when it moves them to the GPU (`hpref.rl.sharding`'s `LogProbsRoot`).
 
     A transformers causal LM runs its decoder over every position (the answer attends to the
     prompt) but its LM head only where a completion token is predicted: with a 49k-token vocabulary
     the logits of a few hundred prompt tokens per row would otherwise be most of the step's memory
     and a fifth of its FLOPs, for values the loss never reads. Other models (the megatron trainer)
     give full logits."""
-    import torch
     from transformers import PreTrainedModel
 
-    from hpref.rl.algorithms import sequence_logprobs
+    from hpref.rl.algorithms import sequence_logprobs, token_entropy
 
     if "group_size" in batch:  # a `group_batch`: each prompt once, its answers on its KV cache
-        return _grouped_logprobs(model, batch, temperature)
+        return _grouped_logprobs(model, batch, temperature, entropy)
     mask = batch["mask"].bool()
     # a transformers causal LM (LoRA injected in place included); a PEFT wrapper or megatron: full logits
     head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     decoder = model.get_decoder() if head is not None else None
     if decoder is None or head is None:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-        return sequence_logprobs(logits / temperature, batch["targets"]) * batch["mask"]
+        logprobs = sequence_logprobs(logits / temperature, batch["targets"]) * batch["mask"]
+        if not entropy:
+            return logprobs
+        return logprobs, on_mask(mask, token_entropy(logits.detach()[mask], temperature))
     hidden = decoder(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
     ).last_hidden_state[:, :-1]
-    picked = sequence_logprobs(head(hidden[mask]) / temperature, batch["targets"][mask])
-    out = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device)
-    return out.masked_scatter(mask, picked)
+    return _answer_logprobs(head(hidden[mask]) / temperature, batch["targets"][mask], mask, entropy)
+
+
+def _answer_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, entropy: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs of `targets` under the answer positions' `logits [N, V]` (divided by the
+    temperature already) where `mask` is true, zero elsewhere; with `entropy` their entropies too."""
+    from hpref.rl.algorithms import sequence_logprobs, token_entropy
+
+    logprobs = on_mask(mask, sequence_logprobs(logits, targets))
+    return (logprobs, on_mask(mask, token_entropy(logits))) if entropy else logprobs
+
+
+def on_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` (one per true entry of `mask`, in order) in a zero tensor of `mask`'s shape."""
+    import torch
+
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def shares_prefix(model: nn.Module) -> bool:
@@ -287,14 +338,14 @@ def cache_keyword(module: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def _grouped_logprobs(model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
+def _grouped_logprobs(
+    model: nn.Module, batch: dict[str, Any], temperature: float, entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`completion_logprobs` of a `group_batch`: the prompts' forward keeps its KV cache (with its
     autograd graph, so the prompt positions' weights still get the answers' gradients), the cache is
     repeated per answer, and the answers run against it. The first answer token is predicted by
     the prompt's last hidden state, each later one by the answer position before it."""
     import torch
-
-    from hpref.rl.algorithms import sequence_logprobs
 
     group = batch["group_size"]
     prompt_attention = batch["prompt_attention"]
@@ -326,6 +377,4 @@ def _grouped_logprobs(model: nn.Module, batch: dict[str, Any], temperature: floa
         ).last_hidden_state
         last = torch.cat([last, hidden], dim=1)
     mask = batch["mask"].bool()
-    picked = sequence_logprobs(head(last[mask]) / temperature, answers[mask])
-    out = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device)
-    return out.masked_scatter(mask, picked)
+    return _answer_logprobs(head(last[mask]) / temperature, answers[mask], mask, entropy)

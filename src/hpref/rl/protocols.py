@@ -9,7 +9,7 @@ against them, and a plugin author can check theirs the same way: `isinstance(obj
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -41,10 +41,18 @@ class PromptSource(Protocol):
         """`count` fixed prompts, never among the training ones."""
         ...
 
+    # Optional, for rewards that read the prompt's row (`rule`'s `function(prompt, answer, row)`):
+    # `columns: tuple[str, ...]`, the columns every row has beside the conversation, and
+    # `row(prompt) -> dict`, the columns of the row a prompt came from. A source without them
+    # gives such rewards an empty row, and a reward's `columns` are refused before the run starts.
+
 
 @runtime_checkable
 class Reward(Protocol):
-    """Scores GRPO groups of answers (`[rl.reward]`)."""
+    """Scores GRPO groups of answers (`[rl.reward]`, or each of `[rl.rewards.<name>]`:
+    `hpref.rl.reward_set` sums them). A reward with `wants_rows = True` is also given
+    `score_groups(..., rows=...)` (and `judge_answers(..., rows=...)`): `rows[i]`, the prompt file's
+    row of `prompts[i]` (`PromptSource.row`)."""
 
     #: True when `score_groups` wants `opponents` (other policies' answers to the same prompts)
     wants_opponents: bool
@@ -119,6 +127,27 @@ class Algorithm(Protocol):
 
 
 @runtime_checkable
+class PreparesBatches(Protocol):
+    """An algorithm capability, optional (the trainer asks `isinstance`; an `Algorithm` without it
+    trains as before): values its loss reads that depend on the whole step and on the reference,
+    such as REINFORCE++'s per-token returns normalised over every micro-batch of every rank
+    (`hpref.rl.grpo`)."""
+
+    def prepare_batches(
+        self,
+        batches: list[dict[str, Any]],
+        prepared: TrainingRows,
+        reduce: Callable[[dict[str, float], dict[str, float]], tuple[dict[str, float], dict[str, float]]],
+    ) -> None:
+        """Once per rollout, after the trainer built this rank's micro-batches (`mask`, `rows`, and
+        `old` / `ref` as `loss` gets them; a group's `padding` ones too, to be given values but not
+        counted) and before the first pass: put what `loss` reads into each batch (and step-wide
+        metrics into `prepared.metrics`). `reduce(sums, maxes)` sums and maxima of statistics over
+        the group's data ranks (every rank calls it alike; on one data rank it returns them as is)."""
+        ...
+
+
+@runtime_checkable
 class GroundTruthReward(Reward, Protocol):
     """A reward that also knows the truth (the synthetic arena), for the metrics that reveal reward
     hacking (`true_utility` in every rollout's row, the evals and the leaderboard)."""
@@ -140,6 +169,16 @@ class Engine(Protocol):
     are its own, and `generate_batch` answers several policies' requests in one go. The host
     passes `adapter=` only on a shared base, so an engine plugin that serves no adapters can keep
     the one-policy signatures.
+
+    The sampling knobs beyond temperature and top-k (`top_p`, `min_p`, `repetition_penalty`,
+    `stop`: `hpref.recipe.rl_sampling`) reach `generate` as keyword arguments, and only those that
+    are on (away from 1, 0, 1, no strings), in `generate_batch`'s requests likewise: an engine
+    plugin whose `generate` predates them keeps working unchanged while a recipe leaves them off.
+    An engine declares the knobs it takes on its config class (`sampling_knobs`, a frozenset of
+    their names; none when absent), and a recipe that turns on one its engine does not take is
+    refused when it loads. A greedy request ignores temperature, top-k, top-p and min-p and takes
+    the repetition penalty and the stop strings; an answer that reaches a stop string ends before
+    it, text and tokens alike (`hpref.rl.policy.stop_string_cut`).
     """
 
     def generate(
@@ -152,10 +191,15 @@ class Engine(Protocol):
         seed: int = 0,
         greedy: bool = False,
         adapter: str | None = None,
+        *,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """`group_size` answers per prompt: `prompt_ids`, `completions` (token ids, eos included),
-        `logprobs` (per completion token, at `temperature`), `texts`, `version`, `tokens`,
-        `seconds`."""
+        """`group_size` answers per prompt: `prompt_ids`, `completions` (token ids, eos included; an
+        answer cut at a stop string without it), `logprobs` (per completion token, at `temperature`),
+        `texts`, `version`, `tokens`, `seconds`."""
         ...
 
     def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -240,7 +284,8 @@ class TrainerBackend(Protocol):
         self, model: nn.Module, device: torch.device, reshard_after_forward: bool = True
     ) -> nn.Module | None:
         """Parallelise `model` over the group's process group; returns the root the trainer calls
-        as `root(batch, temperature)` for log-probs, or None when `model` itself is called.
+        as `root(batch, temperature, entropy=False)` for log-probs (`entropy=True`: and the
+        entropies, as `hpref.rl.policy.completion_logprobs`), or None when `model` itself is called.
         `reshard_after_forward`: FSDP2's, for a backend that shards that way."""
         ...
 

@@ -50,6 +50,8 @@ class Rollout:
     verdicts: list[Verdict] = field(default_factory=list)
     opponent_texts: list[str] = field(default_factory=list)
     true_utility: list[float] | None = None
+    #: with several rewards (`[rl.rewards.<name>]`): each component's reward per answer, before weights
+    reward_components: dict[str, list[float]] | None = None
     opponent_tokens: int = 0
     stale_regenerated: bool = False
 
@@ -82,6 +84,12 @@ class TrainingRows:
     values: Any = None
     #: the loss reads a group's rows together (online DPO's pairs): a micro-batch never splits one
     whole_groups: bool = False
+    #: per row, whether it is one of the policy's own sampled answers (None: all are); the trainer's
+    #: `entropy` metric reads those rows only (not an opponent's answer in a cross-policy pair)
+    sampled: list[bool] | None = None
+    #: metrics of the whole step the algorithm knows once (the advantages' spread), reported as they
+    #: are: not summed over micro-batches or ranks
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def rollout_of_tokens(

@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from hpref.data.prompts import Prompt, stream_rng
 from hpref.errors import UserError
 from hpref.recipe.rl import RLConfig, RolloutConfig
+from hpref.recipe.rl_sampling import sampling_knobs
 from hpref.rl.algorithm_registry import build_algorithm
 from hpref.rl.evaluation import eval_report, scorer_report
 from hpref.rl.policy import apply_env
-from hpref.rl.protocols import PairJudge
+from hpref.rl.reward_set import RewardSet, build_reward
 from hpref.rl.rollout_types import Rollout
+from hpref.runfolder.layout import EXECUTOR_STATE
 
 if TYPE_CHECKING:
-    from hpref.rl.protocols import PromptSource, Reward
+    from hpref.rl.protocols import PromptSource
 
 
 def build_prompt_source(config: RLConfig) -> Any:
@@ -42,13 +44,6 @@ def rollout_prompts(source: PromptSource, rollout: RolloutConfig, rollout_id: in
     policy answers the same prompts at the same rollout id and a restored position replays nothing."""
     first = rollout_id * rollout.prompts_per_rollout
     return source.train_prompts(rollout.seed, first, rollout.prompts_per_rollout)
-
-
-def build_reward(name: str, config: Any) -> Reward:
-    """A registered reward component (`[rl.reward]` or `[rl.eval_scorer]`) from its validated config."""
-    from hpref.plugins import load_plugins
-
-    return load_plugins().get("reward", name).build(config)
 
 
 def sample_seed(seed: int, policy: str, rollout_id: int) -> int:
@@ -168,30 +163,29 @@ class RolloutExecutor:
     ) -> None:
         apply_env(env)
         from hpref.recipe.rl import resolve_reward
+        from hpref.recipe.rl_rewards import reward_parts
 
         self.config = config if isinstance(config, RLConfig) else RLConfig.model_validate(config)
-        if self.config.reward_config is None:
-            self.config.reward_config = resolve_reward(self.config.reward)
-        self.reward = build_reward(self.config.reward.name, self.config.reward_config)
+        #: what the policies train on: `[rl.reward]`, or `[rl.rewards.<name>]`'s weighted sum
+        self.reward = RewardSet.from_parts(reward_parts(self.config))
         #: the second scorer of evals, never trained against (`[rl.eval_scorer]`)
         self.scorer = None
         if self.config.eval_scorer is not None:
             if self.config.eval_scorer_config is None:
                 self.config.eval_scorer_config = resolve_reward(self.config.eval_scorer, key="rl.eval_scorer")
-            self.scorer = build_reward(self.config.eval_scorer.name, self.config.eval_scorer_config)
+            scorer = build_reward(self.config.eval_scorer.name, self.config.eval_scorer_config)
+            self.scorer = RewardSet.single(scorer, "scorer")
         #: `[rl.prompts]`, built by the launcher (which checked the file) or here
         self.prompts = prompts if prompts is not None else build_prompt_source(self.config)
         # a reward's ground truth means something only for the prompts it was made for
-        self.truth = getattr(self.reward, "true_utility", None) if self.prompts.ground_truth else None
+        self.truth = self.reward.true_utility if self.prompts.ground_truth else None
         self.policies = list(policies)
         self.engines = engines
         #: each policy's algorithm: what its rollouts carry (judged pairs for online DPO)
         self.algorithms = {p: build_algorithm(p, self.config.policies[p]) for p in self.policies}
-        if any(a.needs_preferences for a in self.algorithms.values()) and not isinstance(
-            self.reward, PairJudge
-        ):
+        if any(a.needs_preferences for a in self.algorithms.values()) and not self.reward.judges_pairs:
             raise UserError(
-                f"rl.reward: '{self.config.reward.name}' does not judge answer pairs (judge_answers)"
+                f"{', '.join(self.reward.names)}: not every reward judges answer pairs (judge_answers)"
             )
         #: a shared base's one engine serves every policy's adapter, requests batched together
         passes = int(getattr(self.config.engine_config, "batch_rows", 0) or 0)
@@ -203,13 +197,19 @@ class RolloutExecutor:
         # each policy's starting checkpoint's greedy eval answers and their lengths in tokens
         self._start_answers: dict[str, tuple[list[str], list[int]]] = {}
 
-    async def _generate(self, policy: str, *request: Any) -> dict[str, Any]:
-        """The policy's engine's `generate(prompts, group_size, max_new_tokens, temperature, top_k,
-        seed[, greedy])`, or on a shared base its adapter's, batched with the other policies'."""
+    async def _generate(self, policy: str, *request: Any, **knobs: Any) -> dict[str, Any]:
+        """The policy's engine's `generate(prompts, group_size, max_new_tokens, temperature, top_k, seed[,
+        greedy], **knobs on)`, or on a shared base its adapter's, batched with the other policies'."""
         if self.batcher is None:
-            return await self.engines[policy].generate.remote(*request)
+            return await self.engines[policy].generate.remote(*request, **knobs)
         names = ("prompts", "group_size", "max_new_tokens", "temperature", "top_k", "seed", "greedy")
-        return await self.batcher.generate(dict(zip(names, request, strict=False), adapter=policy))
+        return await self.batcher.generate(dict(zip(names, request, strict=False), adapter=policy, **knobs))
+
+    async def _sample(self, policy: str, prompts: list[Prompt], answers: int, seed: int) -> dict[str, Any]:
+        """`answers` answers per prompt, sampled by the policy's engine with its rollout settings."""
+        rollout = self.config.policy_rollout(policy)
+        settings = (rollout.max_new_tokens, rollout.temperature, rollout.top_k, seed)
+        return await self._generate(policy, prompts, answers, *settings, **sampling_knobs(rollout))
 
     async def _version(self, policy: str) -> int:
         """The weight version the policy's engine (or adapter) serves."""
@@ -222,7 +222,7 @@ class RolloutExecutor:
         `policy`'s algorithm (cross-policy pairs); with no `policy`, by anyone."""
         if len(self.policies) < 2:
             return False
-        reward_wants = bool(getattr(self.reward, "wants_opponents", False))
+        reward_wants = self.reward.wants_opponents
 
         def wants(q: str) -> bool:
             algorithm = self.algorithms[q]
@@ -242,7 +242,7 @@ class RolloutExecutor:
         weights. Which of the two happens depends on how far each policy has got, so cross-policy
         rewards, unlike within-group ones, are not replayed bit for bit after a resume.
         """
-        k = int(getattr(self.reward, "opponent_answers", 1))
+        k = self.reward.opponent_answers
         per_prompt: list[list[str]] = [[] for _ in prompts]
         generated = 0
         for q in self.policies:
@@ -250,16 +250,8 @@ class RolloutExecutor:
                 continue
             cached = self._answers.get((q, rollout_id))
             if cached is None:
-                rollout = self.config.policy_rollout(q)
-                out = await self._generate(
-                    q,
-                    prompts,
-                    k,
-                    rollout.max_new_tokens,
-                    rollout.temperature,
-                    rollout.top_k,
-                    sample_seed(rollout.seed, f"{q}>{policy}", rollout_id),
-                )
+                seed = sample_seed(self.config.policy_rollout(q).seed, f"{q}>{policy}", rollout_id)
+                out = await self._sample(q, prompts, k, seed)
                 generated += out["tokens"]
                 cached = [out["texts"][i * k : (i + 1) * k] for i in range(len(prompts))]
             for i, answers in enumerate(cached):
@@ -275,15 +267,8 @@ class RolloutExecutor:
     async def _produce(self, policy: str, rollout_id: int) -> Rollout:
         rollout = self.config.policy_rollout(policy)
         prompts = rollout_prompts(self.prompts, rollout, rollout_id)
-        out = await self._generate(
-            policy,
-            prompts,
-            rollout.group_size,
-            rollout.max_new_tokens,
-            rollout.temperature,
-            rollout.top_k,
-            sample_seed(rollout.seed, policy, rollout_id),
-        )
+        seed = sample_seed(rollout.seed, policy, rollout_id)
+        out = await self._sample(policy, prompts, rollout.group_size, seed)
         g = rollout.group_size
         groups = [out["texts"][i * g : (i + 1) * g] for i in range(len(prompts))]
         algorithm = self.algorithms[policy]
@@ -293,18 +278,24 @@ class RolloutExecutor:
             self._answers[(policy, rollout_id)] = groups
         if self._wants_opponents(policy):
             opponents, opponent_tokens = await self._opponents(policy, rollout_id, prompts)
+        rows = self._rows(prompts)
+        components = None
         # a judge model's forward pass would block the event loop that serves every policy's get()
         if algorithm.needs_preferences:
             from hpref.rl.online_dpo import judged_pairs
 
             rivals = opponents if algorithm.cross_policy else None
             pairs, verdicts, opponent_texts, rewards = await asyncio.to_thread(
-                judged_pairs, self.reward, prompts, groups, rivals
+                judged_pairs, self.reward, prompts, groups, rivals, rows
             )
             judged = {"pairs": pairs, "verdicts": verdicts, "opponent_texts": opponent_texts}
         else:
-            scores = await asyncio.to_thread(self.reward.score_groups, prompts, groups, opponents)
+            scores, parts = await asyncio.to_thread(
+                self.reward.score_components, prompts, groups, opponents, rows
+            )
             rewards = [float(s) for group in scores for s in group]
+            if self.reward.named:
+                components = {name: [s for group in part for s in group] for name, part in parts.items()}
         truth = self.truth
         return Rollout.from_generation(
             out,
@@ -317,8 +308,16 @@ class RolloutExecutor:
             true_utility=[truth(p, a) for p, group in zip(prompts, groups, strict=True) for a in group]
             if truth
             else None,
+            reward_components=components,
             **judged,
         )
+
+    def _rows(self, prompts: list[Prompt]) -> list[dict[str, Any]] | None:
+        """The prompt file's row of each prompt, when a reward reads rows (`wants_rows`)."""
+        if not self.reward.wants_rows and not (self.scorer is not None and self.scorer.wants_rows):
+            return None
+        row = getattr(self.prompts, "row", None)
+        return [row(p) if row is not None else {} for p in prompts]
 
     def _prefetch(self, policy: str, after: int) -> None:
         """Start generating the rollouts after `after` that can still be fresh when trained on.
@@ -386,9 +385,11 @@ class RolloutExecutor:
         return self.prompts.eval_prompts(self.config.rollout.seed, self.config.rollout.eval_prompts)
 
     async def _greedy_answers(self, policy: str, prompts: list[Prompt]) -> tuple[list[str], list[int]]:
-        """The policy's greedy answers to `prompts` and their lengths in tokens (eos included)."""
-        max_new = self.config.policy_rollout(policy).max_new_tokens
-        gen = await self._generate(policy, prompts, 1, max_new, 1.0, 0, 0, True)
+        """The policy's greedy answers to `prompts` and their lengths in tokens (eos included), with its
+        repetition penalty and stop strings (`sampling_knobs`: its behaviour, as in its rollouts)."""
+        rollout = self.config.policy_rollout(policy)
+        knobs = sampling_knobs(rollout, greedy=True)
+        gen = await self._generate(policy, prompts, 1, rollout.max_new_tokens, 1.0, 0, 0, True, **knobs)
         return list(gen["texts"]), [len(c) for c in gen["completions"]]
 
     async def record_start(self, policies: list[str]) -> dict[str, Any]:
@@ -460,12 +461,15 @@ class RolloutExecutor:
             ]
             for who, said in answers.items()
         }
+        rows_of = self._rows(prompts)
         for name, reward in (("scorer", self.scorer), ("reward", self.reward)):
             if reward is None:
                 continue
             # a judge model's forward pass would block the event loop that serves every policy's get()
-            scored = await asyncio.to_thread(scorer_report, reward, prompts, answers, policies)
+            scored = await asyncio.to_thread(scorer_report, reward, prompts, answers, policies, rows_of)
             report[name] = {"means": scored["means"], "win_rate_vs_start": scored["win_rate_vs_start"]}
+            if scored["components"]:
+                report["reward_components"] = scored["components"]
             for who, scores in scored["scores"].items():
                 for row, score in zip(rows[who], scores, strict=True):
                     row[name] = score
@@ -483,12 +487,12 @@ class RolloutExecutor:
 
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path / "executor.json", {"positions": self.positions}, sort_keys=True)
+        write_json_atomic(path / EXECUTOR_STATE, {"positions": self.positions}, sort_keys=True)
         integrity.write_manifest(path)
 
     async def load(self, folder: str) -> dict[str, int]:
         """Restore the data position of the policies saved in `folder`; returns it."""
-        path = Path(folder) / "executor.json"
+        path = Path(folder) / EXECUTOR_STATE
         self._drop_buffers()
         self._answers.clear()
         saved: dict[str, int] = {}

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from hpref.rl.algorithms import StatsReduce
+
 #: how long a rank waits in one collective for a peer that never arrives: a dead rank ends its
 #: group's step in this time rather than torch's 30 minutes (the driver names the dead actor first)
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -134,8 +136,10 @@ def _log_probs_module() -> type:
             super().__init__()
             self.lm = lm
 
-        def forward(self, batch: dict[str, Any], temperature: float) -> torch.Tensor:
-            return completion_logprobs(self.lm, batch, temperature)
+        def forward(
+            self, batch: dict[str, Any], temperature: float, entropy: bool = False
+        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            return completion_logprobs(self.lm, batch, temperature, entropy=entropy)
 
     return LogProbsRoot
 
@@ -182,16 +186,36 @@ def split_groups(costs: list[int], ranks: int) -> list[list[int]]:
 def reduce_stats(
     sums: dict[str, float], maxes: dict[str, float]
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Sums and maxima of per-rank statistics over the group (every rank gets the same)."""
+    """Sums and maxima of per-rank statistics over the group (every rank gets the same).
+
+    The ranks first agree on the statistics' names: a rank whose share of a rollout was only padding
+    (fewer prompt groups than ranks) ran no loss and has none of the algorithm's keys, and tensors of
+    different lengths would fail the all-reduce (or hang it); its missing sums count 0, maxima nothing."""
     import torch
     import torch.distributed as dist
 
-    keys_s, keys_m = sorted(sums), sorted(maxes)
-    s = torch.tensor([sums[k] for k in keys_s], dtype=torch.float64)
-    m = torch.tensor([maxes[k] for k in keys_m], dtype=torch.float64)
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, (sorted(sums), sorted(maxes)))
+    keys_s = sorted({k for theirs, _ in names for k in theirs})
+    keys_m = sorted({k for _, theirs in names for k in theirs})
+    s = torch.tensor([sums.get(k, 0.0) for k in keys_s], dtype=torch.float64)
+    m = torch.tensor([maxes.get(k, float("-inf")) for k in keys_m], dtype=torch.float64)
     dist.all_reduce(s, op=dist.ReduceOp.SUM)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)
     return dict(zip(keys_s, s.tolist(), strict=True)), dict(zip(keys_m, m.tolist(), strict=True))
+
+
+def reduce_over(data_ranks: int) -> StatsReduce:
+    """How a trainer reduces its statistics: `reduce_stats` when a rollout is split over `data_ranks`
+    > 1, else the statistics as they are (one rank, or megatron's tensor-parallel ranks, which each
+    run the whole rollout)."""
+    return reduce_stats if data_ranks > 1 else _as_they_are
+
+
+def _as_they_are(
+    sums: dict[str, float], maxes: dict[str, float]
+) -> tuple[dict[str, float], dict[str, float]]:
+    return sums, maxes
 
 
 def max_over_group(value: int) -> int:

@@ -32,15 +32,16 @@ from hpref.rl.policy import (
     completion_logprobs,
     group_batch,
     micro_batches,
+    on_mask,
     pad_batch,
     shares_prefix,
     whole_groups,
 )
+from hpref.rl.protocols import PreparesBatches
 from hpref.rl.rollout_types import Rollout, TrainingRows
 from hpref.rl.rollouts import expected_version
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from hpref.rl.weight_channel import Layout
@@ -236,16 +237,16 @@ class TrainerActor:
         if self.shared and self.lora is not None:
             self.lora.set_adapter(policy)
 
-    def _logprobs(self, model: nn.Module, batch: dict[str, Any], temperature: float) -> torch.Tensor:
-        """`completion_logprobs` under the trainer's compute dtype (log-softmax stays in fp32), on
-        the model's device; `model` is the LM or, in a group, its FSDP2 root."""
+    def _logprobs(self, model: nn.Module, batch: dict, temperature: float, entropy: bool = False) -> Any:
+        """`completion_logprobs` (`entropy`: and the entropies) in the trainer's compute dtype (log-softmax
+        in fp32), on the model's device; `model` is the LM or, in a group, its FSDP2 root."""
         import torch
 
         bf16 = self.compute_dtype == torch.bfloat16
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             if model is self.root or model is self.reference_root:
-                return model(batch, temperature)
-            return completion_logprobs(model, batch, temperature)
+                return model(batch, temperature, entropy=entropy)
+            return completion_logprobs(model, batch, temperature, entropy=entropy)
 
     def close(self) -> None:
         """Release what the trainer set up beyond its memory (the backend's: megatron's parallel
@@ -268,8 +269,11 @@ class TrainerActor:
         together: `_micro_batches`) and accumulates their gradients before one optimizer step. Each
         micro-batch's loss is its share of the step's, so the step equals the one-batch step. In a
         group each rank runs its share of the prompt groups (`hpref.rl.sharding`) and every rank
-        returns the group's metrics."""
+        returns the group's metrics (the policy's entropy on its own answers among them)."""
         import torch
+
+        from hpref.rl.algorithms import entropy_metrics, entropy_sums
+        from hpref.rl.sharding import full, reduce_over
 
         self.select(rollout.policy if self.shared else None)
         if rollout.rollout_id != self.rollouts_done:
@@ -284,16 +288,16 @@ class TrainerActor:
         total_tokens = max(sum(len(c) for c in prepared.completions), 1)
         batches = []
         for batch, rows in self._micro_batches(prepared):
-            if prepared.behaviour is not None:
-                # the engine's (behaviour) log-probs where the mask is 1: row by row, in token order
-                behaviour = torch.tensor(
-                    [lp for i in rows for lp in prepared.behaviour[i]], dtype=torch.float32
-                )
-                batch["old"] = torch.zeros_like(batch["mask"]).masked_scatter(batch["mask"].bool(), behaviour)
+            if prepared.behaviour is not None:  # the engine's log-probs where the mask is 1, row by row
+                lps = torch.tensor([lp for i in rows for lp in prepared.behaviour[i]], dtype=torch.float32)
+                batch["old"] = on_mask(batch["mask"].bool(), lps)
             batch = self._on_device(batch)
             batch["rows"] = rows
             batch["ref"] = self._reference_logprobs(batch, prepared.temperature)
             batches.append(batch)
+        reduce = reduce_over(self.data_ranks)  # a group's sums and maxima; as they are on one data rank
+        if isinstance(algorithm, PreparesBatches):  # values of the whole step (REINFORCE++'s advantages)
+            algorithm.prepare_batches(batches, prepared, reduce)
         model = self.root if self.root is not None else self.model
         stats: dict[str, float] = {}
         for epoch in range(cfg.epochs_per_rollout):
@@ -302,13 +306,14 @@ class TrainerActor:
             sums["micro_batches"] = float(sum(not b.get("padding") for b in batches))  # the group's, summed
             worst = 0.0
             for batch in batches:
-                logp = self._logprobs(model, batch, prepared.temperature)
+                logp, entropy = self._logprobs(model, batch, prepared.temperature, entropy=True)
                 loss, own = algorithm.loss(logp, batch, batch["rows"], prepared)
                 # a group's padding pass runs the backward FSDP2 needs from every rank, adding nothing;
                 # FSDP2 averages gradients over the group: scaled back up, the group sums them
                 (loss * (0.0 if batch.get("padding") else self.data_ranks)).backward()
                 if batch.get("padding"):
                     continue
+                own = {**own, **entropy_sums(entropy, batch["mask"], batch["rows"], prepared.sampled)}
                 for key, value in own.items():
                     sums[key] = sums.get(key, 0.0) + value
                 if epoch == 0 and "old" in batch:  # before any step: the trainer's and the engine's view
@@ -321,11 +326,8 @@ class TrainerActor:
                 else torch.tensor(0.0)
             )
             self.optimizer.step()
-            if self.data_ranks > 1:
-                from hpref.rl.sharding import full, reduce_stats
-
-                sums, maxes = reduce_stats(sums, {"worst": worst})
-                worst, grad_norm = maxes["worst"], full(grad_norm)
+            sums, maxes = reduce(sums, {"worst": worst})
+            worst, grad_norm = maxes["worst"], full(grad_norm)
             if epoch == 0 and prepared.behaviour is not None:
                 stats["engine_trainer_logprob_diff"] = sums["mismatch"] / total_tokens
                 # the largest per-token |log importance ratio| between trainer and engine: one token
@@ -341,6 +343,8 @@ class TrainerActor:
         release_freed_memory()
         seconds = time.perf_counter() - start
         stats.update(
+            prepared.metrics,  # the algorithm's, of the whole step (the advantages' spread)
+            **entropy_metrics(sums),  # the policy's on its own answers, in the last pass as the loss
             train_tokens=float(total_tokens),
             train_tokens_per_s=total_tokens * cfg.epochs_per_rollout / max(seconds, 1e-9),
             train_s=seconds,

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hpref.runfolder.layout import TRAINER_STATE
+from hpref.runfolder.layout import POLICY_MODEL, TRAINER_STATE
 
 if TYPE_CHECKING:
     import torch
@@ -85,10 +85,10 @@ def save_trainer(trainer: TrainerActor, folder: str) -> None:
         write_json_atomic(path / POLICY_BASE_FILE, base_description(trainer), indent=2, sort_keys=True)
     else:  # a megatron model writes the transformers layout too
         if weights is None:
-            trainer.model.save_pretrained(path / "model")
+            trainer.model.save_pretrained(path / POLICY_MODEL)
         else:  # a group's gathered weights
-            trainer.model.save_pretrained(path / "model", state_dict=weights)
-        trainer.tokenizer.save_pretrained(path / "model")
+            trainer.model.save_pretrained(path / POLICY_MODEL, state_dict=weights)
+        trainer.tokenizer.save_pretrained(path / POLICY_MODEL)
     buffer = io.BytesIO()
     torch.save(
         {
@@ -128,7 +128,7 @@ def load_trainer(trainer: TrainerActor, folder: str) -> int:
     if trainer.lora is not None:
         _load_adapter(trainer, path)
     else:
-        weights_file = path / "model" / "model.safetensors"
+        weights_file = path / POLICY_MODEL / "model.safetensors"
         if not weights_file.is_file() and (path / POLICY_BASE_FILE).is_file():
             raise CheckpointError(
                 f"{path}: holds a LoRA adapter, but policy '{trainer.policy}' has no [lora] now; "

@@ -8,14 +8,16 @@ is one line at recipe load, exit 2.
 How it is wired, and why:
 
 - **Start weights from hpref, not from the folder.** vLLM builds the architecture from a folder that
-  holds only the policy's `config.json` (written here) with `load_format = "dummy"`, then loads the
-  state dict of `build_policy_model` -- the same weights the trainer starts from (version 0), for a
-  pretrained folder, the SmolLM2 GGUF and a seeded tiny policy alike. Reading the model folder
-  itself would differ in ways that matter: transformers 5 saves a tied model's `lm_head.weight` and
-  no `model.embed_tokens.weight`, which vLLM (tied: it reads the embedding, skips the head) then
-  leaves at its dummy values. No tokenizer is loaded either (`skip_tokenizer_init`): prompts go in
-  as token ids from the policy's own chat template (`encode_prompt`), texts come from the policy's
-  tokenizer, so both engines and the trainer see the same tokens.
+  holds the policy's `config.json` (written here) and no weights, with `load_format = "dummy"`,
+  then loads the state dict of `build_policy_model` -- the same weights the trainer starts from
+  (version 0), for a pretrained folder, the SmolLM2 GGUF and a seeded tiny policy alike. Reading the
+  model folder itself would differ in ways that matter: transformers 5 saves a tied model's
+  `lm_head.weight` and no `model.embed_tokens.weight`, which vLLM (tied: it reads the embedding,
+  skips the head) then leaves at its dummy values. The policy's tokenizer is saved beside it for
+  one use: vLLM's detokenizer ends an answer at a stop string (`[rl.rollout] stop`; `detokenize`
+  on those requests only). Prompts go in as token ids from the policy's own chat template
+  (`encode_prompt`), texts come from the policy's tokenizer, and where an answer ends is hpref's
+  cut (`generation_result`), so both engines and the trainer see the same tokens.
 - **Weight updates through vLLM's own in-place reload** (`Worker.reload_weights`, called on each
   worker by `collective_rpc` through `WeightLoader`, the worker extension), staged like the
   transformers engine: `begin_update` / `load_weights` fill a staging dict, `commit_update` checks
@@ -27,9 +29,10 @@ How it is wired, and why:
   With `tensor_parallel_size > 1` vLLM starts its own worker processes (`mp` executor) and the
   update is sent to each of them.
 - **Log-probs at the sampling temperature** (`logprobs_mode = "processed_logprobs"`), as the trainer
-  computes them; greedy answers get the unscaled ones, as in the transformers engine. With `top_k`
-  vLLM reports the log-prob under the truncated distribution it sampled from (the transformers
-  engine and the trainer use the full one): the run's `engine_trainer_logprob_diff` shows it.
+  computes them; greedy answers get the unscaled ones, as in the transformers engine. With `top_k`,
+  `top_p`, `min_p` or a `repetition_penalty` vLLM reports the log-prob under the processed
+  distribution it sampled from (the transformers engine and the trainer use the full one): the
+  run's `engine_trainer_logprob_diff` shows it.
 - **A shared base (`rl.share_base`) through vLLM's multi-LoRA**: one `LLM(enable_lora=True)` holds
   the base once, each policy is an adapter named by its id, and `generate_batch` sends every
   policy's prompts in one `llm.generate`, each prompt with its adapter's `LoRARequest`. A sync writes
@@ -50,12 +53,14 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
+from hpref.recipe.rl_sampling import KNOBS_OFF
 from hpref.rl.engines import generate_request, generation_result
 from hpref.rl.policy import apply_env, stop_token_ids, trim_completion
 from hpref.rl.versioned import VersionedWeights
@@ -70,6 +75,8 @@ class VLLMEngineConfig(BaseModel):
 
     #: serves several LoRA adapters over one base (`rl.share_base`; vLLM's multi-LoRA batches)
     serves_adapters: ClassVar[bool] = True
+    #: the sampling knobs `generate` takes (`hpref.recipe.rl_sampling`): all of them, as `SamplingParams`
+    sampling_knobs: ClassVar[frozenset[str]] = frozenset(KNOBS_OFF)
 
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16",
@@ -182,6 +189,32 @@ def cpu_head_sizes() -> list[int] | None:
     return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
+def sampling_params(request: dict[str, Any], seed: int, stop_ids: list[int]) -> dict[str, Any]:
+    """vLLM's `SamplingParams` for one prompt of a `generate_batch` request: the same knobs as the
+    transformers engine (`hpref.recipe.rl_sampling`; vLLM applies them in the same order). A greedy
+    request is vLLM's temperature 0, with the repetition penalty and stop strings and no truncation.
+    `stop` only ends the answer early (vLLM's detokenizer finds it, `detokenize` for such requests
+    only); where the answer ends, its text and its tokens are `generation_result`'s cut, as for the
+    transformers engine (vLLM's own keeps the tokens that hold the stop string)."""
+    greedy = bool(request.get("greedy", False))
+    stop = list(request.get("stop", ()))
+    return dict(
+        n=request["group_size"],
+        temperature=0.0 if greedy else request["temperature"],
+        top_k=0 if greedy else request.get("top_k", 0),
+        top_p=KNOBS_OFF["top_p"] if greedy else request.get("top_p", KNOBS_OFF["top_p"]),
+        min_p=KNOBS_OFF["min_p"] if greedy else request.get("min_p", KNOBS_OFF["min_p"]),
+        repetition_penalty=request.get("repetition_penalty", KNOBS_OFF["repetition_penalty"]),
+        stop=stop,
+        include_stop_str_in_output=False,
+        max_tokens=request["max_new_tokens"],
+        logprobs=0,  # the sampled token's own log-prob
+        seed=seed,
+        stop_token_ids=stop_ids,
+        detokenize=bool(stop),
+    )
+
+
 def build_vllm(
     config: VLLMEngineConfig,
     *,
@@ -250,6 +283,7 @@ class VLLMEngine(VersionedWeights):
         self.pad_id = self.tokenizer.pad_token_id
         self._folder = tempfile.TemporaryDirectory(prefix=f"hpref-vllm-{policy}-")
         start_model.config.save_pretrained(self._folder.name)  # the architecture only (see module doc)
+        self.tokenizer.save_pretrained(self._folder.name)  # for vLLM's stop strings only (module doc)
         context = config.max_model_len or int(getattr(start_model.config, "max_position_embeddings", 4096))
         lora = (
             dict(
@@ -262,7 +296,7 @@ class VLLMEngine(VersionedWeights):
         )
         self.llm = LLM(
             model=self._folder.name,
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=False,  # its detokenizer finds stop strings (module doc)
             load_format="dummy",
             dtype=config.dtype,
             seed=0,
@@ -352,11 +386,17 @@ class VLLMEngine(VersionedWeights):
         seed: int = 0,
         greedy: bool = False,
         adapter: str | None = None,
+        *,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop: Sequence[str] = (),
     ) -> dict[str, Any]:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
-        (`adapter`: the policy's, on a shared base)."""
+        (`adapter`: the policy's, on a shared base; the sampling knobs: `hpref.recipe.rl_sampling`)."""
         asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
-        return self.generate_batch([generate_request(*asked)])[0]
+        knobs = dict(top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, stop=tuple(stop))
+        return self.generate_batch([generate_request(*asked, **knobs)])[0]
 
     def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Several `generate` requests (their keyword arguments) in one `llm.generate`, each prompt
@@ -372,7 +412,6 @@ class VLLMEngine(VersionedWeights):
         per_request = [[encode_prompt(self.tokenizer, p) for p in r["prompts"]] for r in requests]
         inputs, params, loras = [], [], []
         for r, prompt_ids in zip(requests, per_request, strict=True):
-            greedy = bool(r.get("greedy", False))
             # one seed per prompt, drawn from the request's: vLLM seeds each prompt's sampling, and
             # the same seed on every prompt would draw the same noise for all of them
             draw = random.Random(r.get("seed", 0))
@@ -380,24 +419,12 @@ class VLLMEngine(VersionedWeights):
             for ids in prompt_ids:
                 inputs.append(TokensPrompt(prompt_token_ids=ids))
                 loras.append(lora)
-                params.append(
-                    SamplingParams(
-                        n=r["group_size"],
-                        temperature=0.0 if greedy else r["temperature"],
-                        top_k=0 if greedy else r.get("top_k", 0),
-                        top_p=1.0,
-                        max_tokens=r["max_new_tokens"],
-                        logprobs=0,  # the sampled token's own log-prob
-                        seed=draw.getrandbits(31),
-                        stop_token_ids=self.stop_ids,
-                        detokenize=False,
-                    )
-                )
+                params.append(SamplingParams(**sampling_params(r, draw.getrandbits(31), self.stop_ids)))
         outputs = iter(
             self.llm.generate(inputs, params, use_tqdm=False, lora_request=loras if any(loras) else None)
         )
         results = []
-        for prompt_ids, version in zip(per_request, versions, strict=True):
+        for r, prompt_ids, version in zip(requests, per_request, versions, strict=True):
             rows, completions, logprobs = [], [], []
             for ids in prompt_ids:
                 for answer in sorted(next(outputs).outputs, key=lambda a: a.index):
@@ -405,7 +432,10 @@ class VLLMEngine(VersionedWeights):
                     rows.append(ids)
                     completions.append(tokens)
                     logprobs.append([answer.logprobs[t][token].logprob for t, token in enumerate(tokens)])
-            results.append(generation_result(self.tokenizer, rows, completions, logprobs, version, start))
+            stop = tuple(r.get("stop", ()))
+            results.append(
+                generation_result(self.tokenizer, rows, completions, logprobs, version, start, stop)
+            )
         return results
 
     def sleep(self) -> None:

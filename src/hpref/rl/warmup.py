@@ -1,4 +1,4 @@
-"""The supervised warm-up: the starting checkpoint of tiny policies, made by hpref itself.
+"""The supervised warm-up: the checkpoint a policy starts RL from, made by hpref itself.
 
 A random-init tiny Llama writes token soup, so its first rollouts carry no signal a reward could
 rank. The warm-up fine-tunes it on the synthetic arena's answers (the simulated assistants' answers
@@ -10,10 +10,14 @@ some right, some near misses: room for RL to improve and a fair starting policy 
     batch_size = 32
     lr = 3e-3
 
-`warmup_checkpoint(model, warmup)` returns the folder of the checkpoint, training it on first use.
-It is cached under `<HPREF_CACHE>/rl-warmup/<hash of model + warm-up settings>` (written under a
-temporary name and renamed into place, like the tokenizer cache), so a second run, or a second
-policy with the same model settings, reuses it. `hpref rl-warmup RECIPE` builds them ahead of time.
+With `path` (`hpref.recipe.rl_warmup`) every policy, pretrained ones too, is fine-tuned on the user's
+own answers instead, with a held-out loss before and after (`hpref.rl.warmup_data`).
+
+`warmup_checkpoint(model, warmup, lora=...)` returns the folder of the checkpoint, training it on
+first use. It is cached under `<HPREF_CACHE>/rl-warmup/<hash of model + warm-up settings>` (with a
+data file: + its digest, the model folder's files and the LoRA settings), written under a temporary
+name and renamed into place, like the tokenizer cache, so a second run, a resume, or a second policy
+with the same settings reuses it. `hpref rl-warmup RECIPE` builds them ahead of time.
 """
 
 from __future__ import annotations
@@ -26,37 +30,73 @@ import random
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from hpref.recipe.rl import PolicyModelConfig, WarmupConfig
+from hpref.recipe.rl import PolicyModelConfig, RLConfig, WarmupConfig
+from hpref.recipe.rl_warmup import DATA_KEYS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from hpref.recipe.schema import LoraSection
 
 WARMUP_FORMAT = 1  # bump when the warm-up's data or training changes, so caches are not reused
 META_FILE = "hpref_warmup.json"
 
 
-def cache_key(model: PolicyModelConfig, warmup: WarmupConfig) -> str:
-    payload = {
-        "format": WARMUP_FORMAT,
-        "model": model.model_dump(mode="json"),
-        "warmup": warmup.model_dump(mode="json", exclude={"threads"}),
-    }
+def has_warmup(model: PolicyModelConfig, warmup: WarmupConfig) -> bool:
+    """Whether a policy starts from a warm-up: every policy on a data file's answers, only tiny
+    random-init ones on the synthetic arena's (a pretrained model already answers)."""
+    return warmup.path is not None or not model.pretrained
+
+
+def warmup_settings(
+    config: RLConfig, order: Sequence[str]
+) -> dict[str, tuple[PolicyModelConfig, LoraSection | None]]:
+    """{policy: (its model, the LoRA settings its warm-up trains)} for the policies of `order` that
+    start from a warm-up (`config.warmup` set). The arena's warm-up trains every weight of a tiny
+    model; one on a data file trains the policy's adapters when it has them (merged into the
+    checkpoint). Policies on a shared base (`config.share_base`) share one warm-up, made with the
+    leader's adapter settings, so their start stays one base."""
+    assert config.warmup is not None
+    out = {}
+    for p in order:
+        policy = config.policies[p]
+        if not has_warmup(policy.model, config.warmup):
+            continue
+        lora = config.policies[order[0]].lora if config.share_base else policy.lora
+        out[p] = (policy.model, lora if config.warmup.path is not None else None)
+    return out
+
+
+def cache_key(model: PolicyModelConfig, warmup: WarmupConfig, lora: LoraSection | None = None) -> str:
+    if warmup.path is None:  # the arena's warm-up: the key it always had
+        payload: dict[str, Any] = {
+            "format": WARMUP_FORMAT,
+            "model": model.model_dump(mode="json"),
+            "warmup": warmup.model_dump(mode="json", exclude={"threads", *DATA_KEYS}),
+        }
+    else:
+        from hpref.rl.warmup_data import data_key
+
+        payload = data_key(model, warmup, lora)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def checkpoint_folder(model: PolicyModelConfig, warmup: WarmupConfig) -> Path:
+def checkpoint_folder(
+    model: PolicyModelConfig, warmup: WarmupConfig, lora: LoraSection | None = None
+) -> Path:
     from hpref.models.tokenizer import cache_root
 
-    return cache_root() / "rl-warmup" / cache_key(model, warmup)
+    return cache_root() / "rl-warmup" / cache_key(model, warmup, lora)
 
 
-def is_cached(model: PolicyModelConfig, warmup: WarmupConfig) -> bool:
-    return (checkpoint_folder(model, warmup) / META_FILE).is_file()
+def is_cached(model: PolicyModelConfig, warmup: WarmupConfig, lora: LoraSection | None = None) -> bool:
+    return (checkpoint_folder(model, warmup, lora) / META_FILE).is_file()
 
 
 def sft_examples(
@@ -95,7 +135,8 @@ def lr_multiplier(step: int, warmup: WarmupConfig) -> float:
 
 
 def train_warmup(model_config: PolicyModelConfig, warmup: WarmupConfig, folder: Path) -> dict[str, Any]:
-    """Fine-tune the tiny model of `model_config` on arena answers; save a transformers folder."""
+    """Fine-tune the tiny model of `model_config` on arena answers; save a transformers folder and
+    return what the warm-up's meta file records."""
     import torch
 
     from hpref.rl.algorithms import sequence_logprobs
@@ -142,24 +183,38 @@ def train_warmup(model_config: PolicyModelConfig, warmup: WarmupConfig, folder: 
     }
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return meta
 
 
-def warmup_checkpoint(model: PolicyModelConfig, warmup: WarmupConfig) -> Path:
-    """The warm-up checkpoint of this tiny model: from the cache, or trained now and cached."""
-    if model.pretrained:
+def warmup_checkpoint(
+    model: PolicyModelConfig, warmup: WarmupConfig, lora: LoraSection | None = None
+) -> Path:
+    """The warm-up checkpoint of this model: from the cache, or trained now and cached. `lora`: the
+    adapters a warm-up on a data file trains and merges (the arena's warm-up trains every weight)."""
+    if not has_warmup(model, warmup):
         raise ValueError("a pretrained policy (model.name or model.path) starts from it; it has no warm-up")
-    final = checkpoint_folder(model, warmup)
+    if warmup.path is None:
+        lora = None
+    final = checkpoint_folder(model, warmup, lora)
     if (final / META_FILE).is_file():
         logger.info(f"rl warm-up: using the cached checkpoint {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
-    logger.info(f"rl warm-up: {warmup.steps} supervised steps on synthetic arena answers -> {final}")
+    answers = "synthetic arena answers" if warmup.path is None else f"the answers of {warmup.path}"
+    logger.info(f"rl warm-up: {warmup.steps} supervised steps on {answers} -> {final}")
     try:
-        meta = train_warmup(model, warmup, tmp)
+        if warmup.path is None:
+            meta = train_warmup(model, warmup, tmp)
+        else:
+            from hpref.rl import warmup_data
+
+            meta = warmup_data.train_on_data(
+                model, warmup, lora, tmp, schedule=lambda step: lr_multiplier(step, warmup)
+            )
+        # written last: its presence is what marks a folder as a finished warm-up (`is_cached`)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished the same warm-up first: theirs is equivalent
@@ -167,7 +222,11 @@ def warmup_checkpoint(model: PolicyModelConfig, warmup: WarmupConfig) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    held_out = ""
+    if meta.get("eval_loss_before") is not None:
+        held_out = f", held-out loss {meta['eval_loss_before']:.3f} -> {meta['eval_loss_after']:.3f}"
     logger.info(
-        f"rl warm-up: loss {meta['first_loss']:.2f} -> {meta['final_loss']:.2f} in {meta['seconds']:.0f} s"
+        f"rl warm-up: loss {meta['first_loss']:.2f} -> {meta['final_loss']:.2f}{held_out} in "
+        f"{meta['seconds']:.0f} s"
     )
     return final

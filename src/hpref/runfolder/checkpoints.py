@@ -4,13 +4,15 @@ A training run keeps DCP checkpoints as `checkpoints/step-NNNNNN/` (written by
 `hpref.train.checkpoint`): a folder of that name is complete by construction (it is renamed into
 place after every rank wrote its part), `.tmp-*` folders are saves that did not finish, and
 `checkpoints/latest` names the newest. An `hpref rl` run keeps its global saves as
-`checkpoints/rollout-NNNNNN/`, one sub-folder per trainer plus the executor's, and the newest
-complete one is the folder its `record.json` names (`hpref.runfolder.record`).
+`checkpoints/rollout-NNNNNN/`, one sub-folder per trainer plus the executor's (written after every
+trainer's, so a save that holds it is whole), and the newest complete one is the folder its
+`record.json` names (`hpref.runfolder.record`).
 
 Here is every question asked of those folders: which saves are complete (`complete_checkpoints`,
-`complete_saves`), which is the newest (`find_latest`), which one a user means
-(`resolve_checkpoint`), and whether one is safe to read (`validate_checkpoint`: checksums, the index
-through the one restricted reader of `hpref.runfolder.safe_load`, shard sizes, tensor shapes).
+`complete_saves`, `rl_saves`), which is the newest (`find_latest`), which one a user means
+(`resolve_checkpoint`, `resolve_rl_save`), and whether one is safe to read (`validate_checkpoint`:
+checksums, the index through the one restricted reader of `hpref.runfolder.safe_load`, shard sizes,
+tensor shapes).
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ from hpref.runfolder.integrity import require_verified
 from hpref.runfolder.layout import (
     CHECKPOINT_INDEX,
     CHECKPOINTS,
+    EXECUTOR_STATE,
     LATEST,
+    RECORD_FILE,
+    RL_EXECUTOR,
+    RL_JSON,
     ROLLOUT_PREFIX,
     STEP_PREFIX,
     TMP_PREFIX,
@@ -102,8 +108,68 @@ def find_latest(run_dir: Path) -> Path | None:
 def _rl_save_error(path: Path) -> CheckpointError:
     return CheckpointError(
         f"{path}: an hpref rl save (its policies' causal LMs and the rollout position), not a "
-        "preference-model checkpoint; only checkpoints of hpref train export"
+        "preference-model checkpoint; export one of its policies with --policy ID"
     )
+
+
+def rl_save_name(rollout: int) -> str:
+    return f"{ROLLOUT_PREFIX}{rollout:06d}"
+
+
+def is_rl_save(path: Path) -> bool:
+    """Whether `path` names one global save of an `hpref rl` run (`RUN/checkpoints/rollout-*`)."""
+    return path.name.startswith(ROLLOUT_PREFIX) and path.parent.name == CHECKPOINTS
+
+
+def is_rl_run(path: Path) -> bool:
+    """Whether `path` is an `hpref rl` run folder: its `rl.json`, its record, or its `rollout-*` saves."""
+    path = Path(path)
+    if (path / RL_JSON).is_file() or (path / RECORD_FILE).is_file():
+        return True
+    root = path / CHECKPOINTS
+    return root.is_dir() and any(p.name.startswith(ROLLOUT_PREFIX) for p in root.iterdir())
+
+
+def rl_saves(run_dir: Path) -> list[Path]:
+    """The whole global saves of an `hpref rl` run, oldest first: those holding the executor's part,
+    which the leader writes after every trainer's (a `rollout-*` folder without it did not finish)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith(ROLLOUT_PREFIX)
+        and p.name.removeprefix(ROLLOUT_PREFIX).isdigit()
+        and (p / RL_EXECUTOR / EXECUTOR_STATE).is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name.removeprefix(ROLLOUT_PREFIX)))
+
+
+def resolve_rl_save(run_dir: Path, step: str | int | None = "latest") -> Path:
+    """The global save of an `hpref rl` run a user means: `latest` (None) is the one its record names,
+    what `--resume auto` continues from; `rollout-N` or `N` an older one `keep_last` kept."""
+    run_dir = Path(run_dir)
+    if step in (None, "latest"):
+        recorded = recorded_rl_save(run_dir)
+        if recorded is None:
+            raise CheckpointError(
+                f"{run_dir}: the rl run has no complete save yet (no {RECORD_FILE} names one)"
+            )
+        return recorded
+    number = str(step).removeprefix(ROLLOUT_PREFIX)
+    if not number.isdigit():
+        raise UserError(f"--step {step!r}: expected latest, rollout-N or a rollout number")
+    folder = Path(run_dir) / CHECKPOINTS / rl_save_name(int(number))
+    saves = rl_saves(run_dir)
+    if folder not in saves:
+        what = "did not finish: it has no executor part" if folder.is_dir() else "does not exist"
+        names = ", ".join(p.name for p in saves) or "none"
+        raise CheckpointError(
+            f"{run_dir}: no save at rollout {int(number)} ({folder.name} {what}); its saves: {names}"
+        )
+    return folder
 
 
 def resolve_checkpoint(path: str | Path, step: str | int | None = "latest") -> Path:
@@ -114,7 +180,7 @@ def resolve_checkpoint(path: str | Path, step: str | int | None = "latest") -> P
         raise CheckpointError(f"{path}: no such run or checkpoint folder")
     if (path / CHECKPOINT_INDEX).exists() or path.name.startswith((STEP_PREFIX, TMP_PREFIX)):
         return path
-    if path.name.startswith(ROLLOUT_PREFIX) and path.parent.name == CHECKPOINTS:
+    if is_rl_save(path):
         raise _rl_save_error(path)
     if not (path / CHECKPOINTS).is_dir():
         raise CheckpointError(f"{path}: neither a run folder (no {CHECKPOINTS}/) nor a checkpoint folder")

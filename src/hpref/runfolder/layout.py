@@ -51,6 +51,11 @@ CHECKPOINT_INDEX = ".metadata"
 TRAIN_STATE = "train_state.json"
 CHECKSUMS = "checksums.json"
 TRAINER_STATE = "trainer.pt"
+# Inside an rl global save: one folder per policy, holding its trainer's state and `POLICY_MODEL/` (a
+# transformers folder) unless it trained LoRA adapters; and the executor's part, its data positions.
+POLICY_MODEL = "model"
+RL_EXECUTOR = "executor"
+EXECUTOR_STATE = "executor.json"
 
 #: Entries a started training or RL run leaves: any of them means the folder holds a run.
 #: (Not `predictions.csv`: `hpref eval` writes that name too, in folders that hold no run.)

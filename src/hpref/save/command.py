@@ -25,11 +25,13 @@ class SaveRequest:
     overwrite: bool = False
     recipe: str | Path | None = None
     adapter: bool = False
+    policy: str | None = None  # an rl run: the policy to export
 
 
 def save_command(request: SaveRequest) -> int:
     """`hpref save`: export a checkpoint (`--to`), or with `--now` ask a live run for one first.
-    A LoRA run exports merged weights, or with `adapter` PEFT's adapter folder and hpref's head."""
+    A LoRA run exports merged weights, or with `adapter` PEFT's adapter folder and hpref's head; an
+    rl run exports its policy `policy` as a causal-LM folder."""
     from hpref.runfolder.save_trigger import request_save_now
     from hpref.save.export import save_export
 
@@ -51,6 +53,7 @@ def save_command(request: SaveRequest) -> int:
         recipe_path=request.recipe,
         overwrite=request.overwrite,
         adapter=request.adapter,
+        policy=request.policy,
     )
     print(folder)
     return 0

@@ -28,7 +28,7 @@ from loguru import logger
 
 from hpref.builtin.scoring import CHECKPOINT_JSON, MODEL_CARD
 from hpref.errors import UserError
-from hpref.runfolder.checkpoints import resolve_checkpoint
+from hpref.runfolder.checkpoints import is_rl_run, is_rl_save, resolve_checkpoint
 from hpref.runfolder.layout import METRICS, RECIPE, SUMMARY
 from hpref.runfolder.safe_load import CheckpointError  # noqa: F401  (callers catch it from here)
 from hpref.runtime.checkpoint import load_model_from_checkpoint, recipe_of_run
@@ -168,9 +168,13 @@ def save_export(
     recipe_path: str | Path | None = None,
     overwrite: bool = False,
     adapter: bool = False,
+    policy: str | None = None,
 ) -> Path:
     """Consolidate a checkpoint into `to` (written beside it under a temporary name, fsynced, then
     renamed: a folder named `to` is always complete). Returns `to`.
+
+    An `hpref rl` run (or one of its saves) exports its policy `policy` as a causal-LM folder
+    (`hpref.save.rl_export`; `step`: latest, rollout-N or N), and only with `policy`.
 
     A LoRA run (`[lora]` in its recipe) is exported merged (PEFT's `merge_and_unload`: the same
     transformers folder as a fully fine-tuned model), or with `adapter` as PEFT's adapter folder
@@ -191,6 +195,16 @@ def save_export(
         raise UserError(f"--dtype {dtype!r}: expected bf16 or fp32")
     to = Path(os.path.abspath(to))  # `..` resolved by name: a symlink named `to` stays a link
     check_export_target(to, overwrite)
+    if policy is not None or is_rl_run(Path(source)) or is_rl_save(Path(source)):
+        from hpref.save.rl_export import export_rl_policy
+
+        if recipe_path is not None:
+            raise UserError(
+                "--recipe: an rl policy exports from its save and the run's rl.json; drop --recipe"
+            )
+        return export_rl_policy(
+            Path(source), to, policy=policy, step=step, dtype=dtype, adapter=adapter, overwrite=overwrite
+        )
     checkpoint_dir = resolve_checkpoint(source, step)
     check_export_overlap(to, checkpoint_dir)
     recipe = recipe_of_run(checkpoint_dir, recipe_path)
