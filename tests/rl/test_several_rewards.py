@@ -110,6 +110,23 @@ def test_a_prompt_file_carries_its_other_columns_to_the_reward(tmp_path):
         assert source.row(prompt) == {"reference": 2 * i, "id": f"q{i}"}
 
 
+def test_a_pair_file_carries_its_extra_columns_but_not_the_conversation(tmp_path):
+    # Wrong if a chosen/rejected file's prompts lost their row's label, or the answers' text or the
+    # reader's own bookkeeping (its row number) showed up as columns a reward could read.
+    from hpref.builtin.prompts import PairwisePromptsConfig, build_pairwise
+
+    path = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": f"Say {i}.", "chosen": f"{i}", "rejected": "no", "label": i % 3, "source": "unit"}
+        for i in range(30)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = build_pairwise(PairwisePromptsConfig(path=str(path), eval_fraction=0.0))
+    assert source.columns == ("label", "source")
+    (prompt,) = source.train_prompts(0, 0, 1)
+    assert source.row(prompt) == {"label": int(prompt[-1].split()[1].rstrip(".")) % 3, "source": "unit"}
+
+
 def test_rewards_that_cannot_score_the_prompts_are_refused_before_the_run(tmp_path):
     # Wrong if a reward asking for a column the prompt file lacks, or a function whose signature
     # does not fit, got as far as an actor (where it fails on the first rollout, not in one line).

@@ -106,7 +106,7 @@ def _other_columns(raw: Any, conversation: set[str]) -> dict[str, Any]:
         return {}
     out = {}
     for column, value in raw.items():
-        if column in conversation:
+        if column in conversation or str(column).startswith("\0"):  # a reader's own (the row number)
             continue
         if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # a numpy scalar
             value = value.item()

@@ -34,11 +34,11 @@ from typing import Any
 from loguru import logger
 from pydantic import Field
 
-from hpref.data.base import BattleSource, RowError, file_digest
-from hpref.data.readers import FileConfig, _text_or_none
+from hpref.data.base import RowError
+from hpref.data.readers import FileConfig, TableReader, _text_or_none
 from hpref.data.records import Battle
 from hpref.data.splits import prompt_key
-from hpref.data.tables import TableFile, clean_text, is_missing
+from hpref.data.tables import clean_text, is_missing
 from hpref.data.transcripts import parse_messages, to_turns
 from hpref.errors import DataError
 
@@ -98,12 +98,11 @@ class PromptFileConfig(FileConfig):
     )
 
 
-class PromptFileReader(BattleSource):
+class PromptFileReader(TableReader):
     """Prompts from a CSV, Parquet or JSONL file, as battles whose final answers are empty."""
 
     def __init__(self, config: PromptFileConfig, seed: int = 0) -> None:
-        self.file = TableFile(config.path, config.format)
-        super().__init__(config, seed, str(self.file.path))
+        super().__init__(config, seed)
         columns = set(self.file.columns)
         if config.prompt_column in columns:
             self.column = config.prompt_column
@@ -114,12 +113,6 @@ class PromptFileReader(BattleSource):
                 f"{self.source}: no '{config.prompt_column}' or '{config.messages_column}' column "
                 f"(found: {', '.join(self.file.columns) or 'none'})"
             )
-
-    def _rows(self):
-        return self.file.rows()
-
-    def _data_identity(self) -> str:
-        return file_digest(self.file.path)
 
     def _parse(self, row: dict[str, Any]) -> Battle:
         column = self.column

@@ -110,19 +110,36 @@ class ArenaConfig(FileConfig):
     pass
 
 
-class ArenaReader(BattleSource):
-    """Arena-schema battles from a CSV, Parquet or JSONL file (see module docstring)."""
+class TableReader(BattleSource):
+    """A reader of one table file (`FileConfig`): its rows in file order, the file's bytes as the
+    data's identity, and one message for columns it needs and the file lacks."""
 
-    def __init__(self, config: ArenaConfig, seed: int) -> None:
+    def __init__(self, config: FileConfig, seed: int) -> None:
         self.file = TableFile(config.path, config.format)
         super().__init__(config, seed, str(self.file.path))
-        columns = set(self.file.columns)
-        missing = [c for c in ARENA_TEXT_COLUMNS if c not in columns]
+
+    def require_columns(self, needed: Iterable[str]) -> None:
+        missing = [c for c in needed if c not in self.file.columns]
         if missing:
             raise DataError(
                 f"{self.source}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
                 f"(found: {', '.join(self.file.columns) or 'none'})"
             )
+
+    def _rows(self):
+        return self.file.rows()
+
+    def _data_identity(self) -> str:
+        return file_digest(self.file.path)
+
+
+class ArenaReader(TableReader):
+    """Arena-schema battles from a CSV, Parquet or JSONL file (see module docstring)."""
+
+    def __init__(self, config: ArenaConfig, seed: int) -> None:
+        super().__init__(config, seed)
+        self.require_columns(ARENA_TEXT_COLUMNS)
+        columns = set(self.file.columns)
         label_present = [c for c in ARENA_LABEL_COLUMNS if c in columns]
         if label_present and len(label_present) < 3:
             absent = [c for c in ARENA_LABEL_COLUMNS if c not in columns]
@@ -132,12 +149,6 @@ class ArenaReader(BattleSource):
             )
         self.labeled = bool(label_present)
         self.has_truth = all(c in columns for c in ARENA_TRUTH_COLUMNS)
-
-    def _rows(self):
-        return self.file.rows()
-
-    def _data_identity(self) -> str:
-        return file_digest(self.file.path)
 
     def _parse(self, row: dict[str, Any]) -> Battle:
         for column in ARENA_TEXT_COLUMNS:
@@ -191,19 +202,12 @@ class PairwiseConfig(FileConfig):
     rejected_column: str = Field("rejected", description="the other side")
 
 
-class PairwiseReader(BattleSource):
+class PairwiseReader(TableReader):
     """Chosen/rejected pairs as two-way battles with a seeded random A/B side (see module docstring)."""
 
     def __init__(self, config: PairwiseConfig, seed: int) -> None:
-        self.file = TableFile(config.path, config.format)
-        super().__init__(config, seed, str(self.file.path))
-        columns = set(self.file.columns)
-        missing = [c for c in (config.chosen_column, config.rejected_column) if c not in columns]
-        if missing:
-            raise DataError(
-                f"{self.source}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-                f"(found: {', '.join(self.file.columns) or 'none'})"
-            )
+        super().__init__(config, seed)
+        self.require_columns((config.chosen_column, config.rejected_column))
 
     def _rows(self):
         # The coin uses the row number, so it does not move when other rows are skipped or filtered.
@@ -270,24 +274,13 @@ class ChatConfig(FileConfig):
     messages_column: str = Field("messages", description="the conversation: a message list (JSON or native)")
 
 
-class ChatReader(BattleSource):
+class ChatReader(TableReader):
     """Conversations that end with the answer to learn (supervised fine-tuning data): each row one
     unlabelled battle whose two sides are the same, the last assistant message its final answer."""
 
     def __init__(self, config: ChatConfig, seed: int = 0) -> None:
-        self.file = TableFile(config.path, config.format)
-        super().__init__(config, seed, str(self.file.path))
-        if config.messages_column not in self.file.columns:
-            raise DataError(
-                f"{self.source}: missing column {config.messages_column} "
-                f"(found: {', '.join(self.file.columns) or 'none'})"
-            )
-
-    def _rows(self):
-        return self.file.rows()
-
-    def _data_identity(self) -> str:
-        return file_digest(self.file.path)
+        super().__init__(config, seed)
+        self.require_columns((config.messages_column,))
 
     def _parse(self, row: dict[str, Any]) -> Battle:
         column = self.config.messages_column
