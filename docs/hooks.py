@@ -1,8 +1,9 @@
 """MkDocs hooks of hpref's documentation site (`mkdocs.yml`: `hooks:`), run by `make docs`.
 
 The reference pages are read from the code when the site is built, so they cannot drift from it:
-- `<!-- hpref:commands -->` (commands.md): every command, group and option of the Typer app
-  (`hpref.cli.app`), as `hpref --help` shows them;
+- one page per command (`commands/<name>.md`: its help, every option, a group's subcommands) from
+  the Typer app (`hpref.cli.app`), as `hpref --help` shows them, and `<!-- hpref:commands -->`
+  (commands.md) their table;
 - `<!-- hpref:hooks -->` (plugins.md): every hook of `hpref.hookspecs` with its docstring;
 - the README is the home page, and `benchmarks/*.md` of the repository are pages of the site
   (`benchmarks/README.md` has every table);
@@ -27,6 +28,8 @@ def on_files(files, config):
     write-ups as pages under `benchmarks/`: one source each, nothing copied by hand."""
     readme = (REPO / "README.md").read_text(encoding="utf-8").replace("](docs/", "](")
     files.append(File.generated(config, "index.md", content=readme))
+    for name, command in _cli().commands.items():
+        files.append(File.generated(config, f"commands/{name}.md", content=command_page(name, command)))
     for path in sorted((REPO / "benchmarks").glob("*.md")):
         files.append(
             File.generated(config, f"benchmarks/{path.name}", content=path.read_text(encoding="utf-8"))
@@ -68,43 +71,82 @@ def _links_to_pages_only(markdown: str, page, files) -> str:
     return "".join(out)
 
 
-def commands_reference() -> str:
-    """Each command of the Typer app with its help and an options table, groups' commands nested."""
+#: the guide page that explains each command, linked from its reference page
+GUIDES = {
+    "train": "training.md",
+    "init": "training.md",
+    "eval": "evaluation.md",
+    "save": "evaluation.md",
+    "serve": "serving.md",
+    "rl": "rl.md",
+    "rl-warmup": "rl.md",
+    "recipes": "recipes.md",
+    "data": "getting-started.md",
+    "components": "plugins.md",
+    "plugins": "plugins.md",
+    "doctor": "getting-started.md",
+}
+
+
+def _cli():
     import typer.main
 
     from hpref.cli import app
 
-    root = typer.main.get_command(app)
-    lines: list[str] = []
+    return typer.main.get_command(app)
 
-    def visit(command, path: list[str]) -> None:
-        subcommands = getattr(command, "commands", None)
-        if path:
-            lines.append(f"### `hpref {' '.join(path)}`\n")
-            if command.help:
-                lines.append(inspect.cleandoc(command.help).split("\f")[0].strip() + "\n")
-            rows = []
-            for param in command.params:
-                if getattr(param, "hidden", False):
-                    continue
-                if param.param_type_name == "argument":
-                    name = f"`{param.name.upper()}`"
-                else:
-                    name = ", ".join(f"`{o}`" for o in [*param.opts, *param.secondary_opts])
-                default = "" if param.required or param.default in (None, False, ()) else f"`{param.default}`"
-                help_text = (getattr(param, "help", None) or "").replace("|", "\\|").replace("\n", " ")
-                rows.append(f"| {name} | {'yes' if param.required else ''} | {default} | {help_text} |")
-            if rows:
-                lines.append("| option | required | default | what it does |")
-                lines.append("| --- | --- | --- | --- |")
-                lines.extend(rows)
-                lines.append("")
-        if subcommands:
-            for name in sorted(subcommands):
-                visit(subcommands[name], [*path, name])
 
-    visit(root, [])
+def on_config(config):
+    """One page per command under Commands in the navigation (the commands the CLI has now)."""
+    pages = [{f"hpref {name}": f"commands/{name}.md"} for name in sorted(_cli().commands)]
+    for i, entry in enumerate(config["nav"]):
+        if isinstance(entry, dict) and "Commands" in entry:
+            config["nav"][i] = {"Commands": ["commands.md", *pages]}
+    return config
+
+
+def _help(command) -> str:
+    return inspect.cleandoc(command.help or "").split("\f")[0].strip()
+
+
+def _options(command) -> list[str]:
+    rows = []
+    for param in command.params:
+        if getattr(param, "hidden", False):
+            continue
+        if param.param_type_name == "argument":
+            name = f"`{param.name.upper()}`"
+        else:
+            name = ", ".join(f"`{o}`" for o in [*param.opts, *param.secondary_opts])
+        default = "" if param.required or param.default in (None, False, ()) else f"`{param.default}`"
+        help_text = (getattr(param, "help", None) or "").replace("|", "\\|").replace("\n", " ")
+        rows.append(f"| {name} | {'yes' if param.required else ''} | {default} | {help_text} |")
+    if not rows:
+        return []
+    return ["| option | required | default | what it does |", "| --- | --- | --- | --- |", *rows, ""]
+
+
+def command_page(name: str, command) -> str:
+    """A command's reference page: its help, options and, for a group, each subcommand's."""
+    lines = [f"# hpref {name}", "", _help(command), ""]
+    guide = GUIDES.get(name)
+    if guide:
+        lines += [f"How and when to use it: [{guide[:-3].replace('-', ' ')}](../{guide}).", ""]
+    lines += _options(command)
+    for sub in sorted(getattr(command, "commands", {}) or {}):
+        subcommand = command.commands[sub]
+        lines += [f"## hpref {name} {sub}", "", _help(subcommand), "", *_options(subcommand)]
     return "\n".join(lines) + "\n"
+
+
+def commands_reference() -> str:
+    """The commands as a table linking to their pages."""
+    root = _cli()
+    rows = ["| command | what it does |", "| --- | --- |"]
+    for name in sorted(root.commands):
+        first = _help(root.commands[name]).split("\n\n")[0].replace("\n", " ")
+        rows.append(f"| [`hpref {name}`](commands/{name}.md) | {first} |")
+    return "\n".join(rows) + "\n"
 
 
 def hooks_reference() -> str:

@@ -40,14 +40,16 @@ def test_the_command_reference_is_the_cli_itself(site):
 
     from hpref.cli import app
 
-    page = (site / "commands" / "index.html").read_text()
+    index = (site / "commands" / "index.html").read_text()
     root = typer.main.get_command(app)
     for name, command in root.commands.items():
-        assert f"hpref {name}" in page, name
-        for param in command.params:
-            for opt in getattr(param, "opts", []):
-                if opt.startswith("--"):
-                    assert opt in page, (name, opt)
+        assert f"hpref {name}" in index, name
+        page = (site / "commands" / name / "index.html").read_text()  # one page per command
+        for sub in [command, *getattr(command, "commands", {}).values()]:
+            for param in sub.params:
+                for opt in getattr(param, "opts", []):
+                    if opt.startswith("--"):
+                        assert opt in page, (name, opt)
 
 
 def test_the_hook_reference_has_every_hookspec_and_its_contract(site):
