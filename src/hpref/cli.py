@@ -34,6 +34,7 @@ data_app = typer.Typer(help="Inspect preference data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
 SetOption = typer.Option([], "--set", "-s", help="Override a recipe value: section.key=value (repeatable).")
+LogOption = typer.Option([], "--log", help="Also log metrics to: tensorboard, wandb (repeatable).")
 
 
 def _version_callback(value: bool) -> None:
@@ -69,27 +70,12 @@ def plugins_command(
     from hpref.plugins import plugin_listing
 
     listing = plugin_listing()
-    rows, failed = listing["plugins"], listing["failed"]
     if as_json:
         typer.echo(json.dumps(listing, indent=2))
         return
-    from rich.table import Table
+    from hpref.check.tables import print_plugins
 
-    table = Table(title="hpref plugins")
-    for column in ("plugin", "version", "distribution", "hooks", "components"):
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(
-            row["name"],
-            row["version"],
-            row["distribution"],
-            "\n".join(row["hooks"]),
-            "\n".join(row["components"]),
-        )
-    console = _console()
-    console.print(table)
-    for f in failed:
-        console.print(f"[red]failed to load[/red] plugin '{f['name']}' ({f['distribution']}): {f['error']}")
+    print_plugins(listing)
 
 
 @app.command("components")
@@ -107,28 +93,20 @@ def components_command(
     if as_json:
         typer.echo(json.dumps(listing, indent=2, default=str))
         return
-    from rich.markup import escape
-    from rich.table import Table
+    from hpref.check.tables import print_components
 
-    console = _console()
-    for k in kinds:
-        items = [c for c in listing if c["kind"] == k]
-        if not items:
-            console.print(f"[dim]no {k} components registered[/dim]")
-            continue
-        for c in items:
-            table = Table(
-                title=f"{k} [bold]{c['name']}[/bold] — {escape(c['description'])} [dim]({c['plugin']})[/dim]",
-                title_justify="left",
-            )
-            for column in ("parameter", "type", "default", "description"):
-                table.add_column(column)
-            for p in c["parameters"]:
-                default = "(required)" if p["required"] else escape(repr(p["default"]))
-                table.add_row(p["name"], escape(p["type"]), default, escape(p["description"]))
-            if not c["parameters"]:
-                table.add_row("-", "-", "-", "no parameters")
-            console.print(table)
+    print_components(kinds, listing)
+
+
+@app.command("doctor")
+def doctor_command(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """What this installation can do: versions, torch build, devices, bf16, extras, Ray, ../shared data."""
+    from hpref.check.doctor import doctor_report, print_report
+
+    report = doctor_report()
+    typer.echo(json.dumps(report, indent=2)) if as_json else print_report(report)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,6 +193,7 @@ def init_command(
 def train_command(
     recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name."),
     overrides: list[str] = SetOption,
+    log: list[str] = LogOption,
     nproc_per_node: int | None = typer.Option(
         None, "--nproc-per-node", min=1, help="Processes per node (default: GPUs, else launch.nproc)."
     ),
@@ -245,7 +224,7 @@ def train_command(
     request = TrainRequest(
         resolve_recipe_path(recipe), tuple(overrides), nproc_per_node=nproc_per_node, nnodes=nnodes,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_timeout=rdzv_timeout, resume=resume,
-        dry_run=dry_run, overwrite=overwrite,
+        dry_run=dry_run, overwrite=overwrite, log=tuple(log),
     )  # fmt: skip
     raise typer.Exit(run_train_command(request))
 
@@ -257,6 +236,7 @@ def rl_command(
         ..., "--policies", help="Policy ids to run, comma-separated; the first leads."
     ),
     overrides: list[str] = SetOption,
+    log: list[str] = LogOption,
     ray_address: str | None = typer.Option(
         None, "--ray-address", help="An existing Ray cluster (default: start a local one)."
     ),
@@ -275,7 +255,7 @@ def rl_command(
 
     request = RlRequest(
         resolve_recipe_path(recipe), policies, tuple(overrides), ray_address=ray_address, resume=resume,
-        plan=plan,
+        plan=plan, log=tuple(log),
     )  # fmt: skip
     raise typer.Exit(run_rl_command(request))
 
@@ -483,10 +463,11 @@ def _usage_line(exc: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: runs the app and turns exceptions into exit codes."""
-    from hpref.logs import cli_log_file, file_only, setup_logging
+    from hpref.logs import cli_log_file, file_only, route_library_logs, setup_logging
 
     log_file = cli_log_file()
     setup_logging(log_file, console=True, level=os.environ.get("HPREF_LOG_LEVEL", "INFO"))
+    route_library_logs()  # libraries' records to the log file: the console keeps hpref's lines
     click_exception, abort = _click_errors()
     try:
         _register_plugin_commands()

@@ -201,6 +201,22 @@ def register_trainer_backends(register) -> None:
 
 
 @hookspec
+def register_loggers(register) -> None:
+    """Register metric loggers (`[logging] loggers = ["<name>"]`, `--log <name>` on `hpref train` and
+    `hpref rl`; a logger's parameters in `[logging.<name>]`).
+
+    `build(config, run)` runs on rank 0 / the leader only (`run`: `hpref.builtin.loggers.RunInfo`:
+    `run_dir`, `resume_step` (None for a fresh run; a resumed run must not show the steps after it
+    twice), `config` (the resolved recipe and hpref version), `name`) and returns an object with
+    `log(values, step, axis)` (`values`: stable name -> float, e.g. `train/loss`, `<policy>/reward_mean`;
+    `axis`: the group's step name, `train/step` or `<policy>/rollout`) and `close()`. A config class
+    may define `check(run_dir)`, called before the run starts, raising `hpref.errors.UserError` for
+    what would fail later (a package not installed, a folder not writable). Built-ins: `jsonl`,
+    `tensorboard`, `wandb` (`hpref.builtin.loggers`).
+    """
+
+
+@hookspec
 def register_commands(app) -> None:
     """Add subcommands to the `hpref` Typer app (`@app.command()` or `app.add_typer(...)`).
 

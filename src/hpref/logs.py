@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from loguru import logger
@@ -50,7 +52,7 @@ def setup_logging(
     return logger
 
 
-def add_log_file(log_file: Path, level: str = "DEBUG") -> int:
+def add_log_file(log_file: Path, level: str = "DEBUG", *, delay: bool = False) -> int:
     """A full log file sink; returns its handler id.
 
     `errors="backslashreplace"`: a message can carry text that is not valid Unicode (a lone
@@ -68,6 +70,7 @@ def add_log_file(log_file: Path, level: str = "DEBUG") -> int:
         enqueue=False,
         encoding="utf-8",
         errors="backslashreplace",
+        delay=delay,  # True: no file until the first record (an actor with nothing to say)
     )
 
 
@@ -77,28 +80,74 @@ def file_only():
 
 
 class _LoguruHandler(logging.Handler):
-    """A stdlib logging handler that hands records to loguru at DEBUG: they land in hpref's log
-    files (DEBUG) and never on the console (INFO)."""
+    """A stdlib logging handler (loguru's documented InterceptHandler) that hands a library's
+    records to loguru at their own level, bound `file_only`: they land in hpref's log files, with
+    the logger's name, and never on the console, which keeps hpref's own lines."""
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             message = record.getMessage()
         except Exception:  # a library's malformed format args must not break a run
             message = str(record.msg)
-        logger.opt(depth=1).debug(f"[{record.name}] {message}")
+        try:
+            level: str | int = logger.level(record.levelname).name
+        except ValueError:  # a library's own level name (vLLM, Ray define none today)
+            level = record.levelno
+        # the library's own frame, not logging's, names the record's module and line in the file
+        frame, depth = logging.currentframe(), 0
+        while frame is not None and (depth == 0 or frame.f_code.co_filename == logging.__file__):
+            frame, depth = frame.f_back, depth + 1
+        file_only().opt(depth=depth, exception=record.exc_info).log(level, f"[{record.name}] {message}")
 
+
+#: libraries that give their stdlib logger a console handler of their own when imported (Ray, vLLM,
+#: torch's `torch._logging`) or print through Python's last-resort handler; transformers has its
+#: own switch (`route_transformers_logs`)
+LIBRARY_LOGGERS = (
+    "ray",
+    "vllm",
+    "torch",
+    "bitsandbytes",
+    "triton",
+    "peft",
+    "accelerate",
+    "urllib3",
+    "filelock",
+)
 
 _ROUTED = False
 
 
 def route_stdlib_logs(name: str) -> None:
-    """Send a library's stdlib logger `name` (and its children) to hpref's log files at DEBUG
-    instead of Python's last-resort stderr handler; idempotent. For bitsandbytes, whose CPU backend
-    warns on import about an optional kernel package an hpref user has no use for."""
+    """Send a library's stdlib logger `name` (and its children) to hpref's log files instead of the
+    console; idempotent. Call it after the library is imported: its console handlers (any that is
+    not a file's) are removed, as a library adds them on import. For bitsandbytes, whose CPU backend
+    warns on import about an optional kernel package an hpref user has no use for; Ray's "Started a
+    local Ray instance" and token notes; vLLM's per-weight dtype notes."""
     library = logging.getLogger(name)
+    for handler in list(library.handlers):
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            library.removeHandler(handler)
     if not any(isinstance(h, _LoguruHandler) for h in library.handlers):
         library.addHandler(_LoguruHandler())
     library.propagate = False
+
+
+def route_library_logs() -> None:
+    """Every third-party record to the log file, none to the console; idempotent. The root logger
+    gets the handler (a library that logs without a handler of its own reaches it), `warnings.warn`
+    from libraries becomes a `py.warnings` record there, and the libraries already imported that
+    print on their own are routed (`route_stdlib_logs`; where hpref imports one later, it calls this
+    again). hpref's own warnings a user can act on are loguru lines, so they stay."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _LoguruHandler) for h in root.handlers):
+        root.addHandler(_LoguruHandler())
+    logging.captureWarnings(True)
+    for name in LIBRARY_LOGGERS:
+        if name in sys.modules:
+            route_stdlib_logs(name)
+    if "transformers" in sys.modules:
+        route_transformers_logs()
 
 
 def route_transformers_logs() -> None:
@@ -118,3 +167,59 @@ def route_transformers_logs() -> None:
     hf_logging.add_handler(_LoguruHandler())
     route_stdlib_logs("bitsandbytes")  # transformers and peft import it when it is installed
     _ROUTED = True
+
+
+#: the run's log folder, set by `hpref rl` for its Ray actors (`quiet_actor_logs`)
+ACTOR_LOG_DIR_ENV = "HPREF_ACTOR_LOG_DIR"
+_ACTOR_QUIET = False
+
+
+def quiet_actor_logs() -> None:
+    """In a Ray actor's process (a no-op anywhere else): hpref's own lines stay on its stderr, which
+    Ray forwards to the driver's console, and the libraries' records (vLLM, transformers, torch)
+    go to `<run>/logs/actor-<pid>.log` beside hpref's DEBUG lines (`ACTOR_LOG_DIR_ENV`; without it,
+    nowhere). Idempotent."""
+    global _ACTOR_QUIET
+    if _ACTOR_QUIET or "ray" not in sys.modules:
+        return
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return  # the driver, or a test that builds an engine in-process: its handlers stay
+    logger.remove()  # loguru's default stderr sink would print file-only records too
+    logger.configure(extra={"rank": 0})
+    logger.add(  # the driver's console format and level: Ray prefixes the actor's name and pid
+        lambda message: sys.stderr.write(message),
+        level="INFO",
+        format=CONSOLE_FORMAT,
+        colorize=False,
+        filter=lambda record: not record["extra"].get("file_only"),
+    )
+    folder = os.environ.get(ACTOR_LOG_DIR_ENV)
+    if folder:
+        add_log_file(Path(folder) / f"actor-{os.getpid()}.log", delay=True)
+    route_library_logs()
+    _ACTOR_QUIET = True
+
+
+@contextmanager
+def stderr_to_log(what: str) -> Iterator[None]:
+    """File descriptor 2 into the log file (DEBUG) for the block: for C++ code that writes to the
+    process's stderr itself, out of reach of Python logging (Ray's client retries, torch's TORCH_WARN
+    under vLLM's CPU engine start-up). Python's own stderr in the block is caught too."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode("utf-8", "replace").strip()
+            if text:
+                logger.debug(f"{what} said:\n{text}")

@@ -49,6 +49,7 @@ KINDS: dict[str, str] = {
     "engine": "register_engines",
     "algorithm": "register_algorithms",
     "trainer_backend": "register_trainer_backends",
+    "logger": "register_loggers",
 }
 
 BUILTIN_PLUGINS = (
@@ -64,6 +65,7 @@ BUILTIN_PLUGINS = (
     "hpref.rl.vllm_engine",
     "hpref.rl.algorithm_registry",
     "hpref.rl.backends",
+    "hpref.builtin.loggers",
 )
 
 

@@ -20,6 +20,7 @@ from hpref.rl.record import ResumeError, read_record  # noqa: E402
 from hpref.runfolder.integrity import write_manifest  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
+from tests.train.logger_files import assert_curves_match, tensorboard_scalars  # noqa: E402
 
 torch = pytest.importorskip("torch")
 
@@ -40,9 +41,9 @@ def recipe(run_dir, b_ranks=1, **rl_over):
     }
     rl["rollout"]["eval_prompts"] = 4
     rl.update(rl_over)
-    return recipe_from_dict(
-        {"run": {"name": run_dir.name, "output_dir": str(run_dir.parent)}, "rl": rl}, resolve=False
-    )
+    run = {"name": run_dir.name, "output_dir": str(run_dir.parent)}
+    logging = {"loggers": ["tensorboard"]}  # read back at the end of the stop-and-resume test
+    return recipe_from_dict({"run": run, "rl": rl, "logging": logging}, resolve=False)
 
 
 class _Evil:
@@ -126,6 +127,21 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path):
     assert sum(summary["leaderboard"].values()) / 4 == pytest.approx(1000.0)
     assert summary["leaderboard_by"] == "ground truth"  # the arena's prompts have one
     assert (run_dir / "metrics" / "rewards.png").stat().st_size > 1000
+    # TensorBoard shows every row of both policies' metrics.jsonl at its rollout, each once across the
+    # stop and the resume (its purge starts at the earliest policy's resumed rollout; the kept rows of
+    # a policy that resumed later are logged again), and the leaderboard at the leader's last rollout;
+    # if this fails, the leader's loggers lose or repeat rollouts
+    curves = tensorboard_scalars(run_dir / "tensorboard")
+    expected = {}
+    for policy in ("a", "b"):
+        for row in read_metrics(run_dir, policy):
+            for key, value in row.items():
+                if key not in ("rollout", "eval") and isinstance(value, int | float):
+                    short = key.removeprefix("eval_") if row.get("eval") else key
+                    name = f"{policy}/eval/{short}" if row.get("eval") else f"{policy}/{short}"
+                    expected.setdefault(name, {})[row["rollout"]] = float(value)
+    expected.update({f"leaderboard/{p}": {3: r} for p, r in summary["leaderboard"].items()})
+    assert_curves_match(expected, curves)
 
     # both policies started from their own cached warm-up checkpoint, and the resume reused it
     warm = summary["warmup_checkpoints"]

@@ -61,6 +61,9 @@ checkpoint_interval = 3
 keep_checkpoints = 2
 """
 
+#: the metric loggers the 2-rank runs also write to (`--log`), read back by test_metric_loggers.py
+LOGGERS = ("tensorboard", "wandb")
+
 #: 73 train battles (the eval fold holds 23) / 8 per step = 10 steps per epoch, 20 in all.
 TOTAL_STEPS = 20
 
@@ -98,6 +101,6 @@ def two_rank_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("two-rank")
     recipe = write_recipe(folder, "ref")
     os.environ.setdefault("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
-    code = run_train(recipe, nproc_per_node=2)
+    code = run_train(recipe, nproc_per_node=2, log=LOGGERS)  # rank 0 alone writes (test_metric_loggers)
     assert code == 0, "the 2-rank reference run failed; see its logs under " + str(folder)
     return folder / "runs" / "ref"

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from tests.train.conftest import TOTAL_STEPS, train_losses, write_recipe
+from tests.train.conftest import LOGGERS, TOTAL_STEPS, train_losses, write_recipe
+from tests.train.test_metric_loggers import assert_loggers_show_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +51,17 @@ def test_run_killed_mid_epoch_resumes_to_the_same_losses(tmp_path, two_rank_run,
     recipe = write_recipe(tmp_path, "ref")  # same name as the reference: same seeds, same data
     run_dir = tmp_path / "runs" / "ref"
     monkeypatch.setenv("HPREF_DEBUG_CRASH_AFTER_STEP", "7")
-    assert run_train(recipe, nproc_per_node=2) != 0
+    assert run_train(recipe, nproc_per_node=2, log=LOGGERS) != 0
     monkeypatch.delenv("HPREF_DEBUG_CRASH_AFTER_STEP")
     assert (run_dir / "checkpoints" / "step-000006").is_dir()
     partial = run_dir / "checkpoints" / ".tmp-step-000009"  # a save that died half-way
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"garbage")
 
-    assert run_train(recipe, nproc_per_node=2, resume="auto") == 0
+    assert run_train(recipe, nproc_per_node=2, resume="auto", log=LOGGERS) == 0
     resumed, reference = train_losses(run_dir), train_losses(two_rank_run)
+    # TensorBoard and W&B continue the same curves: each step once, metrics.jsonl's resumed values
+    assert_loggers_show_metrics(run_dir, redone=range(7, 8))  # step 7: after the save at 6
     for step in range(7, TOTAL_STEPS + 1):
         assert resumed[step] == pytest.approx(reference[step], abs=1e-6), f"step {step}"
     log = (run_dir / "logs" / "rank0.log").read_text()  # the workers log to files, not to pytest

@@ -60,12 +60,13 @@ def build_policy_model(model: PolicyModelConfig) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+    from hpref.logs import route_transformers_logs
+
+    # a load report, or the "Writing model shards" bar of a warm-up's save, goes to the log file
+    route_transformers_logs()
     tokenizer = policy_tokenizer(model)
     folder = policy_folder(model)
     if folder is not None:
-        from hpref.logs import route_transformers_logs
-
-        route_transformers_logs()  # the load report goes to the actor's log, not the console
         lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         return lm, tokenizer
     config = tiny_policy_config(

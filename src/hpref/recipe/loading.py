@@ -21,6 +21,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from hpref.errors import RecipeError
 from hpref.recipe.dpo import DpoSettings
+from hpref.recipe.logging_section import LoggingSection
 from hpref.recipe.rl import PolicyModelConfig, RLConfig, parse_rl_section
 from hpref.recipe.schema import ComponentSection, LoraSection, Section, describe_error, resolve_component
 
@@ -171,6 +172,7 @@ class Recipe(Section):
     lora: LoraSection | None = Field(None, description="LoRA adapters (absent: full fine-tuning)")
     rl: RLConfig | None = Field(None, description="multi-policy RL settings (hpref rl; hpref.recipe.rl)")
     dpo: DpoSection | None = Field(None, description="offline DPO of a causal-LM policy (hpref train)")
+    logging: LoggingSection | None = Field(None, description="metric loggers (hpref.builtin.loggers)")
 
     _source: Path | None = PrivateAttr(default=None)
 
@@ -300,6 +302,8 @@ def resolve_components(recipe: Recipe, where: str = "recipe") -> None:
     """Validate each component section's parameters against its registered config class."""
     for dotted, kind, sec in recipe.component_sections():
         sec._config = resolve_component(kind, sec.name, sec.params(), dotted, where)
+    if recipe.logging is not None:
+        recipe.logging.resolve(where)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ does the run folder get its resolved recipe and log (`hpref.runfolder.start`), a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ class RlRequest:
     ray_address: str | None = None
     resume: str | None = None
     plan: bool = False  # print where every actor would go and its memory; start nothing (rl.plan)
+    log: tuple[str, ...] = ()  # `--log`: metric loggers beside the recipe's `[logging] loggers`
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ def rl_command(request: RlRequest) -> int:
     """`hpref rl`: check, start the run folder, run (`hpref.rl.run_rl`); returns the exit code.
     With `plan`, print the plan instead (`hpref.rl.plan.run_plan`: 0 when it fits, 2 when not)."""
     import hpref.rl
+    from hpref.logs import ACTOR_LOG_DIR_ENV
     from hpref.rl.launch import preflight, resume_source
     from hpref.runfolder.start import start_run_folder
 
@@ -61,6 +64,11 @@ def rl_command(request: RlRequest) -> int:
     loaded = _rl_recipe(recipe_path, list(request.overrides))
     ids = policy_ids(request.policies)
     loaded.rl.select(ids)  # an unknown policy id is a user error before the run folder is touched
+    from hpref.builtin.loggers import check_loggers
+    from hpref.recipe.logging_section import add_loggers
+
+    add_loggers(loaded, request.log)  # `--log`: beside the recipe's [logging] loggers
+    check_loggers(loaded, loaded.run.run_dir)  # wandb missing, a TensorBoard folder not writable
     if request.plan:  # the plan reads the recipe and the first prompts only: no run folder, no actor
         from hpref.rl.plan import run_plan
 
@@ -68,7 +76,8 @@ def rl_command(request: RlRequest) -> int:
     # A fresh start on a folder that holds another run's record is refused before anything is written.
     resume_source(loaded.run.run_dir, resume)
     prompts = preflight(loaded, ids)  # models, rewards, the prompt file: before the run folder too
-    start_run_folder(loaded, "rl")
+    log = start_run_folder(loaded, "rl")
+    os.environ[ACTOR_LOG_DIR_ENV] = str(log.parent)  # each actor's libraries' records go beside it
     return hpref.rl.run_rl(loaded, ids, request.ray_address, resume, prompts=prompts)
 
 

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from hpref.builtin.loggers import build_loggers
 from hpref.builtin.rewards import check_reward_exports
 from hpref.errors import RecipeError, UserError
+from hpref.logs import ACTOR_LOG_DIR_ENV
 from hpref.recipe.rl import RLConfig, resolve_engine
 from hpref.recipe.rl_rewards import reward_parts, rl_rewards
 from hpref.rl.algorithm_registry import check_algorithms
@@ -41,7 +43,9 @@ if TYPE_CHECKING:
     from hpref.rl.protocols import PromptSource
 
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
-FORWARDED_ENV = ("HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME")
+FORWARDED_ENV = (
+    "HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME", ACTOR_LOG_DIR_ENV
+)  # fmt: skip
 
 
 class Teardown:
@@ -346,12 +350,12 @@ def run_rl(
 
         teardown.add("ray", ray.shutdown)
     actors: dict[str, str] = {}
+    metrics = MetricsWriter(run_dir)
     try:
         where = str(getattr(recipe, "_source", None) or "recipe")
         handles = create_ray_actors(config, order, teardown, prompts, where)
         actors = actor_names(handles)
         teardown_executor = handles.executor
-        metrics = MetricsWriter(run_dir)
 
         async def main() -> DriveResult:
             try:
@@ -365,6 +369,12 @@ def run_rl(
                 starts, _record = await restore(handles, order, source, sync_bucket_bytes(config))
                 for p in order:
                     metrics.truncate(p, starts[p])
+                # TensorBoard, W&B, ...: the leader writes, each curve continued from its policy's start
+                first = min(starts.values()) if source is not None and starts else None
+                metrics.loggers = build_loggers(recipe, run_dir, None if first is None else first - 1)
+                for p in order:
+                    if first is not None:
+                        metrics.replay(p, first)
                 return await drive(config, order, handles, run_dir, starts, metrics)
             finally:
                 try:  # stop prefetching; a dead executor must not mask the run's own error
@@ -375,6 +385,7 @@ def run_rl(
         result = asyncio.run(main())
     except KeyboardInterrupt:
         logger.warning("interrupted: tearing every component down")
+        metrics.close()
         return 130
     except UserError:
         raise
@@ -394,10 +405,13 @@ def run_rl(
         logger.opt(exception=exc).debug("the run stopped")
         what = f"{exc}" if lost is None else f"{lost} died ({type(actor_death(exc)).__name__})"
         logger.error(f"{what}; the run stopped; {where}")
+        metrics.close()  # the loggers' files complete up to the last row
         return 1
     finally:
         teardown.close()
     leaderboard = result.leaderboard(order)
+    metrics.log_leaderboard(leaderboard, result.positions.get(order[0], 0))  # at the leader's end
+    metrics.close()
     leaderboard_by = result.evals[-1].get("leaderboard_by") if result.evals else None
     if not leaderboard:
         if result.evals:

@@ -22,9 +22,11 @@ if TYPE_CHECKING:
 class MetricsWriter:
     """`<run_dir>/metrics/<policy>.jsonl`, one JSON object per line, appended (resumes continue it)."""
 
-    def __init__(self, run_dir: Path | None) -> None:
+    def __init__(self, run_dir: Path | None, loggers: Any = None) -> None:
         self.folder = None if run_dir is None else run_dir / RL_METRICS
         self.rows: dict[str, list[dict[str, Any]]] = {}
+        #: the run's metric loggers (`hpref.builtin.loggers.MetricLoggers`; the leader's process only)
+        self.loggers = loggers
 
     def truncate(self, policy: str, start: int) -> int:
         """Drop rows of rollouts at or after `start` (written after the save a resume starts from,
@@ -42,6 +44,29 @@ class MetricsWriter:
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             append_json_line(self.folder / f"{policy}.jsonl", row, sort_keys=True)  # a log: appended
+        if self.loggers:
+            self.loggers.rl_row(policy, row)
+
+    def replay(self, policy: str, start: int) -> None:
+        """After a resume's `truncate`: hand the loggers the kept rows from `start` on. TensorBoard
+        hides every step from the run's first resumed rollout (`purge_step`: the smallest policy
+        start), so a policy that resumes further on gets its kept rows past that point again."""
+        if not self.loggers or self.folder is None or not (self.folder / f"{policy}.jsonl").is_file():
+            return
+        for row in read_json_lines(self.folder / f"{policy}.jsonl"):
+            if row["rollout"] >= start:
+                self.loggers.rl_row(policy, row)
+
+    def log_leaderboard(self, leaderboard: dict[str, float], step: int) -> None:
+        """The end-of-run leaderboard (Bradley-Terry ratings) as `leaderboard/<player>` at `step`."""
+        if not self.loggers:
+            return
+        values = {f"leaderboard/{player}": float(rating) for player, rating in leaderboard.items()}
+        self.loggers.emit(values, step, "leaderboard/rollout")
+
+    def close(self) -> None:
+        if self.loggers:
+            self.loggers.close()
 
     def write_answers(self, name: str, answers: dict[str, list[dict[str, Any]]]) -> Path | None:
         """An eval's greedy answers, one JSON row per (player, prompt) with its scores, to

@@ -54,9 +54,11 @@ def apply_env(env: dict[str, str] | None) -> None:
     Passed as an argument rather than a Ray `runtime_env`: a runtime env forces fresh worker
     processes, while plain arguments let Ray reuse its pre-started workers (seconds per actor).
     """
+    from hpref.logs import quiet_actor_logs
     from hpref.memory import cap_onednn_cache
 
     os.environ.update(env or {})
+    quiet_actor_logs()  # libraries' records to the run's actor log, not the driver's console
     cap_onednn_cache()
 
 

@@ -48,6 +48,7 @@ This module is loaded by `hpref --help` (a built-in plugin): vllm and torch are 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -274,6 +275,9 @@ class VLLMEngine(VersionedWeights):
         import torch
         from vllm import LLM
 
+        from hpref.logs import route_library_logs, stderr_to_log
+
+        route_library_logs()  # vLLM's handler, added on import, gives way to the actor's log file
         torch.set_num_threads(config.threads)
         self.policy = policy
         from hpref.models.causal_lm import build_policy_model  # torch: not at import (`hpref --help`)
@@ -294,30 +298,34 @@ class VLLMEngine(VersionedWeights):
             if adapters
             else {}
         )
-        self.llm = LLM(
-            model=self._folder.name,
-            skip_tokenizer_init=False,  # its detokenizer finds stop strings (module doc)
-            load_format="dummy",
-            dtype=config.dtype,
-            seed=0,
-            tensor_parallel_size=config.tensor_parallel_size,
-            distributed_executor_backend="uni" if self.in_process else "mp",
-            enforce_eager=config.enforce_eager,
-            enable_prefix_caching=config.enable_prefix_caching,
-            # whole prompts only: a prompt prefilled in parts has its first sampled token discarded,
-            # and vLLM then rewinds the request's seeded generator, which a CPU generator cannot do
-            # ("CPU Generator does not use offset": two policies' prompts of a shared base overflowed
-            # one step's token budget). Unchunked, a step's budget must hold the longest sequence.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(context, 4096),
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_model_len=config.max_model_len,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # sampling defaults are hpref's, never the folder's
-            worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
-            enable_sleep_mode=config.enable_sleep_mode,
-            **lora,
-        )
+        # its CPU worker's TORCH_WARN (NUMA memory binding) goes to fd 2 from C++: to the actor log.
+        # In-process only: worker processes would keep the redirected fd 2 for their whole life.
+        quiet = stderr_to_log("vLLM start-up") if self.in_process else contextlib.nullcontext()
+        with quiet:
+            self.llm = LLM(
+                model=self._folder.name,
+                skip_tokenizer_init=False,  # its detokenizer finds stop strings (module doc)
+                load_format="dummy",
+                dtype=config.dtype,
+                seed=0,
+                tensor_parallel_size=config.tensor_parallel_size,
+                distributed_executor_backend="uni" if self.in_process else "mp",
+                enforce_eager=config.enforce_eager,
+                enable_prefix_caching=config.enable_prefix_caching,
+                # whole prompts only: a prompt prefilled in parts has its first sampled token discarded,
+                # and vLLM then rewinds the request's seeded generator, which a CPU generator cannot do
+                # ("CPU Generator does not use offset": two policies' prompts of a shared base overflowed
+                # one step's token budget). Unchunked, a step's budget must hold the longest sequence.
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(context, 4096),
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                max_model_len=config.max_model_len,
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # sampling defaults are hpref's, never the folder's
+                worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
+                enable_sleep_mode=config.enable_sleep_mode,
+                **lora,
+            )
         self.sleep_mode = config.enable_sleep_mode
         state = start_model.state_dict()  # the base's own names, before any adapter is injected
         self.shapes = {name: tuple(t.shape) for name, t in state.items()}

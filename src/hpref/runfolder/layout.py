@@ -57,12 +57,29 @@ POLICY_MODEL = "model"
 RL_EXECUTOR = "executor"
 EXECUTOR_STATE = "executor.json"
 
+# The metric loggers' files (`hpref.builtin.loggers`): TensorBoard's default event folder, the offline
+# W&B runs (wandb names its folder `wandb/`) and the W&B run id a resume continues.
+TENSORBOARD = "tensorboard"
+WANDB = "wandb"
+WANDB_RUN_ID = "wandb_run_id.txt"
+
 #: Entries a started training or RL run leaves: any of them means the folder holds a run.
 #: (Not `predictions.csv`: `hpref eval` writes that name too, in folders that hold no run.)
 RUN_MARKERS = (CHECKPOINTS, METRICS, SUMMARY, HEARTBEAT, RL_JSON, RL_SUMMARY)
 #: Every top-level entry hpref's train and rl write in a run folder (what `--overwrite` may delete).
 #: `init/` is not here: `hpref init` writes it for the run that is about to start from it.
-OWNED = (*RUN_MARKERS, PREDICTIONS, PREDICTIONS_DIR, RECIPE, LOGS, SAVE_NOW, RL_METRICS)
+OWNED = (
+    *RUN_MARKERS,
+    PREDICTIONS,
+    PREDICTIONS_DIR,
+    RECIPE,
+    LOGS,
+    SAVE_NOW,
+    RL_METRICS,
+    TENSORBOARD,
+    WANDB,
+    WANDB_RUN_ID,
+)
 
 # Temporary names of the owned files, left by a write that was killed: `.NAME.<pid>.part` (atomic
 # writes), `NAME.part` (prediction files) and `NAME.tmp` (metrics.jsonl's rewrite on resume).

@@ -13,8 +13,6 @@ import socket
 from contextlib import contextmanager
 from typing import Any
 
-from loguru import logger
-
 from hpref.errors import UserError
 from hpref.runtime.torchrun import LOOPBACK_HOSTS
 
@@ -47,33 +45,6 @@ def _loopback_ray():
             os.environ[RAY_LOOPBACK_ENV] = old_env
 
 
-@contextmanager
-def _stderr_to_log():
-    """File descriptor 2 into the debug log for the block.
-
-    Ray's C++ client retries a refused token or a missing head once a second for ~20 s and warns on
-    the process's stderr each time, before Python logging is set up (RAY_BACKEND_LOG_LEVEL does not
-    reach it): twenty lines ahead of the one that says what is wrong.
-    """
-    import sys
-    import tempfile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            text = sink.read().decode("utf-8", "replace").strip()
-            if text:
-                logger.debug(f"ray.init said:\n{text}")
-
-
 def connect_ray(address: str | None) -> bool:
     """Start a local Ray cluster listening on loopback only, or join the one at `address`.
 
@@ -86,6 +57,9 @@ def connect_ray(address: str | None) -> bool:
     """
     import ray
 
+    from hpref.logs import route_library_logs, stderr_to_log
+
+    route_library_logs()  # "Started a local Ray instance", token notes: the log file, not the console
     if ray.is_initialized():
         return False
     if not address:
@@ -110,7 +84,10 @@ def connect_ray(address: str | None) -> bool:
             "with `ray start --head` (see README) or leave --ray-address out for a local one"
         ) from None
     try:
-        with _stderr_to_log():
+        # Ray's C++ client retries a refused token or a missing head once a second for ~20 s and
+        # warns on fd 2 each time (RAY_BACKEND_LOG_LEVEL does not reach it): twenty lines ahead of
+        # the one that says what is wrong
+        with stderr_to_log("ray.init"):
             maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
             if host in LOOPBACK_HOSTS:
                 with _loopback_ray():

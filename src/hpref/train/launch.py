@@ -131,12 +131,16 @@ def launch_train(request: TrainRequest, recipe: Recipe | None = None) -> int:
     `recipe.toml`: the in-process worker is handed the same `Recipe`, and torchrun's workers read that
     file (`RESOLVED_RECIPE_ENV`) rather than the recipe and its overrides again.
     """
+    from hpref.builtin.loggers import check_loggers
+    from hpref.recipe.logging_section import add_loggers
     from hpref.train.checks import check_train
 
     recipe_path, overrides, resume = request.recipe_path, list(request.overrides), request.resume
     if recipe is None:
         recipe = load_recipe(recipe_path, overrides)
+    add_loggers(recipe, request.log)  # `--log`: beside the recipe's [logging] loggers
     check_train(recipe, recipe_path)  # the same checks as `hpref recipes check`, before any process
+    check_loggers(recipe, recipe.run.run_dir)  # wandb missing, a TensorBoard folder not writable
     plan = plan_launch(
         recipe_path,
         overrides,

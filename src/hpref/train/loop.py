@@ -209,12 +209,15 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     interval `hpref.train.progress`'s."""
     run = start_run(setup, resume_from)
     try:
-        while setup.sampler.epoch < setup.recipe.train.epochs and run.stats.step < setup.total_steps:
-            if train_epoch(setup, run):
-                break
+        try:
+            while setup.sampler.epoch < setup.recipe.train.epochs and run.stats.step < setup.total_steps:
+                if train_epoch(setup, run):
+                    break
+        finally:
+            end_run(setup, run)
+        return save_summary(setup, run)
     finally:
-        end_run(setup, run)
-    return save_summary(setup, run)
+        run.metrics.close()  # the loggers' files complete, also after a failure
 
 
 def start_run(setup: TrainSetup, resume_from: Path | None) -> RunState:
@@ -229,6 +232,11 @@ def start_run(setup: TrainSetup, resume_from: Path | None) -> RunState:
     elif setup.objective is None and init_weights_folder(setup.run_dir) is None:
         init_head_to_prior(setup.model, setup.train_data)  # `hpref init` weights are used as they are
     metrics.start(stats.step if resume_from is not None else None)
+    if rank == 0:  # TensorBoard, W&B, ...: only rank 0 writes, from the resumed step on
+        from hpref.builtin.loggers import build_loggers
+
+        resumed = stats.step if resume_from is not None else None
+        metrics.loggers = build_loggers(setup.recipe, setup.run_dir, resumed, one_step=True)
     run = RunState(
         metrics,
         stats,
@@ -383,6 +391,7 @@ def save_summary(setup: TrainSetup, run: RunState) -> dict[str, Any]:
     if setup.rank == 0:
         rows = summary_rows(setup, summary)  # adds the baselines to the summary
         write_text_atomic(setup.run_dir / layout.SUMMARY, json.dumps(summary, indent=2) + "\n")
+        run.metrics.log_summary(summary)
         from rich.console import Console
 
         Console().print(summary_table(rows, title=f"hpref train: {setup.run_dir}"))

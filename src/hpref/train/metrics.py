@@ -127,10 +127,13 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsFile:
-    """Appends one JSON object per line to `metrics.jsonl` (rank 0 only; other ranks pass None)."""
+    """Appends one JSON object per line to `metrics.jsonl` (rank 0 only; other ranks pass None), and
+    hands each record to the run's metric loggers (`loggers`: `hpref.builtin.loggers.MetricLoggers`,
+    set on rank 0 by `start_run`)."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
+        self.loggers: Any = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -148,6 +151,23 @@ class MetricsFile:
     def write(self, record: dict[str, Any]) -> None:
         if self.path is not None:
             append_json_line(self.path, record)  # a log: appended (`hpref.runfolder.files`)
+        if self.loggers:
+            self.loggers.train_record(record)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """The end-of-run baselines (what the summary table prints beside the eval log loss), as
+        `eval/baseline_<name>` at the last eval's step (`fit` closes the loggers after it)."""
+        if not self.loggers:
+            return
+        baselines = summary.get("baselines") or {}
+        values = {f"eval/baseline_{k}": float(v) for k, v in baselines.items() if isinstance(v, int | float)}
+        if isinstance(summary.get("gap_closed"), int | float):
+            values["eval/gap_closed"] = float(summary["gap_closed"])
+        self.loggers.emit(values, int(summary.get("eval_step") or summary.get("steps") or 0), "eval/step")
+
+    def close(self) -> None:
+        if self.loggers:
+            self.loggers.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

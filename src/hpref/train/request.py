@@ -25,6 +25,7 @@ class TrainRequest:
     resume: str | None = None
     dry_run: bool = False
     overwrite: bool = False
+    log: tuple[str, ...] = ()  # `--log`: metric loggers beside the recipe's `[logging] loggers`
 
 
 @dataclass(frozen=True)

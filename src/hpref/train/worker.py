@@ -36,12 +36,13 @@ def _console_sink(message) -> None:
 def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Path, list[int]]:
     """A full DEBUG log per rank in the run folder; with `console`, INFO on stderr from rank 0.
     Returns the log file and the handler ids, which the worker removes when it ends."""
-    from hpref.logs import CONSOLE_FORMAT, add_log_file
+    from hpref.logs import CONSOLE_FORMAT, add_log_file, route_library_logs
 
     log_file = run_log_file(run_dir, f"rank{rank}")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     logger.configure(extra={"rank": rank})
     handlers = [add_log_file(log_file)]
+    route_library_logs()  # torch's, transformers' and bitsandbytes' records to the rank's log file
     if console and rank == 0:
         # under hpref's launcher a failure reaches the console once, as the launcher's line naming
         # the rank and its log; rank 0 printing it too would say it twice
@@ -52,7 +53,10 @@ def setup_worker_logging(run_dir: Path, rank: int, *, console: bool) -> tuple[Pa
                 level="INFO",
                 format=CONSOLE_FORMAT,
                 colorize=sys.stderr.isatty(),
-                filter=lambda record: not (launched and record["level"].no >= logger.level("ERROR").no),
+                filter=lambda record: (
+                    not record["extra"].get("file_only")
+                    and not (launched and record["level"].no >= logger.level("ERROR").no)
+                ),
             )
         )
     return log_file, handlers
