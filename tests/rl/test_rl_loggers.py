@@ -73,14 +73,16 @@ def test_rl_rows_and_leaderboard_reach_tensorboard_and_wandb(tmp_path):
     assert "hpref_version" in config and "logging" in config["recipe"]
 
 
-def test_a_resumed_rl_run_continues_the_tensorboard_curves_once(tmp_path):
+def test_a_resumed_rl_run_continues_the_curves_once(tmp_path):
     """a resumes at rollout 2, b at 1 (the record's starts). If this fails, TensorBoard shows a
     rollout twice, keeps the interrupted run's values for a rollout the resumed run redid, or loses
-    b's kept rows between the two starts (hidden by the purge and not logged again)."""
+    b's kept rows between the two starts (hidden by the purge and not logged again); or W&B shows a
+    redone rollout twice, misses the resumed run's new rollouts, or restarts its own `_step` (a sync
+    would then drop the resumed rows)."""
     from hpref.builtin.loggers import build_loggers
     from hpref.rl.metrics import MetricsWriter
 
-    recipe = _recipe(["tensorboard"])
+    recipe = _recipe(["tensorboard", "wandb"])
     first = MetricsWriter(tmp_path, build_loggers(recipe, tmp_path, None))
     for policy in ("a", "b"):
         for row in _rows(policy, range(4)):
@@ -102,7 +104,17 @@ def test_a_resumed_rl_run_continues_the_tensorboard_curves_once(tmp_path):
 
     kept = {p: read_json_lines(tmp_path / "metrics" / f"{p}.jsonl") for p in starts}
     assert [r["rollout"] for r in kept["a"] if not r.get("eval")] == [0, 1, 2, 3, 4]
-    assert_curves_match(_expected(kept), tensorboard_scalars(tmp_path / "tensorboard"))
+    expected = _expected(kept)
+    assert_curves_match(expected, tensorboard_scalars(tmp_path / "tensorboard"))
+    history, _config = wandb_run(tmp_path)
+    assert len(history) == 2 and min(row["_step"] for row in history[1]) > max(r["_step"] for r in history[0])
+    shown = {**wandb_curves(history, "a/rollout"), **wandb_curves(history, "b/rollout")}
+    # W&B keeps the interrupted run's values for rollouts 2-3 (a) and 1-3 (b); rollout 4 is the resumed run's
+    assert {name: sorted(points) for name, points in shown.items()} == {
+        name: sorted(points) for name, points in expected.items()
+    }
+    assert shown["a/reward_mean"][4] == pytest.approx(expected["a/reward_mean"][4])
+    assert shown["a/reward_mean"][3] == pytest.approx(1 + 0.3)  # the first run's, not the redone 101.3
 
 
 def test_logging_refusals_name_the_key(tmp_path, monkeypatch):

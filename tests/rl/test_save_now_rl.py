@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,13 +25,11 @@ pytest.importorskip("torch")
 
 from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX  # noqa: E402
 from hpref.runfolder.record import read_record  # noqa: E402
+from tests.rl.console import HPREF, cli_env, foreign_lines  # noqa: E402
 from tests.rl.tiny import write_rl_recipe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-HPREF = [sys.executable, "-m", "hpref"]
-#: a console line of hpref's (`hpref.logs.CONSOLE_FORMAT`), an actor's with Ray's prefix
-HPREF_LINE = re.compile(r"(\(\w+ pid=\d+(, ip=[\d.]+)?\) )?\d\d:\d\d:\d\d (INFO|SUCCESS|WARNING|ERROR) ")
 RUN_SECONDS = 15  # the policies' loops (both cores busy); the save is asked for within the first
 # few: heartbeat + one `hpref save` start-up, ~5 s on a busy machine
 
@@ -41,16 +38,10 @@ def _recipe(folder: Path) -> Path:
     return write_rl_recipe(folder, "live", num_rollouts=100000, save_interval=0, time_limit_s=RUN_SECONDS)
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HPREF_HOME=str(tmp_path / "home"), HPREF_CACHE=str(tmp_path / "cache"))
-    return env
-
-
 def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path):
     recipe = _recipe(tmp_path)
     run_dir = tmp_path / "runs" / "live"
-    env = _env(tmp_path)
+    env = cli_env(tmp_path)
     log = tmp_path / "rl.stderr"  # a file, not a pipe: a full pipe would stall the run
     with open(log, "w") as stderr:
         rl = subprocess.Popen(
@@ -93,10 +84,9 @@ def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path):
             rl.wait(timeout=60)
     summary = json.loads((run_dir / "rl_summary.json").read_text())
     text = log.read_text()
-    # every console line is hpref's (time, level, message; an actor's with Ray's "(Name pid=N) "
-    # before it): a library's log line, a progress bar or Ray's start-up notes there is the noise
-    # issue #40 moved to the log files
-    foreign = [line for line in text.splitlines() if line.strip() and not HPREF_LINE.match(line)]
+    # every console line is hpref's: a library's log line, a progress bar or Ray's start-up notes
+    # there is the noise issue #40 moved to the log files
+    foreign = foreign_lines(text)
     assert not foreign, foreign[:10]
     # the leader took the trigger at a rollout boundary, said so, and saved there. `hpref save --now`
     # answers with that save, or with a later one when the run saved again (its time limit) before

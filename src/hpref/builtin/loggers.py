@@ -9,11 +9,13 @@ as `<policy>/eval/<key>`). Each group has its own step axis (`train/step`, `<pol
 TensorBoard takes the step directly; W&B gets it as the group's `step_metric`, so policies that run
 ahead of each other do not fight over W&B's one global step.
 
-A resumed run continues the same curves: TensorBoard's `purge_step` hides what the interrupted run
-logged after the resume point, and W&B resumes the run whose id is kept in the run folder. In a
-train run the step is also W&B's own step, so W&B drops what the resumed run logs again at or below
-the step the interrupted run reached; an rl run's policies each have their own axis, so there W&B
-keeps both copies of the rollouts between the last save and the interruption (TensorBoard does not).
+A resumed run continues the same curves, each step once: TensorBoard's `purge_step` hides what the
+interrupted run logged after the resume point (the resumed run's values are shown). W&B cannot hide
+what it already holds, so it resumes the run whose id is kept in the run folder and skips, on each
+axis, the steps the interrupted run reached (`wandb_steps.json`, written as it logs): it keeps the
+interrupted run's values for the steps redone between the last save and the interruption. W&B's own
+`_step` continues from the interrupted run's too (an offline resume would restart it at 0, and a sync
+drops history rows below the step the server holds).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hpref.errors import UserError
 from hpref.hookspecs import hookimpl
 from hpref.runfolder.layout import TENSORBOARD as TENSORBOARD_DIR
 from hpref.runfolder.layout import WANDB_RUN_ID as WANDB_ID_FILE
+from hpref.runfolder.layout import WANDB_STEPS as WANDB_STEPS_FILE
 
 
 class MetricLogger(Protocol):
@@ -141,6 +144,13 @@ class WandbLogger:
         id_file.write_text(run_id + "\n")
         self.axes: set[str] = set()
         self.one_step = run.one_step
+        # what the interrupted run reached: W&B's own step and each axis's last step (a fresh run: none)
+        self.steps_file = run.run_dir / WANDB_STEPS_FILE
+        reached = {}
+        if run.resume_step is not None and self.steps_file.is_file():
+            reached = json.loads(self.steps_file.read_text())
+        self.skip_through: dict[str, int] = dict(reached.get("axes", {}))
+        self.reached = {"step": int(reached.get("step", -1)), "axes": dict(self.skip_through)}
         self.run = wandb.init(
             project=config.project,
             entity=config.entity,
@@ -155,12 +165,22 @@ class WandbLogger:
         )
 
     def log(self, values: dict[str, float], step: int, axis: str) -> None:
+        if step <= self.skip_through.get(axis, -1):
+            return  # the interrupted run logged this step already (see the module docstring)
         group = axis.rsplit("/", 1)[0]
         if axis not in self.axes:  # each group plotted against its own step (see the module docstring)
             self.run.define_metric(axis)
             self.run.define_metric(f"{group}/*", step_metric=axis)
             self.axes.add(axis)
-        self.run.log({**values, axis: step}, step=step if self.one_step else None)
+        # W&B's own step: the train step where every axis advances together, else one past the last
+        wandb_step = step if self.one_step else self.reached["step"] + 1
+        self.run.log({**values, axis: step}, step=wandb_step)
+        self.reached["step"] = max(self.reached["step"], wandb_step)
+        self.reached["axes"][axis] = max(self.reached["axes"].get(axis, -1), step)
+        # replaced whole, not fsynced: W&B's own files are not either, and this runs at every step
+        partial = self.steps_file.with_name(self.steps_file.name + ".part")
+        partial.write_text(json.dumps(self.reached))
+        os.replace(partial, self.steps_file)
 
     def close(self) -> None:
         self.run.finish()

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpref.evaluate.request import EvalRequest
     from hpref.evaluate.runner import run_eval
-    from hpref.logs import setup_logging
+    from hpref.logs import hpref_home, route_library_logs, setup_logging
     from hpref.runtime.distributed import init_distributed
     from hpref.runtime.watchdog import die_with_parent, start_heartbeat
 
@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     start_heartbeat(int(os.environ.get("RANK", "0")))
     spec = json.loads(Path(args.spec).read_text())
     info = init_distributed("auto")
-    setup_logging(None, rank=info.rank)
+    # hpref's lines on rank 0's console; every rank's DEBUG and the libraries' records (torch,
+    # transformers) in $HPREF_HOME/logs/eval-rank<N>.log, beside the CLI's own log
+    setup_logging(hpref_home() / "logs" / f"eval-rank{info.rank}.log", rank=info.rank)
+    route_library_logs()
     try:
         code = run_eval(EvalRequest(**spec), device=str(info.device))
         # Rank 0 writes predictions and metrics after the gather; a rank that tore the gloo group

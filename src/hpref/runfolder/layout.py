@@ -58,10 +58,11 @@ RL_EXECUTOR = "executor"
 EXECUTOR_STATE = "executor.json"
 
 # The metric loggers' files (`hpref.builtin.loggers`): TensorBoard's default event folder, the offline
-# W&B runs (wandb names its folder `wandb/`) and the W&B run id a resume continues.
+# W&B runs (wandb names its folder `wandb/`), the W&B run id a resume continues and the steps it reached.
 TENSORBOARD = "tensorboard"
 WANDB = "wandb"
 WANDB_RUN_ID = "wandb_run_id.txt"
+WANDB_STEPS = "wandb_steps.json"
 
 #: Entries a started training or RL run leaves: any of them means the folder holds a run.
 #: (Not `predictions.csv`: `hpref eval` writes that name too, in folders that hold no run.)
@@ -79,6 +80,7 @@ OWNED = (
     TENSORBOARD,
     WANDB,
     WANDB_RUN_ID,
+    WANDB_STEPS,
 )
 
 # Temporary names of the owned files, left by a write that was killed: `.NAME.<pid>.part` (atomic

@@ -135,10 +135,13 @@ class HprefScorer:
         import torch
 
         from hpref.builtin.scoring import ExportScorer
-        from hpref.logs import setup_logging
+        from hpref.logs import hpref_home, route_library_logs, setup_logging
 
-        # warnings only on the replica's console (transformers' load report goes to DEBUG)
-        setup_logging(console=True, level="WARNING")
+        # hpref's warnings on the replica's console; its DEBUG lines and the libraries' records
+        # (transformers' load report, torch) in $HPREF_HOME/logs/serve-replica-<pid>.log
+        log_file = hpref_home() / "logs" / f"serve-replica-{os.getpid()}.log"
+        setup_logging(log_file, console=True, level="WARNING")
+        route_library_logs()
         torch.set_num_threads(settings.threads)
         self.settings = settings
         self.scorer = ExportScorer.load(
