@@ -379,13 +379,32 @@ def serve_cmd(
     precision: Literal["auto", "fp32", "bf16"] = typer.Option(
         "auto", "--precision", help="Compute dtype (auto: bf16 on CPUs with AMX or AVX512-BF16)."
     ),
+    max_queued: int = typer.Option(
+        64,
+        "--max-queued",
+        min=0,
+        help="Requests waiting per replica once it holds 2 x --max-batch-size (past it: 503, Retry-After).",
+    ),
+    request_timeout: float = typer.Option(
+        60.0,
+        "--request-timeout",
+        min=0.001,
+        help="Seconds a request may take when it sends no X-Request-Timeout header; past it: 504.",
+    ),
+    drain_timeout: float = typer.Option(
+        30.0,
+        "--drain-timeout",
+        min=0.0,
+        help="On SIGTERM or Ctrl-C, seconds the requests in flight have to finish.",
+    ),
 ) -> None:
     """Serve an exported judge or reward model over HTTP on Ray Serve (hpref's, OpenRLHF's, miles' shapes)."""
     from hpref.serve.command import ServeRequest, serve_command
 
     request = ServeRequest(
         export, host=host, port=port, replicas=replicas, ray_address=ray_address, token_file=token_file,
-        threads=threads, max_batch_size=max_batch_size, precision=precision,
+        threads=threads, max_batch_size=max_batch_size, precision=precision, max_queued=max_queued,
+        request_timeout_s=request_timeout, drain_timeout_s=drain_timeout,
     )  # fmt: skip
     raise typer.Exit(serve_command(request))
 

@@ -131,7 +131,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(exports, tmp_path_factory):
-    """`hpref serve REWARD_EXPORT --replicas 2 --threads 1 --token-file F` on a free loopback port."""
+    """`hpref serve REWARD_EXPORT --replicas 2 --threads 1 --token-file F` on a free loopback port,
+    with small bounds (batches of 8, so 16 requests held per replica, and 8 more waiting per
+    replica) that a test can overload with a few hundred requests."""
     pytest.importorskip("ray.serve")
     pytest.importorskip("httpx")
     base = tmp_path_factory.mktemp("serve")
@@ -141,6 +143,7 @@ def server(exports, tmp_path_factory):
     log = base / "serve.log"
     command = [sys.executable, "-m", "hpref", "serve", str(exports["reward"]), "--port", str(port)]
     command += ["--replicas", "2", "--threads", "1", "--token-file", str(token_file)]
+    command += ["--max-batch-size", "8", "--max-queued", "8", "--drain-timeout", "20"]
     with open(log, "w") as out:
         # a session of its own: stop() can end whatever Ray left behind with one killpg
         process = subprocess.Popen(

@@ -197,11 +197,144 @@ def test_remote_reward_scores_through_the_server(server, scorer, tmp_path):
         component.build(component.config(url=f"{server.url}/v1/score"))
 
 
+def _overload(server, count: int, body: dict, headers: dict | None = None) -> list:
+    """`count` requests sent at once; each one's (status or exception name, seconds, reply)."""
+
+    async def one(client):
+        started = time.monotonic()
+        try:
+            reply = await client.post(f"{server.url}/v1/score", json=body, headers=headers or server.headers)
+        except httpx.HTTPError as exc:
+            return type(exc).__name__, time.monotonic() - started, None
+        return reply.status_code, time.monotonic() - started, reply
+
+    async def all_at_once():
+        limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client) for _ in range(count)))
+
+    return asyncio.run(all_at_once())
+
+
+def test_overload_is_shed_at_once_with_retry_after_and_nothing_is_lost(server, scorer):
+    """300 requests at once against 2 replicas that hold 16 each with 2 x 2 waiting: the excess is
+    answered 503 with Retry-After and one line at once, the rest 200 with the scorer's numbers, and
+    no request goes unanswered. Wrong if the queue were unbounded (every request waits, none
+    shed), a shed request waited for a pass, or a connection was dropped."""
+    answers = [f"answer {i} " + "word " * 40 for i in range(8)]
+    [want] = scorer.score_groups([PROMPT], [answers])
+    results = _overload(server, 300, {"conversation": PROMPT[0], "answers": answers})
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) <= {200, 503}, sorted({str(s) for s in statuses})  # every request answered
+    shed = [(seconds, reply) for status, seconds, reply in results if status == 503]
+    served = [(seconds, reply) for status, seconds, reply in results if status == 200]
+    assert shed and served, (len(shed), len(served))  # how many of each: the moment each arrived
+    for _seconds, reply in shed:
+        assert reply.headers["retry-after"] == "1"
+        assert reply.text.strip() and "\n" not in reply.text.strip(), reply.text
+    # at once, not after a wait in a queue: (the last connections of 300 open late on two cores)
+    assert sorted(s for s, _ in shed)[len(shed) // 2] < sorted(s for s, _ in served)[len(served) // 2]
+    for _seconds, reply in served:
+        assert reply.json()["scores"] == pytest.approx(want, abs=1e-5)
+
+
+def test_a_request_past_its_deadline_gets_504_and_bad_deadlines_400(server):
+    """X-Request-Timeout shorter than any answer: 504 with one line, quickly; not a number, zero, or
+    past the service's maximum: 400 naming the header. Wrong if a deadline were ignored (200 late)
+    or a bad header scored anyway."""
+    body = {"conversation": PROMPT[0], "answers": ANSWERS}
+    started = time.monotonic()
+    late = post(server, "/v1/score", body, headers={**server.headers, "X-Request-Timeout": "0.0001"})
+    assert late.status_code == 504 and time.monotonic() - started < 10
+    assert "deadline" in late.json()["error"] and "\n" not in late.json()["error"]
+    for bad in ("soon", "0", "-1", "1e9", "nan"):
+        reply = post(server, "/v1/score", body, headers={**server.headers, "X-Request-Timeout": bad})
+        assert reply.status_code == 400 and "X-Request-Timeout" in reply.json()["error"], (bad, reply.text)
+    ok = post(server, "/v1/score", body, headers={**server.headers, "X-Request-Timeout": "30"})
+    assert ok.status_code == 200
+
+
+def _metrics(server) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(reply.text)
+        for sample in family.samples
+    }
+
+
+def _total(samples, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls)
+
+
+def test_metrics_are_prometheus_text_that_counts_what_was_answered(server):
+    """After the tests above, /metrics (Prometheus text, token-guarded) counts every status the
+    replicas gave (200s, the 504s and 400s of the deadline test), the latency histogram, batch
+    sizes, the replicas running and the model; Ray Serve's own families show the 503s its proxy
+    shed. Wrong if a replica's figures were missing (each replica's count is summed) or the shed
+    requests were invisible to an operator."""
+    assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 401
+    deadline = time.monotonic() + 30  # Ray's exporter reports each second
+    while True:
+        samples = _metrics(server)
+        requests = "hpref_serve_requests_total"
+        if _total(samples, requests, endpoint="/v1/score", status="504") >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert _total(samples, requests, endpoint="/v1/score", status="504") >= 1
+    assert _total(samples, requests, endpoint="/v1/score", status="400") >= 5
+    assert _total(samples, requests, endpoint="/v1/score", status="200") >= 2
+    assert _total(samples, "hpref_serve_request_seconds_count", endpoint="/v1/score") == _total(
+        samples, requests, endpoint="/v1/score"
+    )
+    assert _total(samples, "hpref_serve_batch_size_count") >= 1
+    assert _total(samples, "hpref_serve_replicas_running") == 2
+    [model] = [ls for (n, ls) in samples if n == "hpref_serve_model_info"]
+    assert dict(model)["kind"] == "reward" and dict(model)["model"] == "reward-export"
+    shed = _total(samples, "ray_serve_num_http_error_requests_total", error_code="503")
+    assert shed >= 1, sorted({n for n, _ in samples if n.startswith("ray_serve")})
+
+
+class Load:
+    """Clients that keep `clients` requests in flight until stopped; every outcome kept (a status,
+    or the name of the connection error)."""
+
+    def __init__(self, server, clients: int) -> None:
+        import threading
+
+        self.server, self.outcomes, self.done = server, [], threading.Event()
+        self.threads = [threading.Thread(target=self._client) for _ in range(clients)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self) -> None:
+        body = {"conversation": PROMPT[0], "answers": ANSWERS}
+        with httpx.Client(timeout=60) as session:
+            while not self.done.is_set():
+                try:
+                    url, headers = f"{self.server.url}/v1/score", self.server.headers
+                    self.outcomes.append(session.post(url, json=body, headers=headers).status_code)
+                except httpx.HTTPError as exc:
+                    self.outcomes.append(type(exc).__name__)
+
+    def stop(self) -> list:
+        self.done.set()
+        for thread in self.threads:
+            thread.join(timeout=90)
+        return self.outcomes
+
+
 def test_a_killed_replica_is_restarted_while_the_other_serves(server, scorer):
-    """SIGKILL one replica: requests keep being answered (the other replica), /ready says 503 with
-    one replica running until Ray Serve has started a new one, then 200 with two. Wrong if the
-    deployment were left short, or /ready said ready while it was."""
+    """SIGKILL one replica under a steady load of 4 clients: requests keep being answered (the other
+    replica), /ready says 503 with one replica running until Ray Serve has started a new one, then
+    200 with two; no client's connection is dropped (a request the dead replica held gets a status).
+    Wrong if the deployment were left short, /ready said ready while it was, or a kill lost requests.
+    (The long version: benchmarks/serve_soak.py.)"""
     psutil = pytest.importorskip("psutil")
+    load = Load(server, 4)
     replicas = [
         p
         for p in psutil.Process(server.process.pid).children(recursive=True)
@@ -224,6 +357,9 @@ def test_a_killed_replica_is_restarted_while_the_other_serves(server, scorer):
         time.sleep(0.5)
     else:
         pytest.fail("the killed replica was not replaced within 90 s")
+    outcomes = load.stop()
+    assert all(isinstance(o, int) for o in outcomes), sorted({str(o) for o in outcomes})
+    assert outcomes.count(200) > 10 and set(outcomes) <= {200, 500, 503}, sorted({str(o) for o in outcomes})
     new = [
         p
         for p in psutil.Process(server.process.pid).children(recursive=True)
@@ -251,3 +387,46 @@ def test_the_remote_reward_without_a_server_fails_with_the_url(tmp_path):
     assert "\n" not in message and time.monotonic() - started < 10  # two pauses: 0.5 s and 1 s
     with pytest.raises(RecipeError, match=rf"recipe: rl.reward.url: no reward server answers at {url}"):
         check_reward_exports({"rl.reward": RemoteConfig(url=url)}, "recipe")
+
+
+def test_sigterm_drains_the_requests_in_flight_then_exits(server):
+    """Last in this module: it stops the shared server. Clients keep 8 requests in flight; SIGTERM;
+    every request sent before the signal is answered 200 (none cut off, none refused), the command
+    exits 0 within its drain timeout (20 s) plus Ray's own stop, and later requests are refused
+    (503 or no connection). Wrong if a stop dropped the requests a service manager's SIGTERM
+    should let finish, or hung."""
+    import threading
+
+    body = {"conversation": PROMPT[0], "answers": [f"answer {i} " + "word " * 40 for i in range(8)]}
+    outcomes: list[tuple[float, object]] = []
+    stop = threading.Event()
+
+    def client():
+        with httpx.Client(timeout=60) as session:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    reply = session.post(f"{server.url}/v1/score", json=body, headers=server.headers)
+                    status = reply.status_code
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                outcomes.append((sent, status))
+                if status != 200:
+                    time.sleep(0.2)
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(3)
+    signalled = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(timeout=90)
+    stopped = time.monotonic() - signalled
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=90)
+    before = [status for sent, status in outcomes if sent < signalled]
+    after = [status for sent, status in outcomes if sent >= signalled]
+    assert code == 0 and stopped < 60, (code, stopped)
+    assert before and set(before) == {200}, sorted({str(s) for s in before})
+    assert all(status == 503 or isinstance(status, str) for status in after if status != 200), after[:10]

@@ -45,7 +45,7 @@ def _loopback_ray():
             os.environ[RAY_LOOPBACK_ENV] = old_env
 
 
-def connect_ray(address: str | None) -> bool:
+def connect_ray(address: str | None, *, metrics_report_ms: int | None = None) -> bool:
     """Start a local Ray cluster listening on loopback only, or join the one at `address`.
 
     Returns whether this call connected (False: Ray was already initialised in this process, whose
@@ -53,7 +53,8 @@ def connect_ray(address: str | None) -> bool:
     `~/.ray/auth_token` exists) gets the token Ray finds (`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`,
     `~/.ray/auth_token`); Ray itself only does this for address "auto". A loopback address is joined
     as a loopback node, which is what a head started on loopback (README) expects. A cluster that
-    cannot be reached, or refuses the token, is a `UserError`.
+    cannot be reached, or refuses the token, is a `UserError`. `metrics_report_ms`: how often a local
+    cluster's processes report their metrics to the node's exporter (Ray's default: 10 s).
     """
     import ray
 
@@ -64,7 +65,8 @@ def connect_ray(address: str | None) -> bool:
         return False
     if not address:
         with _loopback_ray():
-            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False)
+            system = {"metrics_report_interval_ms": metrics_report_ms} if metrics_report_ms else None
+            ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, _system_config=system)
         return True
     from ray._private.authentication.authentication_token_setup import (
         maybe_enable_token_auth_if_token_available,

@@ -6,6 +6,13 @@ replica's event loop (`hpref.serve.shapes`) into a scoring job, and jobs meet in
 `batch_wait_s` after the first) are scored together in one packed pass, in a worker thread so the
 loop keeps accepting the next batch (`shapes.score_jobs`: a request whose job fails fails alone).
 
+Under load the service sheds instead of queueing without bound: each replica holds at most
+`2 x max_batch_size` requests and `max_queued` more wait in front of it (Ray Serve's
+`max_queued_requests`); past that a request is answered 503 with `Retry-After` at once. Each request
+has a deadline (`X-Request-Timeout: SECONDS`, else `request_timeout_s`), counted from the moment a
+replica takes it: past it the request is answered 504 and, if it has not been scored yet, its work
+is dropped from the pass. `/metrics` is Prometheus text (`hpref.serve.metrics`).
+
 `/health` answers when a replica does; `/ready` when every replica the deployment wants is running
 (it says 503 while Ray Serve restarts a dead one). Both skip the bearer token, as load balancers'
 probes send none; everything else needs it when `--token-file` was given.
@@ -20,16 +27,17 @@ import asyncio
 import hmac
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from hpref.serve import shapes
+from hpref.serve import drain, metrics, shapes
 
 if TYPE_CHECKING:
     from hpref.builtin.scoring import ExportScorer
@@ -37,6 +45,11 @@ if TYPE_CHECKING:
 APP_NAME = "hpref"
 #: response header: requests scored in the same packed pass as this one (batching at work)
 BATCH_HEADER = "X-Hpref-Batch-Size"
+#: request header: the seconds the client will wait for this answer (else `request_timeout_s`)
+TIMEOUT_HEADER = "X-Request-Timeout"
+#: what a refused request's Retry-After says (shed at the queue, or the service stopping): about
+#: one packed pass of a small model on a CPU
+RETRY_AFTER_S = 1
 DEPLOYMENT = "HprefScorer"
 #: Ray Serve writes this logger to the replica's log file (stdlib: the ingress class is pickled by
 #: value with what it refers to, and loguru's handlers hold open files)
@@ -48,6 +61,7 @@ class ServeSettings:
     """Everything a replica needs, chosen by `hpref serve`'s options."""
 
     export: str
+    port: int = 8000
     replicas: int = 1
     threads: int = 1
     max_batch_size: int = 32
@@ -58,6 +72,37 @@ class ServeSettings:
     precision: str = "auto"
     token: str | None = field(default=None, repr=False)
     limits: shapes.Limits = field(default_factory=shapes.Limits)
+    #: requests that may wait in front of each replica once it holds `2 x max_batch_size`
+    max_queued: int = 64
+    #: a request's deadline when it names none (`X-Request-Timeout`); the most it may name
+    request_timeout_s: float = 60.0
+    max_request_timeout_s: float = 600.0
+    #: on SIGTERM, how long the requests in flight have to finish
+    drain_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A scoring job and the moment (`time.monotonic`) past which its answer is no use."""
+
+    job: Any
+    deadline: float
+
+
+def request_deadline(request: Request, settings: ServeSettings, now: float) -> float:
+    """`now` plus the request's `X-Request-Timeout` (seconds, > 0, at most the service's maximum),
+    or the service's default; a value that is not a number is a 400."""
+    given = request.headers.get(TIMEOUT_HEADER)
+    if given is None:
+        return now + settings.request_timeout_s
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= settings.max_request_timeout_s:  # NaN fails this too
+        most = settings.max_request_timeout_s
+        raise shapes.BadRequest(400, f"{TIMEOUT_HEADER}: {given!r} is not seconds in (0, {most:g}]")
+    return now + seconds
 
 
 api = FastAPI(title="hpref serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -119,9 +164,20 @@ def export_info(settings: ServeSettings, scorer: ExportScorer) -> dict[str, Any]
         "lora": meta.get("lora"),
         "metrics": card_metrics(card.read_text(encoding="utf-8")) if card.is_file() else {},
         "hpref_version": __version__,
-        "endpoints": ["/v1/judge", "/v1/score", "/get_reward", "/remote_rm", "/info", "/health", "/ready"],
+        "endpoints": [
+            "/v1/judge",
+            "/v1/score",
+            "/get_reward",
+            "/remote_rm",
+            "/info",
+            "/health",
+            "/ready",
+            "/metrics",
+        ],  # fmt: skip
         "replicas": settings.replicas,
         "max_batch_size": settings.max_batch_size,
+        "max_queued": settings.max_queued,
+        "request_timeout_s": settings.request_timeout_s,
         "limits": asdict(settings.limits),
     }
 
@@ -150,6 +206,8 @@ class HprefScorer:
         self._run.set_max_batch_size(settings.max_batch_size)
         self._run.set_batch_wait_timeout_s(settings.batch_wait_s)
         self.info = export_info(settings, self.scorer)
+        self.metrics = metrics.ReplicaMetrics(settings.max_batch_size)
+        self.drain = drain.ReplicaDrain(settings.port, lambda: self.metrics.held_now)
         # the first forward pays one-time costs (allocator, oneDNN kernels); not a client's request
         self.scorer.run([self.scorer.judge_job(("warm-up",), "a", "b", swap=False)])
 
@@ -165,27 +223,58 @@ class HprefScorer:
         return hmac.compare_digest(given.strip().encode(), self.settings.token.encode())
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def _run(self, jobs: list[Any]) -> list[tuple[Any, int]]:
-        """Each job's result, and how many requests shared its packed pass (a response header)."""
-        results = await asyncio.to_thread(shapes.score_jobs, self.scorer, jobs)
-        return [(result, len(jobs)) for result in results]
+    async def _run(self, items: list[Timed]) -> list[tuple[Any, int]]:
+        """Each job's result, and how many requests shared its packed pass (a response header). A
+        job whose deadline has passed is not scored: its request has been answered 504 already."""
+        now = time.monotonic()
+        live = [i for i, item in enumerate(items) if item.deadline > now]
+        self.metrics.scored(len(live), len(items) - len(live))
+        results: list[Any] = [shapes.Failed(504, "deadline passed before it was scored")] * len(items)
+        if live:
+            scored = await asyncio.to_thread(shapes.score_jobs, self.scorer, [items[i].job for i in live])
+            for i, result in zip(live, scored, strict=True):
+                results[i] = result
+        return [(result, len(live)) for result in results]
 
-    async def _answer(self, request: Request, parse: Any) -> JSONResponse:
-        try:
-            if not self._authorized(request):
-                return _error(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
-            limits = self.settings.limits
-            payload = shapes.decode_json(await read_body(request, limits.max_request_bytes), limits)
-            job, respond = parse(payload, self.scorer, limits)
-            result, batch = await self._run(job)
-        except shapes.BadRequest as exc:
-            return _error(exc.status, exc.message)
-        except Exception as exc:  # never the replica: the client gets one line, the log the rest
-            logger.exception("request failed")
-            return _error(500, f"internal error: {type(exc).__name__}")
+    async def _score(self, request: Request, parse: Any, deadline: float) -> JSONResponse:
+        limits = self.settings.limits
+        payload = shapes.decode_json(await read_body(request, limits.max_request_bytes), limits)
+        job, respond = parse(payload, self.scorer, limits)
+        result, batch = await self._run(Timed(job, deadline))
         if isinstance(result, shapes.Failed):
             return _error(result.status, result.message)
         return JSONResponse(respond(result), headers={BATCH_HEADER: str(batch)})
+
+    async def _answer(self, request: Request, parse: Any) -> JSONResponse:
+        started = time.monotonic()
+        self.metrics.taken()
+        status = 499  # nginx's "client closed request": only a cancelled request leaves without one
+        try:
+            reply = await self._checked(request, parse, started)
+            status = reply.status_code
+            return reply
+        finally:
+            self.metrics.answered(request.url.path, status, time.monotonic() - started)
+
+    async def _checked(self, request: Request, parse: Any, started: float) -> JSONResponse:
+        if self.drain.stopping:  # SIGTERM: what the replica holds is answered, nothing new taken
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            return JSONResponse({"error": "the service is stopping; retry"}, status_code=503, headers=headers)
+        try:
+            if not self._authorized(request):
+                return _error(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
+            deadline = request_deadline(request, self.settings, started)
+            return await asyncio.wait_for(self._score(request, parse, deadline), deadline - started)
+        except shapes.BadRequest as exc:
+            return _error(exc.status, exc.message)
+        except TimeoutError:
+            waited = time.monotonic() - started
+            return _error(
+                504, f"no answer within the request's deadline ({waited:.2f} s); its work was dropped"
+            )
+        except Exception as exc:  # never the replica: the client gets one line, the log the rest
+            logger.exception("request failed")
+            return _error(500, f"internal error: {type(exc).__name__}")
 
     # ------------------------------------------------------------------------------------ endpoints
     @api.post("/v1/judge")
@@ -210,6 +299,16 @@ class HprefScorer:
             return _error(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
         return JSONResponse(self.info)
 
+    @api.get("/metrics")
+    async def get_metrics(self, request: Request) -> Response:
+        """Prometheus text format (see `hpref.serve.metrics`); the bearer token guards it too."""
+        if not self._authorized(request):
+            return _error(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)")
+        exports = await asyncio.to_thread(lambda: metrics.fetch(metrics.node_exports()))
+        running = await asyncio.to_thread(running_replicas)
+        body = metrics.render(exports, self.info, running)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @api.get("/health")
     async def health(self) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -218,5 +317,8 @@ class HprefScorer:
     async def ready(self) -> JSONResponse:
         running = await asyncio.to_thread(running_replicas)
         wanted = self.settings.replicas
-        body = {"ready": running >= wanted, "replicas_running": running, "replicas_wanted": wanted}
-        return JSONResponse(body, status_code=200 if running >= wanted else 503)
+        ready = running >= wanted and not self.drain.stopping
+        body = {"ready": ready, "replicas_running": running, "replicas_wanted": wanted}
+        if self.drain.stopping:
+            body["stopping"] = True
+        return JSONResponse(body, status_code=200 if ready else 503)

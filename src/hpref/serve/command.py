@@ -73,6 +73,9 @@ class ServeRequest:
     threads: int | None = None
     max_batch_size: int = 32
     precision: str = "auto"
+    max_queued: int = 64
+    request_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0
 
 
 def serve_command(request: ServeRequest) -> int:
@@ -100,27 +103,45 @@ def serve_command(request: ServeRequest) -> int:
         logger.warning(f"listening on {host} without --token-file: anyone who reaches the port can use it")
 
     from ray import serve
+    from ray.serve.config import BackpressureConfig
 
     from hpref.runtime.ray_cluster import connect_ray
-    from hpref.serve.app import APP_NAME, HprefScorer, ServeSettings
+    from hpref.serve.app import APP_NAME, RETRY_AFTER_S, HprefScorer, ServeSettings
+    from hpref.serve.drain import drain, start_control
+    from hpref.serve.metrics import METRICS_REPORT_MS
 
     settings = ServeSettings(
         export=str(Path(export).expanduser().resolve()),
+        port=port,
         replicas=replicas,
         threads=threads,
         max_batch_size=max_batch_size,
         precision=precision,
         token=token,
+        max_queued=request.max_queued,
+        request_timeout_s=request.request_timeout_s,
+        max_request_timeout_s=max(600.0, request.request_timeout_s),
+        drain_timeout_s=request.drain_timeout_s,
     )
-    started = connect_ray(ray_address)
+    started = connect_ray(ray_address, metrics_report_ms=METRICS_REPORT_MS)
     _stop_on_sigterm()
+    control = None
     try:
+        control = start_control(port)
         serve.start(http_options={"host": host, "port": port})
         app = HprefScorer.options(
             num_replicas=replicas,
             ray_actor_options={"num_cpus": threads},
             # Ray Serve's default (5) would cap a replica's batch at 5 concurrent requests
             max_ongoing_requests=2 * max_batch_size,
+            # the queue in front of the replicas (at the proxy) is bounded: past it, 503 at once with
+            # Retry-After, not a wait that grows with the load (Ray's default is no bound)
+            max_queued_requests=request.max_queued * replicas,
+            backpressure_config=BackpressureConfig(status_code=503, retry_after_s=RETRY_AFTER_S),
+            # what is in flight is answered before the stop (`hpref.serve.drain`): then Serve's
+            # own shutdown has nothing left to wait for
+            graceful_shutdown_wait_loop_s=0.5,
+            graceful_shutdown_timeout_s=5,
             # one access-log line per request costs the replica and the driver CPU on a small
             # machine (the replica's errors are still logged)
             logging_config={"enable_access_log": False},
@@ -137,14 +158,18 @@ def serve_command(request: ServeRequest) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        logger.info("stopping hpref serve")
+        limit = request.drain_timeout_s
+        logger.info(f"stopping hpref serve: answering what is in flight (at most {limit:g} s)")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the drain short
+        if control is not None:
+            drain(control, request.drain_timeout_s, logger.warning)
     finally:
-        _shutdown(serve, started)
+        _shutdown(serve, started, control)
     return 0
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (a service manager, `kill`) stops as Ctrl-C does: the replicas and Ray with it."""
+    """SIGTERM (a service manager, `kill`) stops as Ctrl-C does: a drain, then the replicas and Ray."""
 
     def stop(_signum, _frame):
         raise KeyboardInterrupt
@@ -152,9 +177,11 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def _shutdown(serve, started: bool) -> None:
+def _shutdown(serve, started: bool, control) -> None:
     import ray
 
+    if control is not None and not started:
+        ray.kill(control)  # a shared cluster: the drain flag goes with this service
     try:
         if started:
             serve.shutdown()
