@@ -123,6 +123,10 @@ def serve_command(request: ServeRequest) -> int:
         max_request_timeout_s=max(600.0, request.request_timeout_s),
         drain_timeout_s=request.drain_timeout_s,
     )
+    # Ray Serve's proxy, controller and replicas log to Ray's serve log files, not the console: under
+    # overload its proxy would print a line per shed request (the local cluster's processes inherit
+    # this; hpref's own replica warnings still reach the console)
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     started = connect_ray(ray_address, metrics_report_ms=METRICS_REPORT_MS)
     _stop_on_sigterm()
     control = None
