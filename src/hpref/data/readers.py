@@ -5,9 +5,11 @@ All read CSV, Parquet and JSON Lines (optionally .gz / .bz2 / .xz compressed) as
 messages are 1-based data rows: CSV records after the header (blank
 lines are not rows; a quoted cell may span lines, so a CSV message also names the file line),
 Parquet rows, JSONL lines (blank lines are not rows). "Columns" of a JSONL file are the keys of its
-first row; a later row that lacks one is a row error. A CSV row with fewer or more cells than the
-header is a row error too (skippable); broken quoting (a quote left open to the end of the file) is
-a file error naming the line, since no parser can tell where the rows after it start.
+first row; a later row that lacks one is a row error, and so is a line whose object repeats a key
+(JSON parsers silently keep one of the two values). A CSV or Parquet header that repeats a column is
+a file error. A CSV row with fewer or more cells than the header is a row error too (skippable);
+broken quoting (a quote left open to the end of the file) is a file error naming the line, since no
+parser can tell where the rows after it start.
 
 arena     Chatbot-Arena / Kaggle LMSYS: `id, model_a, model_b, prompt, response_a, response_b,
           winner_model_a, winner_model_b, winner_tie`, the text columns JSON lists with one string per
@@ -38,7 +40,7 @@ from pydantic import Field
 
 from hpref.data.base import BattleSource, DatasetConfig, RowError, file_digest
 from hpref.data.records import Battle, Probs
-from hpref.data.tables import Format, TableFile, clean_text, detect_format, is_missing
+from hpref.data.tables import Format, TableFile, clean_text, detect_format, is_missing, load_json
 from hpref.data.transcripts import parse_hh_transcript, parse_messages, to_turns
 from hpref.errors import DataError
 
@@ -59,10 +61,7 @@ def parse_turns(value: Any, column: str) -> list[str]:
     if isinstance(value, str):
         if not value.strip():
             raise RowError(column, 'empty cell, expected a JSON list of strings like ["..."]')
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise RowError(column, f"not a JSON list: {exc.msg} at char {exc.pos}") from None
+        value = load_json(value, column, "not a JSON list")
         if isinstance(value, str):  # a JSON string: one turn
             value = [value]
         elif value is None:
@@ -183,7 +182,7 @@ class ArenaReader(TableReader):
 def _text_or_none(value: Any) -> str | None:
     if is_missing(value):
         return None
-    text = str(value).strip()
+    text = clean_text(str(value)).strip()  # an id or model name with undecodable bytes, too
     return text or None
 
 

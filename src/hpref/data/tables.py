@@ -16,6 +16,7 @@ import json
 import lzma
 import math
 import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -67,14 +68,17 @@ class TableFile:
                     header = next(_csv_reader(f), None)
                 if header is None:
                     raise DataError(f"{self.path}: empty file, expected a CSV header row")
-                duplicated = sorted({c for c in header if header.count(c) > 1})
-                if duplicated:
-                    raise DataError(f"{self.path}: the header repeats column {', '.join(duplicated)}")
-                return header
+                return self._no_repeats(header)
             if self.format == "parquet":
                 import pyarrow.parquet as pq
 
-                return list(pq.ParquetFile(self.path).schema_arrow.names)
+                suffix = self.path.suffix.lower()
+                if suffix in (*_OPENERS, ".zst"):
+                    raise DataError(
+                        f"{self.path}: a {suffix[1:]}-compressed Parquet file; Parquet compresses its own "
+                        "data: decompress it and read the .parquet file"
+                    )
+                return self._no_repeats(list(pq.ParquetFile(self.path).schema_arrow.names))
             first_error = None
             for number, row in self._jsonl_rows():  # the first object row (a broken one is a row error later)
                 if isinstance(row, dict):
@@ -94,19 +98,46 @@ class TableFile:
         except Exception as exc:  # csv / pyarrow / gzip errors: one readable line
             raise self._read_failure(exc) from None
 
-    def _read_failure(self, exc: Exception) -> DataError:
+    def _no_repeats(self, header: list[str]) -> list[str]:
+        # A repeated name would silently read one of the columns (which one depends on the format).
+        duplicated = sorted({c for c in header if header.count(c) > 1})
+        if duplicated:
+            raise DataError(f"{self.path}: the header repeats column {', '.join(duplicated)}")
+        return header
+
+    def _read_failure(self, exc: Exception, after: int = 0) -> DataError:
+        """One line for an error of the decompressor, the decoder or pyarrow (`after`: the last row
+        read before it, 0 for none)."""
         suffix = self.path.suffix.lower()
+        kind = suffix[1:]
+        where = f" after row {after}" if after else ""
+        # pyarrow's messages may span lines and carry control bytes
+        detail = " ".join("".join(c if c.isprintable() else " " for c in str(exc)).split())
         if suffix in _OPENERS and isinstance(exc, EOFError):
             return DataError(
-                f"{self.path}: the {suffix[1:]} data ends early: the file is truncated (an interrupted "
+                f"{self.path}: the {kind} data ends early: the file is truncated{where} (an interrupted "
                 "download or copy?)"
             )
         # bz2 says "Invalid data stream" with a plain OSError; a PermissionError is not that.
-        if isinstance(exc, gzip.BadGzipFile | lzma.LZMAError) or (suffix == ".bz2" and type(exc) is OSError):
+        if suffix in _OPENERS and (
+            isinstance(exc, gzip.BadGzipFile | lzma.LZMAError | zlib.error)
+            or (suffix == ".bz2" and type(exc) is OSError)
+        ):
+            with open(self.path, "rb") as f:
+                if not f.read(8).startswith(_COMPRESSED_MAGIC[suffix]):
+                    return DataError(
+                        f"{self.path}: not {kind}-compressed data, though its name ends in {suffix}"
+                    )
             return DataError(
-                f"{self.path}: not {suffix[1:]}-compressed data, though its name ends in {suffix}"
+                f"{self.path}: damaged {kind} data{where} ({detail}): the file is corrupt; copy or download "
+                "it again"
             )
-        return DataError(f"{self.path}: cannot read as {self.format}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, UnicodeDecodeError):  # UTF-16/32 (by its byte-order mark) cut mid-character
+            return DataError(
+                f"{self.path}: not valid {exc.encoding} text{where} ({exc.reason}): the file is truncated or "
+                "is not in the encoding its byte-order mark names"
+            )
+        return DataError(f"{self.path}: cannot read as {self.format}{where}: {type(exc).__name__}: {detail}")
 
     def _starts_with(self, char: str) -> bool:
         with _open_text(self.path) as f:
@@ -124,17 +155,15 @@ class TableFile:
                 )
 
     def rows(self) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
+        read = {"csv": self._csv_rows, "parquet": self._parquet_rows, "jsonl": self._jsonl_rows}
+        last = 0
         try:
-            if self.format == "csv":
-                yield from self._csv_rows()
-            elif self.format == "parquet":
-                yield from self._parquet_rows()
-            else:
-                yield from self._jsonl_rows()
+            for last, row in read[self.format]():
+                yield last, row
         except (DataError, GeneratorExit):
             raise
         except Exception as exc:  # csv / pyarrow / gzip errors: one readable line
-            raise self._read_failure(exc) from None
+            raise self._read_failure(exc, last) from None
 
     def _csv_rows(self) -> Iterator[tuple[int, dict[str, Any] | RowError]]:
         # The stdlib reader streams one record at a time (6x faster than pandas' chunks here) and,
@@ -179,9 +208,9 @@ class TableFile:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield number, RowError("(line)", f"not valid JSON: {exc.msg} at char {exc.pos}")
+                    row = load_json(line, "(line)", "not valid JSON", _ROW_DECODER)
+                except RowError as exc:
+                    yield number, exc
                     continue
                 if not isinstance(row, dict):
                     yield number, RowError("(line)", f"expected a JSON object, got {type(row).__name__}")
@@ -190,6 +219,45 @@ class TableFile:
 
 
 _OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+_COMPRESSED_MAGIC = {".gz": b"\x1f\x8b", ".bz2": b"BZh", ".xz": b"\xfd7zXZ\x00"}
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (json.loads keeps the last of a repeated key)."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(f"an object repeats the key {clean_text(key)!r}")
+            seen.add(key)
+    return row
+
+
+# json.loads(line, object_pairs_hook=...) would build a decoder per line (3x slower)
+_ROW_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+_CELL_DECODER = json.JSONDecoder()
+
+
+def load_json(text: str, column: str, what: str, decoder: json.JSONDecoder = _CELL_DECODER) -> Any:
+    """`json.loads` of a cell or a line, or a `RowError` naming `column` and saying `what` it is not
+    (malformed, nested too deeply for Python's parser, or a number of more digits than it converts)."""
+    try:
+        return decoder.decode(text)
+    except json.JSONDecodeError as exc:
+        raise RowError(column, f"{what}: {exc.msg} at char {exc.pos}") from None
+    except _RepeatedKey as exc:  # valid JSON, but which of the two values is meant?
+        raise RowError(column, str(exc)) from None
+    except RecursionError:
+        raise RowError(column, f"{what}: nested too deeply") from None
+    except ValueError:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        digits = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise RowError(column, f"{what}: a number of more than {digits} digits") from None
+
 
 # Byte-order marks, longest first: UTF-32 LE starts with the UTF-16 LE mark. Python's "utf-16" and
 # "utf-32" codecs read the mark, pick the byte order from it and drop it; "utf-8-sig" drops its own.

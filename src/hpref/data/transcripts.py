@@ -5,11 +5,10 @@ and TRL-style message lists (`[{"role": ..., "content": ...}, ...]`).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from hpref.data.base import RowError
-from hpref.data.tables import clean_text
+from hpref.data.tables import clean_text, load_json
 
 USER_ROLES = {"user", "human", "prompter"}
 ASSISTANT_ROLES = {"assistant", "gpt", "bot", "model"}
@@ -45,10 +44,7 @@ def parse_hh_transcript(text: str, column: str) -> list[tuple[str, str]]:
 def parse_messages(value: Any, column: str) -> list[tuple[str, str]]:
     """A TRL-style message list (or its JSON text) -> [(role, content), ...] with roles normalised."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise RowError(column, f"not a message list: {exc.msg} at char {exc.pos}") from None
+        value = load_json(value, column, "not a message list")
     if not isinstance(value, list | tuple):
         raise RowError(column, f"expected a list of messages, got {type(value).__name__}")
     messages = []

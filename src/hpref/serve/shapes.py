@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,9 @@ def decode_json(body: bytes, limits: Limits) -> dict[str, Any]:
         raise BadRequest(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
         raise BadRequest(400, "malformed JSON: nested too deeply") from None
+    except ValueError:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        digits = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+        raise BadRequest(400, f"a number of more than {digits} digits in the JSON") from None
     if not isinstance(value, dict):
         raise BadRequest(422, f"expected a JSON object, got {_json_type(value)}")
     return value
@@ -161,6 +165,8 @@ def _one_line(errors: list[Any]) -> str:
     several accepted shapes reports what it expects, or the inner error of the shape it is closest
     to (a list for a message list), not one complaint per shape."""
     first = errors[0]
+    if not first["loc"] and first["type"] == "string_unicode":  # a key pydantic cannot read as text
+        return f"the key {first['input']!r} is not valid Unicode (a lone surrogate)"
     field = first["loc"][0] if first["loc"] else "body"
     mine = [e for e in errors if e["loc"][:1] == (field,)]
     if field in EXPECTED and len(first["loc"]) > 1:
@@ -172,7 +178,7 @@ def _one_line(errors: list[Any]) -> str:
     else:
         loc = first["loc"]
     more = len(errors) - len(mine)
-    where = ".".join(str(part) for part in loc) or "body"
+    where = ".".join(str(part) if part != "" else '""' for part in loc) or "body"  # the key "" too
     return f"{where}: {first['msg']}" + (f" (and {more} more)" if more > 0 else "")
 
 
