@@ -239,3 +239,49 @@ def test_cpu_peak_is_stated_and_deterministic():
     a, b = cpu_peak(torch.float32), cpu_peak(torch.float32)
     assert a == b and a.flops > 0
     assert "thread(s)" in str(a)
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC while DCP writes a shard: one line naming the checkpoint, the rank and the OS error
+    (DCP's own `CheckpointException` is a BaseException, multi-line, that the worker's `except
+    Exception` let through as two tracebacks), and nothing is left that a resume would trust."""
+    import builtins
+    import errno
+    import io
+
+    from hpref.train.checkpoint import resolve_resume, save_checkpoint
+
+    model = ToyModel()
+    real_open = builtins.open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        if str(file).endswith(".distcp") and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    monkeypatch.setattr(io, "open", full_disk)  # pathlib's Path.open, which DCP's writer uses
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(RuntimeError) as info:
+        save_checkpoint(tmp_path, 7, model=model, optimizer=optimizer, train_state={"epoch": 0}, keep=1)
+    message = str(info.value)
+    assert "\n" not in message and "step-000007 not written: rank 0: OSError" in message, message
+    assert "No space left on device" in message
+    assert resolve_resume(tmp_path, "auto") is None
+    assert not list((tmp_path / "checkpoints").glob("step-*"))
+
+
+def test_the_launcher_names_the_killed_rank_not_the_peer_that_lost_it():
+    """Rank 1 SIGKILLed (OOM killer, kill -9) and rank 0's gloo error saying its peer went away, in
+    the same second: the run's failure is rank 1's. A rank with an error of its own still comes
+    before a rank torchrun stopped afterwards. Wrong: the console names rank 0 and its log."""
+    from types import SimpleNamespace as Failure
+
+    from hpref.runtime.torchrun import _first_real_failure
+
+    killed = Failure(exitcode=-9, message="Signal 9 (SIGKILL) received by PID 1", timestamp=100)
+    peer = Failure(exitcode=1, message="RuntimeError: gloo: Connection reset by peer", timestamp=100)
+    assert _first_real_failure(Failure(failures={0: peer, 1: killed}))[0] == 1
+    own = Failure(exitcode=1, message="ValueError: loss is nan", timestamp=101)
+    stopped = Failure(exitcode=-15, message="Signal 15 (SIGTERM)", timestamp=100)
+    assert _first_real_failure(Failure(failures={0: stopped, 1: own}))[0] == 1

@@ -101,17 +101,18 @@ PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "remote process
 
 
 def _first_real_failure(exc: Any) -> tuple[int, Any]:
-    """The rank whose failure explains the run: the earliest with an error of its own (exit code
-    > 0, which carries a message) before ranks that torchrun stopped with a signal afterwards, and
-    before ranks whose error only says a peer went away (a failed rank exits at once, and a peer
-    blocked in a collective with it raises within the same second: error files keep whole seconds)."""
+    """The rank whose failure explains the run: ranks whose error only says a peer went away come
+    last (a failed or killed rank exits at once, and a peer blocked in a collective with it raises
+    within the same second: error files keep whole seconds); before them, the earliest with an error
+    of its own (exit code > 0, which carries a message), then ranks ended by a signal (torchrun's
+    SIGTERM to the others, or a SIGKILL from outside: the OOM killer, kill -9)."""
 
     def peer_lost(failure: Any) -> bool:
         return any(words in str(failure.message).lower() for words in PEER_LOST)
 
     failures = sorted(
         exc.failures.items(),
-        key=lambda item: (item[1].exitcode <= 0, peer_lost(item[1]), item[1].timestamp),
+        key=lambda item: (peer_lost(item[1]), item[1].exitcode <= 0, item[1].timestamp),
     )
     return failures[0] if failures else exc.get_first_failure()
 

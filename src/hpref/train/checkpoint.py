@@ -198,6 +198,7 @@ def save_checkpoint(
     0's (the same on every rank); `rank_state` is each rank's own (a pipeline stage's scheduler,
     whose parameter groups differ by stage), written beside its RNG state."""
     from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.api import CheckpointException
 
     rank, world = _rank_and_world()
     root = Path(run_dir) / CHECKPOINTS
@@ -209,7 +210,10 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     model_state, optim_state = _trained_state(model, optimizer)
-    save(checkpoint_layout(model, model_state, optim_state), checkpoint_id=str(tmp))
+    try:
+        save(checkpoint_layout(model, model_state, optim_state), checkpoint_id=str(tmp))
+    except CheckpointException as exc:  # a BaseException: the worker's `except Exception` misses it
+        raise _save_failure(tmp, exc) from None
     write_json_atomic(tmp / _rank_file(rank), {**(rank_state or {}), "rank": rank, "rng": rng_state()})
     if rank == 0:
         write_json_atomic(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": world})
@@ -231,6 +235,17 @@ def save_checkpoint(
         logger.info(f"checkpoint {final}")
     _barrier()
     return final
+
+
+def _save_failure(tmp: Path, exc: BaseException) -> RuntimeError:
+    """DCP's failed save as one line: every rank gets one multi-line `CheckpointException` holding
+    each failing rank's error and traceback; name the first failing rank and its error's first line."""
+    failures = getattr(exc, "failures", None) or {}
+    rank, cause = min(failures.items()) if failures else ("?", exc)
+    if isinstance(cause, tuple):  # (exception, traceback)
+        cause = cause[0]
+    first = (str(cause).strip().splitlines() or [""])[0]
+    return RuntimeError(f"checkpoint {tmp} not written: rank {rank}: {type(cause).__name__}: {first}")
 
 
 def _trained_only(strict: bool = True) -> Any:
