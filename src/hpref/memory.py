@@ -48,3 +48,23 @@ def release_freed_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+class PeriodicRelease:
+    """`release_freed_memory` at most once per `interval_s`: for a service, whose many passes a
+    second would each pay the trim's few milliseconds. Measured on `hpref serve`'s MiniLM reward
+    replica (benchmarks/serve_soak.py, HH-RLHF requests in passes of 1-32): 250 passes grew RSS to
+    1.97 GiB untrimmed, 1.16 GiB trimmed after each (3.5 s of trims in 90 s); a replica under
+    overload grew 38 % in four minutes after its first."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def __call__(self) -> None:
+        import time
+
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            release_freed_memory()
