@@ -13,13 +13,8 @@ from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.engines import EngineActor  # noqa: E402
 from hpref.rl.policy import completion_logprobs, group_batch, pad_batch, trim_completion  # noqa: E402
 from hpref.rl.rollout_types import rollout_of_tokens  # noqa: E402
-from hpref.rl.rollouts import (  # noqa: E402
-    RolloutExecutor,
-    StaleWeightsError,
-    build_prompt_source,
-    rollout_prompts,
-    staleness_decision,
-)
+from hpref.rl.rollouts import RolloutExecutor, build_prompt_source, rollout_prompts  # noqa: E402
+from hpref.rl.staleness import StaleWeightsError, staleness_decision  # noqa: E402
 from hpref.rl.trainer import TrainerActor  # noqa: E402
 from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402

@@ -6,7 +6,7 @@ hands to the trainer and to the metrics row. One object from the executor on, fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypedDict
 
 #: a three-way verdict on an answer pair: (P(first preferred), P(second preferred), P(tie))
@@ -54,6 +54,17 @@ class Rollout:
     reward_components: dict[str, list[float]] | None = None
     opponent_tokens: int = 0
     stale_regenerated: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain lists, numbers and strings (a save's `executor.json`: no code runs from it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> Rollout:
+        data = cls(**row)
+        data.pairs = [(int(a), int(b)) for a, b in data.pairs]
+        data.verdicts = [tuple(v) for v in data.verdicts]  # type: ignore[misc]
+        return data
 
     @classmethod
     def from_generation(cls, out: Generation, **fields) -> Rollout:

@@ -1,9 +1,10 @@
 """Rollouts of `hpref rl`: the prompts, the executor that serves them, and the staleness policy.
 
 Every policy answers the same prompts at the same rollout id (`rollout_prompts`: prompt i of the
-stream depends only on (seed, i)), sampled with a seed of (policy, rollout) (`sample_seed`), so a
-restored position regenerates exactly what was lost. `staleness_decision` says whether buffered
-data is still fresh enough for the trainer; the `RolloutExecutor` holds the buffers and the reward.
+stream depends only on (seed, i)), sampled with a seed of (policy, rollout) (`sample_seed`); a
+save keeps the rollouts prefetched ahead of the trainer, so a resume trains on the data an
+uninterrupted run does. `staleness_decision` says whether buffered data is still fresh enough for
+the trainer; the `RolloutExecutor` holds the buffers and the reward.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from hpref.data.prompts import Prompt, stream_rng
 from hpref.errors import UserError
@@ -22,6 +23,7 @@ from hpref.rl.evaluation import eval_report, scorer_report
 from hpref.rl.policy import apply_env
 from hpref.rl.reward_set import RewardSet, build_reward
 from hpref.rl.rollout_types import Rollout
+from hpref.rl.staleness import staleness_decision
 from hpref.runfolder.layout import EXECUTOR_STATE
 
 if TYPE_CHECKING:
@@ -49,44 +51,6 @@ def rollout_prompts(source: PromptSource, rollout: RolloutConfig, rollout_id: in
 def sample_seed(seed: int, policy: str, rollout_id: int) -> int:
     """The sampling seed of one policy's rollout: regenerating it gives the same answers."""
     return stream_rng("sample", seed, policy, rollout_id).getrandbits(62)
-
-
-Decision = Literal["use", "regenerate"]
-
-
-class StaleWeightsError(RuntimeError):
-    """An engine is further behind its trainer than the staleness limit allows."""
-
-
-def expected_version(rollout_id: int, update_interval: int) -> int:
-    """The trainer's weight version when it starts rollout `rollout_id` (one publish per interval)."""
-    return rollout_id // update_interval
-
-
-def staleness_decision(
-    policy: str,
-    rollout_id: int,
-    data_version: int | None,
-    engine_version: int,
-    update_interval: int,
-    limit: int,
-) -> Decision:
-    """Serve buffered data, regenerate it, or fail.
-
-    Data of rollout `r` is fresh enough when its weights are at most `limit` versions behind the
-    trainer's. Stale data is regenerated if the engine now has fresh enough weights; if the engine
-    itself is too far behind, the trainer did not publish a new version in time: an error, because
-    waiting would deadlock (the trainer waits for this very rollout).
-    """
-    needed = expected_version(rollout_id, update_interval) - limit
-    if data_version is not None and data_version >= needed:
-        return "use"
-    if engine_version >= needed:
-        return "regenerate"
-    raise StaleWeightsError(
-        f"policy '{policy}': rollout {rollout_id} needs weights of version >= {needed} but the engine "
-        f"serves version {engine_version}: no weight update was published in time"
-    )
 
 
 class RequestBatcher:
@@ -480,14 +444,17 @@ class RolloutExecutor:
         return report
 
     async def save(self, folder: str) -> None:
-        """Write the data position. Prefetched data is not saved: it is regenerated identically
-        (seeded by policy and rollout id) from the restored weights."""
+        """Write the data position and the rollouts prefetched past it (waiting for one in flight):
+        made by weights older than the saved ones, regenerated they were other answers, and a
+        resumed run trained on them was no longer the uninterrupted one (benchmarks/chaos_rl.py)."""
         from hpref.runfolder import integrity
         from hpref.runfolder.files import write_json_atomic
 
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path / EXECUTOR_STATE, {"positions": self.positions}, sort_keys=True)
+        ahead = {p: [(await t).to_json() for _r, t in sorted(b.items())] for p, b in self._buffer.items()}
+        state = {"positions": self.positions, "buffered": ahead}
+        write_json_atomic(path / EXECUTOR_STATE, state, sort_keys=True)
         integrity.write_manifest(path)
 
     async def load(self, folder: str) -> dict[str, int]:
@@ -496,18 +463,24 @@ class RolloutExecutor:
         self._drop_buffers()
         self._answers.clear()
         saved: dict[str, int] = {}
+        ahead: list[Rollout] = []  # a save made before they were kept has none: regenerated then
         if path.is_file():
             from hpref.runfolder import integrity
             from hpref.runfolder.safe_load import CheckpointError
 
             integrity.require_verified(path.parent)
             try:
-                saved = json.loads(path.read_text(encoding="utf-8"))["positions"]
-                saved = {str(p): int(n) for p, n in saved.items()}
+                state = json.loads(path.read_text(encoding="utf-8"))
+                saved = {str(p): int(n) for p, n in state["positions"].items()}
+                ahead = [Rollout.from_json(r) for rows in state.get("buffered", {}).values() for r in rows]
             except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
         for p in self.policies:
             self.positions[p] = int(saved.get(p, 0))
+        for data in ahead:
+            if data.policy in self._buffer and data.rollout_id >= self.positions[data.policy]:
+                self._buffer[data.policy][data.rollout_id] = done = asyncio.get_running_loop().create_future()
+                done.set_result(data)
         return {p: self.positions[p] for p in self.policies if p in saved}
 
     async def shutdown(self) -> None:

@@ -39,7 +39,7 @@ from hpref.rl.policy import (
 )
 from hpref.rl.protocols import PreparesBatches
 from hpref.rl.rollout_types import Rollout, TrainingRows
-from hpref.rl.rollouts import expected_version
+from hpref.rl.staleness import expected_version
 
 if TYPE_CHECKING:
     from torch import nn
