@@ -16,7 +16,6 @@ Examples are derandomized: the suite tries the same inputs on every run.
 from __future__ import annotations
 
 import bz2
-import contextlib
 import csv
 import gzip
 import io
@@ -25,13 +24,12 @@ import json
 import lzma
 import math
 import re
-import signal
-import threading
 from datetime import timedelta
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.fuzzing import time_bound
 
 from hpref.builtin.prompts import (
     ArenaPromptsConfig,
@@ -350,25 +348,6 @@ def data_file(draw, row_strategy):
 # -- what every outcome must be --------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def time_bound(seconds: int):
-    """Fail an example that runs `seconds` (a reader stuck in a loop) instead of hanging the suite."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def hang(signum, frame):
-        raise TimeoutError(f"an example ran over {seconds} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, hang)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def utf8(value: str) -> bool:
     try:
         value.encode("utf-8")
@@ -426,7 +405,7 @@ def test_a_damaged_file_reads_or_is_refused_in_one_line(tmp_path, kind, draw):
     name, data, rows, intact = draw.draw(data_file(rows_strategy), label="file")
     path = tmp_path / f"{next(counter)}-{name}"
     path.write_bytes(data)
-    with time_bound(HANG_SECONDS):
+    with time_bound(HANG_SECONDS, "an example"):
         strict = read(build, path, "raise")
         lenient = read(build, path, "skip")
         if prompt_source is not None:

@@ -14,11 +14,8 @@ Examples are derandomized: the suite tries the same requests on every run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import signal
-import threading
 from datetime import timedelta
 
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +26,7 @@ from hpref.data.records import Battle
 from hpref.data.transcripts import render_chatml
 from hpref.serve import shapes
 from hpref.serve.shapes import BadRequest, Limits
+from tests.fuzzing import time_bound
 
 FUZZ = settings(
     max_examples=150,
@@ -220,25 +218,6 @@ def damaged_bytes(draw, kind: str):
 # -- what every outcome must be --------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def time_bound(seconds: int):
-    """Fail a request that runs `seconds` (a parser stuck in a loop) instead of hanging the suite."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def hang(signum, frame):
-        raise TimeoutError(f"a request ran over {seconds} s: a hang")
-
-    previous = signal.signal(signal.SIGALRM, hang)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def as_response(content) -> bytes:
     """What Starlette's JSONResponse does to a body: strict JSON (no NaN), encoded as UTF-8."""
     return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
@@ -246,7 +225,7 @@ def as_response(content) -> bytes:
 
 def serve(kind: str, scorer: str, body: bytes) -> None:
     """One request as the replica handles it; asserts the outcome is a 4xx line or a bounded job."""
-    with time_bound(HANG_SECONDS):
+    with time_bound(HANG_SECONDS, "a request"):
         try:
             payload = shapes.decode_json(body, LIMITS)
             job, respond = PARSERS[kind](payload, SCORERS[scorer], LIMITS)
