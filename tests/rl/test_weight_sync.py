@@ -127,7 +127,7 @@ def broken_then_resumed(ray_cluster, tmp_path_factory):
         failed = driver.run_rl(rec, ["a", "b"])
         mp.undo()
         stopped = read_record(run_dir)
-        stop = stopped.rollout_ids["a"] + 2
+        stop = stopped.rollout_ids["a"] + 4  # past the rollouts the save kept prefetched
         resumed = driver.run_rl(
             recipe(run_dir, update_weights_interval=2, num_rollouts=stop), ["a", "b"], resume="auto"
         )
@@ -168,10 +168,18 @@ def test_every_second_update_reaches_the_engine_through_a_failure_and_a_resume(b
         for row in rows:
             # rollout r trains weights of version r // 2; its data may lag that by one (staleness 1)
             assert row["rollout"] // 2 - 1 <= row["data_version"] <= row["rollout"] // 2, (policy, row)
-        # restore pushed the trainer's version, so the first rollout after the resume came from it:
-        # not 0 (no push at restore), not the position itself (updates counted as versions)
-        first = rows[stopped.rollout_ids[policy]]
-        assert first["data_version"] == stopped.rollout_ids[policy] // 2, (policy, first)
+        # restore pushed the trainer's version, so the first rollout generated after the resume came
+        # from it or a newer one: not 0 (no push at restore). The rollouts the interrupted run had
+        # prefetched past the position are kept by the save (with their older versions) and served
+        # first, as the uninterrupted run would have.
+        position = stopped.rollout_ids[policy]
+        executor = json.loads((run_dir / stopped.save_dir / "executor" / "executor.json").read_text())
+        kept = [data["rollout_id"] for data in executor["buffered"][policy]]
+        assert kept and kept[0] == position, (policy, kept)
+        assert [rows[r]["data_version"] for r in kept] == [d["version"] for d in executor["buffered"][policy]]
+        if policy == "a":  # the leader runs to `stop`; the follower may end before its next rollout
+            generated = rows[max(kept) + 1]
+            assert generated["data_version"] >= position // 2, (policy, generated)
 
 
 def test_a_sync_that_reaches_the_engine_half_way_keeps_the_old_version_serving(broken_then_resumed):

@@ -64,6 +64,19 @@ def wandb_records(path: Path) -> list[Any]:
     return records
 
 
+def _finished_records(path: Path, timeout_s: float = 30.0) -> list[Any]:
+    """The run file's records once it holds W&B's `exit` record: `run.finish()` returns before
+    wandb-core's writer has flushed the last of them (seen under load: a file with no history)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_run(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
     """Every offline W&B run folder of the hpref run (one per start, same id): each start's history
     rows in order, and the config."""
@@ -75,7 +88,7 @@ def wandb_run(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str, Any]
     history, config = [], {}
     for path in files:
         history.append([])
-        for record in wandb_records(path):
+        for record in _finished_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "history":
                 history[-1].append(
