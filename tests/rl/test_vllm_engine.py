@@ -311,6 +311,10 @@ def test_without_vllm_the_engine_is_one_line_naming_the_extra(monkeypatch):
     assert "\n" not in str(info.value)
 
 
+def gcs_address() -> str:
+    return ray.get_runtime_context().gcs_address
+
+
 def test_two_policies_on_vllm_stop_and_resume_exactly(ray_cluster, tmp_path):
     run_dir = tmp_path / "vllm-run"
 
@@ -330,15 +334,16 @@ def test_two_policies_on_vllm_stop_and_resume_exactly(ray_cluster, tmp_path):
         run = {"name": run_dir.name, "output_dir": str(run_dir.parent)}
         return recipe_from_dict({"run": run, "rl": rl}, resolve=False)
 
-    # the interrupted half runs as a user runs it: `hpref rl` in its own process and Ray cluster,
-    # its console kept. Every line there is hpref's: vLLM's per-weight dtype notes, its rotary
+    # the interrupted half runs as a user runs it: `hpref rl` in its own process (joining the
+    # session's Ray cluster, as `--ray-address` does: a cluster start costs the suite ~10 s), its
+    # console kept. Every line there is hpref's: vLLM's per-weight dtype notes, its rotary
     # embedding notes and Triton's or Ray's start-up lines on the console are issue #40's noise
     interrupted = tmp_path / "interrupted.toml"
     interrupted.write_text(recipe(debug_exit_after_rollout=1).to_toml())
     console = tmp_path / "rl.stderr"  # a file, not a pipe: a full pipe would stall the run
     with open(console, "w") as stderr:
         code = subprocess.run(
-            [*HPREF, "rl", str(interrupted), "--policies", "a,b"],
+            [*HPREF, "rl", str(interrupted), "--policies", "a,b", "--ray-address", gcs_address()],
             env=cli_env(tmp_path), stdout=subprocess.DEVNULL, stderr=stderr, timeout=400,
         ).returncode  # fmt: skip
     assert code == 0, console.read_text()[-3000:]
