@@ -128,3 +128,27 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     assert any(
         "no leaderboard in rl_summary.json: no eval ran (eval_interval = 0)" in m for m in log_messages
     )
+
+
+def test_a_dead_actor_is_found_when_the_error_does_not_name_it(ray_cluster):
+    """A weight push cut by a trainer's death reaches the driver as gloo's "connection reset by
+    peer", naming no actor: `dead_actor` asks each of the run's actors and names the dead one (and
+    takes a live one for alive). Wrong: the run's line blames the weight update, not what died."""
+    from types import SimpleNamespace
+
+    from hpref.runtime.ray_cluster import actor_names, dead_actor
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        pass
+
+    trainer, engine, executor = Idle.remote(), Idle.remote(), Idle.remote()
+    handles = SimpleNamespace(
+        engines={"a": engine}, trainers={"a": SimpleNamespace(ranks=[trainer])}, executor=executor
+    )
+    names = actor_names(handles)
+    assert dead_actor(handles, names) is None
+    ray.kill(trainer)
+    assert dead_actor(handles, names) == "policy 'a': trainer actor"
+    for actor in (engine, executor):
+        ray.kill(actor)

@@ -34,7 +34,7 @@ from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.record import ResumeError, check_record_leader, read_record
 from hpref.runfolder.files import write_json_atomic
 from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
-from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, lost_actor, ray_cause
+from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, dead_actor, lost_actor, ray_cause
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -396,6 +396,8 @@ def run_rl(
         lost = lost_actor(exc, actors)
         if lost is None and not isinstance(exc, WeightSyncError):
             raise
+        if lost is None and actors:  # a failed weight push: a trainer or engine that died under it?
+            lost = dead_actor(handles, actors)
         record = read_record(run_dir)
         where = (
             f"--resume auto continues from {record.save_dir} ({run_dir / RECORD_FILE})"
@@ -403,7 +405,9 @@ def run_rl(
             else "no save was recorded yet, so a new run starts from the beginning"
         )
         logger.opt(exception=exc).debug("the run stopped")
-        what = f"{exc}" if lost is None else f"{lost} died ({type(actor_death(exc)).__name__})"
+        death = actor_death(exc)
+        how = type(death).__name__ if death is not None else "found dead after a weight update failed"
+        what = f"{exc}" if lost is None else f"{lost} died ({how})"
         logger.error(f"{what}; the run stopped; {where}")
         metrics.close()  # the loggers' files complete up to the last row
         return 1

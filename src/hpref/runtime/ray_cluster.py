@@ -154,6 +154,24 @@ def actor_death(exc: BaseException | None) -> BaseException | None:
     return found
 
 
+def dead_actor(handles: Any, names: dict[str, str], timeout_s: float = 5.0) -> str | None:
+    """The first of the run's actors that is dead, asked directly: for an error that does not say
+    which actor died (a weight push cut by a trainer's death reaches the driver as gloo's "connection
+    reset by peer"). An actor that only answers slowly is not dead."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    ranks = [rank for group in handles.trainers.values() for rank in group.ranks]
+    for actor in [*ranks, *handles.engines.values(), handles.executor]:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except RayActorError:
+            return names.get(actor._actor_id.hex(), f"Ray actor {actor._actor_id.hex()}")
+        except GetTimeoutError:
+            continue
+    return None
+
+
 def lost_actor(exc: BaseException, names: dict[str, str]) -> str | None:
     """`policy 'b': trainer actor` when `exc` says one of this run's actors died, else None."""
     death = actor_death(exc)
