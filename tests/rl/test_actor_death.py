@@ -149,6 +149,8 @@ def test_a_dead_actor_is_found_when_the_error_does_not_name_it(ray_cluster):
     names = actor_names(handles)
     assert dead_actor(handles, names) is None
     ray.kill(trainer)
+    with pytest.raises(ray.exceptions.RayActorError):  # Ray knows it is dead (slow under load)
+        ray.get(trainer.__ray_ready__.remote(), timeout=120)
     assert dead_actor(handles, names) == "policy 'a': trainer actor"
     for actor in (engine, executor):
         ray.kill(actor)

@@ -154,7 +154,7 @@ def actor_death(exc: BaseException | None) -> BaseException | None:
     return found
 
 
-def dead_actor(handles: Any, names: dict[str, str], timeout_s: float = 5.0) -> str | None:
+def dead_actor(handles: Any, names: dict[str, str], timeout_s: float = 15.0) -> str | None:
     """The first of the run's actors that is dead, asked directly: for an error that does not say
     which actor died (a weight push cut by a trainer's death reaches the driver as gloo's "connection
     reset by peer"). An actor that only answers slowly is not dead."""
