@@ -277,13 +277,23 @@ def test_metrics_are_prometheus_text_that_counts_what_was_answered(server):
     shed. Wrong if a replica's figures were missing (each replica's count is summed) or the shed
     requests were invisible to an operator."""
     assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 401
-    deadline = time.monotonic() + 30  # Ray's exporter reports each second
-    while True:
-        samples = _metrics(server)
-        requests = "hpref_serve_requests_total"
-        if _total(samples, requests, endpoint="/v1/score", status="504") >= 1 or time.monotonic() > deadline:
-            break
+    requests = "hpref_serve_requests_total"
+
+    def counted(samples) -> bool:  # what the tests above made each replica record
+        return (
+            _total(samples, requests, endpoint="/v1/score", status="504") >= 1
+            and _total(samples, requests, endpoint="/v1/score", status="400") >= 5
+            and _total(samples, requests, endpoint="/v1/score", status="200") >= 2
+            and _total(samples, "hpref_serve_request_seconds_count", endpoint="/v1/score")
+            == _total(samples, requests, endpoint="/v1/score")
+            and _total(samples, "ray_serve_num_http_error_requests_total", error_code="503") >= 1
+        )
+
+    deadline = time.monotonic() + 60  # Ray's exporter reports each second; slower on a busy machine
+    samples = _metrics(server)
+    while not counted(samples) and time.monotonic() < deadline:
         time.sleep(1)
+        samples = _metrics(server)
     assert _total(samples, requests, endpoint="/v1/score", status="504") >= 1
     assert _total(samples, requests, endpoint="/v1/score", status="400") >= 5
     assert _total(samples, requests, endpoint="/v1/score", status="200") >= 2
