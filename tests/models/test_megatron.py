@@ -187,19 +187,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_tp(folder: Path, out: Path, nproc: int, *mode: str) -> dict:
+def _run_tp(folder: Path, out: Path) -> dict:
+    """megatron_tp_worker.py on two gloo ranks: each mode's losses and gathered weights."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for _attempt in range(3):  # a free port can be taken by another test's process before torchrun binds it
         cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
+            "--nproc-per-node=2",
             f"--master-port={_free_port()}",
             str(WORKER),
         ]
         done = subprocess.run(
-            [*cmd, str(folder), str(out), *mode], env=env, capture_output=True, text=True, timeout=300
+            [*cmd, str(folder), str(out)], env=env, capture_output=True, text=True, timeout=300
         )
         if "EADDRINUSE" not in done.stderr:
             break
@@ -218,12 +219,12 @@ def test_tensor_parallel_over_two_gloo_ranks_equals_one_rank(tmp_path):
     output or the sum of the norms' partial gradients is wrong."""
     folder = tmp_path / "tiny-llama"
     hf_model(tiny_config()).save_pretrained(folder)
-    one = _run_tp(folder, tmp_path / "tp1.json", 1)
-    two = _run_tp(folder, tmp_path / "tp2.json", 2)
+    runs = _run_tp(folder, tmp_path / "tp.json")
+    one = runs["tp1"]
     assert one["losses"][-1] < one["losses"][0]  # the steps did train
-    sequence = _run_tp(folder, tmp_path / "sp2.json", 2, "sequence-parallel")
-    for run in (two, sequence):
-        assert run["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-6)
+    for mode in ("tp2", "tp2-sequence-parallel"):
+        run = runs[mode]
+        assert run["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-6), mode
         assert set(run["checksum"]) == set(one["checksum"])
         for key, value in one["checksum"].items():
             assert run["checksum"][key] == pytest.approx(value, rel=1e-4, abs=1e-4), key

@@ -121,11 +121,9 @@ def _peak_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
-@pytest.mark.skipif(not _hwm_resettable(), reason="needs Linux's resettable peak RSS (/proc/self/clear_refs)")
-def test_trainer_estimate_is_within_a_quarter_of_the_measured_peak():
-    """A small Llama trainer (4 blocks, 256 wide: ~0.35 GiB of model memory and activations) stepped
-    twice in this process: the growth of its peak over the resident set before it was built against
-    the estimate without the baseline. Wrong if a term were missed or double counted."""
+def _measure_trainer_peak() -> tuple[int, int]:
+    """In a fresh process: a small Llama trainer stepped twice, the growth of the process's peak
+    resident set over the resident set before it was built, and the plan's estimate for it."""
     from hpref.memory import release_freed_memory
     from hpref.rl.trainer import TrainerActor
 
@@ -139,6 +137,8 @@ def test_trainer_estimate_is_within_a_quarter_of_the_measured_peak():
     policy = _policy(model={**model, "num_key_value_heads": 2}, kl_coef=0.05, micro_batch_tokens=4096)
     rollout = RolloutConfig(group_size=4, prompts_per_rollout=8, max_new_tokens=48)
     prompt = 40
+    warm = TrainerActor("a", _policy(model=TINY), 1, threads=2)  # the libraries' imports, not measured
+    del warm
     release_freed_memory()
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # the peak so far is forgotten: VmHWM restarts at the resident set now
@@ -167,6 +167,22 @@ def test_trainer_estimate_is_within_a_quarter_of_the_measured_peak():
     estimate = trainer_memory(
         policy, model_shape(policy), rollout, prompt, baseline=0, bucket=0, bf16=False
     ).host
+    return estimate, measured
+
+
+@pytest.mark.skipif(not _hwm_resettable(), reason="needs Linux's resettable peak RSS (/proc/self/clear_refs)")
+def test_trainer_estimate_is_within_a_quarter_of_the_measured_peak():
+    """A small Llama trainer (4 blocks, 256 wide: ~0.35 GiB of model memory and activations) stepped
+    twice: the growth of its peak over the resident set before it was built against the estimate
+    without the baseline. Wrong if a term were missed or double counted. Measured in a fresh
+    process: in a test worker that ran other tests first, the heap's freed blocks take part of the
+    trainer's allocations without growing the resident set (CI once measured 0.26 GiB here for an
+    estimate of 0.38 GiB; a fresh process measures 0.35 GiB, three times out of three)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        estimate, measured = pool.submit(_measure_trainer_peak).result(timeout=300)
     assert 0.75 <= estimate / measured <= 1.25, (estimate / GIB, measured / GIB)
 
 
