@@ -59,7 +59,7 @@ def read_metrics(run_dir, policy):
     return [json.loads(line) for line in lines]
 
 
-def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path):
+def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path, log_messages):
     run_dir = tmp_path / "arena"
 
     # 1. stop after rollout 2 as if interrupted: the save there is the one to resume from. Policy b
@@ -71,6 +71,10 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path):
     stopped_b = first.rollout_ids["b"]
     assert stopped_b >= 1  # the follower really ran beside the leader
     assert json.loads((run_dir / "rl_summary.json").read_text())["debug_exit"] is True
+    # it stopped before its first eval: the summary says why it has no leaderboard, rather than
+    # "eval_interval = 0" or an empty {} to be read as a failure
+    why = "no leaderboard in rl_summary.json: no eval ran (the run stopped before rollout 3, the first eval)"
+    assert any(why in m for m in log_messages), log_messages[-10:]
 
     # 2. a fresh start into the same folder is refused: it would mix two runs
     with pytest.raises(ResumeError, match="already holds a checkpoint record"):
