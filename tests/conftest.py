@@ -78,6 +78,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder `build(folder)` fills, built once for the whole `make test`: the pytest-xdist workers
+    share the session's temporary root, the first to ask builds under a file lock and the others
+    wait, then read it. For deterministic reference runs only (read, never written, by the tests).
+    A build that failed leaves no completion mark: the next worker to ask builds it again."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = root / name, root / f"{name}.complete"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory, monkeypatch):
     """Logs (HPREF_HOME) and token/tokenizer caches (HPREF_CACHE) of tests go to the session's temporary

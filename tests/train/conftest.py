@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import built_once
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -95,12 +97,15 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory):
-    """The uninterrupted 2-rank reference run, shared by the equivalence and resume tests."""
+    """The uninterrupted 2-rank reference run, shared by the equivalence and resume tests of both
+    test workers (built once: ~20 s of the suite each time)."""
     from hpref.train import run_train
 
-    folder = tmp_path_factory.mktemp("two-rank")
-    recipe = write_recipe(folder, "ref")
     os.environ.setdefault("HPREF_CACHE", str(tmp_path_factory.getbasetemp() / "hpref-cache"))
-    code = run_train(recipe, nproc_per_node=2, log=LOGGERS)  # rank 0 alone writes (test_metric_loggers)
-    assert code == 0, "the 2-rank reference run failed; see its logs under " + str(folder)
-    return folder / "runs" / "ref"
+
+    def build(folder: Path) -> None:
+        recipe = write_recipe(folder, "ref")
+        code = run_train(recipe, nproc_per_node=2, log=LOGGERS)  # rank 0 alone writes (test_metric_loggers)
+        assert code == 0, "the 2-rank reference run failed; see its logs under " + str(folder)
+
+    return built_once(tmp_path_factory, "two-rank", build) / "runs" / "ref"
