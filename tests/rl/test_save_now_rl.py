@@ -1,5 +1,6 @@
-"""`hpref save RUN --now` against a live `hpref rl` run: a real run of two tiny policies on the local
-Ray cluster that `hpref rl` starts, and the command from another process.
+"""`hpref save RUN --now` against a live `hpref rl` run: a real run of two tiny policies in its own
+process (joining the session's Ray cluster with `--ray-address`: a cluster's start costs the suite
+~10 s, and test_cluster.py checks the one `hpref rl` starts), and the command from another process.
 
 The run saves only at its end (`save_interval = 0`) and runs for `time_limit_s`, so a `rollout-*`
 save in the middle can only come from the trigger. If the command says "not alive", the rl driver
@@ -25,6 +26,7 @@ pytest.importorskip("torch")
 
 from hpref.runfolder.layout import CHECKPOINTS, ROLLOUT_PREFIX  # noqa: E402
 from hpref.runfolder.record import read_record  # noqa: E402
+from tests.conftest import run_hpref_here  # noqa: E402
 from tests.rl.console import HPREF, cli_env, foreign_lines  # noqa: E402
 from tests.rl.tiny import write_rl_recipe  # noqa: E402
 
@@ -38,14 +40,17 @@ def _recipe(folder: Path) -> Path:
     return write_rl_recipe(folder, "live", num_rollouts=100000, save_interval=0, time_limit_s=RUN_SECONDS)
 
 
-def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path):
+def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path, ray_cluster):
+    import ray
+
     recipe = _recipe(tmp_path)
     run_dir = tmp_path / "runs" / "live"
     env = cli_env(tmp_path)
+    gcs = ray.get_runtime_context().gcs_address
     log = tmp_path / "rl.stderr"  # a file, not a pipe: a full pipe would stall the run
     with open(log, "w") as stderr:
         rl = subprocess.Popen(
-            [*HPREF, "rl", str(recipe), "--policies", "a,b"],
+            [*HPREF, "rl", str(recipe), "--policies", "a,b", "--ray-address", gcs],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -109,14 +114,8 @@ def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path):
     assert not (run_dir / "heartbeat.json").exists()  # the run is over: no longer "alive"
 
     # an rl save holds policies, not a preference model: exporting it without naming one of them
-    # (`--policy`) is one line and exit 2
-    export = subprocess.run(
-        [*HPREF, "save", str(run_dir), "--to", str(tmp_path / "export")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # (`--policy`) is one line and exit 2 (in this process: a refusal starts nothing)
+    export = run_hpref_here("save", str(run_dir), "--to", str(tmp_path / "export"))
     assert export.returncode == 2, export.stderr
     assert "--policy" in export.stderr and "its policies: a, b" in export.stderr
     assert not (tmp_path / "export").exists()
