@@ -1,0 +1,55 @@
+"""`hpref.lazy_imports`: what transformers imports only because a library is installed waits until
+it is used, and then works as before."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("sklearn")
+pytest.importorskip("scipy")
+
+
+def test_a_model_class_import_skips_sklearn_and_scipy_until_a_deferred_name_is_called():
+    # Wrong if every rank, actor and replica still paid ~1 s for scikit-learn and scipy (they were
+    # imported), if assisted decoding or the detection losses lost their functions or saw those
+    # libraries as missing, or if the deferral lied to another module that asks the same check.
+    script = textwrap.dedent(
+        """
+        import sys
+        import hpref
+        from transformers import AutoModel, LlamaForCausalLM
+        import transformers.generation.candidate_generator as generation
+        import transformers.loss.loss_for_object_detection as detection
+        import transformers.loss.loss_rt_detr as rt_detr
+        from transformers.utils import is_scipy_available, is_sklearn_available
+        print("before", "sklearn" in sys.modules, "scipy.optimize" in sys.modules)
+        print("checks", generation.is_sklearn_available(), detection.is_scipy_available(),
+              is_sklearn_available(), is_scipy_available())
+        import transformers.data.metrics as metrics  # binds the check after the deferral: the truth
+        print("metrics", metrics.is_sklearn_available())
+        import numpy as np
+        from scipy.optimize import linear_sum_assignment
+        from sklearn.metrics import roc_curve
+        labels, scores = [0, 1, 1, 0], [0.1, 0.8, 0.6, 0.4]
+        same = [a.tolist() for a in generation.roc_curve(labels, scores)] == [
+            a.tolist() for a in roc_curve(labels, scores)]
+        cost = np.array([[4.0, 1.0], [2.0, 8.0]])
+        matched = [a.tolist() for a in rt_detr.linear_sum_assignment(cost)] == [
+            a.tolist() for a in linear_sum_assignment(cost)]
+        print("after", same, matched, detection.linear_sum_assignment.__name__)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines == [
+        "before False False",
+        "checks True True True True",
+        "metrics True",
+        "after True True linear_sum_assignment",
+    ], done.stdout
