@@ -1,6 +1,7 @@
 """`hpref train` reads its recipe once per process (issue #27): the launcher reads the recipe the
 user named and checks it; the in-process worker is handed that `Recipe`, and each torchrun rank reads
-the resolved `recipe.toml` the launcher wrote, never the recipe and its `--set`s again.
+the resolved `recipe.toml` the launcher wrote, never the recipe and its `--set`s again. The 2-rank run
+also shows what a run folder holds (the resolved recipe, a log per rank) and what the console shows.
 
 Counted, not assumed: a `sitecustomize` on the subprocesses' PYTHONPATH wraps
 `hpref.recipe.loading.read_toml` (the one place a recipe file is read) and appends `pid<TAB>path` to
@@ -14,8 +15,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from tests.conftest import run_hpref
+from tests.conftest import run_hpref, run_hpref_here
 
 SITECUSTOMIZE = """
 import os
@@ -73,3 +75,17 @@ def test_hpref_train_quickstart_reads_the_recipe_once_per_process(tmp_path, npro
     files = Counter(Path(path).resolve() for _, path in reads)
     assert sum(n for path, n in files.items() if path.name == "quickstart.toml") == 1, reads
     assert files[resolved] == (0 if nproc == 1 else nproc), reads
+    if nproc == 1:
+        return
+    # and the run folder holds the recipe resolved (overrides and defaults, as `recipes show` gives
+    # it) and one full log per rank, while the console carries rank 0's lines only. Wrong if the
+    # recipe were copied unresolved, or ranks > 0 printed
+    run_dir = tmp_path / "runs" / "quickstart"
+    shown = run_hpref_here(
+        "recipes", "show", "quickstart", "--set", f"run.output_dir={str(tmp_path / 'runs')!r}", *overrides
+    )
+    assert (run_dir / "recipe.toml").read_text() == shown.stdout
+    assert tomllib.loads(shown.stdout)["train"]["max_steps"] == 2
+    assert "rank 0/2 on cpu" in result.stderr and "rank 1/2" not in result.stderr
+    assert "rank 1/2 on cpu" in (run_dir / "logs" / "rank1.log").read_text()
+    assert "step 2/2 loss" in (run_dir / "logs" / "rank0.log").read_text()
