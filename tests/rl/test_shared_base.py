@@ -249,9 +249,11 @@ def _rows(run_dir, policy):
 
 
 @pytest.mark.slow
-def test_a_shared_run_trains_as_separate_ones_and_resumes_exactly(ray_cluster, tmp_path):
-    # Wrong if sharing a base changed what a policy learns (its rollouts, losses or adapter), or if
-    # a shared run's save did not resume exactly
+def test_a_shared_run_trains_as_separate_ones(ray_cluster, tmp_path):
+    # Wrong if sharing a base changed what a policy learns (its rollouts, losses or adapter). That a
+    # shared trainer's save resumes exactly, on a shared base or alone, is
+    # test_shared_saves_are_a_policy_of_its_own_saves_and_resume_either_way's (the driver's resume
+    # is the same for every trainer: test_e2e_ray.py); a stop and resume here cost ~20 s
     import json
 
     from safetensors.torch import load_file
@@ -261,9 +263,8 @@ def test_a_shared_run_trains_as_separate_ones_and_resumes_exactly(ray_cluster, t
 
     separate, shared = tmp_path / "separate", tmp_path / "shared"
     assert run_rl(_run_recipe(separate, share_base=False), ["a", "b"]) == 0
-    assert run_rl(_run_recipe(shared, debug_exit_after_rollout=1), ["a", "b"]) == 0
+    assert run_rl(_run_recipe(shared), ["a", "b"]) == 0
     assert json.loads((shared / "rl.json").read_text())["config"]["share_base"] is True
-    assert run_rl(_run_recipe(shared), ["a", "b"], resume="auto") == 0
     for p in ("a", "b"):
         want, got = _rows(separate, p), _rows(shared, p)
         common = sorted(set(want) & set(got))
