@@ -2,7 +2,7 @@
 refused, and that a policy's numbers are the same sharing a base as alone: its answers (the engine's
 mixed-adapter batches), its step (one trainer, an adapter and optimizer per policy), its saves.
 
-The end-to-end run through Ray (shared vs separate, a resume in between) is in test_e2e_ray.py."""
+The end-to-end run through Ray, shared against separate, is `test_a_shared_run_trains_as_separate_ones`."""
 
 from __future__ import annotations
 
