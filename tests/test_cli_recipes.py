@@ -14,7 +14,15 @@ import tomllib
 from hpref import __version__
 from hpref.errors import RecipeError
 from hpref.recipe import load_recipe, parse_override
-from tests.conftest import MINIMAL_RECIPE, REPO, SHARED, fake_plugin_site, run_hpref, run_hpref_together
+from tests.conftest import (
+    MINIMAL_RECIPE,
+    REPO,
+    SHARED,
+    fake_plugin_site,
+    run_hpref,
+    run_hpref_here,
+    run_hpref_together,
+)
 
 SHIPPED = sorted((REPO / "recipes").glob("*.toml"))
 GPU_REFERENCES = {"gemma2-9b-arena", "llama3-8b-arena"}
@@ -360,16 +368,16 @@ def test_internal_error_exits_1_with_traceback_in_log(tmp_path):
 def test_data_stats_on_a_recipe_reports_the_bayes_floor(tmp_path):
     # `hpref data stats` must stream the recipe's dataset and report the synthetic arena's floor.
     path = write(tmp_path, GOOD)
-    result = run_hpref("data", "stats", str(path), "--json")
+    result = run_hpref_here("data", "stats", str(path), "--json")
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)
     assert stats["summary"]["rows_used"] == 100
-    text = run_hpref("data", "stats", str(path)).stdout
+    text = run_hpref_here("data", "stats", str(path)).stdout
     assert "Bayes floor" in text and "uniform 1.0986" in text
 
 
 def test_data_stats_bad_split_exit_2(tmp_path):
-    result = run_hpref("data", "stats", str(write(tmp_path, GOOD)), "--split", "eval")
+    result = run_hpref_here("data", "stats", str(write(tmp_path, GOOD)), "--split", "eval")
     assert result.returncode == 2
     assert "dataset.eval: the recipe has no such section" in result.stderr
 
@@ -385,16 +393,16 @@ def test_data_stats_on_a_file_with_on_error_and_a_recipe_for_tokens(tmp_path):
     data = write_arena_file(tmp_path / "a.csv", generate_battles(30, 0))
     lines = data.read_text().splitlines(keepends=True)
     data.write_text("".join([*lines[:3], "broken,row\n", *lines[3:]]))
-    bad = run_hpref("data", "stats", str(data))
+    bad = run_hpref_here("data", "stats", str(data))
     assert bad.returncode == 2 and "row 3" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-    skipped = run_hpref("data", "stats", str(data), "--on-error", "skip", "--json")
+    skipped = run_hpref_here("data", "stats", str(data), "--on-error", "skip", "--json")
     assert skipped.returncode == 0, skipped.stderr
     summary = json.loads(skipped.stdout)["summary"]
     assert (summary["rows_read"], summary["rows_used"], summary["rows_skipped"]) == (31, 30, 1)
-    no_recipe = run_hpref("data", "stats", str(data), "--on-error", "skip", "--tokens")
+    no_recipe = run_hpref_here("data", "stats", str(data), "--on-error", "skip", "--tokens")
     assert no_recipe.returncode == 2 and "--tokens on a data file needs --recipe" in no_recipe.stderr
     recipe = write(tmp_path, GOOD)
-    with_tokens = run_hpref(
+    with_tokens = run_hpref_here(
         "data", "stats", str(data), "--on-error", "skip", "--tokens", "--recipe", str(recipe),
         "--set", "train.max_length=150", "--json",
     )  # fmt: skip
