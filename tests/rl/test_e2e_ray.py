@@ -80,17 +80,24 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path, log_me
     with pytest.raises(ResumeError, match="already holds a checkpoint record"):
         run_rl(recipe(run_dir), ["a", "b"], None, None)
 
-    # 2b. a tampered copy of the run (b's trainer state pickles as os.system, checksums rewritten to
-    # match) is refused on resume and its code never runs; if this fails, resuming a downloaded
-    # rl run folder runs a stranger's code in the trainer actor
-    tampered = tmp_path / "tampered"
-    shutil.copytree(run_dir, tampered)
-    saved_b = tampered / first.save_dir / "b"
+    # 2b. a tampered copy of b's save (its trainer state pickles as os.system, checksums rewritten to
+    # match) is refused by the trainer that resumes from it, and its code never runs; if this fails,
+    # resuming a downloaded rl run folder runs a stranger's code in the trainer actor. The trainer's
+    # own load, in this process: a run's resume would start every actor to reach the same line
+    from hpref.rl.trainer import TrainerActor
+
+    tampered = tmp_path / "tampered-b"
+    shutil.copytree(run_dir / first.save_dir / "b", tampered)
     marker = tmp_path / "MARKER"
-    torch.save({"optimizer": _Evil(marker), "rollouts_done": 1, "version": 0}, saved_b / "trainer.pt")
-    write_manifest(saved_b)
+    torch.save({"optimizer": _Evil(marker), "rollouts_done": 1, "version": 0}, tampered / "trainer.pt")
+    write_manifest(tampered)
+    config = json.loads((run_dir / "rl.json").read_text())["config"]
+    policy_b = recipe(run_dir).rl.policies["b"]
+    policy_b = policy_b.model_copy(
+        update={"model": policy_b.model.model_copy(update=config["policies"]["b"]["model"])}
+    )
     with pytest.raises(CheckpointError, match="trainer.pt: refused to load"):
-        run_rl(recipe(tampered), ["a", "b"], None, "auto")
+        TrainerActor("b", policy_b, 1).load(str(tampered))
     assert not marker.exists()
 
     # 3. the wrong leader is refused before any actor starts
