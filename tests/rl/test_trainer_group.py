@@ -190,11 +190,13 @@ def test_a_rank_given_a_gpu_torch_cannot_see_is_refused_in_one_line(monkeypatch)
     )
 
 
-def test_a_smollm2_lora_policy_trains_two_rollouts_on_two_ranks(ray_cluster):
+def test_a_smollm2_lora_policy_trains_a_rollout_on_two_ranks(ray_cluster):
     """SmolLM2-135M-Instruct with LoRA adapters (FSDP2 over the adapted decoder blocks, the adapters
-    the only trainable shards) takes two rollouts on two ranks as it does on one, and its engine gets
-    the merged weights whole. If this fails, a real policy cannot use `ranks` (PEFT's layers under
-    FSDP2, the merge from shards, the frozen base's shards) even where the tiny one can."""
+    the only trainable shards) takes a rollout on two ranks as it does on one (its loss and gradient
+    norm), and its engine gets the merged weights after the step whole and equal to the one rank's
+    (so the optimizer's step on the shards is the one-rank step). If this fails, a real policy cannot
+    use `ranks` (PEFT's layers under FSDP2, the merge from shards, the frozen base's shards) even
+    where the tiny one can. A second rollout cost ~10 s and checked nothing the merged weights do not."""
     import random
 
     pytest.importorskip("peft")
@@ -218,7 +220,7 @@ def test_a_smollm2_lora_policy_trains_two_rollouts_on_two_ranks(ray_cluster):
     rng = random.Random(0)
     # 3 groups on 2 ranks: one pads
     shape = dict(prompts=3, group=2, prompt_tokens=(12, 24), answer_tokens=(4, 9), logprob=-8.0)
-    rollouts = [random_rollout(r, rng, **shape) for r in range(2)]
+    rollouts = [random_rollout(0, rng, **shape)]
     remote = ray.remote(TrainerActor).options(num_cpus=0.25)
     ranks = [remote.remote("a", policy, 1, rank=r, world_size=2) for r in range(2)]
     group = TrainerGroup("a", ranks)
@@ -234,7 +236,7 @@ def test_a_smollm2_lora_policy_trains_two_rollouts_on_two_ranks(ray_cluster):
     for g, w in zip(got, want, strict=True):
         for key in ("loss", "kl", "grad_norm", "engine_trainer_logprob_diff"):
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
-    assert want[1]["kl"] > 0  # the adapters moved the policy off its base, on both
+    assert want[0]["grad_norm"] > 0  # the step moved the adapters: the merged weights below are not the base
     merged = alone.update_weights()[1]
     sent = {k: v for b in buckets for k, v in b.items()}
     assert sent.keys() == merged.keys() and len(buckets) >= 3  # 0.5 GiB of fp32 in 64 MiB buckets
