@@ -66,12 +66,8 @@ def gap(model, out, temperature):
 def fp32_engine(ray_cluster):
     """One fp32 vLLM engine of the tiny policy for the tests of `TestOneFp32Engine` (starting one
     is ~15 s here), with its greedy answers taken before any test changed its weights; stopped
-    after them, so that its memory is free for the engines of the tests below. At tensor parallel
-    2: vLLM's own worker processes (two on this CPU), so a sync travels as bytes, not by reference,
-    and each worker must load its shard of the new weights. The in-actor engine of tensor parallel 1
-    syncs in the two-policy run below (its first rollout's log-probs against the trainer's, 1e-3),
-    the shared-base test and test_dpo_train.py's export check."""
-    host = engine(PolicyModelConfig(**TINY_VLLM), dtype="float32", tensor_parallel_size=2, num_cpus=0.5)
+    after them, so that its memory is free for the engines of the tests below."""
+    host = engine(PolicyModelConfig(**TINY_VLLM), dtype="float32")
     yield host, ray.get(host.generate.remote(PROMPTS, 1, 10, 1.0, greedy=True))
     ray.kill(host)
 
@@ -388,3 +384,23 @@ def test_two_policies_on_vllm_stop_and_resume_exactly(ray_cluster, tmp_path):
     prompts, answers = [p for p, _ in recorded], [a for _, a in recorded]
     lm, tokenizer = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
     assert greedy_answers(lm, tokenizer, prompts, 6) == answers
+
+
+def test_tensor_parallel_engines_sync_through_their_worker_processes(ray_cluster):
+    """tensor_parallel_size 2: vLLM's own worker processes (two on this CPU), so a sync travels as
+    bytes, not by reference; each worker must load its shard of the new weights."""
+    spec = PolicyModelConfig(**TINY_VLLM)
+    host = engine(spec, dtype="float32", tensor_parallel_size=2, num_cpus=0.5)
+    model, _ = build_policy_model(spec)
+    assert (
+        gap(model, ray.get(host.generate.remote(PROMPTS, 2, 8, TEMPERATURE, seed=1)), TEMPERATURE)[0] < 1e-4
+    )
+    torch.manual_seed(3)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    ray.get(host.begin_update.remote(1))
+    ray.get(host.load_weights.remote(state))
+    ray.get(host.commit_update.remote())
+    assert (
+        gap(model, ray.get(host.generate.remote(PROMPTS, 2, 8, TEMPERATURE, seed=2)), TEMPERATURE)[0] < 1e-4
+    )
