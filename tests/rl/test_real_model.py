@@ -127,7 +127,7 @@ def run(reward_export, tmp_path_factory, ray_cluster):
     test_cluster.py's). Uninterrupted: a stop and resume of this run cost the suite a minute, and
     what a resume of a pretrained LoRA policy must keep is
     `test_a_resumed_smollm2_lora_trainer_steps_exactly_as_the_uninterrupted_one`'s (bit for bit),
-    the driver's stop and resume test_e2e_ray.py's and test_vllm_engine.py's."""
+    the driver's stop and resume test_e2e_ray.py's."""
     import ray
 
     export, data = reward_export
