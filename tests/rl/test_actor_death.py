@@ -20,6 +20,7 @@ from hpref.rl import launch as driver  # noqa: E402
 from hpref.rl.record import read_record  # noqa: E402
 from tests.rl.conftest import start_ray  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
+from tests.sockets import beyond_loopback, descendants, listening, needs_ss  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +54,7 @@ def synced(monkeypatch):
     return paths
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="uses /proc")
+@needs_ss
 @pytest.mark.parametrize("kind", ["trainer", "engine"])
 def test_a_killed_actor_is_named_and_the_run_resumes(
     kind, request, tmp_path, monkeypatch, log_messages, synced, _ray_for_the_session
@@ -63,10 +64,11 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     in a traceback or the line lacks "policy 'b': engine actor" / "trainer rank 1 actor", the user
     cannot tell what died; if the resume fails, the record written before
     the death is not usable. The trainer's death is in a run that started its own local cluster
-    (which must be down afterwards, actor dead or not), and is resumed; the engine's in a run that
-    joined the session's cluster (which must be left running, as `hpref rl` leaves any cluster it
-    joined). Its resume would run the trainer kind's code again (the record, not the dead actor,
-    says where to go on): ~20 s of the suite for nothing new.
+    (which must listen on loopback only: Ray's default, every interface, exposes a cluster that
+    runs any code sent to it; and be down afterwards, actor dead or not), and is resumed; the
+    engine's in a run that joined the session's cluster (which must be left running, as `hpref rl`
+    leaves any cluster it joined). Its resume would run the trainer kind's code again (the record,
+    not the dead actor, says where to go on): ~20 s of the suite for nothing new.
     Also: rl.json, rl_summary.json and the metrics plot are written through a fsynced temporary
     file (a crash mid-write must leave the old file, not half of one), and a run without evals says
     why its leaderboard is empty."""
@@ -86,12 +88,17 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
 
     monkeypatch.setattr(driver, "create_ray_actors", create)
 
+    cluster: dict[str, object] = {}
+
     def killer():
         metrics = run_dir / "metrics" / "b.jsonl"
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             saved = read_record(run_dir) is not None
             if "b" in pids and saved and metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                if own_cluster:  # the live cluster this process started: GCS, raylet, actors' workers
+                    cluster["processes"] = descendants(os.getpid())
+                    cluster["listening"] = listening(cluster["processes"])
                 os.kill(pids["b"], signal.SIGKILL)
                 return
             time.sleep(0.2)
@@ -112,6 +119,9 @@ def test_a_killed_actor_is_named_and_the_run_resumes(
     assert ray.is_initialized() is not own_cluster
     if kind == "engine":
         return
+    assert pids["b"] in cluster["processes"]  # the tree holds the actors' workers
+    assert any("gcs_server" in line for line in cluster["listening"]), cluster["listening"]
+    assert not beyond_loopback(cluster["listening"]), "\n".join(beyond_loopback(cluster["listening"]))
 
     # the record, not the metrics, says where the run stands; resume runs two leader rollouts more.
     # It joins the tests' shared cluster (started here if it is not up yet, left up for the tests

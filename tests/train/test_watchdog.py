@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.sockets import beyond_loopback, listening, needs_ss
 from tests.train.conftest import write_recipe
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and prctl")
@@ -148,25 +149,16 @@ def test_a_stopped_rank_ends_the_run_with_its_name_and_log(tmp_path):
         assert not any(_alive(pid) for pid in workers.values())
 
 
-def _listening(pids: set[int]) -> list[str]:
-    """`ss -ltnp` lines (TCP listeners) that belong to one of `pids`."""
-    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
-
-
-@pytest.mark.skipif(subprocess.run(["which", "ss"], capture_output=True).returncode != 0, reason="no ss")
+@needs_ss
 def test_a_one_node_run_listens_on_loopback_only(tmp_path):
     """Every TCP socket a live 2-rank run listens on (launcher and workers: rendezvous store, gloo)
     must be bound to 127.0.0.1 or ::1. If this fails, torchrun's store (which binds every
     interface whatever host it is given) is reachable from the network during the run, so anyone
     on it can write into the store the ranks trust."""
     with live_run(tmp_path, "loopback") as (launcher, workers, _run_dir):
-        lines = _listening({launcher.pid, *workers.values()})
+        lines = listening({launcher.pid, *workers.values()})
         assert lines, "found no listening socket at all: the check itself is broken"
-        for line in lines:
-            local = line.split()[3]
-            host = local.rpartition(":")[0]
-            assert host in ("127.0.0.1", "[::1]"), f"listening beyond loopback: {line}"
+        assert not beyond_loopback(lines), "listening beyond loopback:\n" + "\n".join(beyond_loopback(lines))
 
 
 def test_more_cpu_ranks_than_cores_are_refused_before_anything_starts(tmp_path):

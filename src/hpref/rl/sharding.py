@@ -75,13 +75,15 @@ def _ray_gpu_ids() -> list[str]:
         return []
 
 
-def open_rendezvous(world_size: int) -> tuple[Any, str, int]:
-    """Rank 0's TCPStore for its group on a free port: (store, host, port). The store lives as long
-    as rank 0 keeps the object; the other ranks connect to (host, port)."""
-    import torch.distributed as dist
+def open_rendezvous(world_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> tuple[Any, str, int]:
+    """Rank 0's TCPStore for its group on a free port of this node's address, listening there only
+    (`hpref.runtime.stores`): (store, host, port). The store lives as long as rank 0 keeps the
+    object; the other ranks connect to (host, port)."""
+    from hpref.runtime.stores import bound_store, pin_gloo_for
 
     host = _node_address()
-    store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False)
+    pin_gloo_for(host)
+    store = bound_store(host, 0, world_size, timeout=timedelta(seconds=timeout_s))
     return store, host, int(store.port)
 
 
@@ -100,7 +102,10 @@ def join_group(store: Any, host: str, port: int, rank: int, world_size: int, dev
     (`open_rendezvous`), None on the other ranks, which connect to (host, port)."""
     import torch.distributed as dist
 
+    from hpref.runtime.stores import pin_gloo_for
+
     if store is None:
+        pin_gloo_for(host)
         store = dist.TCPStore(host, port, world_size, is_master=False)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(

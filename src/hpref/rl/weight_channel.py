@@ -81,14 +81,17 @@ def open_channel() -> tuple[Any, str, int]:
     """The trainer side's store for the pair: (store, host, port)."""
     from hpref.rl.sharding import open_rendezvous
 
-    return open_rendezvous(2)
+    return open_rendezvous(2, CHANNEL_TIMEOUT_S)
 
 
 def connect(store: Any, host: str, port: int, rank: int, device: torch.device) -> WeightChannel:
     """Join the pair: rank 0 passes its own store, rank 1 connects to (host, port)."""
     import torch.distributed as dist
 
+    from hpref.runtime.stores import pin_gloo_for
+
     if store is None:
+        pin_gloo_for(host)
         store = dist.TCPStore(host, port, 2, is_master=False, timeout=timedelta(seconds=CHANNEL_TIMEOUT_S))
     return WeightChannel(dist.PrefixStore("hpref-weights", store), rank, device)
 

@@ -3,6 +3,8 @@
 distributed   a rank's process group (`init_distributed`, `DistInfo`) and its seeds
 torchrun      torchrun in this process: the launch, the one-node loopback rendezvous, a failed or
               stalled rank named in one line (`run_torchrun`)
+stores        rendezvous stores bound to their address (torch's bind every interface), gloo
+              pinned to loopback for a group that meets there
 watchdog      the workers' heartbeat and the launcher's check of it; workers die with the launcher
 ray_cluster   starting or joining the Ray cluster (`hpref rl`'s actors, `hpref serve`'s replicas)
 checkpoint    a train checkpoint (or run folder) -> the model it holds, with its recipe: the one

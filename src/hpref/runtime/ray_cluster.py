@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hpref.errors import UserError
-from hpref.runtime.torchrun import LOOPBACK_HOSTS
+from hpref.runtime.stores import LOOPBACK_HOSTS
 
 #: Ray resolves a node address of 127.0.0.1 to the machine's network address (so that other nodes
 #: could reach it) unless this is 0, and its GCS, raylet and workers listen on every interface

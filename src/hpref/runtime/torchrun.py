@@ -10,7 +10,7 @@ with the launcher, even one killed with SIGKILL.
 A one-node run on the default endpoint listens on loopback only. torchrun's own stores bind every
 interface whatever host they are given (`TCPStore` passes no address to bind(); both the libuv and
 the legacy server), so the launcher hosts the rendezvous store itself on a socket it bound to
-127.0.0.1 (`TCPStore(master_listen_fd=...)`) through a static one-node rendezvous registered as
+127.0.0.1 (`hpref.runtime.stores.bound_store`) through a static one-node rendezvous registered as
 `hpref-loopback`; the workers reach it as clients (torchrun's shared agent store) and gloo is pinned
 to the loopback interface. The printed command (`hpref train --dry-run`) is torchrun's standard c10d
 launch, which run from a shell would listen on every interface. Several nodes, or an endpoint that is
@@ -32,9 +32,9 @@ from loguru import logger
 
 from hpref.recipe import LaunchSection
 from hpref.runfolder.start import log_file
+from hpref.runtime.stores import LOOPBACK_HOSTS, bound_store, gloo_loopback_environment
 
 LOOPBACK_BACKEND = "hpref-loopback"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def free_port() -> int:
@@ -47,16 +47,10 @@ def _loopback_handler(params):
     """torchrun rendezvous for one node whose store listens on loopback only (module docstring)."""
     import datetime
 
-    from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, port = parse_rendezvous_endpoint(params.endpoint, -1)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
-    listener.listen(socket.SOMAXCONN)
     timeout = int(params.config.get("timeout", 600))
 
     class LoopbackRendezvous(StaticTCPRendezvous):
@@ -64,19 +58,9 @@ def _loopback_handler(params):
             return LOOPBACK_BACKEND
 
     rendezvous = LoopbackRendezvous(host, port, 0, 1, params.run_id, timeout)
-    # StaticTCPRendezvous creates its store (on every interface) only when it has none.
-    # The store takes over the socket; `listener` must outlive it, so it rides along.
-    rendezvous._store = TCPStore(
-        host,
-        port,
-        world_size=1,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=timeout),
-        wait_for_workers=False,
-        multi_tenant=True,
-        master_listen_fd=listener.fileno(),
-    )
-    rendezvous._hpref_listener = listener
+    # StaticTCPRendezvous creates its store (on every interface) only when it has none
+    wait = datetime.timedelta(seconds=timeout)
+    rendezvous._store = bound_store(host, port, 1, timeout=wait, multi_tenant=True)
     return rendezvous
 
 
@@ -84,15 +68,6 @@ def _register_loopback_backend() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(LOOPBACK_BACKEND, _loopback_handler)
-
-
-def _loopback_environment() -> dict[str, str]:
-    """gloo listens on the address of the machine's hostname unless told an interface."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return {}
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    loopback = next((n for n in ("lo", "lo0") if n in names), None)
-    return {"GLOO_SOCKET_IFNAME": loopback} if loopback else {}
 
 
 #: what a rank's collective raises when a peer process is gone (gloo's and NCCL's words): an echo of
@@ -154,7 +129,7 @@ def run_torchrun(
     if args.rdzv_backend == "c10d" and str(args.nnodes) == "1" and host in LOOPBACK_HOSTS:
         _register_loopback_backend()
         args.rdzv_backend = LOOPBACK_BACKEND
-        env.update(_loopback_environment())
+        env.update(gloo_loopback_environment())
     watchdog = None
     if launch.heartbeat_timeout_s > 0:
         watchdog = Watchdog(Path(tempfile.mkdtemp(prefix="hpref-heartbeat-")), launch.heartbeat_timeout_s)

@@ -19,7 +19,7 @@ from pathlib import Path
 from loguru import logger
 
 from hpref.errors import UserError
-from hpref.runtime.ray_cluster import LOOPBACK_HOSTS
+from hpref.runtime.stores import LOOPBACK_HOSTS
 
 SERVE_EXTRA = "pip install 'hpref[serve]'"
 
