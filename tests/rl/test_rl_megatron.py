@@ -23,6 +23,7 @@ from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  
 from hpref.rl.trainer import TrainerActor  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
+from tests.rl.adam_steps import assert_same_adamw_step, trainable  # noqa: E402
 from tests.rl.local_actor import length_scored_rollouts  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
@@ -375,21 +376,28 @@ def test_a_tensor_parallel_group_takes_the_one_rank_step_and_saves_its_files(wor
     cfg = rl_config(model=TINY_TP2, kl_coef=0.1, grad_clip=0.05, ranks=2, trainer_tensor_parallel=2)
     one = cfg.policies["a"].model_copy(update={"ranks": 1, "trainer_tensor_parallel": 1})
     alone = TrainerActor("a", one, 1)
-    start = {k: v.clone() for k, v in alone.update_weights()[1].items()}
+    start = trainable(alone)
     want_stats = alone.train(rollouts[0])
-    want = alone.update_weights()[1]
     assert want_stats["grad_norm"] > 0.05 and want_stats["kl"] == 0.0
 
     remote = ray.remote(TrainerActor).options(num_cpus=0.25)
     ranks = [remote.remote("a", cfg.policies["a"], 1, rank=r, world_size=2) for r in range(2)]
     group = TrainerGroup("a", ranks)
 
-    def close_to(got, want, start=None, rel=1e-5):
-        assert got.keys() == want.keys()
-        for key, tensor in want.items():
-            step = float((tensor - start[key]).norm()) if start is not None else 0.0
-            assert got[key].shape == tensor.shape and got[key].dtype == torch.float32
-            assert float((got[key] - tensor).norm()) <= rel * max(step, 1e-12) + 1e-7, key
+    def read_back(name):
+        """The group's state (weights and Adam moments) as a one-rank trainer loads its save, and the
+        weights the group sent its engine: the save's own, to the bit (one layout conversion apart)."""
+        run(group.save(str(tmp_path / name)))
+        version, buckets = received(group, bucket_bytes=20_000)
+        sent = {k: v for b in buckets for k, v in b.items()}
+        reader = TrainerActor("a", one, 1)
+        reader.load(str(tmp_path / name))
+        saved = reader.update_weights()[1]
+        assert sent.keys() == saved.keys() and len(buckets) > 2  # whole, in several 20 kB buckets
+        for key, tensor in saved.items():
+            assert sent[key].shape == tensor.shape and sent[key].dtype == torch.float32
+            assert torch.equal(sent[key], tensor), key
+        return version, reader
 
     try:
         run(group.start())
@@ -406,36 +414,30 @@ def test_a_tensor_parallel_group_takes_the_one_rank_step_and_saves_its_files(wor
         stats = run(group.train(rollouts[0]))
         for key in ("loss", "kl", "grad_norm", "clip_fraction", "ratio_mean", "engine_trainer_logprob_diff"):
             assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-7), key
-        version, buckets = received(group, bucket_bytes=20_000)
-        assert version == 1 and len(buckets) > 2
-        got = {k: v for b in buckets for k, v in b.items()}
-        close_to(got, want, start)  # the whole transformers state, the update's own
+        # the group's step is the one-rank step (tests/rl/adam_steps.py: moments within summation-order
+        # rounding, each side's weights its own AdamW step), and its save is a one-rank save: a one-rank
+        # trainer resumes it, Adam moments included
+        version, resumed = read_back("tp")
+        assert version == 1 and resumed.optimizer.state  # moments came back, not a fresh optimizer
+        assert_same_adamw_step(alone, resumed, start, start)
 
-        # the group's save is a one-rank save: a one-rank trainer resumes it, Adam moments included
-        run(group.save(str(tmp_path / "tp")))
-        resumed = TrainerActor("a", one, 1)
-        assert resumed.load(str(tmp_path / "tp")) == 1
-        close_to(resumed.update_weights()[1], got)
-        before = {k: v.clone() for k, v in want.items()}
+        # one more identical rollout on each: the resumed moments carry the step on
+        before_alone, before_resumed = trainable(alone), trainable(resumed)
         again, resumed_again = alone.train(rollouts[1]), resumed.train(rollouts[1])
         group_again = run(group.train(rollouts[1]))
         for key in ("loss", "kl", "grad_norm"):
             assert group_again[key] == pytest.approx(again[key], rel=1e-5, abs=1e-7), key
             assert resumed_again[key] == pytest.approx(again[key], rel=1e-5, abs=1e-7), key
-        want = alone.update_weights()[1]
-        # a step after resuming moments gathered from the slices: Adam's m / sqrt(v) magnifies their
-        # ~1e-7 rounding where v is tiny (embedding rows of tokens the rollout barely has): 1.4e-5 of
-        # the step's norm on model.embed_tokens with the rollouts of seeded Gumbel sampling
-        close_to(resumed.update_weights()[1], want, before, rel=3e-5)
+        assert_same_adamw_step(alone, resumed, before_alone, before_resumed)
 
         # ... and the group resumes a one-rank save (each rank cuts its slices of weights and moments)
         alone.save(str(tmp_path / "one"))
         assert run(group.load(str(tmp_path / "one"))) == 2
-        before = {k: v.clone() for k, v in want.items()}
+        before = trainable(alone)
         last = alone.train(rollouts[2])
         assert run(group.train(rollouts[2]))["grad_norm"] == pytest.approx(last["grad_norm"], rel=1e-5)
-        _version, buckets = received(group)
-        close_to({k: v for b in buckets for k, v in b.items()}, alone.update_weights()[1], before)
+        _version, after_group = read_back("tp-again")
+        assert_same_adamw_step(alone, after_group, before, before)
     finally:
         for r in ranks:
             ray.get(r.close.remote())
