@@ -24,6 +24,14 @@ with `--resume auto` each time, and check the result against a run that was neve
   position both runs saved), tensor by tensor (weights, AdamW moments). Where the numbers part, the
   first rollout that differs per policy (data version, loss, reward) is named with the kill whose
   resume regenerated it. Output: JSON (`--out`), a markdown table.
+- **Verdict** (`failures`, exit 1 unless empty): every kill asked struck, no hang, nothing left
+  behind, the run completed, the record consistent, and every policy's final save compared and
+  equal. Nothing compared is a failure that says what was not compared (a policy with no position
+  both runs saved, a save with no tensor), never a pass.
+
+The suite's short version (tests/rl/test_chaos_rl.py) imports `reference`, `chaos`, `check` and
+`failures` with its own recipe, policies and kill targets in turn (`args.targets`), its runs joined
+to the suite's Ray cluster (`args.ray_address`; actors found under `args.cluster_root`).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, write_json
+from benchmarks.common import REPO, tree_pids, write_json
 
 HPREF = [sys.executable, "-m", "hpref"]
 POLICIES = ["a", "b"]
@@ -67,7 +75,7 @@ def run_env(work: Path, cache: Path) -> dict[str, str]:
 
 
 def rl_command(args: argparse.Namespace, name: str, resume: bool) -> list[str]:
-    model = MODELS[args.model]
+    """`hpref rl` of `args.recipe` (a shipped name or a file) for `args.policies`, with `args.sets`."""
     sets = {
         "run.name": json.dumps(name),
         "run.output_dir": json.dumps(str(args.work / "runs")),
@@ -75,13 +83,15 @@ def rl_command(args: argparse.Namespace, name: str, resume: bool) -> list[str]:
         "rl.save_interval": 1,
         "rl.eval_interval": 0,
         "rl.keep_last": 0,
-        **model["sets"],
+        **args.sets,
     }
     if args.staleness is not None:
         sets["rl.staleness_limit"] = args.staleness
-    cmd = [*HPREF, "rl", model["recipe"], "--policies", ",".join(POLICIES)]
+    cmd = [*HPREF, "rl", args.recipe, "--policies", ",".join(args.policies)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
+    if args.ray_address:
+        cmd += ["--ray-address", args.ray_address]
     return cmd + (["--resume", "auto"] if resume else [])
 
 
@@ -89,6 +99,7 @@ class Segment:
     """One `hpref rl` process of a run (its own session: `os.getsid(p) == pid` for all it started)."""
 
     def __init__(self, args: argparse.Namespace, name: str, index: int, resume: bool) -> None:
+        self.cluster_root = args.cluster_root  # a joined cluster's actors are its processes, not ours
         self.log = args.work / "logs" / f"{name}-{index}.stderr"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
@@ -116,11 +127,23 @@ class Segment:
                     out.append(p)
         return out
 
+    def cluster(self) -> list[Any]:
+        """The live processes of the joined cluster (`cluster_root`'s tree), none for our own."""
+        import psutil
+
+        out = []
+        for pid in tree_pids(self.cluster_root) if self.cluster_root else []:
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+        return out
+
     def actors(self, kind: str) -> list[tuple[int, str]]:
         import psutil
 
         found = []
-        for p in self.session():
+        for p in self.session() + self.cluster():
             with contextlib.suppress(psutil.Error):
                 title = " ".join(p.cmdline())
                 if title.startswith(TITLES[kind]):
@@ -144,7 +167,7 @@ class Segment:
         import psutil
 
         deadline = time.monotonic() + grace
-        while (left := self.session()) and time.monotonic() < deadline:
+        while (left := self.session() + self.run_actors()) and time.monotonic() < deadline:
             time.sleep(0.5)
         names = []
         for p in left:
@@ -152,6 +175,18 @@ class Segment:
                 names.append(f"{p.pid} {' '.join(p.cmdline())[:60]}")
                 p.kill()
         return names
+
+    def run_actors(self) -> list[Any]:
+        """A joined cluster's processes that hold one of the run's actors (its daemons and idle
+        workers are the cluster's, not the run's)."""
+        import psutil
+
+        out = []
+        for p in self.cluster():
+            with contextlib.suppress(psutil.Error):
+                if " ".join(p.cmdline()).startswith(tuple(TITLES.values())):
+                    out.append(p)
+        return out
 
     def kill_group(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -171,9 +206,9 @@ def trained_rows(run_dir: Path, policy: str) -> list[dict[str, Any]]:
     return rows
 
 
-def last_rollout(run_dir: Path) -> int:
+def last_rollout(run_dir: Path, leader: str = LEADER) -> int:
     """The leader's newest trained rollout id in its metrics (-1: none)."""
-    return max((r["rollout"] for r in trained_rows(run_dir, LEADER)), default=-1)
+    return max((r["rollout"] for r in trained_rows(run_dir, leader)), default=-1)
 
 
 def record_of(run_dir: Path) -> dict[str, Any] | None:
@@ -182,12 +217,12 @@ def record_of(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def wait_past(segment: Segment, run_dir: Path, rollout: int, stall_s: float) -> float | None:
+def wait_past(segment: Segment, run_dir: Path, rollout: int, stall_s: float, leader: str) -> float | None:
     """Seconds from the segment's start until the leader trains a rollout past `rollout`; None when
     the process ended first or nothing came within `stall_s`."""
     deadline = time.monotonic() + stall_s
     while time.monotonic() < deadline:
-        if last_rollout(run_dir) > rollout:
+        if last_rollout(run_dir, leader) > rollout:
             return time.monotonic() - segment.started
         if not segment.alive():
             return None
@@ -214,16 +249,20 @@ def reference(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def chaos(args: argparse.Namespace, slot_s: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The killed run: `args.kills` kills, each followed by a `--resume auto` restart."""
+    """The killed run: `args.kills` kills, each followed by a `--resume auto` restart. Each kill's
+    target is drawn from KINDS, or taken in turn from `args.targets` when given."""
     rng = random.Random(args.seed)
-    run_dir = args.work / "runs" / "chaos"
+    run_dir, leader = args.work / "runs" / "chaos", args.policies[0]
     began = time.monotonic()
     segment = Segment(args, "chaos", 0, resume=False)
     kills: list[dict[str, Any]] = []
-    wait_past(segment, run_dir, -1, args.stall_s)
+    # the first kill: once the leader trained a rollout past `kill_after` (-1: its first; later, a
+    # save is recorded: a kill before any save tests a fresh start, not a resume)
+    wait_past(segment, run_dir, args.kill_after, args.stall_s, leader)
     while len(kills) < args.kills and segment.alive():
         # drawn before anything is looked at, so the schedule depends on the seed alone
         delay, kind = rng.uniform(0.05, 1.2) * slot_s, rng.choice(KINDS)
+        kind = args.targets[len(kills)] if args.targets else kind
         time.sleep(delay)
         if not segment.alive():
             break
@@ -231,7 +270,7 @@ def chaos(args: argparse.Namespace, slot_s: float) -> tuple[list[dict[str, Any]]
         if not victims:
             continue
         pid, title = rng.choice(victims)
-        killed_at = last_rollout(run_dir)
+        killed_at = last_rollout(run_dir, leader)
         record = record_of(run_dir) or {}
         kill = {
             "target": kind,
@@ -265,11 +304,11 @@ def chaos(args: argparse.Namespace, slot_s: float) -> tuple[list[dict[str, Any]]
         kill["resumed_from"] = resumed["rollout_ids"] if resumed else None
         # the leader may finish a rollout between the kill and the run's end: recovery is to the
         # first rollout past the last one it trained
-        kill["stopped_at"] = stopped = last_rollout(run_dir)
+        kill["stopped_at"] = stopped = last_rollout(run_dir, leader)
         kills.append(kill)
         print(f"kill {len(kills)}: {kind} at leader rollout {killed_at}: exit {code}: {kill['message'][:99]}")
         segment = Segment(args, "chaos", len(kills), resume=True)
-        kill["recovery_s"] = wait_past(segment, run_dir, stopped, args.stall_s)
+        kill["recovery_s"] = wait_past(segment, run_dir, stopped, args.stall_s, leader)
         if kill["recovery_s"] is None and segment.alive():
             kill["hang"] = f"no leader rollout past {stopped} within {args.stall_s} s of the restart"
             segment.kill_group()
@@ -332,6 +371,8 @@ def compare_saves(ours: Path, theirs: Path) -> dict[str, Any]:
                 else None
             )
             differ.append({"tensor": key, "max_abs_diff": gap})
+    if not a:  # no tensor on either side is nothing compared, not a match
+        return {"tensors": 0, "equal": False, "differ": [], "why": f"no tensor in {ours} to compare"}
     return {"tensors": len(a), "equal": not differ, "differ": differ}
 
 
@@ -340,10 +381,14 @@ def check(args: argparse.Namespace, kills: list[dict[str, Any]]) -> dict[str, An
 
     ours, theirs = args.work / "runs" / "chaos", args.work / "runs" / "ref"
     record, ref_record = record_of(ours), record_of(theirs)
+    for run, rec in (("chaos", record), ("reference", ref_record)):
+        if rec is None:
+            raise SystemExit(f"the {run} run has no record.json: nothing to compare (a run that never saved)")
     assert record is not None and ref_record is not None
     ref_saves, our_saves = saved_positions("ref", args), saved_positions("chaos", args)
     out: dict[str, Any] = {"record": record["rollout_ids"], "reference_record": ref_record["rollout_ids"]}
-    for p in POLICIES:
+    out["policies"] = policies = list(args.policies)
+    for p in policies:
         rows, ref_rows = trained_rows(ours, p), trained_rows(theirs, p)
         ids = [r["rollout"] for r in rows]
         position = record["rollout_ids"][p]
@@ -367,7 +412,8 @@ def check(args: argparse.Namespace, kills: list[dict[str, Any]]) -> dict[str, An
             "adamw_steps": sorted(steps),
         }
         mine["steps_exact"] = state["rollouts_done"] == state["version"] == position and steps == {position}
-        if p == LEADER:
+        mine["steps_exact"] &= position >= 1 and len(rows) >= 1  # a policy that never trained: nothing
+        if p == policies[0]:
             mine["steps_exact"] &= position == args.rollouts == ref_record["rollout_ids"][p]
         by_id = {r["rollout"]: r for r in ref_rows}
         differing = [
@@ -411,11 +457,51 @@ def check(args: argparse.Namespace, kills: list[dict[str, Any]]) -> dict[str, An
     flags = ("weight_versions_rise_by_one", "steps_exact")
     out["consistent"] = all(
         not any(out[p][k] for k in ("duplicated", "missing", "extra")) and all(out[p][k] for k in flags)
-        for p in POLICIES
+        for p in policies
     )
-    out["exact"] = all(
-        out[p]["final_weights"]["equal"] for p in POLICIES if out[p]["final_weights"]["equal"] is not None
-    )
+    # every policy compared and equal: a policy with no save both runs made is a failure, not a pass
+    out["exact"] = all(out[p]["final_weights"]["equal"] is True for p in policies)
+    return out
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    """The verdict: one line per thing that failed or was not compared; empty when the run passed."""
+    out = []
+    kills, end, checks = result["kills"], result["end"], result["checks"]
+    if len(kills) != result["kills_asked"]:
+        out.append(
+            f"{len(kills)} kills of {result['kills_asked']} asked struck (the run ended first): the rest "
+            "were not tried"
+        )
+    out += [f"kill {i}: {k['hang']}" for i, k in enumerate(kills, 1) if k.get("hang")]
+    leader = checks["policies"][0]
+    out += [  # the record already held the whole run: the resume after it had nothing to redo
+        f"kill {i}: landed after the leader's last rollout (resumed at {k['resumed_from']}): no resume tested"
+        for i, k in enumerate(kills, 1)
+        if (k.get("resumed_from") or {}).get(leader) == checks[leader]["reference_position"]
+    ]
+    left = [x for k in kills for x in k["left_behind"]] + end["left_behind"]
+    left += result.get("reference", {}).get("left_behind", [])
+    if left:
+        out.append(f"processes left behind after a run ended: {left[:5]}")
+    if end["exit_code"] != 0:
+        out.append(f"the chaos run did not complete (exit {end['exit_code']}): {end['message'][:200]}")
+    for p in checks["policies"]:
+        c = checks[p]
+        bad = {k: c[k] for k in ("duplicated", "missing", "extra") if c[k]}
+        if bad or not c["weight_versions_rise_by_one"] or not c["steps_exact"]:
+            out.append(
+                f"policy {p}: record inconsistent: position {c['position']}, rows {c['rows']}, {bad}, weight "
+                f"versions rise by one {c['weight_versions_rise_by_one']}, steps exact {c['steps_exact']}"
+            )
+        w = c["final_weights"]
+        if w["equal"] is None or w.get("why"):
+            out.append(f"policy {p}: final weights not compared: {w['why']}")
+        elif not w["equal"]:
+            out.append(
+                f"policy {p}: final weights differ at position {w['position']}: {len(w['differ'])} of "
+                f"{w['tensors']} tensors, first {w['differ'][0]['tensor']}"
+            )
     return out
 
 
@@ -439,7 +525,7 @@ def table(result: dict[str, Any]) -> str:
         f"processes left behind {t['left_behind']}.",
         f"Record consistent: {c['consistent']}; final weights equal to the unkilled run: {c['exact']}.",
     ]
-    for p in POLICIES:
+    for p in c["policies"]:
         w = c[p]["final_weights"]
         diff = c[p].get("first_differing_rollout")
         lines.append(
@@ -456,6 +542,37 @@ def table(result: dict[str, Any]) -> str:
 def machine() -> dict[str, Any]:
     cpu = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
     return {"cpu": cpu and cpu.group(1), "nproc": os.cpu_count(), "load_at_start": os.getloadavg()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Reference, chaos run and checks (`args`: main's options, and recipe, sets, policies, targets,
+    slot_s, kill_after, ray_address, cluster_root); the result `main` writes, `failures` judges."""
+    for stale in ("runs/ref", "runs/chaos", "logs"):  # this benchmark's own folders, from an earlier run
+        subprocess.run(["rm", "-rf", str(args.work / stale)], check=True)
+    info = {"machine": machine(), "command": sys.argv, "recipe": args.recipe, "policies": args.policies}
+    info.update(kills_asked=args.kills, seed=args.seed, rollouts=args.rollouts, staleness=args.staleness)
+    ref = reference(args)
+    print(f"reference: {ref['wall_s']:.0f} s, positions {ref['positions']}")
+    # a kill lands 0.05-1.2 slots after a restart's first new rollout: all of them fit in one run
+    slot = args.slot_s or ref["drive_s"] / (args.kills + 1)
+    kills, end = chaos(args, slot)
+    checks = check(args, kills)
+    recoveries = [k["recovery_s"] for k in kills if k.get("recovery_s") is not None]
+    leader = args.policies[0]
+    totals = {
+        "kills": len(kills),
+        "by_target": {kind: sum(k["target"] == kind for k in kills) for kind in KINDS},
+        "recovery_mean_s": round(sum(recoveries) / len(recoveries), 2) if recoveries else None,
+        "recovery_max_s": round(max(recoveries), 2) if recoveries else None,
+        "rollouts_redone": sum(k["stopped_at"] + 1 - (k["resumed_from"] or {}).get(leader, 0) for k in kills),
+        "hangs": sum(bool(k.get("hang")) for k in kills),
+        "left_behind": sum(len(k["left_behind"]) for k in kills) + len(end["left_behind"]),
+        "chaos_wall_s": end["wall_s"],
+        "reference_wall_s": ref["wall_s"],
+        "final_exit": end["exit_code"],
+        "load_at_end": os.getloadavg(),
+    }
+    return {**info, "reference": ref, "kills": kills, "end": end, "totals": totals, "checks": checks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,34 +592,17 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work.resolve()
     args.rollouts = args.rollouts or MODELS[args.model]["rollouts"]
     args.cache = (args.cache or args.work / "cache").resolve()
-    for stale in ("runs/ref", "runs/chaos", "logs"):  # this benchmark's own folders, from an earlier run
-        subprocess.run(["rm", "-rf", str(args.work / stale)], check=True)
-    info = {"machine": machine(), "command": sys.argv, "recipe": MODELS[args.model]["recipe"]}
-    info.update(kills_asked=args.kills, seed=args.seed, rollouts=args.rollouts, staleness=args.staleness)
-    ref = reference(args)
-    print(f"reference: {ref['wall_s']:.0f} s, positions {ref['positions']}")
-    # a kill lands 0.05-1.2 slots after a restart's first new rollout: all of them fit in one run
-    slot = ref["drive_s"] / (args.kills + 1)
-    kills, end = chaos(args, slot)
-    checks = check(args, kills)
-    recoveries = [k["recovery_s"] for k in kills if k.get("recovery_s") is not None]
-    totals = {
-        "kills": len(kills),
-        "by_target": {kind: sum(k["target"] == kind for k in kills) for kind in KINDS},
-        "recovery_mean_s": round(sum(recoveries) / len(recoveries), 2) if recoveries else None,
-        "recovery_max_s": round(max(recoveries), 2) if recoveries else None,
-        "rollouts_redone": sum(k["stopped_at"] + 1 - (k["resumed_from"] or {}).get(LEADER, 0) for k in kills),
-        "hangs": sum(bool(k.get("hang")) for k in kills),
-        "left_behind": sum(len(k["left_behind"]) for k in kills) + len(end["left_behind"]),
-        "chaos_wall_s": end["wall_s"],
-        "reference_wall_s": ref["wall_s"],
-        "final_exit": end["exit_code"],
-        "load_at_end": os.getloadavg(),
-    }
-    result = {**info, "reference": ref, "kills": kills, "end": end, "totals": totals, "checks": checks}
+    args.recipe, args.sets = MODELS[args.model]["recipe"], MODELS[args.model]["sets"]
+    args.policies, args.targets, args.slot_s, args.kill_after = POLICIES, None, None, -1
+    args.ray_address, args.cluster_root = None, None  # its own local cluster, as a user runs it
+    result = run(args)
     write_json(args.out, result)
     print(table(result))
-    return 0 if end["exit_code"] == 0 and checks["consistent"] else 1
+    failed = failures(result)
+    for line in failed:
+        print(f"FAIL: {line}", file=sys.stderr)
+    print(f"chaos_rl verdict: {'FAIL' if failed else 'pass'} ({len(failed)} failures)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

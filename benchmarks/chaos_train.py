@@ -16,11 +16,18 @@ Checked: final weights (`hpref save` exports) and every step's loss equal the re
 every checkpoint folder, after each fault and at the end, passes `validate_checkpoint` and holds the
 reference's bytes; resume picks what `resolve_resume` predicts; no `.part`/`.tmp-*` where hpref would
 read it; each step once in `metrics.jsonl`; no orphan workers; the full disk is one line, exit != 0.
+A check that found nothing to compare (no tensor, no step, no checkpoint, no fault of a planned kind)
+fails and says what it did not compare: `all()` over nothing is not a pass. Exit 1 unless every check
+passes.
+
+The suite's short version (tests/train/test_engine.py) imports `run_chaos` and `verify`: a rank and
+the launcher killed in one run of the tests' 20-step recipe, compared with its 2-rank reference run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -109,8 +116,8 @@ class Launch:
     err: Path
 
 
-def env_for(work: Path, chaos: bool, enospc: dict | None = None) -> dict[str, str]:
-    env = dict(os.environ, HPREF_CACHE=str(work / "cache"), HF_HUB_OFFLINE="1")
+def env_for(work: Path, chaos: bool, enospc: dict | None = None, cache: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ, HPREF_CACHE=str(cache or work / "cache"), HF_HUB_OFFLINE="1")
     env.pop("HPREF_CHAOS_ENOSPC", None)
     if chaos:  # the injector's folder first; a PYTHONPATH given to the benchmark stays behind it
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work / "inject"), env.get("PYTHONPATH")) if p)
@@ -124,10 +131,17 @@ def hpref_cmd(*args: str) -> list[str]:
     return [str(script), *args] if script.is_file() else [sys.executable, "-m", "hpref", *args]
 
 
-def start(folder: Path, tag: str, env: dict[str, str], *extra: str) -> Launch:
+def start(
+    folder: Path,
+    tag: str,
+    env: dict[str, str],
+    *extra: str,
+    recipe: str = "recipe-in.toml",
+    sets: list[str] = SETS,
+) -> Launch:
     """`hpref train` of `folder`'s recipe, 2 ranks, in a process group of its own (to kill it whole)."""
-    sets = [a for s in SETS for a in ("--set", s)]
-    cmd = hpref_cmd("train", "recipe-in.toml", "--nproc-per-node", "2", *sets, *extra)
+    set_args = [a for s in sets for a in ("--set", s)]
+    cmd = hpref_cmd("train", recipe, "--nproc-per-node", "2", *set_args, *extra)
     (folder / f"{tag}.cmd").write_text(" ".join(cmd) + "\n")
     err = folder / f"{tag}.err"
     with open(folder / f"{tag}.out", "wb") as out, open(err, "wb") as errf:
@@ -221,7 +235,11 @@ def checkpoint_state(run_dir: Path, ref_dir: Path) -> dict[str, Any]:
         elif p.is_dir():
             try:
                 validate_checkpoint(p)
-                same = file_digests(p) == file_digests(ref_dir / "checkpoints" / p.name)
+                ref = ref_dir / "checkpoints" / p.name
+                if not ref.is_dir():  # a reference that keeps fewer saves (the suite's) has none here
+                    folders[p.name] = UNMATCHED
+                    continue
+                same = file_digests(p) == file_digests(ref)
                 folders[p.name] = "verified" if same else "verified, but not the reference's bytes"
             except Exception as exc:  # the problem is the result
                 folders[p.name] = f"{type(exc).__name__}: {exc}"
@@ -234,10 +252,27 @@ def checkpoint_state(run_dir: Path, ref_dir: Path) -> dict[str, Any]:
     return {"checkpoints": folders, "partial": partial, "latest": latest, "resume_would_pick": pick_name}
 
 
+#: checkpoint_state's verdict on a save that verifies but has no save of the same step in the reference
+UNMATCHED = "verified; the reference kept no save of this step"
+
+
+#: train_state.json's keys that name the save rather than the state trained to (its own id, its
+#: parent's, its time: `hpref.runfolder.lineage`): two runs' saves of one step differ there only
+OWN_KEYS = ("lineage",)
+
+
 def file_digests(folder: Path) -> dict[str, str]:
-    """SHA-256 of every file of a checkpoint (its manifest) but DCP's index, which holds its own path."""
+    """SHA-256 of every file of a checkpoint (its manifest) but DCP's index, which holds its own path;
+    train_state.json as its content without `OWN_KEYS`."""
     manifest = json.loads((folder / "checksums.json").read_text())["files"]
-    return {name: v["sha256"] for name, v in manifest.items() if name != ".metadata"}
+    digests = {
+        name: v["sha256"] for name, v in manifest.items() if name not in (".metadata", "train_state.json")
+    }
+    state = json.loads((folder / "train_state.json").read_text())
+    digests["train_state.json"] = json.dumps(
+        {k: v for k, v in state.items() if k not in OWN_KEYS}, sort_keys=True
+    )
+    return digests
 
 
 def leftovers(run_dir: Path) -> list[dict[str, Any]]:
@@ -307,11 +342,13 @@ def strike(rng: random.Random, fault: dict, launch: Launch, run_dir: Path) -> No
         raise RuntimeError(f"the run ended before step {fault['target_step']}: see {launch.err}")
     time.sleep(rng.uniform(0.0, 0.2))  # in the next step or two, or in a save
     workers = workers_of(launch.proc.pid)
+    if not workers:
+        raise RuntimeError(f"no worker of the launcher at step {fault['target_step']}: see {launch.err}")
     if fault["kind"] == "rank":
         fault["rank"] = rng.choice(sorted(workers))
         os.kill(workers[fault["rank"]], signal.SIGKILL)
-    else:
-        os.killpg(launch.proc.pid, signal.SIGKILL)  # torchrun gives the workers sessions of their own
+    else:  # the launcher alone: its group would take the workers with it only if they were in it
+        os.kill(launch.proc.pid, signal.SIGKILL)
     fault["at_step"] = max(train_steps(run_dir), default=0)  # the last step logged when it struck
     fault["at_s"] = round(time.monotonic() - launch.started, 2)
     if fault["kind"] == "launcher":  # the workers must die with it (PR_SET_PDEATHSIG), not linger
@@ -320,16 +357,36 @@ def strike(rng: random.Random, fault: dict, launch: Launch, run_dir: Path) -> No
             time.sleep(0.02)
         fault["workers_gone_after_s"] = round(time.monotonic() - gone, 2)
         fault["orphans"] = [p for p in workers.values() if alive(p)]
+        for pid in fault["orphans"]:  # recorded as the failure; not left running
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # anything else of its group
+            os.killpg(launch.proc.pid, signal.SIGKILL)
+
+
+def planned_kinds(kills: int) -> list[str]:
+    """The kinds of `kills` faults, in the turn `draw_fault` takes them."""
+    return [("rank", "launcher", "enospc")[i % 3] for i in range(kills)]
 
 
 def run_chaos(args: argparse.Namespace, work: Path, ctx: dict) -> dict[str, Any]:
-    """The chaos run: faults in turn, each followed by `--resume auto`, which the next fault hits."""
+    """The chaos run: faults in turn, each followed by `--resume auto`, which the next fault hits.
+
+    `args`: kills, seed, enospc_file. `ctx`: total (steps), saves (the reference's checkpoint steps),
+    run_dir, ref_dir, record (the injector's file), and optionally cache (HPREF_CACHE), recipe (its
+    file name in `work/chaos`), sets (`--set`s of every launch), extra (more arguments of every
+    launch) and before_resume (called with the fault's index before its resume starts)."""
     rng = random.Random(args.seed)
     folder, run_dir, ref_dir = work / "chaos", ctx["run_dir"], ctx["ref_dir"]
+    recipe, sets, always = ctx.get("recipe", "recipe-in.toml"), ctx.get("sets", SETS), ctx.get("extra", [])
+
+    def begin(tag: str, enospc: dict | None, *extra: str) -> Launch:
+        env = env_for(work, True, enospc, ctx.get("cache"))
+        return start(folder, tag, env, *always, *extra, recipe=recipe, sets=sets)
+
     faults: list[dict[str, Any]] = []
     t0 = time.monotonic()
     fault = draw_fault(rng, args, 0, 1, ctx)  # drawn before its launch: ENOSPC arms the launch
-    launch = start(folder, "launch-0", env_for(work, True, fault.get("spec")))
+    launch = begin("launch-0", fault.get("spec"))
     for i in range(args.kills):
         if fault["kind"] == "enospc":
             rc, stderr = finish(launch)
@@ -341,12 +398,14 @@ def run_chaos(args: argparse.Namespace, work: Path, ctx: dict) -> dict[str, Any]
             strike(rng, fault, launch, run_dir)
             rc, stderr = finish(launch)
         fault.update(exit_code=rc, **error_report(stderr), after_fault=checkpoint_state(run_dir, ref_dir))
+        fault["logged_to"] = max(train_steps(run_dir), default=0)  # what the resume logs again
         fault.pop("spec", None)
         faults.append(fault)
         after = fault["at_step"] or fault["target_step"]
         nxt = draw_fault(rng, args, i + 1, after, ctx) if i + 1 < args.kills else None
+        ctx.get("before_resume", lambda _i: None)(i)  # the suite plants a partial save here
         fault["resume_launch"] = tag = f"launch-{i + 1}"
-        launch = start(folder, tag, env_for(work, True, (nxt or {}).get("spec")), "--resume", "auto")
+        launch = begin(tag, (nxt or {}).get("spec"), "--resume", "auto")
         passed = wait_for_step(launch, run_dir, after + 1)  # past the step the fault interrupted
         fault["recovery_s"] = round(passed, 2) if passed is not None else None
         fault = nxt
@@ -355,7 +414,7 @@ def run_chaos(args: argparse.Namespace, work: Path, ctx: dict) -> dict[str, Any]
     while rc != 0 and retries < 2:  # a resume that failed on its own: record it, try again
         faults.append({"kind": "unplanned-failure", "exit_code": rc, **error_report(stderr)})
         retries += 1
-        launch = start(folder, f"launch-retry-{retries}", env_for(work, True), "--resume", "auto")
+        launch = begin(f"launch-retry-{retries}", None, "--resume", "auto")
         rc, stderr = finish(launch)
     for fault in faults:
         if "resume_launch" in fault:
@@ -369,54 +428,141 @@ def run_chaos(args: argparse.Namespace, work: Path, ctx: dict) -> dict[str, Any]
 def losses(run_dir: Path) -> dict[int, float]:
     from hpref.train.metrics import read_metrics
 
+    if not (run_dir / "metrics.jsonl").is_file():  # a run that logged nothing: verify says so
+        return {}
     return {
         r["step"]: r["step_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"
     }
 
 
-def verify(work: Path, ref_dir: Path, run_dir: Path, chaos: dict) -> dict[str, dict[str, Any]]:
-    """The end checks (module docstring): name -> {ok, what was found}."""
+def verify(
+    work: Path, ref_dir: Path, run_dir: Path, chaos: dict, kills: int, exports: bool = True
+) -> dict[str, dict[str, Any]]:
+    """The end checks (module docstring): name -> {ok, what was found}. A check with nothing to
+    compare fails with `not_compared` saying what was missing. `kills`: the faults planned (their
+    kinds in turn: each kind planned must have struck, and only those kinds' checks run).
+    `exports`: also compare `hpref save` exports (two more processes); without, the final weights
+    are the final checkpoint's bytes (model and optimizer shards)."""
     checks: dict[str, dict[str, Any]] = {}
 
-    def check(name: str, ok: Any, **found: Any) -> None:
-        checks[name] = {"ok": bool(ok), **found}
+    def check(name: str, ok: Any, compared: int, what: str, **found: Any) -> None:
+        checks[name] = {"ok": bool(ok) and compared > 0, "compared": compared, **found}
+        if compared == 0:
+            checks[name]["not_compared"] = f"compared nothing: {what}"
 
-    for side, run in (("ref", ref_dir), ("chaos", run_dir)):
-        cmd = hpref_cmd("save", str(run), "--to", str(work / side / "export"))
-        subprocess.run(cmd, env=env_for(work, False), check=True, capture_output=True)
-    weights = compare_exports(work / "ref" / "export", work / "chaos" / "export")
-    check("final weights bit-identical (every tensor of both exports)", weights["bit_identical"], **weights)
+    kinds = planned_kinds(kills)
+    faults = [f for f in chaos["faults"] if f["kind"] != "unplanned-failure"]
+    struck = [f["kind"] for f in faults]
+    check(
+        "every planned fault struck, in turn", struck == kinds, len(struck), "no fault struck", struck=struck
+    )
+    unplanned = [f for f in chaos["faults"] if f["kind"] == "unplanned-failure"]
+    check("no resume failed on its own", not unplanned, len(faults), "no resume ran", failures=unplanned)
+    if exports:
+        for side, run in (("ref", ref_dir), ("chaos", run_dir)):
+            cmd = hpref_cmd("save", str(run), "--to", str(work / side / "export"))
+            subprocess.run(cmd, env=env_for(work, False), check=True, capture_output=True)
+        weights = compare_exports(work / "ref" / "export", work / "chaos" / "export")
+        check(
+            "final weights bit-identical (every tensor of both exports)",
+            weights["bit_identical"],
+            weights.get("tensors", 0),
+            "no tensor in the exports",
+            **weights,
+        )
     ref_l, chaos_l = losses(ref_dir), losses(run_dir)
     diff = sorted(s for s in set(ref_l) | set(chaos_l) if ref_l.get(s) != chaos_l.get(s))
-    check("every step's loss identical to the reference's", not diff, differ=diff)
+    check(
+        "every step's loss identical to the reference's",
+        not diff,
+        len(ref_l),
+        "no reference loss",
+        differ=diff,
+    )
     steps = train_steps(run_dir)
     repeated = sorted({s for s in steps if steps.count(s) > 1})
-    check("metrics.jsonl holds each step once", steps == list(range(1, len(ref_l) + 1)), repeated=repeated)
+    once = steps == list(range(1, len(ref_l) + 1))
+    check("metrics.jsonl holds each step once", once, len(steps), "no step logged", repeated=repeated)
     states = [f["after_fault"] for f in chaos["faults"] if "after_fault" in f]
-    states.append(checkpoint_state(run_dir, ref_dir))
-    bad = {n: v for st in states for n, v in st["checkpoints"].items() if v != "verified"}
-    n = sum(len(st["checkpoints"]) for st in states)
-    check("each checkpoint seen verifies and has the reference's bytes", not bad, seen=n, bad=bad)
-    picks = [(f["resume_predicted"], f["resumed_from"]) for f in chaos["faults"] if "resume_launch" in f]
-    check("resume picked the newest verified checkpoint", all(a == b for a, b in picks), picks=picks)
+    states.append(end := checkpoint_state(run_dir, ref_dir))
+    seen = {n: v for st in states for n, v in st["checkpoints"].items()}
+    bad = {n: v for n, v in seen.items() if v not in ("verified", UNMATCHED)}
+    matched = sum(v != UNMATCHED for st in states for v in st["checkpoints"].values())
+    check(
+        "each checkpoint seen verifies (and has the reference's bytes where it kept the step)",
+        not bad,
+        matched,
+        "no checkpoint had a reference save of its step",
+        seen=sum(len(st["checkpoints"]) for st in states),
+        bad=bad,
+    )
+    final = f"step-{len(ref_l):06d}"
+    check(
+        "the final checkpoint has the reference's bytes (weights, optimizer, RNG)",
+        end["checkpoints"].get(final) == "verified",
+        int(final in end["checkpoints"] and (ref_dir / "checkpoints" / final).is_dir()),
+        f"{final} is not in both runs",
+        found=end["checkpoints"].get(final),
+    )
+    picks = [(f["resume_predicted"], f["resumed_from"]) for f in faults if "resume_launch" in f]
+    check(
+        "resume picked the newest verified checkpoint",
+        all(a == b for a, b in picks),
+        len(picks),
+        "no fault was resumed",
+        picks=picks,
+    )
     left = leftovers(run_dir)
     trusted = [x for x in left if x["inside_checkpoint"]]
-    check("no temporary file where hpref trusts files", not trusted, left=left)
-    end = states[-1]
+    check(
+        "no temporary file where hpref trusts files",
+        not trusted,
+        int(run_dir.is_dir()),
+        "no run folder",
+        left=left,
+    )
     newest = max(end["checkpoints"], default=None)
-    check("latest names the newest verified checkpoint", end["latest"] == end["resume_would_pick"] == newest)
-    launcher = [f for f in chaos["faults"] if f["kind"] == "launcher"]
-    check("launcher SIGKILL: no worker outlives it", all(not f["orphans"] for f in launcher))
-    enospc = [f for f in chaos["faults"] if f["kind"] == "enospc"]
-    fired = [bool(f["injected"] and f["exit_code"]) for f in enospc]
-    check("ENOSPC: fired, exit code != 0, recovered", fired and all(fired))
-    full = "No space left on device"
-    one_line = [
-        x["lines_from_error"] == 1 and not x["traceback"] and full in str(x["message"]) for x in enospc
-    ]
-    check("ENOSPC: one error line naming the full disk, no traceback", one_line and all(one_line))
-    check("the chaos run completed (exit 0)", chaos["final_exit_code"] == 0)
+    same = end["latest"] == end["resume_would_pick"] == newest
+    check(
+        "latest names the newest verified checkpoint",
+        same,
+        int(newest is not None),
+        "no checkpoint at the end",
+    )
+    if "rank" in kinds:
+        ranks = [f for f in faults if f["kind"] == "rank"]
+        ended = all(f["exit_code"] not in (0, None) for f in ranks)
+        check("rank SIGKILL: the run ended non-zero", ended, len(ranks), "no rank was killed")
+    if "launcher" in kinds:
+        launcher = [f for f in faults if f["kind"] == "launcher"]
+        no_orphans = all(not f["orphans"] for f in launcher)
+        check("launcher SIGKILL: no worker outlives it", no_orphans, len(launcher), "no launcher was killed")
+    if "enospc" in kinds:
+        enospc = [f for f in faults if f["kind"] == "enospc"]
+        fired = [bool(f["injected"] and f["exit_code"]) for f in enospc]
+        check("ENOSPC: fired, exit code != 0, recovered", all(fired), len(enospc), "no ENOSPC planned struck")
+        full = "No space left on device"
+        one_line = [
+            x["lines_from_error"] == 1 and not x["traceback"] and full in str(x["message"]) for x in enospc
+        ]
+        check(
+            "ENOSPC: one error line naming the full disk, no traceback",
+            all(one_line),
+            len(enospc),
+            "no ENOSPC planned struck",
+        )
+    check("the chaos run completed (exit 0)", chaos["final_exit_code"] == 0, 1, "")
     return checks
+
+
+def failures(checks: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per failed check: its name and what it did not compare, or what it found."""
+    lines = []
+    for name, c in checks.items():
+        if not c["ok"]:
+            found = {k: v for k, v in c.items() if k not in ("ok", "compared", "not_compared")}
+            lines.append(f"FAIL: {name}: {c.get('not_compared') or json.dumps(found, default=str)[:300]}")
+    return lines
 
 
 def table(result: dict[str, Any]) -> str:
@@ -442,7 +588,10 @@ def table(result: dict[str, Any]) -> str:
         "| check | result |",
         "| --- | --- |",
     ]
-    rows += [f"| {name} | {'pass' if c['ok'] else 'FAIL'} |" for name, c in result["checks"].items()]
+    rows += [
+        f"| {name} | {'pass' if c['ok'] else c.get('not_compared', 'FAIL')} |"
+        for name, c in result["checks"].items()
+    ]
     return "\n".join(rows)
 
 
@@ -486,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     chaos = run_chaos(args, work, ctx)
     load = {"start": load0[0], "during_mean": round(sum(LOAD) / max(len(LOAD), 1), 2)}
     load.update(during_max=max(LOAD, default=0.0), end=os.getloadavg()[0])
-    checks = verify(work, ref_dir, run_dir, chaos)
+    checks = verify(work, ref_dir, run_dir, chaos, args.kills)
     faults = [f for f in chaos["faults"] if f["kind"] != "unplanned-failure"]
     result = {
         "command": shlex.join([".venv/bin/python", "-m", "benchmarks.chaos_train", *sys.argv[1:]]),
@@ -509,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(table(result))
+    for line in failures(checks):
+        print(line, file=sys.stderr)
+    print(f"all checks pass: {result['totals']['all_checks_pass']}")
     return 0 if result["totals"]["all_checks_pass"] else 1
 
 

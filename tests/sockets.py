@@ -1,6 +1,7 @@
-"""What a test's processes listen on: the TCP listeners (`ss -ltnp`) of a process tree, and those
-bound beyond loopback. The loopback checks of torchrun runs (test_watchdog.py) and of the Ray
-clusters `hpref rl` starts or joins (test_actor_death.py, test_cluster.py) share them."""
+"""A test's process tree, read from /proc, and what it listens on: the TCP listeners (`ss -ltnp`) of
+a process tree, and those bound beyond loopback. The loopback checks of torchrun runs
+(test_watchdog.py) and of the Ray clusters `hpref rl` starts or joins (test_actor_death.py,
+test_cluster.py) share them, and the orphan checks of the watchdog and stop-signal tests."""
 
 from __future__ import annotations
 
@@ -43,3 +44,20 @@ def listening(pids: set[int]) -> list[str]:
 def beyond_loopback(lines: list[str]) -> list[str]:
     """The `listening` lines whose local address is not a loopback one."""
     return [line for line in lines if line.split()[3].rpartition(":")[0] not in LOOPBACK]
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not gone and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line, "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

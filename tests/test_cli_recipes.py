@@ -487,7 +487,7 @@ def test_rl_writes_resolved_recipe_and_log_before_the_run(tmp_path, monkeypatch,
 
     seen = {}
 
-    def probe(recipe, policies, ray_address, resume, prompts=None):
+    def probe(recipe, policies, ray_address, resume, prompts=None, signals=None):
         from loguru import logger
 
         run_dir = recipe.run.run_dir

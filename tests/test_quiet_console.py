@@ -116,3 +116,44 @@ def test_stderr_to_log_moves_fd_2_writes_into_the_log_file(tmp_path, capfd):
         "DEBUG   | rank 0" in log.read_text()
         and "the engine said:\n[W utils.cpp:68] Warning: NUMA" in log.read_text()
     )
+
+
+DIVERTED = """
+import os, subprocess, sys
+from loguru import logger
+import hpref.logs as logs
+logs._ACTOR_QUIET = True  # as quiet_actor_logs leaves a Ray actor: its console sink, no Ray here
+logger.remove()
+logger.add(logs._to_console, format=logs.CONSOLE_FORMAT, colorize=False)
+assert logs.divert_output() and logs.divert_output()  # idempotent
+os.write(1, b"C++ on stdout\\n")
+os.write(2, b"[W cpu.cpp:1] TORCH_WARN on stderr\\n")
+print("a library's print", flush=True)
+subprocess.run([sys.executable, "-c", "print('a worker process it started')"], check=True)
+logger.info("hpref's own line")
+"""
+
+
+def test_a_diverted_actor_keeps_only_hprefs_lines_on_its_console(tmp_path):
+    """`divert_output`, as the vLLM engine's actor calls it: what C++ writes to fd 1 and 2, a
+    library's print and a child process (vLLM's workers inherit both) land in the actor's log file,
+    and only hpref's own line stays on the stream Ray forwards to the driver's console. Wrong if any
+    of them reaches the console (issue #47's 37 forwarded vLLM lines) or is lost from the log."""
+    import os
+    import subprocess
+    import sys
+
+    from hpref.logs import ACTOR_LOG_DIR_ENV
+
+    env = {**os.environ, ACTOR_LOG_DIR_ENV: str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", DIVERTED], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert [line.split(" ", 1)[1] for line in done.stderr.splitlines()] == ["INFO    hpref's own line"]
+    (log,) = tmp_path.glob("actor-*.log")
+    text = log.read_text()
+    for line in ("C++ on stdout", "TORCH_WARN on stderr", "a library's print", "a worker process"):
+        assert line in text, text
+    assert "hpref's own line" not in text

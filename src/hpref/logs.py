@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from loguru import logger
 
@@ -189,17 +190,58 @@ def quiet_actor_logs() -> None:
     logger.remove()  # loguru's default stderr sink would print file-only records too
     logger.configure(extra={"rank": 0})
     logger.add(  # the driver's console format and level: Ray prefixes the actor's name and pid
-        lambda message: sys.stderr.write(message),
+        _to_console,
         level="INFO",
         format=CONSOLE_FORMAT,
         colorize=False,
         filter=lambda record: not record["extra"].get("file_only"),
     )
-    folder = os.environ.get(ACTOR_LOG_DIR_ENV)
-    if folder:
-        add_log_file(Path(folder) / f"actor-{os.getpid()}.log", delay=True)
+    log = _actor_log()
+    if log is not None:
+        add_log_file(log, delay=True)
     route_library_logs()
     _ACTOR_QUIET = True
+
+
+def _actor_log() -> Path | None:
+    folder = os.environ.get(ACTOR_LOG_DIR_ENV)
+    return Path(folder) / f"actor-{os.getpid()}.log" if folder else None
+
+
+#: where hpref's console lines go once `divert_output` moved file descriptors 1 and 2: the stream
+#: Ray forwards to the driver's console (None: sys.stderr)
+_FORWARDED: TextIO | None = None
+
+
+def _to_console(message: str) -> None:
+    """An actor's console sink (`quiet_actor_logs`): what Ray forwards to the driver's console."""
+    (_FORWARDED or sys.stderr).write(message)
+
+
+def divert_output() -> bool:
+    """In a Ray actor of `hpref rl` (`quiet_actor_logs` ran) that has a run log folder
+    (`ACTOR_LOG_DIR_ENV`; else a no-op, False): file descriptors 1 and 2 write into the actor's log
+    file for the rest of the process's life, and hpref's own console lines to the former fd 2,
+    which Ray forwards.
+
+    For the vLLM engine's actor, whose libraries write to the process's stdout and stderr from
+    places no logging setting reaches: C++ (torch's TORCH_WARN), vLLM's worker processes (they
+    inherit both), a handler vLLM installs while it starts. Ray forwards what an actor writes there
+    to the driver's console, where a run's first minutes printed 37 such lines (issue #47)."""
+    global _FORWARDED
+    log = _actor_log()
+    if log is None or not _ACTOR_QUIET or _FORWARDED is not None:
+        return _FORWARDED is not None
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    forwarded = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+    target = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+    _FORWARDED = forwarded
+    return True
 
 
 @contextmanager

@@ -11,6 +11,8 @@ from pathlib import Path
 HPREF = [sys.executable, "-m", "hpref"]
 #: a console line of hpref's (`hpref.logs.CONSOLE_FORMAT`), an actor's with Ray's prefix
 HPREF_LINE = re.compile(r"(\(\w+ pid=\d+(, ip=[\d.]+)?\) )?\d\d:\d\d:\d\d (INFO|SUCCESS|WARNING|ERROR) ")
+#: the terminal colours Ray puts around an actor's prefix (also when the console is a file)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
@@ -24,4 +26,5 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 def foreign_lines(console: str) -> list[str]:
     """The console's lines that are not hpref's (time, level, message; an actor's with Ray's
     "(Name pid=N) " before it): a library's log line, a progress bar, Ray's start-up notes."""
-    return [line for line in console.splitlines() if line.strip() and not HPREF_LINE.match(line)]
+    lines = [ANSI.sub("", line) for line in console.splitlines()]
+    return [line for line in lines if line.strip() and not HPREF_LINE.match(line)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -56,13 +57,16 @@ def _pids_with(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
-    """`ray start --head` on loopback with token authentication, as README's commands; yields
-    (address, token)."""
+    """`ray start --head` on loopback with token authentication, as README's commands (and two
+    logical H100s); yields (address, token)."""
     temp = tempfile.mkdtemp(prefix="hr-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     port = _free_port()
     token = secrets.token_hex(16)
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     args = [RAY, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard=false"]
+    # two logical GPUs of the type Ray gives an H100 node (its `accelerator_type:H100` resource), for
+    # the plan's test; the runs here ask for none
+    args += ["--num-gpus", "2", "--resources", json.dumps({"accelerator_type:H100": 1})]
     args += ["--node-ip-address", "127.0.0.1", "--temp-dir", temp, "--disable-usage-stats"]
     try:
         started = subprocess.run(args, env=env, capture_output=True, text=True, timeout=180)
@@ -103,6 +107,33 @@ def test_rl_joins_a_token_protected_head_on_loopback(head, tmp_path):
     assert summary["positions"]["a"] == 2
     # hpref disconnects from a cluster it joined; it does not stop it
     assert _pids_with(f"127.0.0.1:{address.rpartition(':')[2]}"), "the head is gone after the run"
+
+
+def test_plan_reads_the_joined_clusters_nodes_and_their_gpu_memory(head, tmp_path):
+    """`hpref rl --plan --ray-address` against the head: its CPUs and two GPUs come from the
+    cluster, a rank that asks a GPU gets GPU 0 of the joined node, each GPU's memory comes from the
+    accelerator type Ray reports (H100: 80 GB as sold, 74.5 GiB), the plan fits, starts nothing and
+    leaves the head up. Wrong if the plan described this machine instead (no GPU here: the rank
+    would be nowhere) or said "fits" without a GPU memory to check it against."""
+    address, token = head
+    recipe = write_rl_recipe(tmp_path, "planned")
+    result = subprocess.run(
+        [*HPREF, "rl", str(recipe), "--policies", "a,b", "--plan", "--ray-address", address]
+        + ["--set", "rl.policies.a.gpus_per_rank=1"],
+        env=_env(tmp_path, RAY_AUTH_TOKEN=token),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert f"on the Ray cluster at {address} (1 node, 2 CPUs, 2 GPUs)" in out, out
+    assert re.search(r"^a trainer 0 +\S+ +0\.25 +0 +[0-9.]+ +[0-9.]+ ", out, re.MULTILINE), out
+    assert re.search(r"^b trainer 0 +\S+ +0\.25 +- ", out, re.MULTILINE), out
+    assert "1.25 of 2 CPUs, 1 of 2 GPUs (74.5 GiB each, H100: 80 GB as sold)" in out, out
+    assert out.rstrip().splitlines()[-1] == "fits", out
+    assert not (tmp_path / "runs").exists()  # nothing was started, no run folder
+    assert _pids_with(f"127.0.0.1:{address.rpartition(':')[2]}"), "the head is gone after the plan"
 
 
 def test_a_wrong_token_is_one_line_and_exit_2(head, tmp_path):

@@ -229,6 +229,61 @@ def test_rows_place_every_actor_and_say_what_does_not_fit():
     assert lines[-1].startswith("does not fit: laptop: its actors need")
 
 
+def test_gpu_memory_comes_from_the_accelerator_type_ray_reports():
+    """What a Ray node reports (an `accelerator_type:<kind>` resource, the `ray.io/accelerator-type`
+    label) becomes each GPU's memory by the vendor's figure, a kind sold in two sizes only with
+    Ray's size-specific name, and anything else is unknown with the reason. Wrong if an A100 were
+    taken for one size (an 80 GB plan on a 40 GB card), or an unlisted kind got a size."""
+    from hpref.rl.placement import GPU_MEMORY_GB, gpu_memory_of
+
+    # the vendors' figures, as sold (GB), for the accelerators the issue names
+    assert {k: GPU_MEMORY_GB[k] for k in ("A100", "H100", "H200", "L4", "L40S", "A10G", "V100")} == {
+        "A100": (40, 80),
+        "H100": (80,),
+        "H200": (141,),
+        "L4": (24,),
+        "L40S": (48,),
+        "A10G": (24,),
+        "V100": (16, 32),
+    }
+    assert GPU_MEMORY_GB["AMD-Instinct-MI300X-OAM"] == (192,)
+    assert gpu_memory_of({"GPU": 8, "accelerator_type:H100": 1}, {}) == (80 * 10**9, "H100: 80 GB as sold")
+    assert gpu_memory_of({"GPU": 1}, {"ray.io/accelerator-type": "L4"}) == (24 * 10**9, "L4: 24 GB as sold")
+    size, why = gpu_memory_of({"GPU": 1, "accelerator_type:A100": 1}, {})
+    assert size is None and "A100, sold with 40 or 80 GB" in why and "accelerator_type:A100-80G" in why
+    both = {"GPU": 1, "accelerator_type:A100": 1, "accelerator_type:A100-80G": 1}
+    assert gpu_memory_of(both, {}) == (80 * 10**9, "A100-80G: 80 GB as sold")
+    size, why = gpu_memory_of({"GPU": 1, "accelerator_type:V100": 1}, {})
+    assert size is None and "accelerator_type:V100-32G" in why and "V100-32G" in GPU_MEMORY_GB
+    assert gpu_memory_of({"GPU": 1, "accelerator_type:RTX-PRO-6000": 1}, {}) == (
+        None,
+        "Ray reports RTX-PRO-6000, not in hpref.rl.placement.GPU_MEMORY_GB",
+    )
+    assert gpu_memory_of({"GPU": 2}, {}) == (None, "Ray reports no accelerator type for it")
+
+
+def test_a_gpu_of_unknown_memory_is_not_checked_and_never_fits():
+    """A node whose GPUs hold an actor but whose GPU memory is unknown is named in the verdict,
+    "GPU memory unknown: not checked", and the plan never ends in "fits"; the same plan on a node
+    of known GPU memory fits. Wrong if the plan claimed a fit it never checked (issue #47)."""
+    config = _tiny_config(gpus_per_rank=1)
+    unknown = [Node("gpu-node", 4, 1, 64 * GIB, None, "Ray reports no accelerator type for it")]
+    rows = plan_rows(config, ["a"], unknown, {"a": 20}, baseline=GIB // 2)
+    assert problems(rows, unknown) == []
+    lines = render(rows, unknown, [], "header")
+    assert lines[-1] == (
+        "GPU memory unknown: not checked on gpu-node (Ray reports no accelerator type for it)"
+    )
+    assert "fits" not in lines and "1 of 1 GPUs (memory unknown)" in "\n".join(lines)
+    known = [Node("gpu-node", 4, 1, 64 * GIB, 80 * 10**9, "H100: 80 GB as sold")]
+    rows = plan_rows(config, ["a"], known, {"a": 20}, baseline=GIB // 2)
+    lines = render(rows, known, problems(rows, known), "header")
+    assert lines[-1] == "fits" and "1 of 1 GPUs (74.5 GiB each, H100: 80 GB as sold)" in "\n".join(lines)
+    # GPUs that hold no actor need no check: a CPU-only plan on a node of unknown GPUs fits
+    rows = plan_rows(_tiny_config(), ["a"], unknown, {"a": 20}, baseline=GIB // 2)
+    assert render(rows, unknown, [], "header")[-1] == "fits"
+
+
 def test_memory_splits_host_and_device():
     memory = Memory({"weights": 10, "CUDA context": 5, "baseline": 3}, gpu=True)
     assert (memory.host, memory.device) == (3, 15)
@@ -256,3 +311,121 @@ def test_plan_through_the_cli_starts_nothing_and_exits_2_when_it_does_not_fit(tm
     )
     assert re.search(r"^a trainer 0 +\(nowhere\)", refused.output, re.MULTILINE)
     assert not (tmp_path / "runs").exists()  # no run folder, no resolved recipe, no log
+
+
+def test_the_plan_says_what_share_base_decided_and_why(tmp_path: Path):
+    """Two LoRA policies of one base on this machine's CPU engines: the plan says share_base is
+    off and why (the measured slowdown), and places an engine and a trainer per policy; the recipe's
+    `true` shares them, and the plan says it was the recipe's. Wrong if the plan and the run
+    decided differently, or the plan hid the decision."""
+    from hpref.rl.shared_base import CPU_REASON
+
+    recipe = write_rl_recipe(tmp_path, "shared")
+    text = recipe.read_text().replace("[rl.defaults]\n", "[rl.defaults]\nlora = { r = 4 }\n")
+    recipe.write_text(text.replace("[rl.policies.b]\nmodel = { seed = 1 }", "[rl.policies.b]"))
+    apart = _invoke("rl", str(recipe), "--policies", "a,b", "--plan")
+    assert apart.exit_code == 0, apart.output
+    lines = apart.output.splitlines()
+    assert lines[1] == f"share_base = false: {CPU_REASON}"
+    assert re.search(r"^b engine ", apart.output, re.MULTILINE) and "shared by" not in apart.output
+    shared = _invoke("rl", str(recipe), "--policies", "a,b", "--plan", "--set", "rl.share_base=true")
+    assert shared.exit_code == 0, shared.output
+    assert shared.output.splitlines()[1] == "share_base = true: set in the recipe (rl.share_base = true)"
+    assert "a engine (shared by a, b)" in shared.output and not re.search(r"^b engine", shared.output, re.M)
+
+
+def _measure_engine_peaks() -> dict[str, float]:
+    """In a fresh process: the transformers engine the plan estimates (8 blocks, 512 wide, every
+    head its own keys and values, a narrow MLP: the cache, not the compute, is what is large), one
+    rollout of long prompts generated, then one weight sync staged and swapped
+    in as the trainer sends it; the growth of the peak resident set in each phase, the plan's terms
+    and the KV cache counted from the model's config."""
+    import torch
+
+    from hpref.memory import release_freed_memory
+    from hpref.recipe.rl import PolicyModelConfig
+    from hpref.rl.engines import EngineActor
+    from hpref.rl.plan import engine_memory
+
+    model = {
+        **TINY,
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 256,
+    }
+    config = parse_rl_section(
+        {
+            "policies": {"a": {"model": model}},
+            "rollout": {"group_size": 4, "prompts_per_rollout": 8, "max_new_tokens": 8},
+        },
+        "recipe.toml",
+    )
+    rollout = config.policy_rollout("a")
+    warm = EngineActor("a", PolicyModelConfig(**TINY))  # the libraries' imports, not measured
+    warm.generate([("hello there",)], 2, 2, 1.0)
+    del warm
+    release_freed_memory()
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = resident_bytes()
+    engine = EngineActor("a", config.policies["a"].model)
+    prompts = [
+        (f"question {i}: " + "tell me about the weather and the sea, and why it is so. " * 3,)
+        for i in range(8)
+    ]
+    answers = engine.generate(prompts, rollout.group_size, rollout.max_new_tokens, 1.0)["completions"]
+    generation = _peak_bytes() - before
+    release_freed_memory()  # as the engine's actor does after a rollout
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    settled = resident_bytes()
+    engine.begin_update(1)
+    for name, shape in engine.shapes.items():  # a trainer's sync: tensor by tensor, staged, then swapped
+        engine.load_weights({name: torch.randn(shape)})
+    assert engine.commit_update() == 1
+    sync = _peak_bytes() - settled
+    prompt = max(len(ids) for ids in engine.prompt_ids(prompts))
+    shape = model_shape(config.policies["a"])
+    estimate = engine_memory(config, shape, rollout, prompt, baseline=0)
+    rows = rollout.prompts_per_rollout * rollout.group_size
+    cache = rows * (prompt + rollout.max_new_tokens) * shape.layers * 2 * shape.kv_width * 4
+    return {
+        "weights": estimate.terms["weights"],
+        "estimate": estimate.host,
+        "cache": cache,
+        "generation": generation,
+        "sync": sync,
+        "longest": max(len(a) for a in answers),
+        "rollout_max": rollout.max_new_tokens,
+    }
+
+
+@pytest.mark.skipif(not _hwm_resettable(), reason="needs Linux's resettable peak RSS (/proc/self/clear_refs)")
+def test_engine_estimate_bounds_a_measured_engine():
+    """The transformers engine's estimate (weights, then the largest of a rollout's KV cache and
+    sampling tensors or a sync's staged copy) against the engine itself, built and run in a fresh
+    process (a test worker's heap would hide allocations, as the trainer test above says).
+
+    Bounds, from what each term counts: the fp32 weights are exact. A rollout's peak holds the
+    weights and the KV cache at least once, and the plan counts the cache twice (`generate`
+    concatenates each block's keys and values, old and new alive at once), so the measured growth
+    lies between weights + cache and the plan's weights + generation (5% either way: the prompt
+    forward's logits, the allocator). A sync stages one copy of the weights: the plan's term, within
+    10%. So the plan's total is never below the engine's peak, and above it by at most the cache.
+    Wrong if a term were missed, counted in the wrong dtype, or a sync held two copies. Measured
+    here (twice): rollout 0.21 and 0.22 GiB between 0.19 and 0.33, sync 1.00x the weights (0.044
+    GiB). Eight answer tokens: the cache is mostly the long prompts' (repeated for each answer of a
+    group), which costs one prompt forward, not a decode step per token."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        m = pool.submit(_measure_engine_peaks).result(timeout=300)
+    got = {k: (v / GIB if k not in ("longest", "rollout_max") else v) for k, v in m.items()}
+    assert m["longest"] == m["rollout_max"], got  # the cache grew to the full answer length
+    weights, estimate = m["weights"], m["estimate"]
+    assert 0.95 * (weights + m["cache"]) <= m["generation"] <= 1.05 * estimate, got
+    assert 0.9 <= m["sync"] / weights <= 1.1, got
+    assert estimate >= max(m["generation"], weights + m["sync"]), got

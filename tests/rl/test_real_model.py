@@ -1,8 +1,8 @@
 """`hpref rl` on the real path, through the real commands: a MiniLM reward model trained with
 `hpref train` and exported with `hpref save` rewards two pretrained SmolLM2-135M-Instruct LoRA
 policies on a local Ray cluster (the README's flow and the shipped `rl-smollm2` recipe, at tiny sizes:
-2 prompts x 2 answers x 8 tokens), and a trained policy exported with `hpref save --policy`. Also the
-one-line refusals before any actor starts."""
+2 prompts x 2 answers x 8 tokens; stopped at a save and resumed), and a trained policy exported with
+`hpref save --policy`. Also the one-line refusals before any actor starts."""
 
 from __future__ import annotations
 
@@ -120,14 +120,13 @@ def rows(run: Path, policy: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def run(reward_export, tmp_path_factory, ray_cluster):
-    """`hpref rl rl-smollm2` for two rollouts and an eval, with what #39 added on the real path: two
-    weighted rewards, one of them labelled (the prompt file's `reference` column), nucleus sampling
-    with a repetition penalty, and policy b on RLOO's advantages. It joins the session's Ray cluster
-    (`--ray-address`, as a user on a cluster does; a local cluster's start and stop are
-    test_cluster.py's). Uninterrupted: a stop and resume of this run cost the suite a minute, and
-    what a resume of a pretrained LoRA policy must keep is
-    `test_a_resumed_smollm2_lora_trainer_steps_exactly_as_the_uninterrupted_one`'s (bit for bit),
-    the driver's stop and resume test_e2e_ray.py's."""
+    """`hpref rl rl-smollm2` for two rollouts and an eval, stopped at its save after leader rollout 1
+    (`debug_exit_after_rollout`, as if interrupted there) and continued with `--resume auto`: one
+    run's worth of rollouts; the second process adds its start, the actors' and their start eval.
+    With what #39 added on the real path: two weighted rewards, one of them labelled (the prompt
+    file's `reference` column), nucleus sampling with a repetition penalty, and policy b on RLOO's
+    advantages. It joins the session's Ray cluster (`--ray-address`, as a user on a cluster does; a
+    local cluster's start and stop are test_cluster.py's)."""
     import ray
 
     export, data = reward_export
@@ -138,17 +137,22 @@ def run(reward_export, tmp_path_factory, ray_cluster):
         "--set", 'rl.policies.b.advantage="rloo"',
         "--ray-address", ray.get_runtime_context().gcs_address,
     ]  # fmt: skip
-    done = run_hpref(*rl_args(out, export, data, "run", *features, recipe=recipe), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out / "run", done
+    stop = ["--set", "rl.debug_exit_after_rollout=1"]
+    stopped = run_hpref(*rl_args(out, export, data, "run", *stop, *features, recipe=recipe), timeout=600)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    resumed = run_hpref(
+        *rl_args(out, export, data, "run", *features, recipe=recipe), "--resume", "auto", timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out / "run", stopped, resumed
 
 
 def test_the_readme_flow_trains_two_pretrained_policies_on_a_learned_reward(run):
-    # Wrong if the real-model path did not run end to end (train -> save -> rl), a rollout row lost
-    # its reward, answer length, KL or engine/trainer log-prob gap, a rollout was counted twice, or
-    # the eval did not score the held-out answers with both the training reward and the second
-    # scorer.
-    folder, done = run
+    # Wrong if the real-model path did not run end to end (train -> save -> rl, stopped and resumed),
+    # a rollout row lost its reward, answer length, KL or engine/trainer log-prob gap, a rollout was
+    # counted twice across the resume, or the eval did not score the held-out answers with both the
+    # training reward and the second scorer.
+    folder, _, done = run
     for policy in ("a", "b"):
         training = [r for r in rows(folder, policy) if not r.get("eval")]
         ids = [r["rollout"] for r in training]
@@ -174,6 +178,60 @@ def test_the_readme_flow_trains_two_pretrained_policies_on_a_learned_reward(run)
     assert set(summary["leaderboard"]) == {"a", "b", "a@start", "b@start"}
     assert "eval: a reward" in done.stderr and "scorer" in done.stderr
     assert json.loads((folder / "record.json").read_text())["rollout_ids"]["a"] == 2
+
+
+def test_the_resumed_run_continues_from_its_save_and_steps_from_the_saved_adapter(run):
+    # Wrong if `--resume auto` did not take the run on from its save: a rollout replayed or skipped,
+    # or the resumed trainer of a stepping from anything but the saved adapter and optimizer (a fresh
+    # adapter, the base alone, restarted Adam moments).
+    import math
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpref.runfolder.safe_load import load_torch_file
+
+    folder, stopped, resumed = run
+    assert "debug_exit_after_rollout = 1: stopping after the save" in stopped.stderr
+    assert "rollout-000001: a at rollout 1" in resumed.stderr  # `resumed from <the save>: ...`
+    assert [r["rollout"] for r in rows(folder, "a") if not r.get("eval")] == [0, 1]
+    saves = [folder / "checkpoints" / f"rollout-00000{k}" / "a" for k in (1, 2)]
+    (w1, w2) = (load_file(str(s / "adapter" / "adapter_model.safetensors")) for s in saves)
+    state1, state2 = (load_torch_file(s / "trainer.pt") for s in saves)
+    assert (state1["rollouts_done"], state2["rollouts_done"]) == (1, 2)
+    # the optimizer holds the adapter's parameters in the model's order: PEFT's names for them, read
+    # off the policy's structure (the base the adapter names, built on the meta device: no weights)
+    settings = LoraConfig.from_pretrained(str(saves[0] / "adapter"))
+    structure = AutoConfig.from_pretrained(settings.base_model_name_or_path)
+    with torch.device("meta"):
+        lora = get_peft_model(AutoModelForCausalLM.from_config(structure), settings)
+    keys = [n.replace(".default.", ".") for n, _ in lora.named_parameters() if ".lora_" in n]
+    (group,) = state2["optimizer"]["param_groups"]
+    lr, (b1, b2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    moments1, moments2 = state1["optimizer"]["state"], state2["optimizer"]["state"]
+    assert len(keys) == len(moments2) == len(w2) and len(group["params"]) == len(keys)
+    moved = 0.0
+    for i, key in enumerate(keys):
+        one, two = moments1[group["params"][i]], moments2[group["params"][i]]
+        t = float(two["step"])
+        assert two["exp_avg"].shape == w2[key].shape, key  # the names and the moments line up
+        assert t == float(one["step"]) + 1  # one step on rollout 1, counted on from the saved count
+        m, v = two["exp_avg"].double(), two["exp_avg_sq"].double()
+        # AdamW's step from the saved weights w1, with the moments it left: had the trainer stepped
+        # from other weights, w2 would be off by their difference (a step moves them by up to lr =
+        # 2e-4, asserted below; the bound, 1e-6, is far above fp32 rounding of weights under 0.5)
+        step = lr / (1 - b1**t) * m / (v.sqrt() / math.sqrt(1 - b2**t) + eps)
+        want = w1[key].double() * (1 - lr * decay) - step
+        assert float((w2[key].double() - want).abs().max()) < 1e-6, key
+        # and the moments it stepped with were the saved ones: v2 = b2 v1 + (1 - b2) g^2, g read
+        # back from m2 = b1 m1 + (1 - b1) g
+        grad = (m - b1 * one["exp_avg"].double()) / (1 - b1)
+        v_want = b2 * one["exp_avg_sq"].double() + (1 - b2) * grad**2
+        assert float((v - v_want).abs().max()) <= 1e-4 * float(v.abs().max()) + 1e-20, key
+        moved = max(moved, float((w2[key] - w1[key]).abs().max()))
+    assert moved > 5e-5  # the step moved the adapter 50x the bound above: the check bites
 
 
 def test_hpref_save_exports_a_policy_that_answers_as_the_run_did(run, tmp_path):

@@ -74,7 +74,8 @@ def test_save_now_checkpoints_a_live_rl_run_at_the_next_rollout(tmp_path, ray_cl
         path = Path(saved.stdout.strip().splitlines()[-1])
         assert path.is_dir() and path.parent == run_dir / "checkpoints", saved.stdout
         assert path.name.startswith("rollout-")
-        assert sorted(p.name for p in path.iterdir()) == ["a", "b", "executor"]  # every part saved
+        # every part saved, then the save's own record (written last: it is what makes the save whole)
+        assert sorted(p.name for p in path.iterdir()) == ["a", "b", "executor", "record.json"]
         record = read_record(run_dir)
         assert record is not None and record.save_dir == f"checkpoints/{path.name}"
         assert not (run_dir / "SAVE_NOW").exists()  # the leader consumed the trigger

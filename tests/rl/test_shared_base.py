@@ -19,12 +19,14 @@ from hpref.rl.shared_base import placement_order, resolve_share_base  # noqa: E4
 from tests.rl.tiny import TINY  # noqa: E402
 
 
-def rl_config(policies, share_base=None, **defaults):
+def rl_config(policies, share_base=None, engine=None, **defaults):
     data = {
         "defaults": {"model": TINY, "lora": {"r": 4}, **defaults},
         "policies": policies,
         "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 4},
     }
+    if engine is not None:
+        data["engine"] = engine
     if share_base is not None:
         data["share_base"] = share_base
     return parse_rl_section({"rl": data}["rl"])
@@ -34,22 +36,40 @@ def rl_config(policies, share_base=None, **defaults):
 # when a base is shared
 
 
-def test_sharing_is_on_by_default_for_lora_policies_of_one_base_and_off_otherwise():
-    # Wrong if two LoRA policies of one base still paid two bases, or a lone policy (nothing to
-    # share) lost its merged-weight engine
-    both = rl_config({"a": {}, "b": {"lr": 5e-4, "kl_coef": 0.1}})
-    assert resolve_share_base(both, ["a", "b"], "r.toml").share_base is True
-    assert placement_order(resolve_share_base(both, ["a", "b"], "r.toml"), ["a", "b"]) == ["a"]
-    assert resolve_share_base(both, ["a"], "r.toml").share_base is False
-    assert resolve_share_base(rl_config({"a": {}}, share_base=True), ["a"], "r").share_base is True
-    # another base (a seed of a tiny model), or full fine-tuning: each trains alone, silently
-    other = rl_config({"a": {}, "b": {"model": {"seed": 3}}})
-    assert resolve_share_base(other, ["a", "b"], "r.toml").share_base is False
-    assert placement_order(resolve_share_base(other, ["a", "b"], "r"), ["a", "b"]) == ["a", "b"]
-    full = rl_config({"a": {}, "b": {"lora": None}})
-    assert resolve_share_base(full, ["a", "b"], "r.toml").share_base is False
-    off = rl_config({"a": {}, "b": {}}, share_base=False)
+def test_sharing_follows_where_the_engines_run_unless_the_recipe_says():
+    """Unset, two LoRA policies of one base share when their engines run on a GPU and not on CPU
+    engines, where one shared engine measured 1.64x two apart's wall time; `true` / `false` win
+    either way, and each decision carries its reason. Wrong if a CPU run paid the slower setting by
+    default, a GPU run paid two bases, a lone policy lost its merged-weight engine, or the reason
+    (printed by the plan, written to rl.json) said something other than what decided."""
+    from hpref.rl.shared_base import CPU_REASON, GPU_REASON, share_base_line
+
+    both = rl_config({"a": {}, "b": {"lr": 5e-4, "kl_coef": 0.1}})  # the transformers engine: CPU
+    cpu = resolve_share_base(both, ["a", "b"], "r.toml")
+    assert (cpu.share_base, cpu.share_base_reason) == (False, CPU_REASON)
+    assert placement_order(cpu, ["a", "b"]) == ["a", "b"]
+    assert share_base_line(cpu) == f"share_base = false: {CPU_REASON}" and "1.64x" in CPU_REASON
+    gpu = rl_config({"a": {}, "b": {}}, engine={"name": "vllm", "num_gpus": 1})
+    decided = resolve_share_base(gpu, ["a", "b"], "r.toml")
+    assert (decided.share_base, decided.share_base_reason) == (True, GPU_REASON)
+    assert placement_order(decided, ["a", "b"]) == ["a"]
+    # a decided config is not decided again (its reason would become "set in the recipe")
+    assert resolve_share_base(decided, ["a", "b"], "r.toml") is decided
+    # the recipe's word wins on either device
+    on = resolve_share_base(rl_config({"a": {}, "b": {}}, share_base=True), ["a", "b"], "r.toml")
+    assert (on.share_base, on.share_base_reason) == (True, "set in the recipe (rl.share_base = true)")
+    off = rl_config({"a": {}, "b": {}}, share_base=False, engine={"name": "vllm", "num_gpus": 1})
     assert resolve_share_base(off, ["a", "b"], "r.toml").share_base is False
+    assert resolve_share_base(both, ["a"], "r.toml").share_base_reason == "one policy: nothing to share"
+    assert resolve_share_base(rl_config({"a": {}}, share_base=True), ["a"], "r").share_base is True
+    # another base (a seed of a tiny model), or full fine-tuning: each trains alone, even on a GPU,
+    # and the reason names the key that differs
+    other = rl_config({"a": {}, "b": {"model": {"seed": 3}}}, engine={"name": "vllm", "num_gpus": 1})
+    apart = resolve_share_base(other, ["a", "b"], "r.toml")
+    assert apart.share_base is False and placement_order(apart, ["a", "b"]) == ["a", "b"]
+    assert apart.share_base_reason.startswith("the policies cannot share one base (rl.policies.b.model.seed")
+    full = rl_config({"a": {}, "b": {"lora": None}}, engine={"name": "vllm", "num_gpus": 1})
+    assert resolve_share_base(full, ["a", "b"], "r.toml").share_base is False
 
 
 @pytest.mark.parametrize(
@@ -71,13 +91,18 @@ def test_share_base_true_for_policies_that_cannot_share_is_one_line_naming_the_k
 
 
 def test_an_engine_that_serves_no_adapters_cannot_share(monkeypatch):
-    # Wrong if a plugin engine without adapters were handed a shared base's policies
+    # Wrong if a plugin engine without adapters were handed a shared base's policies (the engine
+    # taken as on a GPU, where an unset share_base would otherwise share)
+    import hpref.rl.placement
+
     config = rl_config({"a": {}, "b": {}}, share_base=True)
     monkeypatch.setattr(type(config.engine_config), "serves_adapters", False)
     with pytest.raises(RecipeError, match="rl.engine.name: the 'transformers' engine cannot serve LoRA"):
         resolve_share_base(config, ["a", "b"], "r.toml")
     config.share_base = None
-    assert resolve_share_base(config, ["a", "b"], "r.toml").share_base is False
+    monkeypatch.setattr(hpref.rl.placement, "engines_on_gpu", lambda config: True)
+    decided = resolve_share_base(config, ["a", "b"], "r.toml")
+    assert decided.share_base is False and "cannot serve LoRA" in decided.share_base_reason
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,11 +285,17 @@ def test_a_shared_run_trains_as_separate_ones(ray_cluster, tmp_path):
 
     from hpref.rl.launch import run_rl
     from hpref.rl.record import read_record
+    from hpref.rl.shared_base import CPU_REASON
 
     separate, shared = tmp_path / "separate", tmp_path / "shared"
-    assert run_rl(_run_recipe(separate, share_base=False), ["a", "b"]) == 0
-    assert run_rl(_run_recipe(shared), ["a", "b"]) == 0
-    assert json.loads((shared / "rl.json").read_text())["config"]["share_base"] is True
+    # unset on CPU engines: apart, and rl.json says so and why
+    assert run_rl(_run_recipe(separate), ["a", "b"]) == 0
+    assert run_rl(_run_recipe(shared, share_base=True), ["a", "b"]) == 0
+    written = {d: json.loads((d / "rl.json").read_text()) for d in (separate, shared)}
+    assert written[separate]["config"]["share_base"] is False
+    assert written[separate]["share_base_reason"] == CPU_REASON
+    assert written[shared]["config"]["share_base"] is True
+    assert written[shared]["share_base_reason"] == "set in the recipe (rl.share_base = true)"
     for p in ("a", "b"):
         want, got = _rows(separate, p), _rows(shared, p)
         common = sorted(set(want) & set(got))

@@ -129,21 +129,19 @@ class Server:
             os.killpg(self.process.pid, signal.SIGKILL)
 
 
-@pytest.fixture(scope="module")
-def server(exports, tmp_path_factory):
-    """`hpref serve REWARD_EXPORT --replicas 2 --threads 1 --token-file F` on a free loopback port,
-    with small bounds (batches of 8, so 16 requests held per replica, and 8 more waiting per
-    replica) that a test can overload with a few hundred requests."""
+@contextlib.contextmanager
+def serving(export: Path, base: Path, *options: str):
+    """`hpref serve EXPORT --token-file F OPTIONS` on a free loopback port, ready; stopped after.
+    `base/token` holds the token (`TOKEN`). Shared with tests/rl/test_default_paths.py, whose
+    `hpref rl` run takes its `remote` reward from such a server."""
     pytest.importorskip("ray.serve")
     pytest.importorskip("httpx")
-    base = tmp_path_factory.mktemp("serve")
     token_file = base / "token"
     token_file.write_text(TOKEN + "\n")
     port = free_port()
     log = base / "serve.log"
-    command = [sys.executable, "-m", "hpref", "serve", str(exports["reward"]), "--port", str(port)]
-    command += ["--replicas", "2", "--threads", "1", "--token-file", str(token_file)]
-    command += ["--max-batch-size", "8", "--max-queued", "8", "--drain-timeout", "20"]
+    command = [sys.executable, "-m", "hpref", "serve", str(export), "--port", str(port)]
+    command += ["--token-file", str(token_file), *options]
     with open(log, "w") as out:
         # a session of its own: stop() can end whatever Ray left behind with one killpg
         process = subprocess.Popen(
@@ -155,3 +153,14 @@ def server(exports, tmp_path_factory):
         yield running
     finally:
         running.stop()
+
+
+@pytest.fixture(scope="module")
+def server(exports, tmp_path_factory):
+    """`hpref serve REWARD_EXPORT --replicas 2 --threads 1 --token-file F` on a free loopback port,
+    with small bounds (batches of 8, so 16 requests held per replica, and 8 more waiting per
+    replica) that a test can overload with a few hundred requests."""
+    options = ["--replicas", "2", "--threads", "1"]
+    options += ["--max-batch-size", "8", "--max-queued", "8", "--drain-timeout", "20"]
+    with serving(exports["reward"], tmp_path_factory.mktemp("serve"), *options) as running:
+        yield running

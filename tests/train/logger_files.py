@@ -77,18 +77,22 @@ def _finished_records(path: Path, timeout_s: float = 30.0) -> list[Any]:
         time.sleep(0.2)
 
 
-def wandb_run(run_dir: Path) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
+def wandb_run(
+    run_dir: Path, *, killed_starts: bool = False
+) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
     """Every offline W&B run folder of the hpref run (one per start, same id): each start's history
-    rows in order, and the config."""
+    rows in order, and the config. `killed_starts`: starts before the last may have been SIGKILLed
+    (their files never get W&B's `exit` record): only the last start's file is waited on."""
     rid = (run_dir / "wandb_run_id.txt").read_text().strip()
     files = sorted(
         (run_dir / "wandb").glob(f"offline-run-*-{rid}*/run-{rid}.wandb"), key=lambda p: p.stat().st_mtime_ns
     )  # in the order of the starts (a second start in the same second is named `...-<id>-1`)
     assert files, f"no offline W&B run {rid} under {run_dir / 'wandb'}"
     history, config = [], {}
-    for path in files:
+    for i, path in enumerate(files):
         history.append([])
-        for record in _finished_records(path):
+        wait = 0.0 if killed_starts and i < len(files) - 1 else 30.0
+        for record in _finished_records(path, wait):
             kind = record.WhichOneof("record_type")
             if kind == "history":
                 history[-1].append(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sockets import beyond_loopback, listening, needs_ss
+from tests.sockets import alive, beyond_loopback, cmdline, listening, needs_ss
 from tests.train.conftest import write_recipe
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and prctl")
@@ -43,22 +43,6 @@ def _children(pid: int) -> list[int]:
         if int(stat.rpartition(")")[2].split()[1]) == pid:
             found.append(int(entry.name))
     return found
-
-
-def _alive(pid: int) -> bool:
-    """Running or stopped, not gone and not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def _rank_of(pid: int) -> int | None:
@@ -98,7 +82,7 @@ def live_run(tmp_path: Path, name: str, extra: list[str] = ()):
             assert time.monotonic() < deadline, "the run did not reach its first step in 180 s"
             time.sleep(0.5)
         for pid in _children(launcher.pid):
-            if "hpref.train.worker" in _cmdline(pid):
+            if "hpref.train.worker" in cmdline(pid):
                 workers[_rank_of(pid)] = pid
         assert sorted(workers) == [0, 1], workers
         yield launcher, workers, run_dir
@@ -119,9 +103,9 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 15
-        while any(_alive(pid) for pid in workers.values()) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in workers.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = {rank: pid for rank, pid in workers.items() if _alive(pid)}
+        left = {rank: pid for rank, pid in workers.items() if alive(pid)}
         assert not left, f"workers outlived their launcher: {left}"
 
 
@@ -146,7 +130,7 @@ def test_a_stopped_rank_ends_the_run_with_its_name_and_log(tmp_path):
         assert str(run_dir / "logs" / "rank1.log") in lines[0]
         assert "T (stopped)" in lines[0]
         assert took < 60, f"{took:.0f} s from SIGSTOP to the end of the run"
-        assert not any(_alive(pid) for pid in workers.values())
+        assert not any(alive(pid) for pid in workers.values())
 
 
 @needs_ss

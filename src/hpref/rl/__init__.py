@@ -12,6 +12,7 @@
 - `algorithms`: GRPO advantages, the clipped policy loss, k3 KL (pure torch functions).
 - `parking`: the leader's rendezvous with its followers for consistent saves and evals.
 - `record`: the resume checks against the checkpoint record (`hpref.runfolder.record`).
+- `stop`: SIGTERM and Ctrl-C: a save at the leader's next rollout, or a stop at once.
 - `protocols`: the `Reward` and `Engine` seams, as `typing.Protocol`s.
 - `warmup`: the cached supervised warm-up that makes the policies' starting checkpoint: tiny ones
   on the synthetic arena's answers, or every one on the user's (`warmup_data`: `[rl.warmup] path`).
@@ -33,11 +34,12 @@ def run_rl(
     ray_address: str | None = None,
     resume: str | None = None,
     prompts: Any = None,
+    signals: Any = None,
 ) -> int:
     """Run `hpref rl` (see `hpref.rl.launch.run_rl`)."""
     from hpref.rl.launch import run_rl as _run_rl
 
-    return _run_rl(recipe, policies, ray_address, resume, prompts=prompts)
+    return _run_rl(recipe, policies, ray_address, resume, prompts=prompts, signals=signals)
 
 
 __all__ = ["run_rl"]

@@ -3,6 +3,7 @@
 Everything a user can get wrong is refused before the run folder is touched: a recipe without
 `[rl]`, an unknown policy id, a fresh start on a folder that holds another run's record. Only then
 does the run folder get its resolved recipe and log (`hpref.runfolder.start`), and the driver start.
+From the checks on, SIGTERM and Ctrl-C stop the run gracefully (`hpref.rl.stop`).
 """
 
 from __future__ import annotations
@@ -73,12 +74,23 @@ def rl_command(request: RlRequest) -> int:
         from hpref.rl.plan import run_plan
 
         return run_plan(loaded, ids, request.ray_address)
-    # A fresh start on a folder that holds another run's record is refused before anything is written.
-    resume_source(loaded.run.run_dir, resume)
-    prompts = preflight(loaded, ids)  # models, rewards, the prompt file: before the run folder too
-    log = start_run_folder(loaded, "rl")
-    os.environ[ACTOR_LOG_DIR_ENV] = str(log.parent)  # each actor's libraries' records go beside it
-    return hpref.rl.run_rl(loaded, ids, request.ray_address, resume, prompts=prompts)
+    from loguru import logger
+
+    from hpref.rl.stop import StopNow, StopSignals, stopped_line
+
+    # SIGTERM, Ctrl-C: before the policies' loops, a stop at once; in them, a save first
+    with StopSignals(loaded.rl.stop_timeout_s) as signals:
+        try:
+            # A fresh start on a folder that holds another run's record is refused before anything
+            # is written.
+            resume_source(loaded.run.run_dir, resume)
+            prompts = preflight(loaded, ids)  # models, rewards, the prompt file: before the run folder
+            log = start_run_folder(loaded, "rl")
+            os.environ[ACTOR_LOG_DIR_ENV] = str(log.parent)  # each actor's libraries' records beside it
+            return hpref.rl.run_rl(loaded, ids, request.ray_address, resume, prompts=prompts, signals=signals)
+        except StopNow as stop:  # before run_rl started anything (run_rl answers the ones in it)
+            logger.warning(stopped_line(loaded.run.run_dir, stop))
+            return stop.exit_code
 
 
 def warmup_lines(request: WarmupRequest) -> Iterator[str]:

@@ -4,10 +4,10 @@
 
 - The leader (the first policy named) runs `num_rollouts` rollouts; followers run until it ends.
   The first task to fail ends the run, and its error is the run's error.
-- Every `save_interval` leader rollouts (and at the end, at `debug_exit_after_rollout`, and when
-  `hpref save --now` asks through `<run_dir>/SAVE_NOW`) the leader parks every follower, saves
-  every trainer and then the executor, writes `record.json`, and releases them. Evals park through
-  a separate parker.
+- Every `save_interval` leader rollouts (and at the end, at `debug_exit_after_rollout`, when
+  `hpref save --now` asks through `<run_dir>/SAVE_NOW`, and when SIGTERM or Ctrl-C asks the run to
+  stop: `hpref.rl.stop`) the leader parks every follower, saves every trainer and then the executor,
+  writes `record.json`, and releases them. Evals park through a separate parker.
 - Weights go from trainer to engine every `update_weights_interval` rollouts of that policy.
 - While the policies run, the event loop refreshes `<run_dir>/heartbeat.json` every few seconds,
   which is how `hpref save --now` knows the run is alive (`hpref.runfolder.heartbeat`).
@@ -20,6 +20,7 @@ it (actors, restore, teardown, the summary) is `hpref.rl.launch.run_rl`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from hpref.rl.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
 from hpref.rl.parking import Parker
 from hpref.rl.placement import colocated
 from hpref.rl.record import CheckpointRecord, check_resume, read_record, write_record
+from hpref.rl.stop import StopSignals
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
 from hpref.runfolder.layout import CHECKPOINTS, RL_EXECUTOR, ROLLOUT_PREFIX
 from hpref.runfolder.save_trigger import check_save_trigger
@@ -67,6 +69,8 @@ class DriveResult:
     evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout + RolloutExecutor.evaluate
     seconds: float = 0.0  # the policies' loops alone: no actor start-up, no restore
     timed_out: bool = False  # the leader ended at `time_limit_s`, before `num_rollouts`
+    stopped_by: str | None = None  # SIGTERM or SIGINT: the leader saved and ended at that rollout
+    last_save: str | None = None  # this run's newest save (`checkpoints/rollout-*`), if it made one
 
     def leaderboard(self, policies: list[str]) -> dict[str, float]:
         """Bradley-Terry (Elo-scale) ratings of the policies and their starting checkpoints
@@ -134,8 +138,10 @@ async def drive(
     run_dir: Path,
     starts: dict[str, int],
     metrics: MetricsWriter | None = None,
+    signals: StopSignals | None = None,
 ) -> DriveResult:
-    """Run every policy's loop until the leader ends (see the module docstring)."""
+    """Run every policy's loop until the leader ends (see the module docstring). `signals`: the
+    command's SIGTERM / SIGINT handlers, asked after each leader rollout."""
     leader, followers = order[0], order[1:]
     save_parker, eval_parker = Parker(followers, "save"), Parker(followers, "eval")
     positions = dict(starts)
@@ -209,15 +215,24 @@ async def drive(
             asked = check_save_trigger(run_dir)
             if asked:
                 logger.info(f"hpref save --now: a global save after leader rollout {r}")
-            if config.eval_interval and (r % config.eval_interval == 0 or last):
+            # SIGTERM or Ctrl-C: the save `hpref save --now` would make, then the end (no eval: the
+            # stop is bounded by rl.stop_timeout_s, and a scheduler's grace period is short)
+            signalled = signals is not None and signals.requested
+            if config.eval_interval and (r % config.eval_interval == 0 or last) and not signalled:
                 async with eval_parker.hold(config.park_timeout):
                     await evaluate()
-            if (config.save_interval and r % config.save_interval == 0) or last or debug or asked:
+            due = bool(config.save_interval) and r % config.save_interval == 0
+            if due or last or debug or asked or signalled:
                 async with save_parker.hold(config.park_timeout):
-                    await save_all(handles, order, positions, run_dir, leader, config.keep_last)
+                    saved = await save_all(handles, order, positions, run_dir, leader, config.keep_last)
                     result.saves += 1
-                    if last or debug:
+                    result.last_save = saved.save_dir
+                    if last or debug or signalled:
                         stop.set()  # set before release: followers stop where the save recorded them
+            if signalled:
+                assert signals is not None and signals.first is not None
+                result.stopped_by = signals.first.name
+                break
             if debug:
                 result.debug_exit = True
                 logger.info(f"debug_exit_after_rollout = {r}: stopping after the save")
@@ -248,28 +263,31 @@ async def drive(
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    heartbeat = asyncio.ensure_future(beat())
-    tasks = {asyncio.ensure_future(run_leader()): leader}
-    tasks.update({asyncio.ensure_future(run_follower(p)): p for p in followers})
-    pending = set(tasks)
-    try:
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                exc = task.exception()
-                if exc is not None:
-                    # a lost actor and a failed weight update are named by run_rl (with where to
-                    # resume from); which loop met them is noise
-                    if actor_death(exc) is None and not isinstance(exc, WeightSyncError):
-                        logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
-                    raise exc
-    finally:
-        stop.set()
-        for task in tasks:
-            task.cancel()
-        heartbeat.cancel()
-        await asyncio.gather(*tasks, heartbeat, return_exceptions=True)
-        clear_heartbeat(run_dir)
+    # from here a first signal waits for the leader's next rollout boundary and its save; once the
+    # loops have ended, signals are only noted (the teardown ahead must reach every actor)
+    with signals.graceful() if signals is not None else contextlib.nullcontext():
+        heartbeat = asyncio.ensure_future(beat())
+        tasks = {asyncio.ensure_future(run_leader()): leader}
+        tasks.update({asyncio.ensure_future(run_follower(p)): p for p in followers})
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    exc = task.exception()
+                    if exc is not None:
+                        # a lost actor and a failed weight update are named by run_rl (with where
+                        # to resume from); which loop met them is noise
+                        if actor_death(exc) is None and not isinstance(exc, WeightSyncError):
+                            logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
+                        raise exc
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            heartbeat.cancel()
+            await asyncio.gather(*tasks, heartbeat, return_exceptions=True)
+            clear_heartbeat(run_dir)
     result.seconds = time.perf_counter() - began
     return result
 

@@ -5,8 +5,9 @@
 The Ray shell around the driver (`hpref.rl.driver.drive`): the resume source and its checks, the
 policies' tokenizers and warm-ups, `rl.json`, the cluster (`hpref.runtime.ray_cluster`), the actors
 (engines, rollout executor, trainers; created in that order and torn down in reverse, also when a
-policy fails or the user presses Ctrl-C), the restore, the drive, and the run's summary. An actor
-that dies is named in one line with where `--resume auto` would continue from.
+policy fails or a signal stops the run), the restore, the drive, and the run's summary. An actor
+that dies is named in one line with where `--resume auto` would continue from, and so is a stop by
+SIGTERM or Ctrl-C (`hpref.rl.stop`: a save first, unless a second signal stops it at once).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hpref.rl.driver import DriveResult, Handles, drive, restore, sync_bucket_by
 from hpref.rl.group import WeightSyncError
 from hpref.rl.metrics import MetricsWriter, eval_line
 from hpref.rl.record import ResumeError, check_record_leader, read_record
+from hpref.rl.stop import StopNow, StopSignals, stopped_line
 from hpref.runfolder.files import write_json_atomic
 from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
 from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, dead_actor, lost_actor, ray_cause
@@ -312,13 +314,16 @@ def run_rl(
     ray_address: str | None = None,
     resume: str | None = None,
     prompts: PromptSource | None = None,
+    signals: StopSignals | None = None,
 ) -> int:
     """`hpref rl`: train `policies` (the first is the leader) as the recipe's `[rl]` section says.
 
     `ray_address`: an existing cluster (`ray start --head`); None starts a local one (or reuses the
     Ray session already initialised in this process). `resume`: None, `auto` or a run folder.
-    `prompts`: what `preflight` returned, when the caller ran it (else it runs here).
-    Returns the exit code (0; 130 after Ctrl-C). User mistakes raise `UserError`.
+    `prompts`: what `preflight` returned, when the caller ran it (else it runs here). `signals`: the
+    command's SIGTERM / SIGINT handlers (`hpref.rl.stop`; None: a Ctrl-C tears down, exit 130).
+    Returns the exit code (0; 128 + the first signal's number after a stop by a signal: 143 for
+    SIGTERM, 130 for SIGINT). User mistakes raise `UserError`.
     """
     started = time.perf_counter()
     config, run_dir = _rl_config(recipe)
@@ -337,11 +342,24 @@ def run_rl(
     for p in order:  # train/cache tokenizers once here, not once per actor in parallel
         policy_tokenizer(config.policies[p].model)
     warm_started = apply_warmup(config, order)
+    # the config's dump says what `share_base` became; why is said beside it (not a recipe key)
     write_json_atomic(
         run_dir / RL_JSON,
-        {"policies": order, "warmup_checkpoints": warm_started, "config": config.model_dump(mode="json")},
+        {
+            "policies": order,
+            "warmup_checkpoints": warm_started,
+            "config": config.model_dump(mode="json"),
+            "share_base_reason": config.share_base_reason,
+        },
         indent=2,
     )
+    if len(order) > 1:
+        from hpref.rl.shared_base import share_base_line, share_base_problem
+
+        # on the console when the policies could share (the default then depends on the device), in
+        # the log file only when they cannot (full fine-tuning, other bases)
+        level = "INFO" if share_base_problem(config, order) is None else "DEBUG"
+        logger.log(level, share_base_line(config))
     setup_s = time.perf_counter() - started
 
     teardown = Teardown()
@@ -375,7 +393,7 @@ def run_rl(
                 for p in order:
                     if first is not None:
                         metrics.replay(p, first)
-                return await drive(config, order, handles, run_dir, starts, metrics)
+                return await drive(config, order, handles, run_dir, starts, metrics, signals)
             finally:
                 try:  # stop prefetching; a dead executor must not mask the run's own error
                     await asyncio.shield(teardown_executor.shutdown.remote())
@@ -383,6 +401,11 @@ def run_rl(
                     logger.debug(f"rollout executor shutdown: {exc}")
 
         result = asyncio.run(main())
+    except StopNow as stop:
+        teardown.close()  # every actor and the cluster first: the line is the run's last word
+        metrics.close()
+        logger.warning(stopped_line(run_dir, stop))
+        return stop.exit_code
     except KeyboardInterrupt:
         logger.warning("interrupted: tearing every component down")
         metrics.close()
@@ -412,6 +435,8 @@ def run_rl(
         metrics.close()  # the loggers' files complete up to the last row
         return 1
     finally:
+        if signals is not None:
+            signals.closing()  # a signal during the teardown must not cut it short
         teardown.close()
     leaderboard = result.leaderboard(order)
     metrics.log_leaderboard(leaderboard, result.positions.get(order[0], 0))  # at the leader's end
@@ -437,6 +462,7 @@ def run_rl(
             "saves": result.saves,
             "debug_exit": result.debug_exit,
             "timed_out": result.timed_out,
+            "stopped_by": result.stopped_by,  # SIGTERM or SIGINT: saved at that rollout and stopped
             "evals": [
                 {k: v for k, v in e.items() if k not in ("battles", "leaderboard_battles")}
                 for e in result.evals
@@ -456,4 +482,11 @@ def run_rl(
     from hpref.rl.leaderboard import plot_metrics
 
     plot_metrics(run_dir, order)
+    if result.stopped_by is not None:
+        leader = order[0]
+        logger.warning(
+            stopped_line(run_dir, result.stopped_by, rollout=result.positions[leader], saved=result.last_save)
+        )
+        assert signals is not None and signals.exit_code is not None
+        return signals.exit_code
     return 0

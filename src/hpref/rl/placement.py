@@ -15,12 +15,16 @@ it, so Ray hands both the same device (the split is Ray's bookkeeping only; what
 is the engine's `gpu_memory_utilization` and its sleep while the trainer steps).
 
 `pack` simulates that placement over a list of nodes for `hpref rl --plan` (`hpref.rl.plan`), which
-must not create a placement group on the cluster it describes.
+must not create a placement group on the cluster it describes: this machine (`local_node`) or the
+live nodes of a cluster it joins read-only (`ray_nodes`), each GPU's memory as torch or Ray's
+accelerator type says (`gpu_memory_of`), or unknown. Whether the engines run on a GPU
+(`engines_on_gpu`) is one answer for the plan, the run's placement and `rl.share_base`'s default.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -68,10 +72,17 @@ def engine_resources(config: RLConfig) -> tuple[float, float]:
     return float(getattr(engine, "num_cpus", DEFAULT_CPUS)), float(getattr(engine, "num_gpus", 0) or 0)
 
 
+def engines_on_gpu(config: RLConfig) -> bool:
+    """Whether the policies' engines run on a GPU: they ask Ray for one (`engine_resources`), so the
+    run puts them on one or refuses to start. One answer for the plan and the run
+    (`hpref.rl.shared_base.share_base_decision`, `hpref.rl.plan.engine_memory`)."""
+    return engine_resources(config)[1] > 0
+
+
 def colocated(config: RLConfig, policy: str) -> bool:
     """Whether the policy's engine shares trainer rank 0's GPU: `rl.colocate` with a GPU on both
     sides (without one there is no device to share, and each actor keeps a bundle of its own)."""
-    return config.colocate and engine_resources(config)[1] > 0 and config.policies[policy].gpus_per_rank > 0
+    return config.colocate and engines_on_gpu(config) and config.policies[policy].gpus_per_rank > 0
 
 
 def actor_asks(config: RLConfig, order: Sequence[str]) -> dict[str, list[ActorAsk]]:
@@ -292,13 +303,15 @@ def _bundles_text(items: Sequence[Mapping[str, float]]) -> str:
 
 @dataclass
 class Node:
-    """A node as the plan sees it: Ray's resources, its memory, and each GPU's memory when known."""
+    """A node as the plan sees it: Ray's resources, its memory, and each GPU's memory when known
+    (`hpref.rl.plan.gpu_memory_of`)."""
 
     name: str
     cpus: float
     gpus: int
     memory: int
     gpu_memory: int | None = None
+    gpu_note: str = ""  # where `gpu_memory` came from, or why it is unknown
     free_cpus: float = field(init=False)
     free_gpus: list[float] = field(init=False)
 
@@ -359,3 +372,94 @@ def _holds_all(node: Node, wanted: Sequence[Mapping[str, float]]) -> bool:
     trial = Node(node.name, node.cpus, node.gpus, node.memory)
     trial.free_cpus, trial.free_gpus = node.free_cpus, list(node.free_gpus)
     return all(trial.take(b.get("CPU", 0.0), b.get("GPU", 0.0)) is not None for b in wanted)
+
+
+# --------------------------------------------------------------------------------------------------
+# the nodes, as the plan sees them
+
+#: Each GPU's memory by the accelerator type a Ray node reports (its `accelerator_type:<kind>`
+#: resource, its `ray.io/accelerator-type` label: the kind, never the size; Ray 2.60's nodes report no
+#: GPU memory), in the vendors' GB as sold, read as 10^9 bytes: at most what CUDA sees (an H100's
+#: 80 GB is 74.5 GiB of its 79.6; an L4's 24 GB 22.4 of 22.5), so "fits" errs on the safe side.
+#: Kinds sold in several sizes list each; Ray's own names for one size (`A100-80G`, which a node
+#: declares with `ray start --resources '{"accelerator_type:A100-80G": 1}'`) say which.
+GPU_MEMORY_GB: dict[str, tuple[int, ...]] = {
+    "A100": (40, 80),
+    "A100-40G": (40,),
+    "A100-80G": (80,),
+    "H100": (80,),
+    "H200": (141,),
+    "L4": (24,),
+    "L40S": (48,),
+    "A10G": (24,),
+    "T4": (16,),
+    "V100": (16, 32),
+    "V100-16G": (16,),  # no Ray name for a V100's size: named as Ray names the A100's
+    "V100-32G": (32,),
+    "AMD-Instinct-MI300X-OAM": (192,),
+    "AMD-Instinct-MI300X-HF": (192,),
+}
+#: The node label Ray sets to a node's accelerator type (beside its `accelerator_type:` resource)
+ACCELERATOR_LABEL = "ray.io/accelerator-type"
+
+
+def local_node() -> Node:
+    """This machine as a local run's one node: its CPUs, its GPUs torch sees, its memory."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
+    note = f"{torch.cuda.get_device_name(0)}, as torch reports it" if gpus else ""
+    return Node("this machine", float(os.cpu_count() or 1), gpus, _total_memory(), gpu_memory, note)
+
+
+def gpu_memory_of(resources: dict[str, float], labels: dict[str, str]) -> tuple[int | None, str]:
+    """(bytes of each GPU, where that came from) for a Ray node's resources and labels, by the
+    accelerator type it reports (`GPU_MEMORY_GB`); None with the reason when it is not known."""
+    kinds = {k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:")}
+    kinds |= {labels[ACCELERATOR_LABEL]} if labels.get(ACCELERATOR_LABEL) else set()
+    if not kinds:
+        return None, "Ray reports no accelerator type for it"
+    sized = sorted(k for k in kinds if len(GPU_MEMORY_GB.get(k, ())) == 1)
+    if sized:  # the smallest, should a node declare two that disagree
+        kind = min(sized, key=lambda k: GPU_MEMORY_GB[k][0])
+        gb = GPU_MEMORY_GB[kind][0]
+        return gb * 10**9, f"{kind}: {gb} GB as sold"
+    several = sorted(k for k in kinds if k in GPU_MEMORY_GB)
+    if several:
+        kind = several[0]
+        sizes = " or ".join(f"{g}" for g in GPU_MEMORY_GB[kind])
+        return None, (
+            f"Ray reports {kind}, sold with {sizes} GB; declare which with "
+            f"ray start --resources '{{\"accelerator_type:{kind}-{GPU_MEMORY_GB[kind][-1]}G\": 1}}'"
+        )
+    return None, f"Ray reports {', '.join(sorted(kinds))}, not in hpref.rl.placement.GPU_MEMORY_GB"
+
+
+def _total_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: no memory check
+        return 0
+
+
+def ray_nodes(address: str) -> list[Node]:
+    """The live nodes of the Ray cluster at `address`, joined read-only and left again."""
+    import ray
+
+    from hpref.runtime.ray_cluster import connect_ray
+
+    connected = connect_ray(address)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+    finally:
+        if connected:
+            ray.shutdown()
+    out = []
+    for n in nodes:
+        res = n["Resources"]
+        gpu_memory, note = gpu_memory_of(res, n.get("Labels") or {})
+        memory = int(res.get("memory", 0) + res.get("object_store_memory", 0))
+        name = n.get("NodeName") or n.get("NodeManagerAddress") or n["NodeID"][:8]
+        out.append(Node(name, float(res.get("CPU", 0)), int(res.get("GPU", 0)), memory, gpu_memory, note))
+    return out

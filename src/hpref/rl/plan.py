@@ -4,9 +4,14 @@ touching the run folder. How a user sizes a cluster run from a laptop.
 
 The placement is `hpref.rl.placement`'s (the same asks and bundles a run reserves), simulated over
 the nodes of the cluster at `--ray-address` (joined read-only: no placement group, no actor) or,
-without one, over this machine as the one node a local run would start. The memory is counted from
-the policy's config on the meta device (`hpref.rl.policy.policy_skeleton`) and the first prompts'
-lengths, per actor (GiB):
+without one, over this machine as the one node a local run would start. A GPU's memory is torch's
+on this machine and, on a cluster, the vendor's figure for the accelerator type Ray reports
+(`hpref.rl.placement.GPU_MEMORY_GB`); a node whose GPUs hold actors and whose GPU memory is not
+known is named "GPU memory unknown: not checked", never "fits". The plan also says what
+`rl.share_base` decided for the policies and why (`hpref.rl.shared_base`), as the run does.
+
+The memory is counted from the policy's config on the meta device
+(`hpref.rl.policy.policy_skeleton`) and the first prompts' lengths, per actor (GiB):
 
 - trainer rank (FSDP2 over `ranks`): fp32 weights / ranks (a LoRA base too: frozen, but sharded),
   gradients and AdamW's two moments of what trains / ranks, the frozen KL reference (full
@@ -29,12 +34,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpref.rl.placement import EXECUTOR_CPUS, Node, actor_asks, check_cluster, pack
+from hpref.rl.placement import (
+    EXECUTOR_CPUS,
+    Node,
+    actor_asks,
+    check_cluster,
+    engines_on_gpu,
+    local_node,
+    pack,
+    ray_nodes,
+)
 
 if TYPE_CHECKING:
     from hpref.recipe import Recipe
@@ -56,9 +69,6 @@ LOGIT_BYTES = 12
 MICRO_BATCH_SLACK = 1.4
 #: Prompts whose lengths the plan reads (the first rollouts'); the longest sets the padded width.
 PROMPT_SAMPLE = 64
-#: Each GPU's memory by Ray's `accelerator_type` (Ray reports the kind, not the size; only kinds
-#: with one size are listed: an A100 or a V100 may be either of two).
-GPU_MEMORY_GIB = {"H100": 80, "H200": 141, "B200": 180, "L4": 24, "A10G": 24, "L40S": 48, "T4": 16}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,7 +229,7 @@ def engine_memory(
     `adapters`: the LoRA policies of a shared base it serves (`adapter_params` each), whose rollouts
     it may batch all at once."""
     name, engine = config.engine.name, config.engine_config
-    gpus = float(getattr(engine, "num_gpus", 0) or 0)
+    gpus = engines_on_gpu(config)
     rows = rollout.prompts_per_rollout * rollout.group_size * max(adapters, 1)
     shape = dataclasses.replace(shape, params=shape.params + adapters * adapter_params)
     if name == "vllm":
@@ -275,51 +285,6 @@ def resident_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-# --------------------------------------------------------------------------------------------------
-# the cluster
-
-
-def local_node() -> Node:
-    """This machine as a local run's one node: its CPUs, its GPUs torch sees, its memory."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpu_memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
-    return Node("this machine", float(os.cpu_count() or 1), gpus, _total_memory(), gpu_memory)
-
-
-def _total_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no sysconf: no memory check
-        return 0
-
-
-def ray_nodes(address: str) -> list[Node]:
-    """The live nodes of the Ray cluster at `address`, joined read-only and left again."""
-    import ray
-
-    from hpref.runtime.ray_cluster import connect_ray
-
-    connected = connect_ray(address)
-    try:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-    finally:
-        if connected:
-            ray.shutdown()
-    out = []
-    for n in nodes:
-        res = n["Resources"]
-        kinds = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
-        gib = GPU_MEMORY_GIB.get(kinds[0]) if kinds else None
-        memory = int(res.get("memory", 0) + res.get("object_store_memory", 0))
-        name = n.get("NodeName") or n.get("NodeManagerAddress") or n["NodeID"][:8]
-        out.append(
-            Node(name, float(res.get("CPU", 0)), int(res.get("GPU", 0)), memory, gib * GIB if gib else None)
-        )
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -436,8 +401,26 @@ def problems(rows: Sequence[Row], nodes: Sequence[Node]) -> list[str]:
     return out
 
 
-def render(rows: Sequence[Row], nodes: Sequence[Node], found: Sequence[str], header: str) -> list[str]:
-    """The plan as text lines: a header, one row per actor, one line per node, the verdict."""
+def unchecked(rows: Sequence[Row], nodes: Sequence[Node]) -> list[str]:
+    """The nodes whose GPUs hold actors' memory while their size is unknown: not checked, named."""
+    out = []
+    for node in nodes:
+        used = any(r.node is node and r.gpu_ids and r.memory.device for r in rows)
+        if used and node.gpu_memory is None:
+            out.append(f"GPU memory unknown: not checked on {node.name} ({node.gpu_note})")
+    return out
+
+
+def render(
+    rows: Sequence[Row],
+    nodes: Sequence[Node],
+    found: Sequence[str],
+    header: str,
+    *,
+    notes: Sequence[str] = (),
+) -> list[str]:
+    """The plan as text lines: a header (and `notes`), one row per actor, one line per node, the
+    verdict: what does not fit, each node whose GPU memory went unchecked, else "fits"."""
     table = [("actor", "node", "CPUs", "GPUs", "host GiB", "GPU GiB", "memory (GiB)")]
     for r in rows:
         ids = ",".join(map(str, r.gpu_ids)) or "-"
@@ -447,7 +430,7 @@ def render(rows: Sequence[Row], nodes: Sequence[Node], found: Sequence[str], hea
             (r.actor, node, f"{r.cpus:g}", ids, f"{r.memory.host / GIB:.2f}", device, r.memory.text())
         )
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]) - 1)]
-    lines = [header, ""]
+    lines = [header, *notes, ""]
     lines += [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1]
         for row in table
@@ -456,20 +439,24 @@ def render(rows: Sequence[Row], nodes: Sequence[Node], found: Sequence[str], hea
     for node in nodes:
         here = [r for r in rows if r.node is node]
         memory = f" of {node.memory / GIB:.1f}" if node.memory else ""
-        gpus = f", {node.gpus - sum(node.free_gpus):g} of {node.gpus} GPUs" if node.gpus else ""
+        size = (
+            f"{node.gpu_memory / GIB:.1f} GiB each, {node.gpu_note}" if node.gpu_memory else "memory unknown"
+        )
+        gpus = f", {node.gpus - sum(node.free_gpus):g} of {node.gpus} GPUs ({size})" if node.gpus else ""
         lines.append(
             f"{node.name}: {sum(r.memory.host for r in here) / GIB:.2f}{memory} GiB, "
             f"{node.cpus - node.free_cpus:g} of {node.cpus:g} CPUs{gpus}"
         )
     lines.append("")
-    lines += [f"does not fit: {p}" for p in found] or ["fits"]
+    lines += [f"does not fit: {p}" for p in found] + unchecked(rows, nodes) or ["fits"]
     return lines
 
 
 def run_plan(
     recipe: Recipe, order: Sequence[str], ray_address: str | None, *, out: Callable[[str], Any] = print
 ) -> int:
-    """Print the plan of `hpref rl --plan`; returns 0 when everything fits, 2 when not."""
+    """Print the plan of `hpref rl --plan`; returns 2 when something does not fit, else 0 (also
+    when a node's GPU memory is unknown: the plan then says it did not check it)."""
     from hpref.errors import RecipeError
     from hpref.recipe.rl import resolve_engine
 
@@ -506,6 +493,9 @@ def run_plan(
         f"{sum(n.cpus for n in nodes):g} CPUs, {total_gpus or 'no'} GPUs); prompts up to "
         f"{max(prompts.values())} tokens (the first {PROMPT_SAMPLE}); nothing was started"
     )
-    for line in render(rows, nodes, found, header):
+    from hpref.rl.shared_base import share_base_line
+
+    notes = [share_base_line(config)] if len(order) > 1 else []
+    for line in render(rows, nodes, found, header, notes=notes):
         out(line)
     return 2 if found else 0

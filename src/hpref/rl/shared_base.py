@@ -13,6 +13,11 @@ engine and one trainer per policy: `AdapterEngine` and a `TrainerGroup` bound to
 What a base is, here: the policies' `model` settings, their trainer backend, and what their one
 trainer group is made of (`GROUP_KEYS`). Full fine-tuning (no `lora`) and different bases cannot
 share; `share_base = true` with either is one line naming the policy and key.
+
+Unset, sharing follows where the engines run (`hpref.rl.placement.engines_on_gpu`, as the placement
+asks Ray): on for GPU engines, off for CPU engines, where one shared engine measured slower than two
+(`CPU_REASON`). The decision and its reason (`share_base_reason`) are what `hpref rl --plan` prints
+and what the run logs and writes to rl.json.
 """
 
 from __future__ import annotations
@@ -83,20 +88,66 @@ def share_base_problem(config: RLConfig, order: Sequence[str]) -> str | None:
     return None
 
 
+#: Why an unset `share_base` is off when the engines run on CPU (benchmarks/README.md, "LoRA
+#: policies on one shared base"): one engine process generates every policy's answers on one core
+#: where separate engines use them all, and batching adapters there runs slower, not faster.
+CPU_REASON = (
+    "the engines run on CPU, where two policies sharing one engine measured 1.64x the wall time of "
+    "two apart (134 vs 82 s per leader rollout, python -m benchmarks.rl_shared, 2 cores) for 0.62x "
+    "their memory; rl.share_base = true holds the base once anyway"
+)
+#: Why an unset `share_base` is on when the engines run on GPUs: one engine batches every
+#: policy's adapter over one base (vLLM's multi-LoRA), as serving engines are built to.
+GPU_REASON = (
+    "the engines run on GPUs, where one engine batches every policy's LoRA adapter over one base "
+    "(vLLM's multi-LoRA; its speed there is benchmarks/gpu.sh section 6's to measure); "
+    "rl.share_base = false gives each policy its own engine"
+)
+
+
+def share_base_decision(config: RLConfig, order: Sequence[str]) -> tuple[bool, str | None, str]:
+    """(shared, problem, reason) for the policies of `order`: as the recipe's `share_base` says, or
+    (unset) on when there are several policies that can share and their engines run on a GPU.
+    `problem`: why they cannot share (`share_base_problem`), None when they can."""
+    from hpref.rl.placement import engines_on_gpu
+
+    problem = share_base_problem(config, order) if len(order) > 1 or config.share_base else None
+    if config.share_base is not None:
+        said = "true" if config.share_base else "false"
+        return (
+            bool(config.share_base) and problem is None,
+            problem,
+            f"set in the recipe (rl.share_base = {said})",
+        )
+    if len(order) < 2:
+        return False, None, "one policy: nothing to share"
+    if problem is not None:
+        return False, problem, f"the policies cannot share one base ({problem})"
+    if engines_on_gpu(config):
+        return True, None, GPU_REASON
+    return False, None, CPU_REASON
+
+
 def resolve_share_base(config: RLConfig, order: Sequence[str], where: str) -> RLConfig:
-    """`config` with `share_base` decided for the policies of `order`: as the recipe says, or (unset)
-    on when there are several policies and they can share. `share_base = true` for policies that
-    cannot is a `RecipeError` naming the policy and key; so is an adapter the engine cannot serve
-    (the engine's own `check_adapters`, e.g. vLLM's `max_lora_rank`)."""
-    problem = share_base_problem(config, order)
+    """`config` with `share_base` decided for the policies of `order` (`share_base_decision`) and
+    `share_base_reason` saying why; a config already decided comes back as it is. `share_base =
+    true` for policies that cannot is a `RecipeError` naming the policy and key; so is an adapter the
+    engine cannot serve (the engine's own `check_adapters`, e.g. vLLM's `max_lora_rank`)."""
+    if config.share_base is not None and config.share_base_reason is not None:
+        return config
+    shared, problem, reason = share_base_decision(config, order)
     if config.share_base and problem:
         raise RecipeError(f"{where}: rl.share_base = true, but {problem}")
-    shared = problem is None and (config.share_base or (config.share_base is None and len(order) > 1))
     if shared:
         check = getattr(config.engine_config, "check_adapters", None)
         if check is not None:
             check(config, list(order), where)
-    return config.model_copy(update={"share_base": bool(shared)})
+    return config.model_copy(update={"share_base": shared, "share_base_reason": reason})
+
+
+def share_base_line(config: RLConfig) -> str:
+    """What a decided `config` says of its base: `share_base = false: <why>` (the plan, the run's log)."""
+    return f"share_base = {'true' if config.share_base else 'false'}: {config.share_base_reason}"
 
 
 def placement_order(config: RLConfig, order: Sequence[str]) -> list[str]:

@@ -35,6 +35,10 @@ class VersionedWeights:
     #: for a bf16 engine, and nothing for the engine to cast)
     dtype: str = "float32"
 
+    #: refuse a floating-point tensor in another dtype than `dtype` (an engine whose load takes
+    #: tensors as given: vLLM's); off, the engine's own load casts (torch's `load_state_dict`)
+    exact_dtype: bool = False
+
     def weight_dtype(self) -> str:
         return self.dtype
 
@@ -118,17 +122,27 @@ class VersionedWeights:
         return version
 
     def check_state(self, state: dict[str, Any], adapter: str | None = None) -> None:
-        """Every weight name of the model (or of the adapter), each with its shape, and nothing
-        else; else a refusal that names what differs and the version that keeps serving."""
+        """Every weight name of the model (or of the adapter), each with its shape (and, for an
+        `exact_dtype` engine, in its dtype), and nothing else; else a refusal that names what
+        differs and the version that keeps serving."""
         shapes = self.shapes if adapter is None else self._adapter_shapes(adapter)
         missing = sorted(set(shapes) - set(state))
         unknown = sorted(set(state) - set(shapes))
         wrong = sorted(n for n in set(state) & set(shapes) if tuple(state[n].shape) != shapes[n])
-        if missing or unknown or wrong:
+        cast = sorted(
+            n
+            for n, t in state.items()
+            if self.exact_dtype and t.is_floating_point() and str(t.dtype) != f"torch.{self.dtype}"
+        )
+        if missing or unknown or wrong or cast:
+            kinds = (
+                ("missing", missing),
+                ("unknown", unknown),
+                ("wrong shape", wrong),
+                (f"not in the engine's {self.dtype}", cast),
+            )
             parts = [
-                f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
-                for what, names in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong))
-                if names
+                f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}" for what, names in kinds if names
             ]
             raise ValueError(
                 f"{self._who(adapter)}: weight update refused ({'; '.join(parts)}); "

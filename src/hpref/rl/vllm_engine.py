@@ -23,7 +23,14 @@ How it is wired, and why:
   transformers engine: `begin_update` / `load_weights` fill a staging dict, `commit_update` checks
   every name and shape against the model's before anything is copied (a bad transfer is refused
   and the old version keeps serving), reloads, and resets the prefix cache (cached KV blocks were
-  computed by the old weights). LoRA policies arrive merged (`RLTrainer.update_weights`).
+  computed by the old weights). LoRA policies arrive merged (`RLTrainer.update_weights`). Every
+  load is in the engine's `dtype` (`exact_dtype`: another is refused, as vLLM would warn once per
+  weight and cast itself): a sync is cast by its sender (`hpref.rl.weight_channel.pack_buckets`),
+  the start weights by the engine before its first load.
+- **A quiet console.** vLLM installs its own console handler (at import, and again in `LLM(...)`)
+  unless `VLLM_CONFIGURE_LOGGING=0`, set here, so its records reach the actor's log file; and in an
+  `hpref rl` run the engine's actor writes fd 1 and 2 (C++, vLLM's worker processes) into that file
+  too (`hpref.logs.divert_output`), so that Ray forwards hpref's own lines only.
 - **In the actor's process** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `uni` executor) at tensor parallel
   1: the state dict reaches the model by reference, with no second process holding a second copy.
   With `tensor_parallel_size > 1` vLLM starts its own worker processes (`mp` executor) and the
@@ -240,21 +247,33 @@ class WeightLoader:
 
     def hpref_load_weights(self, state: dict[str, Any] | bytes) -> None:
         # vLLM's in-place reload: checkpoint names (q/k/v, gate/up are fused by the model's own
-        # loader), tensors of any dtype, processed after loading as at start-up. Bytes: the state
-        # as `torch.save` wrote it, for workers in other processes (vLLM's RPC turns tensors into
-        # lists); tensors only, so `weights_only` loading is safe
+        # loader), processed after loading as at start-up; tensors as given (in the engine's dtype:
+        # `VLLMEngine` refuses others)
+        state = self.hpref_state(state)
+        self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+
+    @staticmethod
+    def hpref_state(state: dict[str, Any] | bytes) -> dict[str, Any]:
+        """The state dict a load was handed. Bytes: as `torch.save` wrote it, for workers in other
+        processes (vLLM's RPC turns tensors into lists); tensors only, so `weights_only` is safe."""
         if isinstance(state, bytes):
             import io
 
             import torch
 
-            state = torch.load(io.BytesIO(state), weights_only=True)
-        self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+            return torch.load(io.BytesIO(state), weights_only=True)
+        return state
 
 
 class VLLMEngine(VersionedWeights):
     """Generation for one policy on vLLM, with versioned weights (see the module docstring); with
     `adapters`, for every LoRA policy of a shared base: the base once, one vLLM LoRA per policy."""
+
+    #: vLLM loads a tensor as given (a float32 one into a bf16 engine: one warning per weight, and
+    #: the cast done in the engine), so a load in another dtype is refused (`VersionedWeights`)
+    exact_dtype = True
+    #: the worker extension every vLLM worker gets (`WeightLoader`, or a subclass of it)
+    worker_extension: ClassVar[type] = WeightLoader
 
     def __init__(
         self,
@@ -272,12 +291,18 @@ class VLLMEngine(VersionedWeights):
         # Ray places the actors; vLLM's own binding would pin every engine to the same cores
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM puts its console handler on its logger at import and again in `LLM(...)`: without
+        # it, its records reach the root logger's handler, i.e. the actor's log file
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        from hpref.logs import divert_output, route_library_logs, stderr_to_log
+
+        # what is written to fd 1 and 2 from here on (C++, vLLM's worker processes) goes to the
+        # run's actor log, not through Ray to the driver's console
+        diverted = divert_output()
         import torch
         from vllm import LLM
 
-        from hpref.logs import route_library_logs, stderr_to_log
-
-        route_library_logs()  # vLLM's handler, added on import, gives way to the actor's log file
+        route_library_logs()  # the libraries vLLM imported (torch, triton) as well
         torch.set_num_threads(config.threads)
         self.policy = policy
         from hpref.models.causal_lm import build_policy_model  # torch: not at import (`hpref --help`)
@@ -298,9 +323,11 @@ class VLLMEngine(VersionedWeights):
             if adapters
             else {}
         )
-        # its CPU worker's TORCH_WARN (NUMA memory binding) goes to fd 2 from C++: to the actor log.
-        # In-process only: worker processes would keep the redirected fd 2 for their whole life.
-        quiet = stderr_to_log("vLLM start-up") if self.in_process else contextlib.nullcontext()
+        # Not diverted (an engine outside `hpref rl`): its CPU worker's TORCH_WARN (NUMA memory
+        # binding) goes to fd 2 from C++, kept from the console for the start-up. In-process only:
+        # worker processes would keep the redirected fd 2 for their whole life.
+        in_process_only = self.in_process and not diverted
+        quiet = stderr_to_log("vLLM start-up") if in_process_only else contextlib.nullcontext()
         with quiet:
             self.llm = LLM(
                 model=self._folder.name,
@@ -322,14 +349,17 @@ class VLLMEngine(VersionedWeights):
                 max_model_len=config.max_model_len,
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # sampling defaults are hpref's, never the folder's
-                worker_extension_cls=f"{WeightLoader.__module__}.{WeightLoader.__qualname__}",
+                worker_extension_cls=f"{self.worker_extension.__module__}.{self.worker_extension.__qualname__}",
                 enable_sleep_mode=config.enable_sleep_mode,
                 **lora,
             )
         self.sleep_mode = config.enable_sleep_mode
+        self.dtype = config.dtype  # every load arrives in it: vLLM casts nothing, and warns of nothing
+        # the first load too: the start weights in the engine's dtype (a bf16 engine's half the
+        # bytes), cast here as a sync's sender casts (`hpref.rl.weight_channel.pack_buckets`)
+        start_model.to(getattr(torch, config.dtype))
         state = start_model.state_dict()  # the base's own names, before any adapter is injected
         self.shapes = {name: tuple(t.shape) for name, t in state.items()}
-        self.dtype = config.dtype  # a sync arrives in it: vLLM casts nothing, and warns of nothing
         self.channel_device = "cuda" if torch.cuda.is_available() else "cpu"
         self._reload(state)
         del state

@@ -3,13 +3,15 @@
 A training run keeps DCP checkpoints as `checkpoints/step-NNNNNN/` (written by
 `hpref.train.checkpoint`): a folder of that name is complete by construction (it is renamed into
 place after every rank wrote its part), `.tmp-*` folders are saves that did not finish, and
-`checkpoints/latest` names the newest. An `hpref rl` run keeps its global saves as
+`checkpoints/latest` names the newest (a save whose pointer write failed is found through the
+lineage each save records: `hpref.runfolder.lineage`). An `hpref rl` run keeps its global saves as
 `checkpoints/rollout-NNNNNN/`, one sub-folder per trainer plus the executor's (written after every
 trainer's, so a save that holds it is whole), and the newest complete one is the folder its
 `record.json` names (`hpref.runfolder.record`).
 
 Here is every question asked of those folders: which saves are complete (`complete_checkpoints`,
-`complete_saves`, `rl_saves`), which is the newest (`find_latest`), which one a user means
+`complete_saves`, `rl_saves`), which is the newest (`find_latest`) and which an auto resume may
+fall back to (`timeline`), which one a user means
 (`resolve_checkpoint`, `resolve_rl_save`), and whether one is safe to read (`validate_checkpoint`:
 checksums, the index through the one restricted reader of `hpref.runfolder.safe_load`, shard sizes,
 tensor shapes).
@@ -17,12 +19,14 @@ tensor shapes).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from hpref.errors import UserError
+from hpref.runfolder import lineage
 from hpref.runfolder.integrity import require_verified
 from hpref.runfolder.layout import (
     CHECKPOINT_INDEX,
@@ -37,6 +41,7 @@ from hpref.runfolder.layout import (
     TMP_PREFIX,
     TRAIN_STATE,
 )
+from hpref.runfolder.lineage import LINEAGE_KEY, Lineage
 from hpref.runfolder.record import read_record
 from hpref.runfolder.safe_load import CheckpointError, read_dcp_index
 
@@ -82,9 +87,32 @@ def complete_saves(run_dir: Path) -> list[Path]:
     return saves
 
 
+def train_lineage(folder: Path) -> Lineage | None:
+    """The lineage a training checkpoint records in its `train_state.json` (`hpref.runfolder.lineage`),
+    None for one of an older hpref version (or a state that does not parse: verification says why)."""
+    try:
+        state = json.loads((Path(folder) / TRAIN_STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return Lineage.from_json(state.get(LINEAGE_KEY)) if isinstance(state, dict) else None
+
+
+def pointer_target(run_dir: Path) -> Path | None:
+    """The complete checkpoint `checkpoints/latest` names, or None (no pointer, or it names none)."""
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    named = root / pointer.read_text().strip()
+    return named if named.is_dir() and is_complete(named) else None
+
+
 def find_latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or None. Partial ones (`.tmp-*`, or a `step-*` folder missing
-    its metadata) are ignored with a warning; a `latest` pointer to a missing folder is not trusted."""
+    """The newest complete checkpoint of the run's current timeline, or None: the one `latest` names,
+    or the newest that continues it when the pointer's write after a save failed (a full disk;
+    `hpref.runfolder.lineage`). Partial ones (`.tmp-*`, or a `step-*` folder missing its metadata)
+    are ignored with a warning; a `latest` pointer to a missing folder is not trusted (the newest
+    checkpoint then)."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return None
@@ -95,14 +123,30 @@ def find_latest(run_dir: Path) -> Path | None:
             logger.warning(f"ignoring partial checkpoint {p} (a save that did not finish)")
     complete = complete_checkpoints(run_dir)
     pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in complete:
-            return named
+    named = pointer_target(run_dir)
+    if named is None:
+        if pointer.is_file():
+            logger.warning(
+                f"{pointer} names '{pointer.read_text().strip()}', which is not a complete checkpoint; "
+                "scanning instead"
+            )
+        return complete[-1] if complete else None
+    newest = lineage.head(named, complete, train_lineage)
+    if newest != named:
         logger.warning(
-            f"{pointer} names '{named.name}', which is not a complete checkpoint; scanning instead"
+            f"{pointer} names {named.name}, and {newest.name} continues it (the pointer's write after "
+            f"that save did not finish): {newest.name} is the run's newest checkpoint"
         )
-    return complete[-1] if complete else None
+    return newest
+
+
+def timeline(run_dir: Path) -> list[Path]:
+    """The run's current timeline, newest first: `find_latest`'s checkpoint and the kept ones it
+    descends from (what `--resume auto` falls back to, never an abandoned timeline's saves)."""
+    newest = find_latest(run_dir)
+    if newest is None:
+        return []
+    return lineage.ancestors(newest, complete_checkpoints(run_dir), train_lineage)
 
 
 def _rl_save_error(path: Path) -> CheckpointError:

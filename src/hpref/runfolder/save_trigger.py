@@ -6,8 +6,9 @@ asked (`hpref.runfolder.checkpoints.complete_saves`: a `step-*` checkpoint of a 
 `rollout-*` save an `hpref rl` run's record names).
 
 The run's side looks for the trigger at every boundary where a save is consistent: the trainer at
-each optimizer step (`check_save_trigger_all_ranks`: rank 0 looks for the file and removes it, the
-answer is broadcast, every rank then saves collectively); the rl leader after each of its rollouts
+each optimizer step (`check_requests_all_ranks`: rank 0 looks for the file and removes it, the
+answer is all-reduced with a stop request (SIGTERM, Ctrl-C), every rank then saves collectively,
+and stops too when a stop was asked); the rl leader after each of its rollouts
 (`check_save_trigger`, then its usual global save, parking the followers).
 """
 
@@ -17,6 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -45,6 +47,24 @@ def check_save_trigger_all_ranks(run_dir: str | Path) -> bool:
     flag = [check_save_trigger(run_dir) if dist.get_rank() == 0 else False]
     dist.broadcast_object_list(flag, src=0)
     return bool(flag[0])
+
+
+def check_requests_all_ranks(
+    run_dir: str | Path, stop_signal: int = 0, device: Any = None
+) -> tuple[bool, int]:
+    """Collective, at a step boundary: (whether rank 0 found the save trigger, the signal a stop was
+    asked by on any rank, 0 for none). One all-reduce of both, so every rank saves and stops at the
+    same step whichever rank heard of the stop (`hpref.runtime.stop_signals`: each node's launcher
+    tells its own ranks). `device`: where the group's collectives run (a GPU for nccl)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return check_save_trigger(run_dir), stop_signal
+    save = check_save_trigger(run_dir) if dist.get_rank() == 0 else False
+    flags = torch.tensor([int(save), int(stop_signal)], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags[0]), int(flags[1])
 
 
 def request_save_now(

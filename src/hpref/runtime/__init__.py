@@ -6,6 +6,8 @@ torchrun      torchrun in this process: the launch, the one-node loopback rendez
 stores        rendezvous stores bound to their address (torch's bind every interface), gloo
               pinned to loopback for a group that meets there
 watchdog      the workers' heartbeat and the launcher's check of it; workers die with the launcher
+stop_signals  SIGTERM and Ctrl-C: a launcher's graceful stop (the ranks save at the next step and
+              end; a second signal stops at once), `hpref train`'s
 ray_cluster   starting or joining the Ray cluster (`hpref rl`'s actors, `hpref serve`'s replicas)
 checkpoint    a train checkpoint (or run folder) -> the model it holds, with its recipe: the one
               loader `hpref eval` and `hpref save` both use

@@ -9,7 +9,9 @@ and one that cannot be reached, or refuses the token, is a one-line `UserError`.
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,6 +47,29 @@ def _loopback_ray():
             os.environ[RAY_LOOPBACK_ENV] = old_env
 
 
+@contextmanager
+def _own_sigterm():
+    """Around a `ray.init`: a caller that handles SIGTERM itself (`hpref rl`'s graceful stop) keeps
+    its handler. `ray.init` sets its own in the driver as it starts (`sys.exit(15)`) and its core
+    worker a C++ one as it connects (a stack dump, then an abort); the caller's is put back after,
+    and a SIGTERM that arrives while Ray starts reaches it instead of Ray's exit. A caller without
+    one (SIGTERM's default action) gets Ray's behaviour, as before."""
+    own = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if not callable(own):
+        yield
+        return
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code != signal.SIGTERM:  # Ray's handler exits with the signal's number
+            raise
+        signal.signal(signal.SIGTERM, own)
+        own(signal.SIGTERM, None)  # the caller's answer: `hpref rl` raises its StopNow here
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, own)
+
+
 def connect_ray(address: str | None, *, metrics_report_ms: int | None = None) -> bool:
     """Start a local Ray cluster listening on loopback only, or join the one at `address`.
 
@@ -54,7 +79,8 @@ def connect_ray(address: str | None, *, metrics_report_ms: int | None = None) ->
     `~/.ray/auth_token`); Ray itself only does this for address "auto". A loopback address is joined
     as a loopback node, which is what a head started on loopback (README) expects. A cluster that
     cannot be reached, or refuses the token, is a `UserError`. `metrics_report_ms`: how often a local
-    cluster's processes report their metrics to the node's exporter (Ray's default: 10 s).
+    cluster's processes report their metrics to the node's exporter (Ray's default: 10 s). The
+    caller's own SIGTERM handler, if it has one, is still in place after (`_own_sigterm`).
     """
     import ray
 
@@ -64,7 +90,7 @@ def connect_ray(address: str | None, *, metrics_report_ms: int | None = None) ->
     if ray.is_initialized():
         return False
     if not address:
-        with _loopback_ray():
+        with _loopback_ray(), _own_sigterm():
             system = {"metrics_report_interval_ms": metrics_report_ms} if metrics_report_ms else None
             ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, _system_config=system)
         return True
@@ -89,7 +115,7 @@ def connect_ray(address: str | None, *, metrics_report_ms: int | None = None) ->
         # Ray's C++ client retries a refused token or a missing head once a second for ~20 s and
         # warns on fd 2 each time (RAY_BACKEND_LOG_LEVEL does not reach it): twenty lines ahead of
         # the one that says what is wrong
-        with stderr_to_log("ray.init"):
+        with stderr_to_log("ray.init"), _own_sigterm():
             maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
             if host in LOOPBACK_HOSTS:
                 with _loopback_ray():

@@ -5,7 +5,8 @@ the torchtune way), so every torchrun behaviour is there and a cluster needs not
 fails stops the others (torchrun's agent watches them every 0.1 s) and `run_torchrun` reports which
 rank died, with what, and where its log is; its exit code becomes `hpref`'s. A rank that stops
 running without exiting is found by its heartbeat (`hpref.runtime.watchdog`), and every worker dies
-with the launcher, even one killed with SIGKILL.
+with the launcher, even one killed with SIGKILL. A caller that stops gracefully on SIGTERM and Ctrl-C
+(`hpref train`: `hpref.runtime.stop_signals`) keeps those signals from torchrun's agent.
 
 A one-node run on the default endpoint listens on loopback only. torchrun's own stores bind every
 interface whatever host they are given (`TCPStore` passes no address to bind(); both the libuv and
@@ -25,6 +26,7 @@ import shlex
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from loguru import logger
 
 from hpref.recipe import LaunchSection
 from hpref.runfolder.start import log_file
+from hpref.runtime.stop_signals import TORCHRUN_SIGNALS, torchrun_environment
 from hpref.runtime.stores import LOOPBACK_HOSTS, bound_store, gloo_loopback_environment
 
 LOOPBACK_BACKEND = "hpref-loopback"
@@ -111,10 +114,17 @@ def _quiet_torchrun():
 
 
 def run_torchrun(
-    argv: list[str], run_dir: Path, launch: LaunchSection | None = None, env: dict[str, str] | None = None
+    argv: list[str],
+    run_dir: Path,
+    launch: LaunchSection | None = None,
+    env: dict[str, str] | None = None,
+    *,
+    handle_stop: bool = False,
 ) -> int:
     """torchrun in this process; a failed or stalled rank becomes one log line and an exit code.
-    `env`: set for the workers (and restored here afterwards)."""
+    `env`: set for the workers (and restored here afterwards). `handle_stop`: the caller handles
+    SIGTERM and SIGINT (`hpref.runtime.stop_signals`), so torchrun's agent must not; its `StopNow`
+    passes through here after the agent has ended the workers."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -125,6 +135,11 @@ def run_torchrun(
     logger.info(f"launching: torchrun {shlex.join(argv)}")
     args = parse_args(argv)
     env = dict(env or {})
+    if handle_stop:
+        # torchrun's `--signals-to-handle` (which its agent copies into the environment), and the
+        # environment itself for a torch that reads only that
+        args.signals_to_handle = TORCHRUN_SIGNALS
+        env.update(torchrun_environment())
     host = args.rdzv_endpoint.rpartition(":")[0].strip("[]")
     if args.rdzv_backend == "c10d" and str(args.nnodes) == "1" and host in LOOPBACK_HOSTS:
         _register_loopback_backend()
@@ -134,8 +149,7 @@ def run_torchrun(
     if launch.heartbeat_timeout_s > 0:
         watchdog = Watchdog(Path(tempfile.mkdtemp(prefix="hpref-heartbeat-")), launch.heartbeat_timeout_s)
         env.update(watchdog.environment())
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # torchrun hands its environment to the workers
+    restore = set_environment(env)  # torchrun hands its environment to the workers
     try:
         if watchdog is not None:
             watchdog.start()
@@ -162,15 +176,27 @@ def run_torchrun(
         logger.error(_rendezvous_failure(args, exc))
         return 1
     finally:
+        restore()
+        if watchdog is not None:
+            watchdog.stop()
+            shutil.rmtree(watchdog.folder, ignore_errors=True)
+    return 0
+
+
+def set_environment(env: dict[str, str]) -> Callable[[], None]:
+    """`env` into this process's environment (for the workers it starts, or an in-process worker);
+    returns what puts the previous values back."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+
+    def restore() -> None:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        if watchdog is not None:
-            watchdog.stop()
-            shutil.rmtree(watchdog.folder, ignore_errors=True)
-    return 0
+
+    return restore
 
 
 def _rendezvous_failure(args: Any, exc: Exception) -> str:

@@ -6,11 +6,13 @@ Layout of a run folder's `checkpoints/`:
       .metadata, *.distcp   DCP: model and optimizer, sharded as they were trained; only what trains
                             (with LoRA: adapters and head, not the frozen base weights)
       train_state.json      step, sampler position, scheduler, world size (identical on every rank);
-                            with LoRA also `base_model`, the recipe's [model] that gives the base
+                            with LoRA also `base_model`, the recipe's [model] that gives the base;
+                            `lineage`: its id and the checkpoint it continued from
       rank-00000.json       that rank's RNG states (CPU, CUDA, Python, NumPy)
       checksums.json        size and SHA-256 of every file above
     .tmp-step-000050/     being written, or left behind by a crash: never loaded
-    latest                the name of the newest complete checkpoint (replaced atomically)
+    latest                the name of the newest complete checkpoint (replaced atomically); a
+                            resume first points it at the checkpoint it resumed from
 
 Why this shape
 - A checkpoint is written to `.tmp-step-N` and renamed to `step-N` by rank 0 after a barrier, so a
@@ -21,7 +23,11 @@ Why this shape
 - Nothing corrupt is trusted: `checksums.json` holds the size and SHA-256 of every file (each rank
   hashes and fsyncs a share), the folder is renamed into place only after that, and `latest` moves
   only after the rename is durable. Resume verifies the checksums first; `--resume auto` falls back
-  to the newest checkpoint that verifies, and says so.
+  to the newest checkpoint of the run's timeline that verifies, and says so.
+- A `latest` whose write failed (a full disk, after the rename) does not send a resume one save
+  back: each checkpoint records the one it continued from (`hpref.runfolder.lineage`), and the
+  newest checkpoint is `latest`'s target or the newest that descends from it. Not simply the newest
+  folder: after a resume from an older checkpoint, the newer ones are an abandoned timeline.
 - RNG state is per rank (dropout draws differ by rank), so each rank saves and reloads its own file;
   resuming with a different world size is refused rather than silently changing the run.
 """
@@ -43,13 +49,16 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.models.parallelize import checkpoint_layout
-from hpref.runfolder import integrity
+from hpref.runfolder import integrity, lineage
 from hpref.runfolder.checkpoints import (
     checkpoint_name,
     complete_checkpoints,
     find_latest,
     is_complete,
+    pointer_target,
     step_of,
+    timeline,
+    train_lineage,
 )
 from hpref.runfolder.files import fsync_dir, write_json_atomic, write_text_atomic
 from hpref.runfolder.layout import CHECKPOINTS, LATEST, TMP_PREFIX, TRAIN_STATE
@@ -84,8 +93,9 @@ def _problems(folder: Path) -> list[str]:
 
 
 def _newest_verified(run_dir: Path, flag: str) -> Path | None:
-    """The newest complete checkpoint whose files verify; each one skipped is said, with why."""
-    for candidate in reversed(complete_checkpoints(run_dir)):
+    """The newest checkpoint of the run's timeline whose files verify; each one skipped is said,
+    with why."""
+    for candidate in timeline(run_dir):
         problems = _problems(candidate)
         if not problems:
             _VERIFIED.add(candidate)
@@ -216,7 +226,10 @@ def save_checkpoint(
         raise _save_failure(tmp, exc) from None
     write_json_atomic(tmp / _rank_file(rank), {**(rank_state or {}), "rank": rank, "rng": rng_state()})
     if rank == 0:
-        write_json_atomic(tmp / TRAIN_STATE, {**train_state, "step": step, "world_size": world})
+        # the checkpoint `latest` names is the one this run continued from (a resume points it there)
+        born = lineage.child_of(final.name, pointer_target(run_dir), train_lineage)
+        state = {**train_state, "step": step, "world_size": world, lineage.LINEAGE_KEY: born.to_json()}
+        write_json_atomic(tmp / TRAIN_STATE, state)
     _barrier()
     # every file is complete: hash (and fsync) them, each rank a share, before the folder may count
     integrity.write_manifest(tmp, collective=True)
@@ -291,9 +304,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
+def load_checkpoint(
+    path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_dir: Path | None = None
+) -> Restored:
     """Collective: load model, optimizer and this rank's RNG from a complete checkpoint in place,
-    after its files verify against their checksums."""
+    after its files verify against their checksums. With `run_dir` (a resume), a checkpoint of that
+    run becomes what its `latest` names: the timeline the run continues (`continue_timeline`)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     rank, world = _rank_and_world()
@@ -329,6 +345,24 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
         set_rng_state(rank_state["rng"])
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{rank_file}: unusable RNG state ({type(exc).__name__}: {exc})") from None
+    if run_dir is not None:
+        continue_timeline(run_dir, path)
     logger.info(f"resumed from {path} (step {train_state['step']})")
     own = {k: v for k, v in rank_state.items() if k not in ("rank", "rng")}
     return Restored(path=path, train_state=train_state, rank_state=own)
+
+
+def continue_timeline(run_dir: Path, path: Path) -> None:
+    """Rank 0, on resume: point `latest` at the checkpoint the run continues from, so that its next
+    save descends from it (`hpref.runfolder.lineage`). After an explicit resume from an older
+    checkpoint, the newer ones are then an abandoned timeline that `--resume auto` never picks; after
+    an auto resume past a `latest` whose write failed, the pointer is right again. A checkpoint of
+    another run folder leaves this run's pointer alone."""
+    root = Path(run_dir) / CHECKPOINTS
+    if _rank_and_world()[0] != 0 or Path(path).resolve().parent != root.resolve():
+        return
+    pointer = root / LATEST
+    if pointer.is_file() and pointer.read_text().strip() == path.name:
+        return
+    write_text_atomic(pointer, path.name + "\n")
+    logger.info(f"{pointer} -> {path.name}: the run continues from it")

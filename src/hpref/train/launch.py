@@ -11,6 +11,10 @@ there and a cluster needs nothing new:
 
 Starting them, watching them (a failed or stalled rank named in one line) and the one-node
 loopback rendezvous are `hpref.runtime.torchrun`'s, shared with `hpref eval`.
+
+SIGTERM and Ctrl-C stop a run gracefully (`hpref.runtime.stop_signals`, either way it runs): the
+ranks save the step in flight and end, then one line says where `--resume auto` continues, and the
+exit code is 128 + the signal; a second signal stops at once.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from loguru import logger
 
 from hpref.errors import UserError
 from hpref.recipe import Recipe, load_recipe
+from hpref.runfolder.checkpoints import find_latest, step_of
+from hpref.runfolder.heartbeat import HEARTBEAT_STALE_S, run_status
 from hpref.runfolder.start import RESOLVED_RECIPE_ENV, write_resolved_recipe
-from hpref.runtime.torchrun import free_port, run_torchrun
+from hpref.runtime.stop_signals import GracefulStop, StopNow, exit_code, signal_name
+from hpref.runtime.torchrun import free_port, run_torchrun, set_environment
 
 if TYPE_CHECKING:
     from hpref.train.request import TrainRequest
@@ -159,14 +166,59 @@ def launch_train(request: TrainRequest, recipe: Recipe | None = None) -> int:
         return 0
     check_cpu_ranks(plan.nproc_per_node, recipe)
     resolved = write_resolved_recipe(recipe, recipe.run.run_dir)
-    if plan.torchrun_args is None:
-        from hpref.train.worker import run_worker
+    run_dir = recipe.run.run_dir
+    before = _newest(run_dir)
+    stop = GracefulStop(STOP_GRACE_S, ready=lambda: run_status(run_dir)[0])
+    try:
+        with stop.installed():
+            if plan.torchrun_args is None:
+                from hpref.train.worker import run_worker
 
-        resume_arg = None if resume is None else str(resume)
-        return run_worker(recipe_path, overrides, resume=resume_arg, console=False, recipe=recipe)
-    return run_torchrun(
-        plan.torchrun_args, recipe.run.run_dir, recipe.launch, env={RESOLVED_RECIPE_ENV: str(resolved)}
-    )
+                resume_arg = None if resume is None else str(resume)
+                restore = set_environment(stop.environment())
+                try:
+                    code = run_worker(recipe_path, overrides, resume=resume_arg, console=False, recipe=recipe)
+                finally:
+                    restore()
+            else:
+                env = {RESOLVED_RECIPE_ENV: str(resolved), **stop.environment()}
+                code = run_torchrun(plan.torchrun_args, run_dir, recipe.launch, env=env, handle_stop=True)
+    except StopNow as now:
+        logger.warning(_stopped_line(run_dir, now.signum, before, now.reason))
+        return exit_code(now.signum)
+    if stop.signum is None or code != 0:
+        return code
+    logger.warning(_stopped_line(run_dir, stop.signum, before))
+    return exit_code(stop.signum)
+
+
+#: How long the step in flight (and its checkpoint) has after a SIGTERM or Ctrl-C before the run is
+#: stopped without one: the time after which a run's heartbeat reads as hung. A scheduler's own grace
+#: (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds) must cover a step and a checkpoint
+#: for the save to happen at all.
+STOP_GRACE_S = HEARTBEAT_STALE_S
+
+
+def _stopped_line(run_dir: Path, signum: int, before: Path | None, at_once: str | None = None) -> str:
+    """The one console line of a stopped run: the signal, what was saved, where a resume continues."""
+    latest = _newest(run_dir)
+    name = signal_name(signum)
+    if latest is None:
+        where = "nothing saved yet: run again with --resume auto to start from step 0"
+    else:
+        where = f"run again with --resume auto to continue from step {step_of(latest)} ({latest.name})"
+    if at_once is None and latest is not None and latest != before:
+        saved = f"after step {step_of(latest)}; saved checkpoint {latest.name}"
+        return f"hpref train: stopped by {name} {saved}; {where}"
+    when = f" at once ({at_once})" if at_once else ""
+    return f"hpref train: stopped by {name}{when}, without a save; {where}"
+
+
+def _newest(run_dir: Path) -> Path | None:
+    """Where `--resume auto` continues (`find_latest`). Its warnings (a save a second signal cut
+    short is a partial folder) go to the log file: the resume says them, the stop says one line."""
+    with logger.contextualize(file_only=True):
+        return find_latest(run_dir)
 
 
 def cpu_cores() -> int:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from loguru import logger
 
 from hpref.data.packing import PackedBatch, StepSampler
+from hpref.logs import file_only
 from hpref.memory import release_freed_memory
 from hpref.models.loss import soft_cross_entropy
 from hpref.prediction.evaluation import Evaluation, evaluate_battles
@@ -46,7 +47,8 @@ from hpref.recipe import Recipe
 from hpref.runfolder import layout
 from hpref.runfolder.files import write_text_atomic
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
-from hpref.runfolder.save_trigger import check_save_trigger_all_ranks
+from hpref.runfolder.save_trigger import check_requests_all_ranks
+from hpref.runtime.stop_signals import signal_name, stop_requested
 from hpref.train import checkpoint, resume
 from hpref.train.data import Tokenized
 from hpref.train.head_prior import init_head_to_prior
@@ -58,9 +60,12 @@ from hpref.train.summary import summarise, summary_rows
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
-#: Test hooks: make one rank raise at its first step / make every rank stop after step k.
+#: Test hooks: make one rank raise at its first step / make every rank stop after step k / hold
+#: step k in flight on rank 0 until a stop is asked ("k") or for good ("k:forever"), the step a
+#: SIGTERM or Ctrl-C lands in (tests/train/test_stop_signals.py).
 FAIL_RANK_ENV = "HPREF_DEBUG_FAIL_RANK"
 CRASH_AFTER_ENV = "HPREF_DEBUG_CRASH_AFTER_STEP"
+HOLD_STEP_ENV = "HPREF_DEBUG_HOLD_STEP"
 
 
 class SimulatedCrash(RuntimeError):
@@ -197,6 +202,8 @@ class RunState:
     started: float = field(default_factory=time.perf_counter)
     fail_rank: str | None = None  # the HPREF_DEBUG_* test hooks
     crash_after: int = 0
+    hold_step: str = ""
+    stopped_by: int = 0  # the signal a stop was asked by (SIGTERM, Ctrl-C): the run ended early
 
 
 def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
@@ -206,7 +213,8 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
     `train_epoch` until the last step (each step's log line, evals and checkpoints: `_after_step`),
     `end_run` (also after a failure: the heartbeat cleared), `save_summary` (the last eval,
     `summary.json`, the table). Checkpoints are `hpref.train.resume`'s, the totals and the log
-    interval `hpref.train.progress`'s."""
+    interval `hpref.train.progress`'s. A run asked to stop (SIGTERM, Ctrl-C: its launcher's
+    `hpref.runtime.stop_signals`) ends after the step's checkpoint, without the summary."""
     run = start_run(setup, resume_from)
     try:
         try:
@@ -215,6 +223,8 @@ def fit(setup: TrainSetup, resume_from: Path | None = None) -> dict[str, Any]:
                     break
         finally:
             end_run(setup, run)
+        if run.stopped_by:
+            return {"stopped_by": signal_name(run.stopped_by), "step": run.stats.step}
         return save_summary(setup, run)
     finally:
         run.metrics.close()  # the loggers' files complete, also after a failure
@@ -243,6 +253,7 @@ def start_run(setup: TrainSetup, resume_from: Path | None) -> RunState:
         *progress_bar(rank == 0 and sys.stderr.isatty(), setup.total_steps, stats.step),
         fail_rank=os.environ.get(FAIL_RANK_ENV),
         crash_after=int(os.environ.get(CRASH_AFTER_ENV, "0") or 0),
+        hold_step=os.environ.get(HOLD_STEP_ENV, ""),
     )
     setup.model.train()
     run.started = time.perf_counter()
@@ -262,7 +273,7 @@ def train_epoch(setup: TrainSetup, run: RunState) -> bool:
         last = run.stats.step >= setup.total_steps
         epoch_end = setup.sampler.step == steps_in_epoch
         _after_step(setup, run, epoch, lr, grad_norm, epoch_end=epoch_end, last=last)
-        if last:
+        if last or run.stopped_by:
             return True
     return False
 
@@ -273,6 +284,8 @@ def _one_step(setup: TrainSetup, run: RunState, plan: Any) -> tuple[float, torch
     data_rank, data_world, data_group = setup.data_rank_and_size
     if run.fail_rank is not None and int(run.fail_rank) == setup.rank:
         raise SimulatedCrash(f"{FAIL_RANK_ENV}={run.fail_rank}: rank {setup.rank} fails on purpose")
+    if run.hold_step and setup.rank == 0 and int(run.hold_step.split(":")[0]) == run.stats.step + 1:
+        _hold(forever=run.hold_step.endswith(":forever"))
     if setup.objective is not None:
         loss_sum, grad_norm, sums = setup.objective.train_step(setup, plan)
         run.interval.sums = sums if run.interval.sums is None else run.interval.sums + sums
@@ -321,23 +334,35 @@ def _after_step(
     run.progress.update(run.task, completed=stats.step)
     if setup.rank == 0:
         write_heartbeat(setup.run_dir, stats.step)
-    # Collective (rank 0 reads the trigger file, every rank learns the answer): a checkpoint must be
-    # taken by all ranks at the same step boundary.
-    save_requested = check_save_trigger_all_ranks(setup.run_dir)
+    # Collective (rank 0 reads the save trigger, each rank its launcher's stop request, every rank
+    # learns both): a checkpoint must be taken, and a run stopped, by all ranks at the same boundary.
+    save_requested, stop = check_requests_all_ranks(setup.run_dir, stop_requested(), setup.device)
     if stats.step % train_cfg.log_interval == 0 or last:
         _log_interval(setup, run, epoch, lr, grad_norm)
-    if train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
+    # a stop skips the evals due here: its wait is bounded (the launcher's grace), an eval is not
+    if not stop and train_cfg.eval_steps and stats.step % train_cfg.eval_steps == 0:
         _eval(setup, run, epoch)
     eval_epoch = train_cfg.eval_interval and (epoch + 1) % train_cfg.eval_interval == 0
-    if epoch_end and eval_epoch and stats.eval_step != stats.step:
+    if not stop and epoch_end and eval_epoch and stats.eval_step != stats.step:
         _eval(setup, run, epoch)
     interval_due = train_cfg.checkpoint_interval and stats.step % train_cfg.checkpoint_interval == 0
-    if interval_due or epoch_end or last or save_requested:
+    if interval_due or epoch_end or last or save_requested or stop:
         t = time.perf_counter()
         resume.save(setup, stats.step, epoch)
         run.interval.pause(time.perf_counter() - t)
+    if stop:
+        run.stopped_by = stop
+        file_only().info(f"stopping after step {stats.step}: {signal_name(stop)} (checkpoint saved)")
     if run.crash_after and stats.step == run.crash_after:
         raise SimulatedCrash(f"{CRASH_AFTER_ENV}={run.crash_after}: stopping after step {stats.step}")
+
+
+def _hold(*, forever: bool) -> None:
+    """The HOLD_STEP_ENV test hook: the step stays in flight until a stop is asked (or for good,
+    at most 10 minutes: a test's run is killed long before)."""
+    deadline = time.monotonic() + 600
+    while (forever or not stop_requested()) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _log_interval(setup: TrainSetup, run: RunState, epoch: int, lr: float, grad_norm: torch.Tensor) -> None:

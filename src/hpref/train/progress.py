@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 
+# at import, before the worker seeds and restores Python's RNG: rich.style draws from it once when
+# first imported, so importing rich after a resume put a resumed run's RNG one draw ahead of the
+# uninterrupted run's (found by tests/train/test_engine.py's chaos test, comparing checkpoints)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from hpref.train.metrics import peak_memory_gib
 
 
@@ -84,8 +89,6 @@ def step_flops(setup: Any, lengths: Sequence[int]) -> float:
 
 def progress_bar(enabled: bool, total: int, completed: int):
     """The rank-0 progress bar on a terminal (disabled elsewhere) and its task."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     progress = Progress(
         TextColumn("train"),
         BarColumn(),

@@ -48,7 +48,7 @@ def restore(setup: Any, path: Path) -> int:
             f"cannot resume from {path}: its adapters were trained on the base model {json.dumps(saved)}, "
             f"and this recipe's [model] is {json.dumps(expected)}"
         )
-    restored = load_checkpoint(path, model=setup.model, optimizer=setup.optimizer)
+    restored = load_checkpoint(path, model=setup.model, optimizer=setup.optimizer, run_dir=setup.run_dir)
     try:
         setup.sampler.load_state_dict(restored.train_state["sampler"])
     except ValueError as exc:
