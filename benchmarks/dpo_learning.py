@@ -8,7 +8,8 @@ answers with its start's (issue #38, "learning").
    steps, then `hpref save` (LoRA merged: a transformers causal-LM folder).
 2. `--prompts` prompts of the other half (the DPO never saw them, nor any answer to them), answered
    greedily (at most 64 new tokens) by the start (SmolLM2-135M-Instruct) and by the DPO export, each
-   through hpref's transformers engine (`hpref.rl.engines.EngineActor`, the chat template applied).
+   through hpref's transformers engine (`hpref.rl.engines.transformers_engine.EngineActor`, the chat template
+   applied).
 3. The scorer, `runs/minilm-reward-helpful-f1-export` (a MiniLM reward model trained with hpref on
    the other half: the same preference, from pairs the DPO never trained on; trained here if missing,
    as `benchmarks.rl_real.ensure_export` does), judges each (DPO answer, start answer) pair in both
@@ -94,7 +95,7 @@ def held_out_prompts(count: int) -> list[tuple[str, ...]]:
 
 def greedy_answers(model: dict, prompts: list[tuple[str, ...]]) -> tuple[list[str], list[int]]:
     from hpref.recipe.rl import PolicyModelConfig
-    from hpref.rl.engines import EngineActor
+    from hpref.rl.engines.transformers_engine import EngineActor
 
     engine = EngineActor("a", PolicyModelConfig(**model))
     texts, lengths = [], []

@@ -45,8 +45,8 @@ PROMPTS, GROUP, NEW_TOKENS, TEMPERATURE = 8, 4, 64, 1.0
 def worker(name: str, rollouts: int, threads: int, policy: str | None = None) -> dict:
     """In this process: build the engine, then time `rollouts` rollouts (the first is a warm-up)."""
     from hpref.recipe.rl import PolicyModelConfig, RLConfig, resolve_rl_components
-    from hpref.rl.engines import EngineHost
-    from hpref.rl.rollouts import build_prompt_source
+    from hpref.rl.engines.host import EngineHost
+    from hpref.rl.rollout.executor import build_prompt_source
 
     engine_name, settings = CONTENDERS[name]
     rl = RLConfig.model_validate(

@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hpref.recipe.rl import PolicyConfig
-    from hpref.rl.engines import EngineHost
-    from hpref.rl.group import TrainerGroup, push_weights
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.engines.host import EngineHost
+    from hpref.rl.trainer.actor import TrainerActor
+    from hpref.rl.trainer.group import TrainerGroup, push_weights
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.rl_gpu: no CUDA device visible to torch")
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import vllm  # noqa: F401
 
-        from hpref.rl.vllm_engine import VLLMEngineConfig
+        from hpref.rl.engines.vllm_engine import VLLMEngineConfig
 
         engine_config, engine_name, gpus = (
             VLLMEngineConfig(num_gpus=0.5, gpu_memory_utilization=0.3),

@@ -4,10 +4,10 @@
         [--rollouts 2] [--threads 2]
 
 For each policy it starts a local Ray cluster's worth of the real thing, as `hpref rl` would: a
-trainer actor (`hpref.rl.trainer.TrainerActor`, one rank) stepped on `--rollouts` rollouts shaped as
+trainer actor (`hpref.rl.trainer.actor.TrainerActor`, one rank) stepped on `--rollouts` rollouts shaped as
 the plan assumes (8 prompts of the sampled prompts' longest length x 4 answers of `max_new_tokens`,
 `micro_batch_tokens` 1024), and a transformers engine actor that generates one rollout for the first
-prompts; then it prints each actor's estimate (`hpref.rl.plan.trainer_memory` / `engine_memory`,
+prompts; then it prints each actor's estimate (`hpref.rl.plan.memory.trainer_memory` / `engine_memory`,
 with the baseline measured in this process as the plan measures it) beside its peak resident set
 (`ru_maxrss` inside the actor). Policies: tiny (the default tiny Llama, synthetic prompts),
 smollm2-full (SmolLM2-135M-Instruct, all weights train, the KL to the start), smollm2-lora (r 16,
@@ -50,7 +50,7 @@ class EngineProbe:
     """The built-in transformers engine in a Ray actor, and its process's peak memory."""
 
     def __init__(self, model, env):
-        from hpref.rl.engines import TransformersEngineConfig, build_transformers
+        from hpref.rl.engines.transformers_engine import TransformersEngineConfig, build_transformers
 
         self.engine = build_transformers(TransformersEngineConfig(), policy="a", model=model, env=env)
 
@@ -76,10 +76,11 @@ def measure(which: str, rollouts: int, threads: int, baseline: int) -> list[tupl
 
     from hpref.models.precision import cpu_has_fast_bf16
     from hpref.recipe.rl import parse_rl_section
-    from hpref.rl.plan import engine_memory, model_shape, prompt_lengths, trainer_memory
+    from hpref.rl.plan.memory import engine_memory, model_shape, trainer_memory
+    from hpref.rl.plan.table import prompt_lengths
     from hpref.rl.policy import encode_prompt, policy_tokenizer
-    from hpref.rl.rollouts import build_prompt_source
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.rollout.executor import build_prompt_source
+    from hpref.rl.trainer.actor import TrainerActor
 
     policy_table, prompts_table = POLICIES[which]
     rollout = {"group_size": 4, "prompts_per_rollout": 8, "max_new_tokens": 64}
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from hpref.rl.plan import process_baseline
+    from hpref.rl.plan.memory import process_baseline
 
     baseline = process_baseline()  # before Ray: what `hpref rl --plan` measures in its own process
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -8,8 +8,8 @@ SmolLM2-135M-Instruct, full fine-tune by default (`--lora`: r 16), fp32 master w
 where `precision = auto` picks it, the KL to the start measured (`measure_kl`: a reference that
 is sharded too), rollouts shaped like `recipes/rl-smollm2.toml`'s (8 prompts of 100-290 random
 tokens x 4 answers of 20-63). Each trainer rank is a real Ray actor of `hpref rl`
-(`hpref.rl.trainer.TrainerActor`, one torch thread each; the group over gloo), and the weights go
-to a real transformers engine actor (`hpref.rl.engines.EngineHost`) through `push_weights`, in
+(`hpref.rl.trainer.actor.TrainerActor`, one torch thread each; the group over gloo), and the weights go
+to a real transformers engine actor (`hpref.rl.engines.host.EngineHost`) through `push_weights`, in
 buckets of `--bucket-mb`.
 
 Per rank count, interleaved (1, 2, 1, 2 ...), medians over the repeats:
@@ -83,8 +83,8 @@ def measure(
 ) -> dict[str, Any]:
     import ray
 
-    from hpref.rl.group import TrainerGroup, push_weights
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
+    from hpref.rl.trainer.group import TrainerGroup, push_weights
 
     remote = ray.remote(TrainerActor).options(num_cpus=0.25)
     handles = [remote.remote("a", policy, 1, rank=r, world_size=ranks) for r in range(ranks)]
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from hpref.recipe.rl import PolicyConfig
-    from hpref.rl.engines import EngineHost
+    from hpref.rl.engines.host import EngineHost
 
     model = {"name": "smollm2"} if args.model == "smollm2" else {}
     policy = PolicyConfig.model_validate(

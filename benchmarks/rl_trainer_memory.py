@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-onednn-cap", action="store_true")
     args = parser.parse_args(argv)
 
-    import hpref.rl.trainer as trainer_module
+    import hpref.rl.trainer.actor as trainer_module
     from hpref.memory import ONEDNN_CACHE_ENV
     from hpref.recipe.rl import PolicyConfig
     from hpref.rl.policy import apply_env

@@ -126,10 +126,10 @@ def test_a_plugin_algorithm_trains_an_rl_policy_without_touching_hpref():
 
     from hpref.errors import RecipeError
     from hpref.recipe.rl import parse_rl_section
-    from hpref.rl.algorithm_registry import check_algorithms
+    from hpref.rl.algorithms.registry import check_algorithms
     from hpref.rl.policy import completion_logprobs, pad_batch
     from hpref.rl.rollout_types import rollout_of_tokens
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
     from tests.rl.tiny import TINY
 
     data = {

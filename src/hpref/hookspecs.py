@@ -149,7 +149,7 @@ def register_rewards(register) -> None:
     the reward knows the ground truth (synthetic arena), for the metrics that reveal reward hacking,
     and `pairwise = True` when a group's scores are win probabilities against each other rather than
     one score per answer (evals then compare a policy's answer with its start's directly instead of
-    reading two scores as a Bradley-Terry preference; `hpref.rl.evaluation.scorer_report`). A prompt
+    reading two scores as a Bradley-Terry preference; `hpref.rl.rollout.evaluation.scorer_report`). A prompt
     is a tuple of turns: user, assistant, ..., user. The same components serve as `[rl.eval_scorer]`.
     A reward that sets `wants_rows = True` is also given `rows=` (`rows[i]`: the prompt file's row
     of `prompts[i]`, its columns beside the conversation's: a reference answer, a label).
@@ -185,7 +185,8 @@ def register_algorithms(register) -> None:
     its rollouts must carry (a reward per answer; with `needs_preferences`, a three-way verdict per
     answer pair from the reward's `judge_answers`), which rows a step trains on and with what
     per-row values (`prepare`), and the loss and metric sums of one micro-batch (`loss`,
-    `summarise`). Built-ins: `grpo` (`hpref.rl.grpo`) and `online-dpo` (`hpref.rl.online_dpo`);
+    `summarise`). Built-ins: `grpo` (`hpref.rl.algorithms.grpo`) and `online-dpo`
+    (`hpref.rl.algorithms.online_dpo`);
     `plugins/hpref-example` adds one from outside hpref.
     """
 
@@ -196,7 +197,7 @@ def register_trainer_backends(register) -> None:
 
     `build(config)` returns an `hpref.rl.protocols.TrainerBackend`: the causal LM it trains, how a
     trainer group shards it and splits the data, and its weights in the transformers layout for the
-    engines and saves. Built-ins: `transformers` and `megatron` (`hpref.rl.backends`).
+    engines and saves. Built-ins: `transformers` and `megatron` (`hpref.rl.trainer.backends`).
     """
 
 

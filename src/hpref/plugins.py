@@ -61,10 +61,10 @@ BUILTIN_PLUGINS = (
     "hpref.builtin.megatron",
     "hpref.builtin.prompts",
     "hpref.builtin.rewards",
-    "hpref.rl.engines",
-    "hpref.rl.vllm_engine",
-    "hpref.rl.algorithm_registry",
-    "hpref.rl.backends",
+    "hpref.rl.engines.transformers_engine",
+    "hpref.rl.engines.vllm_engine",
+    "hpref.rl.algorithms.builtin",
+    "hpref.rl.trainer.backends",
     "hpref.builtin.loggers",
 )
 

@@ -120,8 +120,8 @@ def length_scored_rollouts(
     A random tiny policy's answers all score alike under the arena rules, so every advantage would
     be 0 (no gradient); answer length separates the answers of a group. The trainers that use these
     rollouts take them off-policy, which is all a trainer-level test needs."""
-    from hpref.rl.engines import EngineActor
-    from hpref.rl.rollouts import RolloutExecutor
+    from hpref.rl.engines.transformers_engine import EngineActor
+    from hpref.rl.rollout.executor import RolloutExecutor
 
     mp.setenv("HPREF_CACHE", str(tmp_path_factory.mktemp("hpref-cache")))
     module = tmp_path_factory.mktemp("reward")

@@ -10,12 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpref.recipe.rl import parse_rl_section  # noqa: E402
-from hpref.rl.engines import EngineActor  # noqa: E402
+from hpref.rl.engines.transformers_engine import EngineActor  # noqa: E402
 from hpref.rl.policy import completion_logprobs, group_batch, pad_batch, trim_completion  # noqa: E402
+from hpref.rl.rollout.executor import RolloutExecutor, build_prompt_source, rollout_prompts  # noqa: E402
 from hpref.rl.rollout_types import rollout_of_tokens  # noqa: E402
-from hpref.rl.rollouts import RolloutExecutor, build_prompt_source, rollout_prompts  # noqa: E402
 from hpref.rl.staleness import StaleWeightsError, staleness_decision  # noqa: E402
-from hpref.rl.trainer import TrainerActor  # noqa: E402
+from hpref.rl.trainer.actor import TrainerActor  # noqa: E402
 from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_rollout_prompts_are_shared_and_positional():
 def test_a_grpo_step_is_the_same_over_shared_prompts_padded_rows_and_any_micro_batching(monkeypatch):
     """The trainer's step must not depend on how it lays the rollout out: prompt groups on a shared
     KV cache in one batch, one group per micro-batch, or every row padded with its own prompt."""
-    import hpref.rl.trainer as trainer_module
+    import hpref.rl.trainer.actor as trainer_module
 
     rollout = {
         "rollout_id": 0,
@@ -139,7 +139,7 @@ def test_rl_actors_bound_the_memory_a_step_leaves_behind(monkeypatch):
     freed heap pages back before a step (the last sync's state dict) and after it (the step's
     activations). Without these a SmolLM2 trainer kept its largest step's peak (~5.4 GiB) and grew
     by ~0.1 GiB an update, and two policies outgrew a 24 GiB machine at update 19 (#22)."""
-    import hpref.rl.trainer as trainer_module
+    import hpref.rl.trainer.actor as trainer_module
     from hpref import memory
     from hpref.rl.policy import apply_env
 
@@ -289,8 +289,8 @@ def test_a_transfer_that_breaks_half_way_is_aborted_and_named(actors, monkeypatc
     names the policy, the version that failed and the one still serving. If this fails, a broken
     sync leaves a half-staged update that a later commit would complete with the wrong weights, or
     the run cannot say which weights its engine is generating with."""
-    import hpref.rl.weight_channel as weight_channel
-    from hpref.rl.group import TrainerGroup, WeightSyncError, push_weights
+    import hpref.rl.transport.weight_channel as weight_channel
+    from hpref.rl.trainer.group import TrainerGroup, WeightSyncError, push_weights
 
     # the trainer's next bucket waits for an engine that never takes it: a run ends there (its
     # actors are killed); in-process, the channel's timeout ends the sender's wait
@@ -349,7 +349,7 @@ def test_cross_policy_rewards_judge_each_policy_against_the_other(actors):
     # Wrong if a policy's answers were judged only within their own group (cross-policy judging
     # off), against answers to other prompts, or if an opponent's already produced answers to the
     # same rollout were not reused (paying for a second generation).
-    from hpref.rl.rollouts import sample_seed
+    from hpref.rl.rollout.executor import sample_seed
 
     _cfg, engines, _trainers = actors
     cfg = rl_config(reward={"name": "rule", "mode": "pairwise", "opponent_answers": 1})

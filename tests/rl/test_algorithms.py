@@ -8,19 +8,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpref.rl.algorithms import (  # noqa: E402
+from hpref.rl.algorithms.objectives import (  # noqa: E402
     batch_normalised,
-    entropy_metrics,
-    entropy_sums,
     group_advantages,
     k3_kl,
     leave_one_out_advantages,
     masked_mean,
     policy_loss,
     reinforce_returns,
-    sequence_logprobs,
-    token_entropy,
 )
+from hpref.rl.logprobs import entropy_metrics, entropy_sums, sequence_logprobs, token_entropy  # noqa: E402
 
 
 def test_group_advantages_normalise_within_each_group_only():

@@ -1,5 +1,5 @@
 """Default paths of `hpref rl` that no other test runs: an exported hpref judge as online DPO's judge
-(`JudgeReward.judge_answers` through `online_dpo.judged_pairs`), and one short run on the suite's Ray
+(`JudgeReward.judge_answers` through `rollout.pairing.judged_pairs`), and one short run on the suite's Ray
 cluster that carries two more: its reward is `remote`, served by a real `hpref serve`, and its policy
 learns with the example plugin's algorithm (`best-of-n`, `plugins/hpref-example`)."""
 
@@ -54,8 +54,8 @@ def test_an_exported_judge_judges_online_dpo_pairs_in_both_orders_and_keeps_ties
     from hpref.models import PreferenceModel
     from hpref.recipe.rl import parse_rl_section
     from hpref.recipe.rl_rewards import reward_parts
-    from hpref.rl.online_dpo import judged_pairs
-    from hpref.rl.reward_set import RewardSet
+    from hpref.rl.rollout.pairing import judged_pairs
+    from hpref.rl.rollout.rewards import RewardSet
 
     config = parse_rl_section(
         {

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from hpref.recipe.rl import parse_rl_section
-from hpref.rl.driver import Handles, drive, restore
+from hpref.rl.control.driver import Handles, drive, restore
+from hpref.rl.control.record import ResumeError, read_record
 from hpref.rl.launch import Teardown
-from hpref.rl.metrics import rollout_metrics
-from hpref.rl.record import ResumeError, read_record
+from hpref.rl.report.metrics import rollout_metrics
 from hpref.rl.rollout_types import rollout_of_tokens
 from hpref.runfolder.layout import HEARTBEAT, SAVE_NOW
 from tests.rl.local_actor import LocalActor
@@ -204,7 +204,7 @@ def test_restore_of_a_fresh_run_and_of_a_missing_leader_part(tmp_path):
     assert starts == {"a": 0, "b": 0} and record is None
     # a record exists but the fake trainers restore nothing: the leader would start fresh under a record
     # that says otherwise
-    from hpref.rl.record import CheckpointRecord, write_record
+    from hpref.rl.control.record import CheckpointRecord, write_record
 
     write_record(tmp_path, CheckpointRecord("a", {"a": 2, "b": 2}, "checkpoints/x"))
     with pytest.raises(ResumeError, match="policy 'a' restored rollout 0 but the checkpoint record says 2"):
@@ -235,7 +235,7 @@ def test_rollout_metrics():
 
 
 def test_resume_truncates_metrics_written_after_the_save(tmp_path):
-    from hpref.rl.metrics import MetricsWriter, keep_row
+    from hpref.rl.report.metrics import MetricsWriter, keep_row
 
     writer = MetricsWriter(tmp_path)
     for r in range(5):
@@ -257,8 +257,8 @@ def test_resume_truncates_metrics_written_after_the_save(tmp_path):
 
 
 def test_resume_source(tmp_path):
+    from hpref.rl.control.record import CheckpointRecord, write_record
     from hpref.rl.launch import resume_source
-    from hpref.rl.record import CheckpointRecord, write_record
 
     assert resume_source(tmp_path, None) is None  # fresh folder, fresh run
     assert resume_source(tmp_path, "auto") is None  # auto with nothing saved starts fresh
@@ -291,8 +291,8 @@ def test_a_failing_save_ends_the_run_and_writes_no_record(tmp_path):
 def test_keep_last_prunes_old_saves_but_never_the_recorded_one(tmp_path):
     # Wrong if pruning deleted the save a resume needs (the record's), kept more than asked, or
     # touched anything outside checkpoints/rollout-*.
-    from hpref.rl.driver import prune_checkpoints
-    from hpref.rl.record import CheckpointRecord
+    from hpref.rl.control.driver import prune_checkpoints
+    from hpref.rl.control.record import CheckpointRecord
 
     root = tmp_path / "checkpoints"
     for r in (2, 4, 6, 8):
@@ -307,7 +307,7 @@ def test_keep_last_prunes_old_saves_but_never_the_recorded_one(tmp_path):
 def test_eval_rows_carry_the_win_rate_against_the_start(tmp_path):
     # Wrong if the leader skipped the eval at the last rollout (the number a run is judged by) or
     # the win rate against the start did not reach metrics.jsonl.
-    from hpref.rl.metrics import MetricsWriter
+    from hpref.rl.report.metrics import MetricsWriter
 
     class WinRateExecutor(FakeExecutor):
         async def evaluate(self, policies):
@@ -342,7 +342,7 @@ def test_time_limit_ends_the_leader_with_a_final_eval_and_save(tmp_path):
 def test_the_leader_beats_while_the_policies_run_and_stops_at_the_end(tmp_path, monkeypatch):
     """`hpref save --now` asks only a live run: the driver writes `heartbeat.json` while the
     policies run (the leader's position as its step), and removes it when they stop."""
-    from hpref.rl import driver
+    from hpref.rl.control import driver
     from hpref.runfolder.heartbeat import run_status, write_heartbeat
 
     beats = []

@@ -15,8 +15,8 @@ pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 
 from hpref.recipe import recipe_from_dict  # noqa: E402
+from hpref.rl.control.record import ResumeError, read_record  # noqa: E402
 from hpref.rl.launch import run_rl  # noqa: E402
-from hpref.rl.record import ResumeError, read_record  # noqa: E402
 from hpref.runfolder.integrity import write_manifest  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
@@ -84,7 +84,7 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path, log_me
     # match) is refused by the trainer that resumes from it, and its code never runs; if this fails,
     # resuming a downloaded rl run folder runs a stranger's code in the trainer actor. The trainer's
     # own load, in this process: a run's resume would start every actor to reach the same line
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
 
     tampered = tmp_path / "tampered-b"
     shutil.copytree(run_dir / first.save_dir / "b", tampered)

@@ -9,7 +9,7 @@ from hpref.errors import RecipeError
 from hpref.hookspecs import hookimpl
 from hpref.plugins import load_plugins
 from hpref.recipe.rl import parse_rl_section
-from hpref.rl.engines import TransformersEngineConfig
+from hpref.rl.engines.transformers_engine import TransformersEngineConfig
 from tests.rl.tiny import TINY
 
 
@@ -27,7 +27,7 @@ class ReversedEngine:
     """A plugin's engine: the built-in one with every answer's text reversed (a visible change)."""
 
     def __init__(self, config, policy, model, env):
-        from hpref.rl.engines import EngineActor
+        from hpref.rl.engines.transformers_engine import EngineActor
 
         self.inner = EngineActor(policy, model, env=env)
         self.suffix = config.suffix
@@ -64,7 +64,8 @@ def test_the_builtin_engine_registers_through_the_hook():
     # Wrong if the transformers engine bypassed `register_engines` (then a vLLM plugin could not
     # stand in for it) or were not the default.
     engine = load_plugins().get("engine", "transformers")
-    assert engine.plugin == "hpref.rl.engines" and engine.config is TransformersEngineConfig
+    assert engine.plugin == "hpref.rl.engines.transformers_engine"
+    assert engine.config is TransformersEngineConfig
     cfg = section()
     assert cfg.engine.name == "transformers" and cfg.engine_config == TransformersEngineConfig()
     assert section(engine={"threads": 2}).engine_config.threads == 2
@@ -88,8 +89,8 @@ def test_a_plugin_engine_is_chosen_by_name_and_hosted(monkeypatch, tmp_path):
     # Wrong if `[rl.engine] name` did not reach the actor that builds the engine, or the host
     # did not forward the engine calls the executor and the driver make.
     pytest.importorskip("torch")
-    from hpref.rl.engines import EngineHost
-    from hpref.rl.rollouts import build_prompt_source, rollout_prompts
+    from hpref.rl.engines.host import EngineHost
+    from hpref.rl.rollout.executor import build_prompt_source, rollout_prompts
 
     monkeypatch.setenv("HPREF_CACHE", str(tmp_path / "cache"))
     load_plugins(extra=[ReversedPlugin()])
@@ -116,8 +117,8 @@ def test_a_sleeping_engine_holds_generation_until_it_wakes(monkeypatch, tmp_path
     import threading
     import time
 
-    from hpref.rl.engines import EngineHost
-    from hpref.rl.rollouts import build_prompt_source, rollout_prompts
+    from hpref.rl.engines.host import EngineHost
+    from hpref.rl.rollout.executor import build_prompt_source, rollout_prompts
 
     monkeypatch.setenv("HPREF_CACHE", str(tmp_path / "cache"))
     load_plugins()

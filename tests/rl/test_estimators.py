@@ -12,7 +12,7 @@ import pytest
 
 from hpref.errors import RecipeError
 from hpref.recipe.rl import parse_rl_section
-from hpref.rl.algorithm_registry import build_algorithm, check_algorithms
+from hpref.rl.algorithms.registry import build_algorithm, check_algorithms
 from hpref.rl.rollout_types import rollout_of_tokens
 from tests.rl.tiny import TINY
 
@@ -48,7 +48,7 @@ def test_each_estimator_gives_its_advantages_and_grpo_stays_the_default():
     mean of the group's other answer (for a group of two: twice the centred reward); reinforce++
     hands the raw rewards to its per-token step. Wrong if a policy without `advantage` changed
     estimator, or an estimator read another's numbers."""
-    from hpref.rl.algorithms import group_advantages
+    from hpref.rl.algorithms.objectives import group_advantages
 
     rollout = rollout_of_tokens(**ROLLOUT)
     default = build_algorithm("a", _config().policies["a"]).prepare(rollout, None)
@@ -74,8 +74,8 @@ def test_a_reinforce_pp_step_is_the_same_whatever_the_micro_batching(monkeypatch
     or every row padded alone; the KL is in the reward (kl_coef 0.1 against the frozen start), and
     the whole-step normalisation leaves the advantages' std at 1. The step also reports the
     policy's entropy on its answers. Wrong if micro-batches (or ranks) were normalised apart."""
-    import hpref.rl.trainer as trainer_module
-    from hpref.rl.trainer import TrainerActor
+    import hpref.rl.trainer.actor as trainer_module
+    from hpref.rl.trainer.actor import TrainerActor
 
     def stepped(budget, share):
         monkeypatch.setattr(trainer_module, "shares_prefix", lambda model: share)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hpref.rl.leaderboard import bradley_terry, plot_metrics
+from hpref.rl.report.leaderboard import bradley_terry, plot_metrics
 
 
 def test_two_players_rating_gap_is_the_log_odds():
@@ -47,7 +47,7 @@ def test_plot_is_written_from_the_metrics_files(tmp_path):
 def test_moving_average_is_trailing_and_starts_from_what_there_is():
     # Wrong if the smoothed curve looked ahead (a trend would show before it happened) or the first
     # points were averaged with zeros.
-    from hpref.rl.leaderboard import moving_average
+    from hpref.rl.report.leaderboard import moving_average
 
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([2.0, 4.0], 5) == [2.0, 3.0]

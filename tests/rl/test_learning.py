@@ -15,11 +15,11 @@ import pytest
 pytest.importorskip("torch")
 
 from hpref.recipe.rl import parse_rl_section  # noqa: E402
-from hpref.rl.driver import Handles, drive  # noqa: E402
-from hpref.rl.engines import EngineActor  # noqa: E402
-from hpref.rl.metrics import MetricsWriter  # noqa: E402
-from hpref.rl.rollouts import RolloutExecutor  # noqa: E402
-from hpref.rl.trainer import TrainerActor  # noqa: E402
+from hpref.rl.control.driver import Handles, drive  # noqa: E402
+from hpref.rl.engines.transformers_engine import EngineActor  # noqa: E402
+from hpref.rl.report.metrics import MetricsWriter  # noqa: E402
+from hpref.rl.rollout.executor import RolloutExecutor  # noqa: E402
+from hpref.rl.trainer.actor import TrainerActor  # noqa: E402
 from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 

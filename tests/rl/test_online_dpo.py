@@ -1,5 +1,5 @@
-"""Online DPO in `hpref rl` (`algorithm = "online-dpo"`, `hpref.rl.online_dpo`): the pairs and verdicts
-a rollout carries, the trainer's DPO step on them, the refusals, and a real two-policy run on Ray
+"""Online DPO in `hpref rl` (`algorithm = "online-dpo"`, `hpref.rl.algorithms.online_dpo`): the pairs and
+verdicts a rollout carries, the trainer's DPO step on them, the refusals, and a real two-policy run on Ray
 with a cross-policy policy, stopped and resumed."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hpref.errors import RecipeError
 from hpref.recipe import recipe_from_dict
 from hpref.recipe.rl import parse_rl_section
-from hpref.rl.algorithm_registry import check_algorithms
-from hpref.rl.online_dpo import judged_pairs
+from hpref.rl.algorithms.registry import check_algorithms
+from hpref.rl.rollout.pairing import judged_pairs
 from hpref.rl.rollout_types import rollout_of_tokens
 from tests.rl.tiny import TINY
 
@@ -82,8 +82,8 @@ def test_an_online_dpo_step_is_the_dpo_loss_whatever_the_micro_batching_and_lear
     batch, go one per micro-batch or padded row by row (a pair is never split); and the next step
     finds the chosen answers' implicit rewards above the rejected ones'. Wrong if the pairs' rows,
     their targets or the reference were mixed up."""
-    import hpref.rl.trainer as trainer_module
-    from hpref.rl.trainer import TrainerActor
+    import hpref.rl.trainer.actor as trainer_module
+    from hpref.rl.trainer.actor import TrainerActor
 
     def stepped(budget, share):
         monkeypatch.setattr(trainer_module, "shares_prefix", lambda model: share)
@@ -120,7 +120,7 @@ def test_cross_policy_pairs_read_the_rivals_answer_in_the_policys_own_tokens():
     # Wrong if an opponent's answer were trained on in another tokenizer's ids, or without the eos
     # a sampled answer ends with
     from hpref.models.causal_lm import policy_tokenizer
-    from hpref.rl.algorithm_registry import build_algorithm
+    from hpref.rl.algorithms.registry import build_algorithm
 
     cfg = _config({"name": "online-dpo", "pairs": "cross"})
     tokenizer = policy_tokenizer(cfg.policies["a"].model)
@@ -200,8 +200,8 @@ def test_two_online_dpo_policies_run_stop_and_resume_on_ray(ray_cluster, tmp_pat
     """The leader's coordination is the algorithm's too: a run stopped after rollout 1 and resumed
     trains each rollout once, b's pairs are judged against a's answers, and the DPO metrics and the
     evals reach metrics.jsonl."""
+    from hpref.rl.control.record import read_record
     from hpref.rl.launch import run_rl
-    from hpref.rl.record import read_record
 
     run_dir = tmp_path / "dpo"
     assert run_rl(_recipe(run_dir, debug_exit_after_rollout=1), ["a", "b"], None, None) == 0

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hpref.rl.parking import Parker, ParkingTimeout, waiting_for
+from hpref.rl.control.parking import Parker, ParkingTimeout, waiting_for
 
 
 def run(coro, timeout=5.0):

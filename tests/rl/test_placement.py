@@ -1,4 +1,4 @@
-"""Where a policy's actors go (`hpref.rl.placement`): the asks, the refusals before anything starts,
+"""Where a policy's actors go (`hpref.rl.placement.resources`): the asks, the refusals before anything starts,
 the simulated PACK of the plan, and real placement groups on a Ray cluster that declares 8 logical
 GPUs (this machine has none: Ray only hands out the ids, which is what placement is about)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from hpref.errors import RecipeError
 from hpref.recipe.rl import parse_rl_section
-from hpref.rl.placement import Node, actor_asks, bundles, check_cluster, pack, reserve
+from hpref.rl.placement.resources import Node, actor_asks, bundles, check_cluster, pack, reserve
 
 from .conftest import start_ray
 
@@ -177,7 +177,7 @@ def test_a_trainer_rank_placed_on_a_logical_gpu_torch_cannot_see_stops_in_one_li
     If this fails, a rank asked to train on a GPU trains on the CPU and looks like a run."""
     ray = gpu_cluster
     from hpref.errors import UserError
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
     from hpref.runtime.ray_cluster import ray_cause
 
     config = _config({"a": {"ranks": 2, "gpus_per_rank": 1}})

@@ -1,4 +1,4 @@
-"""`hpref rl --plan` (`hpref.rl.plan`): the memory terms from a model's config, the estimate against
+"""`hpref rl --plan` (`hpref.rl.plan.memory`): the memory terms from a model's config, the estimate against
 a real trainer's measured peak, the placement and the verdict, and that a plan starts nothing."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from hpref import cli
 from hpref.recipe.rl import PolicyConfig, RolloutConfig, parse_rl_section
-from hpref.rl.placement import Node
-from hpref.rl.plan import (
+from hpref.rl.placement.resources import Node
+from hpref.rl.plan.memory import (
     GIB,
     LOGIT_BYTES,
     MICRO_BATCH_SLACK,
@@ -21,12 +21,10 @@ from hpref.rl.plan import (
     Shape,
     micro_batch_activations,
     model_shape,
-    plan_rows,
-    problems,
-    render,
     resident_bytes,
     trainer_memory,
 )
+from hpref.rl.plan.table import plan_rows, problems, render
 from hpref.rl.rollout_types import rollout_of_tokens
 
 from .tiny import TINY, write_rl_recipe
@@ -125,7 +123,7 @@ def _measure_trainer_peak() -> tuple[int, int]:
     """In a fresh process: a small Llama trainer stepped twice, the growth of the process's peak
     resident set over the resident set before it was built, and the plan's estimate for it."""
     from hpref.memory import release_freed_memory
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
 
     model = {
         **TINY,
@@ -234,7 +232,7 @@ def test_gpu_memory_comes_from_the_accelerator_type_ray_reports():
     label) becomes each GPU's memory by the vendor's figure, a kind sold in two sizes only with
     Ray's size-specific name, and anything else is unknown with the reason. Wrong if an A100 were
     taken for one size (an 80 GB plan on a 40 GB card), or an unlisted kind got a size."""
-    from hpref.rl.placement import GPU_MEMORY_GB, gpu_memory_of
+    from hpref.rl.placement.resources import GPU_MEMORY_GB, gpu_memory_of
 
     # the vendors' figures, as sold (GB), for the accelerators the issue names
     assert {k: GPU_MEMORY_GB[k] for k in ("A100", "H100", "H200", "L4", "L40S", "A10G", "V100")} == {
@@ -257,7 +255,7 @@ def test_gpu_memory_comes_from_the_accelerator_type_ray_reports():
     assert size is None and "accelerator_type:V100-32G" in why and "V100-32G" in GPU_MEMORY_GB
     assert gpu_memory_of({"GPU": 1, "accelerator_type:RTX-PRO-6000": 1}, {}) == (
         None,
-        "Ray reports RTX-PRO-6000, not in hpref.rl.placement.GPU_MEMORY_GB",
+        "Ray reports RTX-PRO-6000, not in hpref.rl.placement.resources.GPU_MEMORY_GB",
     )
     assert gpu_memory_of({"GPU": 2}, {}) == (None, "Ray reports no accelerator type for it")
 
@@ -318,7 +316,7 @@ def test_the_plan_says_what_share_base_decided_and_why(tmp_path: Path):
     off and why (the measured slowdown), and places an engine and a trainer per policy; the recipe's
     `true` shares them, and the plan says it was the recipe's. Wrong if the plan and the run
     decided differently, or the plan hid the decision."""
-    from hpref.rl.shared_base import CPU_REASON
+    from hpref.rl.placement.shared_base import CPU_REASON
 
     recipe = write_rl_recipe(tmp_path, "shared")
     text = recipe.read_text().replace("[rl.defaults]\n", "[rl.defaults]\nlora = { r = 4 }\n")
@@ -344,8 +342,8 @@ def _measure_engine_peaks() -> dict[str, float]:
 
     from hpref.memory import release_freed_memory
     from hpref.recipe.rl import PolicyModelConfig
-    from hpref.rl.engines import EngineActor
-    from hpref.rl.plan import engine_memory
+    from hpref.rl.engines.transformers_engine import EngineActor
+    from hpref.rl.plan.memory import engine_memory
 
     model = {
         **TINY,

@@ -203,7 +203,7 @@ def test_a_plugin_prompt_source_is_chosen_by_name():
 
     from hpref.hookspecs import hookimpl
     from hpref.plugins import load_plugins, reset_plugins
-    from hpref.rl.rollouts import build_prompt_source, rollout_prompts
+    from hpref.rl.rollout.executor import build_prompt_source, rollout_prompts
 
     class CountingConfig(BaseModel):
         model_config = ConfigDict(extra="forbid")

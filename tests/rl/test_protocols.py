@@ -14,8 +14,8 @@ import pytest
 
 from hpref.plugins import load_plugins
 from hpref.recipe.rl import PolicyConfig
-from hpref.rl.backends import trainer_backend
 from hpref.rl.protocols import Algorithm, Engine, GroundTruthReward, PairJudge, Reward, TrainerBackend
+from hpref.rl.trainer.backends import trainer_backend
 
 
 def _protocol_methods(protocol: type) -> dict[str, inspect.Signature]:
@@ -86,7 +86,8 @@ def test_builtin_engines_are_engines():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from hpref.recipe.rl import PolicyModelConfig
-    from hpref.rl.engines import EngineActor, EngineHost
+    from hpref.rl.engines.host import EngineHost
+    from hpref.rl.engines.transformers_engine import EngineActor
     from tests.rl.tiny import TINY
 
     component = load_plugins().get("engine", "transformers")
@@ -121,9 +122,9 @@ def test_builtin_algorithms_are_algorithms_and_judging_rewards_judge_pairs():
     method the trainer or executor calls, or if a reward whose config says `judges_pairs` could not
     give online DPO its verdicts (`PairJudge`)."""
     from hpref.builtin.rewards import JudgeReward, RuleReward
-    from hpref.rl.algorithm_registry import build_algorithm
-    from hpref.rl.grpo import Grpo
-    from hpref.rl.online_dpo import OnlineDpo
+    from hpref.rl.algorithms.grpo import Grpo
+    from hpref.rl.algorithms.online_dpo import OnlineDpo
+    from hpref.rl.algorithms.registry import build_algorithm
 
     assert set(load_plugins().components["algorithm"]) >= {"grpo", "online-dpo"}
     for name, cls in (("grpo", Grpo), ("online-dpo", OnlineDpo)):

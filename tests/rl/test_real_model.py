@@ -290,9 +290,9 @@ def test_a_resumed_smollm2_lora_trainer_steps_exactly_as_the_uninterrupted_one(r
     import torch
 
     from hpref.recipe import load_recipe
-    from hpref.rl.engines import EngineActor
-    from hpref.rl.rollouts import RolloutExecutor
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.engines.transformers_engine import EngineActor
+    from hpref.rl.rollout.executor import RolloutExecutor
+    from hpref.rl.trainer.actor import TrainerActor
     from tests.rl.local_actor import LocalActor
 
     export, data = reward_export

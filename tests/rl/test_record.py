@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hpref.rl.record import (
+from hpref.rl.control.record import (
     RECORD_FILE,
     CheckpointRecord,
     ResumeError,
@@ -83,7 +83,7 @@ def test_a_subset_of_the_recorded_policies_may_resume():
 
 
 def test_the_early_check_needs_only_the_record():
-    from hpref.rl.record import check_record_leader
+    from hpref.rl.control.record import check_record_leader
 
     record = CheckpointRecord("a", {"a": 2, "b": 3})
     check_record_leader(record, "a", ["a", "b"])

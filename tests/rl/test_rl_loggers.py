@@ -51,7 +51,7 @@ def test_rl_rows_and_leaderboard_reach_tensorboard_and_wandb(tmp_path):
     rate) is missing from a dashboard or at another rollout, policies that run at different speeds
     share one axis, or the leaderboard is not logged at the end."""
     from hpref.builtin.loggers import build_loggers
-    from hpref.rl.metrics import MetricsWriter
+    from hpref.rl.report.metrics import MetricsWriter
 
     writer = MetricsWriter(tmp_path, build_loggers(_recipe(["tensorboard", "wandb"]), tmp_path, None))
     rows = {"a": _rows("a", range(4)), "b": _rows("b", range(3))}  # b runs behind a
@@ -80,7 +80,7 @@ def test_a_resumed_rl_run_continues_the_curves_once(tmp_path):
     redone rollout twice, misses the resumed run's new rollouts, or restarts its own `_step` (a sync
     would then drop the resumed rows)."""
     from hpref.builtin.loggers import build_loggers
-    from hpref.rl.metrics import MetricsWriter
+    from hpref.rl.report.metrics import MetricsWriter
 
     recipe = _recipe(["tensorboard", "wandb"])
     first = MetricsWriter(tmp_path, build_loggers(recipe, tmp_path, None))

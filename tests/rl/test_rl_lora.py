@@ -17,12 +17,12 @@ pytest.importorskip("peft")
 
 from hpref.errors import RecipeError  # noqa: E402
 from hpref.recipe.rl import parse_rl_section  # noqa: E402
-from hpref.rl.driver import Handles, drive, restore  # noqa: E402
-from hpref.rl.engines import EngineActor  # noqa: E402
-from hpref.rl.metrics import MetricsWriter  # noqa: E402
+from hpref.rl.control.driver import Handles, drive, restore  # noqa: E402
+from hpref.rl.engines.transformers_engine import EngineActor  # noqa: E402
 from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  # noqa: E402
-from hpref.rl.rollouts import RolloutExecutor  # noqa: E402
-from hpref.rl.trainer import TrainerActor  # noqa: E402
+from hpref.rl.report.metrics import MetricsWriter  # noqa: E402
+from hpref.rl.rollout.executor import RolloutExecutor  # noqa: E402
+from hpref.rl.trainer.actor import TrainerActor  # noqa: E402
 from hpref.runfolder.safe_load import CheckpointError  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
 from tests.rl.local_actor import LocalActor, length_scored_rollouts  # noqa: E402
@@ -387,8 +387,8 @@ def test_hpref_rl_with_lora_on_ray_saves_adapters(ray_cluster, tmp_path):
     # Wrong if the recipe's [lora] (and a policy's own lora table) did not reach the trainer actors
     # on Ray: rl.json and the saves would show full weights. (Resume is checked in-process above.)
     from hpref.recipe import recipe_from_dict
+    from hpref.rl.control.record import read_record
     from hpref.rl.launch import run_rl
-    from hpref.rl.record import read_record
 
     rl = {
         "num_rollouts": 2,

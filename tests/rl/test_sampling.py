@@ -20,7 +20,7 @@ from hpref.hookspecs import hookimpl  # noqa: E402
 from hpref.plugins import load_plugins  # noqa: E402
 from hpref.recipe.rl import PolicyModelConfig, parse_rl_section  # noqa: E402
 from hpref.recipe.rl_sampling import KNOBS_OFF, MAX_STOP_STRINGS, sampling_knobs  # noqa: E402
-from hpref.rl.sampling import Block, RowSampler, penalised, truncated  # noqa: E402
+from hpref.rl.engines.sampling import Block, RowSampler, penalised, truncated  # noqa: E402
 from tests.rl.local_actor import LocalActor  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
@@ -159,7 +159,7 @@ def test_a_blocks_draws_do_not_depend_on_the_knobs_of_the_blocks_beside_it():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """One tiny in-process transformers engine for the engine tests of this module."""
-    from hpref.rl.engines import EngineActor
+    from hpref.rl.engines.transformers_engine import EngineActor
 
     mp = pytest.MonkeyPatch()
     mp.setenv("HPREF_CACHE", str(tmp_path_factory.mktemp("hpref-cache")))
@@ -345,7 +345,7 @@ def test_the_executor_hands_an_engine_only_the_knobs_that_are_on():
     """Wrong if an engine whose `generate` predates the knobs got keywords it cannot take while a
     recipe leaves them off, if a policy's own knobs did not reach its rollouts, or if greedy evals
     lost the penalty and stop strings (or got the truncation knobs, which cannot change them)."""
-    from hpref.rl.rollouts import RequestBatcher, RolloutExecutor
+    from hpref.rl.rollout.executor import RequestBatcher, RolloutExecutor
 
     config = section(
         rollout={"group_size": 2, "prompts_per_rollout": 2, "eval_prompts": 2},
@@ -389,7 +389,7 @@ def test_the_executor_hands_an_engine_only_the_knobs_that_are_on():
 def test_the_vllm_engine_gets_the_same_knobs_as_sampling_params():
     """Wrong if a knob did not reach vLLM under its own name, if a greedy request were truncated (or
     lost its penalty and stop strings), or if vLLM were asked to detokenize for no stop string."""
-    from hpref.rl.vllm_engine import sampling_params
+    from hpref.rl.engines.vllm_engine import sampling_params
 
     request = dict(
         prompts=PROMPTS,

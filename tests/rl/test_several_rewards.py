@@ -11,8 +11,8 @@ import pytest
 from hpref.errors import RecipeError
 from hpref.recipe.rl import parse_rl_section
 from hpref.recipe.rl_rewards import reward_parts
-from hpref.rl.metrics import eval_line, eval_row, length_percentiles, rollout_metrics
-from hpref.rl.reward_set import RewardSet
+from hpref.rl.report.metrics import eval_line, eval_row, length_percentiles, rollout_metrics
+from hpref.rl.rollout.rewards import RewardSet
 from hpref.rl.rollout_types import rollout_of_tokens
 
 LABELLED = "tests.rl.labelled:matches_reference"
@@ -156,7 +156,7 @@ def test_rewards_that_cannot_score_the_prompts_are_refused_before_the_run(tmp_pa
 
 def test_online_dpo_needs_every_reward_to_judge_pairs_with_no_negative_weight():
     # Wrong if a pair verdict could be a weighted mean with a negative weight (not a distribution).
-    from hpref.rl.algorithm_registry import check_algorithms
+    from hpref.rl.algorithms.registry import check_algorithms
 
     rewards = {"x": {"name": "rule"}, "y": {"name": "rule", "mode": "pairwise", "weight": -0.5}}
     config = parse_rl_section(
@@ -172,7 +172,7 @@ def test_pair_verdicts_are_the_weighted_mean_of_the_components():
     from hpref.builtin.rewards import RuleConfig, build_rule
 
     utility, labelled = build_rule(RuleConfig()), build_rule(RuleConfig(function=LENGTH))
-    from hpref.rl.reward_set import Component
+    from hpref.rl.rollout.rewards import Component
 
     rewards = RewardSet(
         [Component("u", utility, 3.0), Component("len", labelled, 1.0), Component("z", utility, 0.0)], True

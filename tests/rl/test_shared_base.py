@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 
 from hpref.errors import RecipeError  # noqa: E402
 from hpref.recipe.rl import PolicyLoraSection, PolicyModelConfig, parse_rl_section  # noqa: E402
-from hpref.rl.shared_base import placement_order, resolve_share_base  # noqa: E402
+from hpref.rl.placement.shared_base import placement_order, resolve_share_base  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 
@@ -42,7 +42,7 @@ def test_sharing_follows_where_the_engines_run_unless_the_recipe_says():
     either way, and each decision carries its reason. Wrong if a CPU run paid the slower setting by
     default, a GPU run paid two bases, a lone policy lost its merged-weight engine, or the reason
     (printed by the plan, written to rl.json) said something other than what decided."""
-    from hpref.rl.shared_base import CPU_REASON, GPU_REASON, share_base_line
+    from hpref.rl.placement.shared_base import CPU_REASON, GPU_REASON, share_base_line
 
     both = rl_config({"a": {}, "b": {"lr": 5e-4, "kl_coef": 0.1}})  # the transformers engine: CPU
     cpu = resolve_share_base(both, ["a", "b"], "r.toml")
@@ -93,14 +93,14 @@ def test_share_base_true_for_policies_that_cannot_share_is_one_line_naming_the_k
 def test_an_engine_that_serves_no_adapters_cannot_share(monkeypatch):
     # Wrong if a plugin engine without adapters were handed a shared base's policies (the engine
     # taken as on a GPU, where an unset share_base would otherwise share)
-    import hpref.rl.placement
+    import hpref.rl.placement.resources
 
     config = rl_config({"a": {}, "b": {}}, share_base=True)
     monkeypatch.setattr(type(config.engine_config), "serves_adapters", False)
     with pytest.raises(RecipeError, match="rl.engine.name: the 'transformers' engine cannot serve LoRA"):
         resolve_share_base(config, ["a", "b"], "r.toml")
     config.share_base = None
-    monkeypatch.setattr(hpref.rl.placement, "engines_on_gpu", lambda config: True)
+    monkeypatch.setattr(hpref.rl.placement.resources, "engines_on_gpu", lambda config: True)
     decided = resolve_share_base(config, ["a", "b"], "r.toml")
     assert decided.share_base is False and "cannot serve LoRA" in decided.share_base_reason
 
@@ -130,7 +130,7 @@ def test_a_shared_trainer_steps_each_policy_as_its_own_trainer_would():
     # init, its own optimizer and lr, its KL (the base with every adapter off), or another policy's
     # adapter leaking into its forward or its gradients
     from hpref.models.lm_adapters import adapter_items, lm_adapter_state
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
 
     config = rl_config({"a": {"measure_kl": True}, "b": {"lr": 3e-3, "kl_coef": 0.2}}, precision="fp32")
     policies = config.policies
@@ -164,7 +164,7 @@ def test_shared_saves_are_a_policy_of_its_own_saves_and_resume_either_way(tmp_pa
     # Wrong if a save on a shared base could only resume on a shared base (or the reverse): the
     # files are one policy's, whatever trained it
     from hpref.models.lm_adapters import adapter_items, lm_adapter_state
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
 
     config = rl_config({"a": {}, "b": {"lr": 3e-3}}, precision="fp32")
     shared = TrainerActor("a", config.policies["a"], 1, shared=dict(config.policies))
@@ -193,7 +193,7 @@ def test_a_shared_engine_answers_each_policy_as_its_own_engine_would():
     # stream, padding to the batch's longest prompt, another adapter's weights) or if an adapter's
     # update reached another policy
     from hpref.models.lm_adapters import adapter_items
-    from hpref.rl.engines import EngineActor
+    from hpref.rl.engines.transformers_engine import EngineActor
 
     model, lora = PolicyModelConfig(**TINY), PolicyLoraSection(r=4)
     shared = EngineActor("a", model, adapters={"a": lora, "b": lora})
@@ -283,9 +283,9 @@ def test_a_shared_run_trains_as_separate_ones(ray_cluster, tmp_path):
 
     from safetensors.torch import load_file
 
+    from hpref.rl.control.record import read_record
     from hpref.rl.launch import run_rl
-    from hpref.rl.record import read_record
-    from hpref.rl.shared_base import CPU_REASON
+    from hpref.rl.placement.shared_base import CPU_REASON
 
     separate, shared = tmp_path / "separate", tmp_path / "shared"
     # unset on CPU engines: apart, and rl.json says so and why
@@ -335,7 +335,7 @@ def test_requests_that_queue_while_the_shared_engine_works_go_as_one_batch():
     # answered a request with another's result
     import asyncio
 
-    from hpref.rl.rollouts import RequestBatcher
+    from hpref.rl.rollout.executor import RequestBatcher
 
     batches = []
 

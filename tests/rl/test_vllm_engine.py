@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (`[rl.engine] name = "vllm"`, `hpref.rl.vllm_engine`), on vLLM's CPU build
+"""The vLLM rollout engine (`[rl.engine] name = "vllm"`, `hpref.rl.engines.vllm_engine`), on vLLM's CPU build
 inside a real Ray actor (`EngineHost`), as `hpref rl` hosts it.
 
 The numbers checked are the ones an RL user relies on: the engine's per-token log-probs equal the
@@ -23,9 +23,9 @@ ray = pytest.importorskip("ray")
 from hpref.errors import RecipeError  # noqa: E402
 from hpref.recipe import recipe_from_dict  # noqa: E402
 from hpref.recipe.rl import PolicyModelConfig, RLConfig, resolve_engine  # noqa: E402
-from hpref.rl.engines import EngineHost  # noqa: E402
+from hpref.rl.control.record import read_record  # noqa: E402
+from hpref.rl.engines.host import EngineHost  # noqa: E402
 from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  # noqa: E402
-from hpref.rl.record import read_record  # noqa: E402
 from tests.rl.console import HPREF, cli_env, foreign_lines  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
@@ -133,7 +133,7 @@ class TestOneFp32Engine:
         `SamplingParams`, its detokenizer ending the answer) and the transformers engine give the
         same tokens and texts; if not, the penalty's form or the tokens it sees, or where a stop
         string ends an answer, differ between the engines. A tiny top_p samples the greedy answer."""
-        from hpref.rl.engines import EngineActor
+        from hpref.rl.engines.transformers_engine import EngineActor
         from tests.rl.test_sampling import a_stop_string
 
         spec = PolicyModelConfig(**TINY_VLLM)
@@ -254,7 +254,7 @@ def test_adapters_vllm_cannot_hold_are_refused_in_one_line():
 
     from vllm.config.lora import MaxLoRARanks
 
-    from hpref.rl.vllm_engine import LORA_RANKS
+    from hpref.rl.engines.vllm_engine import LORA_RANKS
 
     assert typing.get_args(MaxLoRARanks) == LORA_RANKS  # what vLLM's LoRAConfig takes
 
@@ -334,8 +334,8 @@ def test_a_bf16_engine_loads_bf16_and_serves_a_synced_trainers_logprobs_within_b
 
     from hpref.models.causal_lm import encode_prompt
     from hpref.recipe.rl import parse_rl_section
-    from hpref.rl.group import TrainerGroup, push_weights
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.trainer.actor import TrainerActor
+    from hpref.rl.trainer.group import TrainerGroup, push_weights
     from tests.rl.vllm_recording import RecordingEngine
 
     spec = PolicyModelConfig(**TINY_VLLM)

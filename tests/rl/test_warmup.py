@@ -12,9 +12,9 @@ pytest.importorskip("torch")
 from hpref import arena as synthetic  # noqa: E402
 from hpref.builtin.prompts import SyntheticPrompts, SyntheticPromptsConfig  # noqa: E402
 from hpref.recipe.rl import PolicyModelConfig, WarmupConfig  # noqa: E402
-from hpref.rl import warmup as warmup_mod  # noqa: E402
-from hpref.rl.engines import EngineActor  # noqa: E402
+from hpref.rl.engines.transformers_engine import EngineActor  # noqa: E402
 from hpref.rl.policy import encode_prompt, policy_tokenizer  # noqa: E402
+from hpref.rl.warmup import supervised as warmup_mod  # noqa: E402
 from tests.conftest import run_hpref  # noqa: E402
 from tests.rl.tiny import TINY as TINY_SETTINGS  # noqa: E402
 

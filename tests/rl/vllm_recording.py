@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpref.rl.vllm_engine import VLLMEngine, WeightLoader
+from hpref.rl.engines.vllm_engine import VLLMEngine, WeightLoader
 
 
 class RecordingLoader(WeightLoader):

@@ -1,6 +1,6 @@
 """An `hpref rl` run whose `record.json` write hits a full disk (issue #47): the save it could not
 record is whole, and a resume continues from it, not from the save before. In process: the driver's
-own global save (`hpref.rl.driver.save_all`) and restore against in-process trainers and executor
+own global save (`hpref.rl.control.driver.save_all`) and restore against in-process trainers and executor
 that write and read their parts, the full disk a monkeypatched `open` failing the run's record only.
 """
 
@@ -47,7 +47,7 @@ class Executor(PartWriter):
 
 
 def handles_at(position: int):
-    from hpref.rl.driver import Handles
+    from hpref.rl.control.driver import Handles
 
     trainer, executor = PartWriter("a"), Executor("executor")
     trainer.position = executor.position = position
@@ -58,12 +58,12 @@ def handles_at(position: int):
 
 def test_a_failed_record_write_resumes_from_the_save_it_could_not_record(tmp_path, monkeypatch):
     """Saves at rollouts 2 and 4; the run's `record.json` write after rollout 4's parts fails with
-    ENOSPC. Wrong if a resume (`hpref.rl.driver.restore`) or `hpref save RL_RUN` (`resolve_rl_save`)
+    ENOSPC. Wrong if a resume (`hpref.rl.control.driver.restore`) or `hpref save RL_RUN` (`resolve_rl_save`)
     lands on rollout 2 (one save back), if nothing says why it took rollout 4, or if the next save
     does not descend from rollout 4 (its lineage)."""
     from loguru import logger
 
-    from hpref.rl.driver import restore, save_all
+    from hpref.rl.control.driver import restore, save_all
     from hpref.runfolder.checkpoints import resolve_rl_save
     from hpref.runfolder.record import read_record
 
@@ -93,7 +93,7 @@ def test_a_failed_record_write_resumes_from_the_save_it_could_not_record(tmp_pat
     async def push_weights(trainer, engine, policy, bucket_bytes):  # no engine here: what was pushed
         pushed.append(policy)
 
-    monkeypatch.setattr("hpref.rl.driver.push_weights", push_weights)
+    monkeypatch.setattr("hpref.rl.control.driver.push_weights", push_weights)
     said: list[str] = []
     handler = logger.add(lambda m: said.append(str(m)), level="WARNING", format="{message}")
     try:

@@ -1,5 +1,5 @@
 """`hpref recipes check`: load and check each recipe as the command it is for does before it
-starts anything: `hpref.train.checks.check_train` for a training recipe, `hpref.rl.checks.check_rl`
+starts anything: `hpref.train.checks.check_train` for a training recipe, `hpref.rl.control.preflight.check_rl`
 for an `hpref rl` recipe (which trains no judge, so is not held to training).
 
 It sits above the command packages because it asks both of them; they never ask each other.
@@ -15,7 +15,7 @@ def check_recipes(items: list[str], overrides: list[str], *, portable: bool) -> 
     `RecipeError`. `portable` leaves out what depends on this machine."""
     from hpref.recipe import load_recipe
     from hpref.recipe.catalog import resolve_recipe_path
-    from hpref.rl.checks import check_rl
+    from hpref.rl.control.preflight import check_rl
     from hpref.train.checks import check_train, is_rl_recipe
 
     for item in items:

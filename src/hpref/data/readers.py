@@ -24,7 +24,7 @@ pairwise  chosen/rejected data: HH-RLHF transcripts ("\\n\\nHuman: ...\\n\\nAssi
           coin per row, so a model cannot learn "A is better"; labels are two-way (no tie).
 chat      supervised fine-tuning data: a `messages` column (TRL's conversational format) whose last
           message is the assistant's answer to learn; both sides of the unlabelled battle are it
-          (`hpref.rl.warmup_data`, the warm-up on a user's own answers).
+          (`hpref.rl.warmup.data`, the warm-up on a user's own answers).
 """
 
 from __future__ import annotations

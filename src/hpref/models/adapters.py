@@ -36,7 +36,7 @@ adapters into the full-precision base instead (`Components.model(quantize=False)
 RL policies. An `hpref rl` policy is a plain transformers causal LM: `apply_lora_to_causal_lm`
 adapts it in place (default targets: every linear layer in its decoder blocks), `merged_lm_state`
 gives the merged weights its engine loads, and `lm_adapter_state` / `load_lm_adapter_state` are the
-adapter's tensors in PEFT's saved names, for the rl trainer's save and resume (`hpref.rl.trainer`).
+adapter's tensors in PEFT's saved names, for the rl trainer's save and resume (`hpref.rl.trainer.actor`).
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def merged_lm_items(
     (merging and unmerging in place would leave rounding error in the frozen base). Each adapted
     linear weight is `base + B @ A * alpha / r` (PEFT's `get_delta_weight`); every other tensor is
     the model's own, not a copy. `whole`: how a stored tensor becomes a whole one (the identity, or
-    gathering an FSDP2 shard: `hpref.rl.sharding.full`, which every rank calls in this order)."""
+    gathering an FSDP2 shard: `hpref.rl.trainer.sharding.full`, which every rank calls in this order)."""
     from peft.tuners.lora import LoraLayer
 
     adapted = {
@@ -249,5 +249,5 @@ def load_lm_adapter_state(peft_model: Any, state: dict[str, torch.Tensor], *, so
     _check_adapter_tensors(want, state, source)
     from hpref.models.parallelize import shard_like
 
-    # a policy sharded over ranks (`hpref.rl.sharding`) holds its adapters as FSDP2 shards
+    # a policy sharded over ranks (`hpref.rl.trainer.sharding`) holds its adapters as FSDP2 shards
     set_peft_model_state_dict(peft_model, shard_like(want, state))

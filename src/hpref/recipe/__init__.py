@@ -1,7 +1,7 @@
 """Recipes: typed TOML files that say what to train and how (`hpref.recipe.loading`), with the
 blocks every section is made of (`schema`), the typed `[rl]` section (`rl`) and the shipped-recipe
 lookup (`catalog`). What a command checks beyond the types lives with the command
-(`hpref.train.checks`, `hpref.rl.checks`).
+(`hpref.train.checks`, `hpref.rl.control.preflight`).
 
 This package sits low, above the plugins and the core: it imports nothing of the commands,
 components or models, so any layer can read a recipe.

@@ -1,6 +1,6 @@
 """The DPO family's settings, one class for both places a recipe sets them: offline DPO's `[dpo]`
 (`hpref.recipe.loading.DpoSection`) and online DPO's `algorithm = { name = "online-dpo", ... }`
-(`hpref.rl.online_dpo.OnlineDpoConfig`). TRL's `DPOTrainer` names; the loss is
+(`hpref.rl.algorithms.online_dpo.OnlineDpoConfig`). TRL's `DPOTrainer` names; the loss is
 `hpref.models.dpo_loss`."""
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class RLConfig(Section):
         gt=0,
         description="on SIGTERM or Ctrl-C the leader's rollout in flight finishes and a global save is "
         "written within this many seconds, else the run stops at once without it (keep it under your "
-        "scheduler's grace period; hpref.rl.stop)",
+        "scheduler's grace period; hpref.rl.control.stop)",
     )
     weight_sync_bucket_mb: float = Field(
         256.0,
@@ -172,7 +172,8 @@ class RLConfig(Section):
         "each policy its adapter, optimizer and settings, the engine batching every policy's prompts "
         "(default: on when there are several policies, all LoRA adapters of the same base, and their "
         "engines run on a GPU; off for CPU engines, where one shared engine measured 1.64x the wall time "
-        "of two apart; `hpref rl --plan` and rl.json say what was decided and why; hpref.rl.shared_base)",
+        "of two apart; `hpref rl --plan` and rl.json say what was decided and why; "
+        "hpref.rl.placement.shared_base)",
     )
     colocate: bool = Field(
         False,
@@ -190,7 +191,9 @@ class RLConfig(Section):
     eval_scorer_config: Any = Field(None, exclude=True, description="(internal) the validated scorer config")
     engine_config: Any = Field(None, exclude=True, description="(internal) the validated engine config")
     share_base_reason: str | None = Field(
-        None, exclude=True, description="(internal) why share_base is what it is (hpref.rl.shared_base)"
+        None,
+        exclude=True,
+        description="(internal) why share_base is what it is (hpref.rl.placement.shared_base)",
     )
 
     @model_validator(mode="after")

@@ -1,5 +1,5 @@
 """The rewards an `hpref rl` run trains on, read from its `[rl]` section: `[rl.reward]` alone, or
-several `[rl.rewards.<name>]` with weights (`hpref.rl.reward_set` scores them), as one list."""
+several `[rl.rewards.<name>]` with weights (`hpref.rl.rollout.rewards` scores them), as one list."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
     stop = ["</answer>"]         # an answer ends where one of these first appears, without it
 
 Each is off at its default (1, 0, 1, no strings) and means the same on both built-in engines: the
-transformers engine draws with them itself (`hpref.rl.sampling`), vLLM gets them as its
+transformers engine draws with them itself (`hpref.rl.engines.sampling`), vLLM gets them as its
 `SamplingParams`, and both cut an answer at a stop string the same way (`hpref.rl.policy.
 stop_string_cut`). An engine component says which of them it takes (`sampling_knobs` on its config
 class); a recipe that sets one its engine does not take is refused when it loads

@@ -1,4 +1,4 @@
-"""`[rl.warmup]`: the supervised fine-tune a policy starts RL from (`hpref.rl.warmup`).
+"""`[rl.warmup]`: the supervised fine-tune a policy starts RL from (`hpref.rl.warmup.supervised`).
 
 Two sources of answers, told apart by `path`:
 

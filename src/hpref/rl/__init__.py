@@ -1,22 +1,22 @@
 """Multi-policy RL (`hpref rl`): several policies trained at once on shared rollouts.
 
-- `command`: `hpref rl` and `hpref rl-warmup` from the command line (checks, then the run).
-- `driver`: one asyncio task per policy; `run_rl` is the entry point of a run.
-- `checks`: what `hpref rl` refuses in a recipe beyond its types (adapters, megatron, reward exports).
-- `policy`: a policy's causal LM and tokenizer, its prompts, the padding maths of a step.
-- `engines`: generation (the built-in `transformers` engine, registered through `register_engines`,
-  and `EngineHost`, the Ray actor around any registered engine).
-- `rollouts`: the prompt stream, the staleness policy and the rollout executor (buffers, rewards).
-- `trainer`: the GRPO trainer of one policy (its step, weights for the engine, save and load).
-- `evaluation`: win rates against the start and the battles of the Bradley-Terry leaderboard.
-- `algorithms`: GRPO advantages, the clipped policy loss, k3 KL (pure torch functions).
-- `parking`: the leader's rendezvous with its followers for consistent saves and evals.
-- `record`: the resume checks against the checkpoint record (`hpref.runfolder.record`).
-- `stop`: SIGTERM and Ctrl-C: a save at the leader's next rollout, or a stop at once.
-- `protocols`: the `Reward` and `Engine` seams, as `typing.Protocol`s.
-- `warmup`: the cached supervised warm-up that makes the policies' starting checkpoint: tiny ones
-  on the synthetic arena's answers, or every one on the user's (`warmup_data`: `[rl.warmup] path`).
-- `leaderboard`: Bradley-Terry ratings and the metric plots.
+The rooms, top to bottom (an import-linter contract in pyproject.toml keeps the order: a room imports
+only from rooms below it; `|` rooms never import each other):
+
+- `command`: `hpref rl` and `hpref rl-warmup` from the command line (checks, then the run);
+  `launch`: `run_rl`, the run's entry: build, preflight, start actors, drive, finish.
+- `plan/` | `control/`: `hpref rl --plan` (placement and memory estimate) | the driver, the leader's
+  parking of its followers, the resume record, SIGTERM/Ctrl-C, the preflight checks.
+- `warmup/` | `rollout/` | `trainer/` | `engines/` | `report/`: the supervised warm-up | the rollout
+  executor, rewards, pairing, evaluation | a policy's trainer actor, its group, FSDP2 sharding,
+  backends, saves | the transformers and vLLM engines and their Ray host | metrics and the leaderboard.
+- `algorithms/`: GRPO (with RLOO, REINFORCE++), online DPO, their numbers, the registry.
+- `placement/`: Ray resources and the shared-base decision.
+- `transport/`: the rendezvous and the trainer -> engine weight channel.
+- shared by every room: `policy` (a policy's causal LM, tokenizer, prompts, padding maths),
+  `protocols` (the `Reward`, `Engine`, `Algorithm`, `TrainerBackend` seams), `logprobs` (token
+  log-probs and entropy), `rollout_types` (the typed rollout) and `staleness` (how far behind its
+  trainer a rollout's weights may be).
 
 The Ray cluster the actors run on is `hpref.runtime.ray_cluster`'s. The `[rl]` recipe section is
 typed with the rest of the recipe (`hpref.recipe.rl`). Importing this package imports nothing heavy;

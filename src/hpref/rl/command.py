@@ -3,7 +3,7 @@
 Everything a user can get wrong is refused before the run folder is touched: a recipe without
 `[rl]`, an unknown policy id, a fresh start on a folder that holds another run's record. Only then
 does the run folder get its resolved recipe and log (`hpref.runfolder.start`), and the driver start.
-From the checks on, SIGTERM and Ctrl-C stop the run gracefully (`hpref.rl.stop`).
+From the checks on, SIGTERM and Ctrl-C stop the run gracefully (`hpref.rl.control.stop`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _rl_recipe(recipe_path: Path, overrides: list[str]) -> Any:
 
 def rl_command(request: RlRequest) -> int:
     """`hpref rl`: check, start the run folder, run (`hpref.rl.run_rl`); returns the exit code.
-    With `plan`, print the plan instead (`hpref.rl.plan.run_plan`: 0 when it fits, 2 when not)."""
+    With `plan`, print the plan instead (`hpref.rl.plan.table.run_plan`: 0 when it fits, 2 when not)."""
     import hpref.rl
     from hpref.logs import ACTOR_LOG_DIR_ENV
     from hpref.rl.launch import preflight, resume_source
@@ -71,12 +71,12 @@ def rl_command(request: RlRequest) -> int:
     add_loggers(loaded, request.log)  # `--log`: beside the recipe's [logging] loggers
     check_loggers(loaded, loaded.run.run_dir)  # wandb missing, a TensorBoard folder not writable
     if request.plan:  # the plan reads the recipe and the first prompts only: no run folder, no actor
-        from hpref.rl.plan import run_plan
+        from hpref.rl.plan.table import run_plan
 
         return run_plan(loaded, ids, request.ray_address)
     from loguru import logger
 
-    from hpref.rl.stop import StopNow, StopSignals, stopped_line
+    from hpref.rl.control.stop import StopNow, StopSignals, stopped_line
 
     # SIGTERM, Ctrl-C: before the policies' loops, a stop at once; in them, a save first
     with StopSignals(loaded.rl.stop_timeout_s) as signals:
@@ -97,10 +97,10 @@ def warmup_lines(request: WarmupRequest) -> Iterator[str]:
     """`hpref rl-warmup`: build (or find in the cache) each policy's warm-up checkpoint; yields one
     line per policy: its id, a tab, the checkpoint folder (or its own `model.path`)."""
     from hpref.errors import RecipeError
+    from hpref.rl.placement.shared_base import resolve_share_base
     from hpref.rl.policy import policy_tokenizer
-    from hpref.rl.shared_base import resolve_share_base
-    from hpref.rl.warmup import warmup_checkpoint, warmup_settings
-    from hpref.rl.warmup_data import check_source
+    from hpref.rl.warmup.data import check_source
+    from hpref.rl.warmup.supervised import warmup_checkpoint, warmup_settings
 
     loaded = _rl_recipe(request.recipe_path, list(request.overrides))
     config = loaded.rl

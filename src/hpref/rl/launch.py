@@ -2,12 +2,12 @@
 
     run_rl(recipe, ["a", "b"], ray_address=None, resume=None)
 
-The Ray shell around the driver (`hpref.rl.driver.drive`): the resume source and its checks, the
+The Ray shell around the driver (`hpref.rl.control.driver.drive`): the resume source and its checks, the
 policies' tokenizers and warm-ups, `rl.json`, the cluster (`hpref.runtime.ray_cluster`), the actors
 (engines, rollout executor, trainers; created in that order and torn down in reverse, also when a
 policy fails or a signal stops the run), the restore, the drive, and the run's summary. An actor
 that dies is named in one line with where `--resume auto` would continue from, and so is a stop by
-SIGTERM or Ctrl-C (`hpref.rl.stop`: a save first, unless a second signal stops it at once).
+SIGTERM or Ctrl-C (`hpref.rl.control.stop`: a save first, unless a second signal stops it at once).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from hpref.errors import RecipeError, UserError
 from hpref.logs import ACTOR_LOG_DIR_ENV
 from hpref.recipe.rl import RLConfig, resolve_engine
 from hpref.recipe.rl_rewards import reward_parts, rl_rewards
-from hpref.rl.algorithm_registry import check_algorithms
-from hpref.rl.backends import check_backends, trainer_backend
-from hpref.rl.driver import DriveResult, Handles, drive, restore, sync_bucket_bytes
-from hpref.rl.group import WeightSyncError
-from hpref.rl.metrics import MetricsWriter, eval_line
-from hpref.rl.record import ResumeError, check_record_leader, read_record
-from hpref.rl.stop import StopNow, StopSignals, stopped_line
+from hpref.rl.algorithms.registry import check_algorithms
+from hpref.rl.control.driver import DriveResult, Handles, drive, restore, sync_bucket_bytes
+from hpref.rl.control.record import ResumeError, check_record_leader, read_record
+from hpref.rl.control.stop import StopNow, StopSignals, stopped_line
+from hpref.rl.report.metrics import MetricsWriter, eval_line
+from hpref.rl.trainer.backends import check_backends, trainer_backend
+from hpref.rl.trainer.group import WeightSyncError
 from hpref.runfolder.files import write_json_atomic
 from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
 from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, dead_actor, lost_actor, ray_cause
@@ -82,18 +82,18 @@ def create_ray_actors(
     prompts: PromptSource | None = None,
     where: str = "recipe",
 ) -> Handles:
-    """The cluster checked and each policy's placement group reserved (`hpref.rl.placement`: a run
+    """The cluster checked and each policy's placement group reserved (`hpref.rl.placement.resources`: a run
     the cluster cannot hold is refused in one line before any actor starts), then engines, the
     executor and the trainer ranks, each in its bundle and registered for teardown as it is created.
     `prompts`: the built `[rl.prompts]` source (None: the executor builds it)."""
     import ray
 
-    from hpref.rl.engines import EngineHost
-    from hpref.rl.group import TrainerGroup
-    from hpref.rl.placement import EXECUTOR_CPUS, check_cluster, cluster_nodes, colocated, reserve
-    from hpref.rl.rollouts import RolloutExecutor
-    from hpref.rl.shared_base import AdapterEngine, SharedBase, placement_order, resolve_share_base
-    from hpref.rl.trainer import TrainerActor
+    from hpref.rl.engines.host import EngineHost
+    from hpref.rl.placement.resources import EXECUTOR_CPUS, check_cluster, cluster_nodes, colocated, reserve
+    from hpref.rl.placement.shared_base import AdapterEngine, SharedBase, placement_order, resolve_share_base
+    from hpref.rl.rollout.executor import RolloutExecutor
+    from hpref.rl.trainer.actor import TrainerActor
+    from hpref.rl.trainer.group import TrainerGroup
 
     engine_config = config.engine_config
     if engine_config is None:
@@ -251,8 +251,8 @@ def resume_source(run_dir: Path, resume: str | None) -> Path | None:
 
 def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
     """Point every policy that starts from a warm-up (tiny ones on the synthetic arena's answers,
-    every one on `[rl.warmup] path`'s: `hpref.rl.warmup.warmup_settings`) at its checkpoint (trained
-    now or cached).
+    every one on `[rl.warmup] path`'s: `hpref.rl.warmup.supervised.warmup_settings`) at its checkpoint
+    (trained now or cached).
 
     Returns {policy: checkpoint folder}. Without `[rl.warmup]` policies keep their model settings.
     The folders are content-addressed by the model, adapter and warm-up settings (and the data
@@ -260,7 +260,7 @@ def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
     """
     if config.warmup is None:
         return {}
-    from hpref.rl.warmup import warmup_checkpoint, warmup_settings
+    from hpref.rl.warmup.supervised import warmup_checkpoint, warmup_settings
 
     out = {}
     for p, (model, lora) in warmup_settings(config, order).items():
@@ -277,7 +277,7 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     which is read here. Returns
     the built `[rl.prompts]` source."""
     from hpref.rl.policy import check_policy_models
-    from hpref.rl.rollouts import build_prompt_source
+    from hpref.rl.rollout.executor import build_prompt_source
 
     config, _run_dir = _rl_config(recipe)
     order = config.select(list(policies))
@@ -290,7 +290,7 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
     check_algorithms(config, order, where)  # e.g. online DPO's pairs: an even group, a judging reward
     check_policy_models(config, order, where)
-    from hpref.rl.warmup_data import check_source
+    from hpref.rl.warmup.data import check_source
 
     check_source(config.warmup, where)  # its file and columns; its rows are read when it trains
     # an engine may refuse policies it cannot run (vLLM: head sizes its kernels lack)
@@ -301,7 +301,7 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     check_reward_exports(rl_rewards(config), where)
     prompts = build_prompt_source(config)
     check_rewards_fit_prompts(config, prompts, where)
-    from hpref.rl.shared_base import resolve_share_base
+    from hpref.rl.placement.shared_base import resolve_share_base
 
     # decided here, once, for the policies that run: the actors, rl.json and the plan read it
     recipe.rl = resolve_share_base(config, order, where)
@@ -321,7 +321,7 @@ def run_rl(
     `ray_address`: an existing cluster (`ray start --head`); None starts a local one (or reuses the
     Ray session already initialised in this process). `resume`: None, `auto` or a run folder.
     `prompts`: what `preflight` returned, when the caller ran it (else it runs here). `signals`: the
-    command's SIGTERM / SIGINT handlers (`hpref.rl.stop`; None: a Ctrl-C tears down, exit 130).
+    command's SIGTERM / SIGINT handlers (`hpref.rl.control.stop`; None: a Ctrl-C tears down, exit 130).
     Returns the exit code (0; 128 + the first signal's number after a stop by a signal: 143 for
     SIGTERM, 130 for SIGINT). User mistakes raise `UserError`.
     """
@@ -354,7 +354,7 @@ def run_rl(
         indent=2,
     )
     if len(order) > 1:
-        from hpref.rl.shared_base import share_base_line, share_base_problem
+        from hpref.rl.placement.shared_base import share_base_line, share_base_problem
 
         # on the console when the policies could share (the default then depends on the device), in
         # the log file only when they cannot (full fine-tuning, other bases)
@@ -453,7 +453,7 @@ def run_rl(
         else:
             why = "no eval ran (eval_interval = 0)"
         logger.info(f"no leaderboard in {RL_SUMMARY}: {why}")
-    from hpref.rl.metrics import last_rollout_rows
+    from hpref.rl.report.metrics import last_rollout_rows
 
     write_json_atomic(
         run_dir / RL_SUMMARY,
@@ -479,7 +479,7 @@ def run_rl(
         indent=2,
         sort_keys=True,
     )
-    from hpref.rl.leaderboard import plot_metrics
+    from hpref.rl.report.leaderboard import plot_metrics
 
     plot_metrics(run_dir, order)
     if result.stopped_by is not None:

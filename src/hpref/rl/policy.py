@@ -233,9 +233,9 @@ def completion_logprobs(
 
     With `entropy`: (log-probs, entropy), the second the entropy of that distribution at each
     answer position, shaped the same, from the logits the log-probs come from (no second forward
-    pass; without gradient and chunked: `hpref.rl.algorithms.token_entropy`). A second value
+    pass; without gradient and chunked: `hpref.rl.algorithms.objectives.token_entropy`). A second value
     returned rather than an output argument: FSDP2's root copies the containers it is called with
-    when it moves them to the GPU (`hpref.rl.sharding`'s `LogProbsRoot`).
+    when it moves them to the GPU (`hpref.rl.trainer.sharding`'s `LogProbsRoot`).
 
     A transformers causal LM runs its decoder over every position (the answer attends to the
     prompt) but its LM head only where a completion token is predicted: with a 49k-token vocabulary
@@ -244,7 +244,7 @@ def completion_logprobs(
     give full logits."""
     from transformers import PreTrainedModel
 
-    from hpref.rl.algorithms import sequence_logprobs, token_entropy
+    from hpref.rl.logprobs import sequence_logprobs, token_entropy
 
     if "group_size" in batch:  # a `group_batch`: each prompt once, its answers on its KV cache
         return _grouped_logprobs(model, batch, temperature, entropy)
@@ -269,7 +269,7 @@ def _answer_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The log-probs of `targets` under the answer positions' `logits [N, V]` (divided by the
     temperature already) where `mask` is true, zero elsewhere; with `entropy` their entropies too."""
-    from hpref.rl.algorithms import sequence_logprobs, token_entropy
+    from hpref.rl.logprobs import sequence_logprobs, token_entropy
 
     logprobs = on_mask(mask, sequence_logprobs(logits, targets))
     return (logprobs, on_mask(mask, token_entropy(logits))) if entropy else logprobs

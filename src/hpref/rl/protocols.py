@@ -50,7 +50,7 @@ class PromptSource(Protocol):
 @runtime_checkable
 class Reward(Protocol):
     """Scores GRPO groups of answers (`[rl.reward]`, or each of `[rl.rewards.<name>]`:
-    `hpref.rl.reward_set` sums them). A reward with `wants_rows = True` is also given
+    `hpref.rl.rollout.rewards` sums them). A reward with `wants_rows = True` is also given
     `score_groups(..., rows=...)` (and `judge_answers(..., rows=...)`): `rows[i]`, the prompt file's
     row of `prompts[i]` (`PromptSource.row`)."""
 
@@ -131,7 +131,7 @@ class PreparesBatches(Protocol):
     """An algorithm capability, optional (the trainer asks `isinstance`; an `Algorithm` without it
     trains as before): values its loss reads that depend on the whole step and on the reference,
     such as REINFORCE++'s per-token returns normalised over every micro-batch of every rank
-    (`hpref.rl.grpo`)."""
+    (`hpref.rl.algorithms.grpo`)."""
 
     def prepare_batches(
         self,
@@ -216,7 +216,7 @@ class Engine(Protocol):
         ...
 
     def connect_weight_channel(self, host: str, port: int, device: str) -> None:
-        """Join the policy's trainer rank 0 in the weight channel (`hpref.rl.weight_channel`)."""
+        """Join the policy's trainer rank 0 in the weight channel (`hpref.rl.transport.weight_channel`)."""
         ...
 
     def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]], adapter: str | None = None) -> None:
@@ -243,7 +243,7 @@ class Engine(Protocol):
 @runtime_checkable
 class TrainerBackend(Protocol):
     """What a policy's trainer is built on (`rl.policies.<id>.trainer_backend`): the model it trains
-    and what it hands the engine, `hpref.rl.trainer.TrainerActor`'s only view of it. Whatever it
+    and what it hands the engine, `hpref.rl.trainer.actor.TrainerActor`'s only view of it. Whatever it
     trains, the engine and the saves see the transformers layout (`plain_items`)."""
 
     #: the `trainer_backend` value
@@ -253,7 +253,7 @@ class TrainerBackend(Protocol):
 
     def check(self, config: RLConfig, policies: list[str], where: str) -> None:
         """Before any actor starts: one `RecipeError` line for a policy of `policies` (those on
-        this backend: `hpref.rl.backends.check_backends` groups them) this backend cannot build."""
+        this backend: `hpref.rl.trainer.backends.check_backends` groups them) this backend cannot build."""
         ...
 
     def build(self, model: PolicyModelConfig) -> tuple[nn.Module, PreTrainedTokenizerBase]:

@@ -1,7 +1,7 @@
 """What travels through `hpref rl`, typed: an engine's `Generation`, and the `Rollout` the executor
 makes of it (answers + rewards, and the judged pairs a pairwise algorithm asks for), which the driver
 hands to the trainer and to the metrics row. One object from the executor on, filled in one place
-(`hpref.rl.rollouts.RolloutExecutor._produce`); the driver marks a regenerated one.
+(`hpref.rl.rollout.executor.RolloutExecutor._produce`); the driver marks a regenerated one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ Verdict = tuple[float, float, float]
 
 class Generation(TypedDict):
     """What every engine's `generate` returns (`hpref.rl.protocols.Engine`; built by
-    `hpref.rl.engines.generation_result`)."""
+    `hpref.rl.engines.requests.generation_result`)."""
 
     prompt_ids: list[list[int]]  # each answer's prompt tokens (a group's answers share one prompt)
     completions: list[list[int]]  # each answer's tokens, eos included

@@ -1,6 +1,6 @@
 """The staleness rule of `hpref rl`'s rollouts: how far behind its trainer the weights that made a
 rollout may be (`rl.staleness_limit`), and what the executor does with data that is not fresh
-enough. Pure functions: the `RolloutExecutor` (`hpref.rl.rollouts`) and the trainer apply them."""
+enough. Pure functions: the `RolloutExecutor` (`hpref.rl.rollout.executor`) and the trainer apply them."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ write of the run's record that fails (a full disk) would otherwise send a resume
 Each record carries its save's lineage (`hpref.runfolder.lineage`: the save it continued from), and
 `read_record` answers with the newest save that descends from the one the run's record names. It
 lives here, beside the train checkpoints' own layout, because every reader of a run folder needs
-it: rl resume (`hpref.rl.record` holds the resume checks) and `hpref save --now`, which waits for
+it: rl resume (`hpref.rl.control.record` holds the resume checks) and `hpref save --now`, which waits for
 the record to name a new save (`hpref.runfolder.checkpoints.complete_saves`).
 """
 

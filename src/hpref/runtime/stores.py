@@ -7,7 +7,7 @@ reaches the store can write into it, whoever reaches gloo can join collectives. 
 hpref hosts is handed a socket already bound to its address (`TCPStore(master_listen_fd=...)`),
 and a group whose peers meet on loopback pins gloo to the loopback interface. Used by the one-node
 torchrun rendezvous (`hpref.runtime.torchrun`), a policy's trainer group and its weight channel to
-the engine (`hpref.rl.sharding`, `hpref.rl.weight_channel`).
+the engine (`hpref.rl.trainer.sharding`, `hpref.rl.transport.weight_channel`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ saves, as a transformers causal-LM folder anyone can load, serve or train furthe
 Which save: `--step latest` is the one the run's record names (what `--resume auto` continues from),
 `rollout-N` (or N) an older one `keep_last` kept, and a save folder named directly is that save
 (`hpref.runfolder.checkpoints.resolve_rl_save`). The policy's part of it is checked against its
-checksums, then read as its trainer wrote it (`hpref.rl.trainer_state.save_trainer`): a transformers
+checksums, then read as its trainer wrote it (`hpref.rl.trainer.state.save_trainer`): a transformers
 folder (`model/`: a full or megatron fine-tune), or PEFT's adapter (`adapter/`) over the base that
 `policy_base.json` names, rebuilt as the trainer built it (the same folder, GGUF conversion or seeded
 tiny Llama). Policies that shared one base (`rl.share_base`) saved their adapters as a policy of its

@@ -16,7 +16,7 @@ Two kinds of check:
   dataset section buildable (its file there, readable, with the right columns). `hpref recipes
   check --portable` skips these, for a recipe written here for another machine (the GPU references).
 
-An `hpref rl` recipe trains no judge: its checks are `hpref.rl.checks.check_rl`.
+An `hpref rl` recipe trains no judge: its checks are `hpref.rl.control.preflight.check_rl`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def is_rl_recipe(recipe: Recipe) -> bool:
 def check_train(recipe: Recipe, where: str | Path | None = None, *, machine: bool = True) -> None:
     """Raise `RecipeError` (one line: file, dotted key, what is wrong) for the first thing
     `hpref train` would refuse; `machine=False` leaves out what depends on this machine. An `hpref
-    rl` recipe is not held to training (`hpref.rl.checks.check_rl` checks it)."""
+    rl` recipe is not held to training (`hpref.rl.control.preflight.check_rl` checks it)."""
     where = str(where if where is not None else recipe._source or "recipe")
     if is_rl_recipe(recipe):
         return

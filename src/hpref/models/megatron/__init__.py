@@ -10,7 +10,7 @@ sequence_parallel   `sequence_parallel = true`: norms and dropout split by token
 convert             config and weights to and from transformers (read tensor by tensor through
                     `hpref.models.safetensors_folder`)
 causal_lm           the causal LM the rl trainer trains with `trainer_backend = "megatron"` (through
-                    `hpref.rl.backends.MegatronBackend`), converted to and from transformers' layout
+                    `hpref.rl.trainer.backends.MegatronBackend`), converted to and from transformers' layout
 
 megatron-core is an optional extra (`pip install 'hpref[megatron]'`): importing this package does
 not import it; `require_megatron` does, with a one-line error when it is missing. The backbone's

@@ -1,5 +1,5 @@
 """The causal LM the rl trainer trains on megatron-core (issue #15: `trainer_backend = "megatron"` in
-a policy's table; `hpref.rl.backends.MegatronBackend` builds it, the trainer sees the backend only).
+a policy's table; `hpref.rl.trainer.backends.MegatronBackend` builds it, the trainer sees the backend only).
 
 The trainer's causal LM is then a megatron-core `GPTModel` with its output layer (logits over the
 vocabulary; tied to the input embedding when the transformers config ties them), built from the same
@@ -19,7 +19,7 @@ needs goes through the transformers-shaped seams:
 
 Parallel state (`init_trainer_parallel`): a trainer alone (one rank) runs at tensor-parallel size 1
 on a one-rank gloo group, created when the actor has no process group; a trainer group's ranks
-(`ranks` = `trainer_tensor_parallel`, `hpref.rl.sharding.join_group` made their process group) are
+(`ranks` = `trainer_tensor_parallel`, `hpref.rl.transport.rendezvous.join_group` made their process group) are
 its tensor-parallel ranks. Then each rank holds its slice of every split weight (`hf_to_megatron`
 with its `tp_rank`), runs every micro-batch of the rollout, and gets the logits over the whole
 vocabulary (`parallel_output=False`: megatron gathers the vocabulary-parallel logits, and its

@@ -1,0 +1,166 @@
+"""GRPO as an `hpref.rl.protocols.Algorithm` (`algorithm = "grpo"`, every policy's default): a
+policy-gradient step of the clipped surrogate on advantages from one of three estimators (the
+policy's `advantage`; `hpref.rl.algorithms.objectives` holds the numbers):
+
+- `grpo`: group-normalised (each reward less its group's mean, over its group's std), with an
+  in-loss k3 KL to the start at `kl_coef`; `scale_by_std = false` is Dr. GRPO.
+- `rloo`: each reward less the mean of its group's other answers (Ahmadian et al. 2024), no std
+  scaling; the KL as GRPO's.
+- `reinforce++`: REINFORCE++ (Hu 2025) as OpenRLHF implements it (`--advantage_estimator
+  reinforce`): the KL to the start is in the reward, token by token (k1 of the sampled token,
+  `-kl_coef x (log pi_old - log pi_ref)`, the answer's reward at its last token), the returns are
+  reverse cumulative sums (gamma 1), and the advantages are those returns normalised over every
+  answer token of the rollout (all micro-batches, all ranks of a group: `prepare_batches`). No
+  in-loss KL term. `kl_coef = 0` is allowed, as there: plain batch-normalised REINFORCE, which needs
+  no reference.
+
+Its settings are the policy's own keys (`advantage`, `clip_low`, `clip_high`, `kl_coef`,
+`measure_kl`, `scale_by_std`, `aggregation`), as before algorithms were components.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.fields import FieldInfo
+
+from hpref.recipe.rl import PolicyConfig
+from hpref.rl.rollout_types import Rollout, TrainingRows
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpref.recipe.rl import RLConfig
+    from hpref.rl.algorithms.objectives import StatsReduce
+
+#: the policy's keys GRPO reads (`[rl.defaults]` or a policy's table, not its `algorithm` table)
+POLICY_KEYS = ("advantage", "clip_low", "clip_high", "kl_coef", "measure_kl", "scale_by_std", "aggregation")
+
+
+class GrpoConfig(BaseModel):
+    """GRPO takes its settings from the policy's keys (`advantage`, `clip_low`, `kl_coef`, ...): none here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: `hpref components algorithm` lists them with their descriptions (`hpref.plugins.Component`)
+    policy_keys: ClassVar[dict[str, FieldInfo]] = {k: PolicyConfig.model_fields[k] for k in POLICY_KEYS}
+
+
+class Grpo:
+    name = "grpo"
+    needs_preferences = False
+    cross_policy = False
+
+    def __init__(self, config: GrpoConfig, policy: PolicyConfig) -> None:
+        self.policy = policy
+
+    def check(self, policy: str, config: RLConfig, policies: list[str], where: str) -> None:
+        return None  # the policy's GRPO keys are checked with the recipe
+
+    def wants_reference(self) -> bool:
+        # REINFORCE++ reads the reference only for its KL reward: at kl_coef 0 it needs none either
+        return self.policy.kl_coef > 0 or self.policy.measure_kl
+
+    def prepare(self, rollout: Rollout, tokenizer: Any) -> TrainingRows:
+        """The rollout's rows; `values`: an advantage per answer (grpo, rloo), or the raw rewards that
+        `prepare_batches` turns into per-token advantages (reinforce++)."""
+        import torch
+
+        from hpref.rl.algorithms.objectives import (
+            advantage_spread,
+            group_advantages,
+            leave_one_out_advantages,
+        )
+
+        rewards = torch.tensor(rollout.rewards, dtype=torch.float32)
+        estimator = self.policy.advantage
+        if estimator == "grpo":
+            values = group_advantages(rewards, rollout.group_size, scale_by_std=self.policy.scale_by_std)
+        elif estimator == "rloo":
+            values = leave_one_out_advantages(rewards, rollout.group_size)
+        else:
+            values = rewards
+        return TrainingRows(
+            prompts=rollout.prompt_ids,
+            completions=rollout.completions,
+            group=rollout.group_size,
+            behaviour=rollout.logprobs,
+            temperature=rollout.temperature,
+            values=values,
+            metrics=advantage_spread(values) if estimator != "reinforce++" else {},
+        )
+
+    def prepare_batches(
+        self, batches: list[dict[str, Any]], prepared: TrainingRows, reduce: StatsReduce
+    ) -> None:
+        """REINFORCE++: each micro-batch's per-token advantages (`batch["advantages"]`), from the
+        returns of its rows normalised over the whole step (`hpref.rl.protocols.PreparesBatches`);
+        the other estimators have theirs per answer already."""
+        if self.policy.advantage != "reinforce++":
+            return
+        from hpref.rl.algorithms.objectives import batch_normalised, reinforce_returns
+
+        returns = [
+            reinforce_returns(
+                prepared.values[batch["rows"]],
+                batch["mask"],
+                batch.get("old"),
+                batch.get("ref"),
+                self.policy.kl_coef,
+            )
+            for batch in batches
+        ]
+        counted = [not batch.get("padding") for batch in batches]
+        advantages, spread = batch_normalised(returns, [b["mask"] for b in batches], counted, reduce)
+        for batch, values in zip(batches, advantages, strict=True):
+            batch["advantages"] = values
+        prepared.metrics.update(spread)
+
+    def loss(
+        self, logprobs: torch.Tensor, batch: dict[str, Any], rows: list[int], prepared: TrainingRows
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        from hpref.rl.algorithms.objectives import policy_loss
+
+        cfg = self.policy
+        mask = batch["mask"]
+        # REINFORCE++'s advantages are per token and its KL is in them; the others' per answer
+        in_reward = cfg.advantage == "reinforce++"
+        out = policy_loss(
+            logprobs,
+            batch["old"],
+            batch["advantages"] if in_reward else prepared.values[rows].to(logprobs.device),
+            mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            ref_logprobs=batch["ref"],
+            kl_coef=0.0 if in_reward else cfg.kl_coef,
+            aggregation=cfg.aggregation,
+        )
+        tokens = float(mask.sum())
+        total_tokens = max(sum(len(c) for c in prepared.completions), 1)
+        # the micro-batch's share of the step: of its tokens (token-mean) or of its answers
+        weight = (
+            tokens / total_tokens
+            if cfg.aggregation == "token-mean"
+            else len(rows) / len(prepared.completions)
+        )
+        share = tokens / total_tokens  # the statistics are token means
+        stats = {
+            "loss": float(out.loss.detach()) * weight,
+            "kl": float(out.kl) * share,
+            "clip_fraction": float(out.clip_fraction) * share,
+            "ratio_mean": float(out.ratio_mean) * share,
+        }
+        return out.loss * weight, stats
+
+    def summarise(self, sums: dict[str, float]) -> dict[str, float]:
+        return {key: sums.get(key, 0.0) for key in ("loss", "kl", "clip_fraction", "ratio_mean")}
+
+
+def build_grpo(config: GrpoConfig, policy: PolicyConfig) -> Grpo:
+    """GRPO on a reward per answer; set by the policy's keys (advantage, clip_low, clip_high, kl_coef).
+
+    `advantage` picks the estimator: grpo (`scale_by_std = false` is Dr. GRPO), rloo or reinforce++;
+    `measure_kl`, `aggregation` and `epochs_per_rollout` too."""
+    return Grpo(config, policy)

@@ -1,0 +1,319 @@
+"""The driver of `hpref rl`: one asyncio task per policy, coordinated by the leader.
+
+    result = await drive(config, ["a", "b"], handles, run_dir, starts, metrics)
+
+- The leader (the first policy named) runs `num_rollouts` rollouts; followers run until it ends.
+  The first task to fail ends the run, and its error is the run's error.
+- Every `save_interval` leader rollouts (and at the end, at `debug_exit_after_rollout`, when
+  `hpref save --now` asks through `<run_dir>/SAVE_NOW`, and when SIGTERM or Ctrl-C asks the run to
+  stop: `hpref.rl.control.stop`) the leader parks every follower, saves every trainer and then the executor,
+  writes `record.json`, and releases them. Evals park through a separate parker.
+- Weights go from trainer to engine every `update_weights_interval` rollouts of that policy.
+- While the policies run, the event loop refreshes `<run_dir>/heartbeat.json` every few seconds,
+  which is how `hpref save --now` knows the run is alive (`hpref.runfolder.heartbeat`).
+
+The driver only coordinates: numbers come from `hpref.rl.algorithms.objectives` (inside the trainers), the
+resume rules from `hpref.rl.control.record`, the rendezvous from `hpref.rl.control.parking`. The Ray shell
+around it (actors, restore, teardown, the summary) is `hpref.rl.launch.run_rl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
+
+from hpref.recipe.rl import RLConfig
+from hpref.rl.control.parking import Parker
+from hpref.rl.control.record import CheckpointRecord, check_resume, read_record, write_record
+from hpref.rl.control.stop import StopSignals
+from hpref.rl.placement.resources import colocated
+from hpref.rl.report.metrics import MetricsWriter, eval_line, eval_row, rollout_metrics
+from hpref.rl.trainer.group import TrainerGroup, WeightSyncError, push_weights
+from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
+from hpref.runfolder.layout import CHECKPOINTS, RL_EXECUTOR, ROLLOUT_PREFIX
+from hpref.runfolder.save_trigger import check_save_trigger
+from hpref.runtime.ray_cluster import actor_death
+
+if TYPE_CHECKING:
+    pass
+
+HEARTBEAT_INTERVAL_S = 5.0  # well under HEARTBEAT_STALE_S: a slow rollout does not read as a hung run
+
+
+@dataclass
+class Handles:
+    """Actor handles (Ray or `LocalActor`), each called as `await h.method.remote(...)`; a policy's
+    trainer is its `TrainerGroup` (a bare handle is taken as a group of one rank)."""
+
+    executor: Any
+    engines: dict[str, Any]
+    trainers: dict[str, TrainerGroup]
+
+    def __post_init__(self) -> None:
+        self.trainers = {
+            p: t if isinstance(t, TrainerGroup) else TrainerGroup(p, [t]) for p, t in self.trainers.items()
+        }
+
+
+@dataclass
+class DriveResult:
+    positions: dict[str, int]  # each policy's next rollout id when the run ended
+    saves: int
+    debug_exit: bool
+    evals: list[dict[str, Any]] = field(default_factory=list)  # each: rollout + RolloutExecutor.evaluate
+    seconds: float = 0.0  # the policies' loops alone: no actor start-up, no restore
+    timed_out: bool = False  # the leader ended at `time_limit_s`, before `num_rollouts`
+    stopped_by: str | None = None  # SIGTERM or SIGINT: the leader saved and ended at that rollout
+    last_save: str | None = None  # this run's newest save (`checkpoints/rollout-*`), if it made one
+
+    def leaderboard(self, policies: list[str]) -> dict[str, float]:
+        """Bradley-Terry (Elo-scale) ratings of the policies and their starting checkpoints
+        (`<id>@start`) from the last eval's battles; {} without evals."""
+        from hpref.rl.report.leaderboard import bradley_terry
+
+        battles = self.evals[-1].get("leaderboard_battles") if self.evals else None
+        if not battles:
+            return {}
+        players = list(policies)
+        for a, b, _score in battles:
+            players.extend(x for x in (a, b) if x not in players)
+        return bradley_terry(players, battles)
+
+
+async def save_all(
+    handles: Handles,
+    order: list[str],
+    positions: dict[str, int],
+    run_dir: Path,
+    leader: str,
+    keep_last: int = 0,
+) -> CheckpointRecord:
+    """Every trainer, then the executor, then — only after all of them saved — the record."""
+    rel = f"{CHECKPOINTS}/{ROLLOUT_PREFIX}{positions[leader]:06d}"
+    folder = run_dir / rel
+    await asyncio.gather(*(handles.trainers[p].save(str(folder / p)) for p in order))
+    await handles.executor.save.remote(str(folder / RL_EXECUTOR))
+    record = CheckpointRecord(leader, {p: positions[p] for p in order}, save_dir=rel)
+    write_record(run_dir, record)
+    logger.info(f"saved {rel}: " + ", ".join(f"{p} at rollout {positions[p]}" for p in order))
+    if keep_last:
+        prune_checkpoints(run_dir, keep_last, record)
+    return record
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int, record: CheckpointRecord) -> list[str]:
+    """Delete all but the newest `keep_last` saves under `checkpoints/`; returns what was deleted.
+
+    Runs only after the record is written, and never deletes the folder the record points to (even
+    if it is not among the newest, e.g. after a resume from an older save into the same folder):
+    that is the one save a resume can use. Half-written saves of an interrupted run (no record names
+    them) are older than the record's and go with the rest.
+    """
+    import shutil
+
+    root = run_dir / CHECKPOINTS
+    keep = {Path(record.save_dir).name}
+    saves = sorted(p for p in root.glob(f"{ROLLOUT_PREFIX}*") if p.is_dir())
+    keep.update(p.name for p in saves[-keep_last:])
+    deleted = []
+    for folder in saves:
+        if folder.name not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            deleted.append(folder.name)
+    if deleted:
+        logger.info(f"keep_last = {keep_last}: deleted {', '.join(deleted)}")
+    return deleted
+
+
+async def drive(
+    config: RLConfig,
+    order: list[str],
+    handles: Handles,
+    run_dir: Path,
+    starts: dict[str, int],
+    metrics: MetricsWriter | None = None,
+    signals: StopSignals | None = None,
+) -> DriveResult:
+    """Run every policy's loop until the leader ends (see the module docstring). `signals`: the
+    command's SIGTERM / SIGINT handlers, asked after each leader rollout."""
+    leader, followers = order[0], order[1:]
+    save_parker, eval_parker = Parker(followers, "save"), Parker(followers, "eval")
+    positions = dict(starts)
+    stop = asyncio.Event()
+    metrics = metrics or MetricsWriter(None)
+    result = DriveResult(positions, saves=0, debug_exit=False)
+    began = time.perf_counter()
+    bucket_bytes = sync_bucket_bytes(config)
+    sleeps = {p: colocated(config, p) for p in order}
+
+    async def step(p: str) -> None:
+        r = positions[p]
+        rollout = await handles.executor.get.remote(r, p)
+        # colocated: the engine gives the GPU up while its trainer steps (a shared base's engine
+        # while any of its policies steps: the first to step puts it to sleep, the last wakes it)
+        base = handles.trainers[p].base
+        if sleeps[p]:
+            base.stepping += 1
+            if base.stepping == 1:
+                await handles.engines[p].sleep.remote()
+        try:
+            stats = await handles.trainers[p].train(rollout)
+        finally:
+            if sleeps[p]:
+                base.stepping -= 1
+                if base.stepping == 0:
+                    await handles.engines[p].wake.remote()
+        positions[p] = r + 1
+        version = None
+        try:
+            if positions[p] % config.update_weights_interval == 0:
+                version = await push_weights(handles.trainers[p], handles.engines[p], p, bucket_bytes)
+        finally:
+            # the rollout trained, and a save may count it, even when its push failed (no version)
+            row = rollout_metrics(rollout, stats, version)
+            if "kl" in stats:
+                kl_since_eval[p].append(float(stats["kl"]))
+            row["elapsed_s"] = time.perf_counter() - began  # for "reached X within N minutes"
+            metrics.write(p, row)
+
+    # each policy's KL to its start in the rollouts since the last eval (a trainer measures it when
+    # kl_coef > 0 or measure_kl): the eval's KL, beside its answer lengths and scores
+    kl_since_eval: dict[str, list[float]] = {p: [] for p in order}
+
+    async def evaluate() -> None:
+        evaluation = await handles.executor.evaluate.remote(order)
+        metrics.write_answers(f"{ROLLOUT_PREFIX}{positions[leader]:06d}", evaluation.pop("answers", {}))
+        evaluation["rollout"] = positions[leader]
+        evaluation["kl"] = {p: sum(k) / len(k) for p, k in kl_since_eval.items() if k}
+        result.evals.append(evaluation)
+        for p in order:
+            row = eval_row(evaluation, p)
+            row.update(rollout=positions[p], elapsed_s=time.perf_counter() - began)
+            metrics.write(p, row)
+            kl_since_eval[p].clear()
+        logger.info("eval: " + "; ".join(eval_line(evaluation, p) for p in order))
+
+    def out_of_time() -> bool:
+        limit = config.time_limit_s
+        return limit is not None and time.perf_counter() - began >= limit
+
+    async def run_leader() -> None:
+        while positions[leader] < config.num_rollouts:
+            await step(leader)
+            r = positions[leader]
+            timed_out = out_of_time()
+            last = r >= config.num_rollouts or timed_out
+            debug = config.debug_exit_after_rollout == r
+            # the leader alone reads (and removes) the trigger of `hpref save --now`: one save, not one
+            # per policy, at this rollout boundary, through the usual global save
+            asked = check_save_trigger(run_dir)
+            if asked:
+                logger.info(f"hpref save --now: a global save after leader rollout {r}")
+            # SIGTERM or Ctrl-C: the save `hpref save --now` would make, then the end (no eval: the
+            # stop is bounded by rl.stop_timeout_s, and a scheduler's grace period is short)
+            signalled = signals is not None and signals.requested
+            if config.eval_interval and (r % config.eval_interval == 0 or last) and not signalled:
+                async with eval_parker.hold(config.park_timeout):
+                    await evaluate()
+            due = bool(config.save_interval) and r % config.save_interval == 0
+            if due or last or debug or asked or signalled:
+                async with save_parker.hold(config.park_timeout):
+                    saved = await save_all(handles, order, positions, run_dir, leader, config.keep_last)
+                    result.saves += 1
+                    result.last_save = saved.save_dir
+                    if last or debug or signalled:
+                        stop.set()  # set before release: followers stop where the save recorded them
+            if signalled:
+                assert signals is not None and signals.first is not None
+                result.stopped_by = signals.first.name
+                break
+            if debug:
+                result.debug_exit = True
+                logger.info(f"debug_exit_after_rollout = {r}: stopping after the save")
+                break
+            if timed_out:
+                result.timed_out = True
+                logger.info(f"time_limit_s = {config.time_limit_s:g} reached after leader rollout {r}")
+                break
+        stop.set()
+
+    async def run_follower(p: str) -> None:
+        try:
+            while not stop.is_set():
+                await save_parker.park(p)
+                await eval_parker.park(p)
+                if stop.is_set():
+                    break
+                await step(p)
+        finally:
+            save_parker.leave(p)
+            eval_parker.leave(p)
+
+    async def beat() -> None:
+        # the run's liveness for `hpref save --now` (hpref.runfolder.heartbeat), from the event loop
+        # itself: a loop that stops turning stops beating
+        while True:
+            write_heartbeat(run_dir, positions[leader])
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # from here a first signal waits for the leader's next rollout boundary and its save; once the
+    # loops have ended, signals are only noted (the teardown ahead must reach every actor)
+    with signals.graceful() if signals is not None else contextlib.nullcontext():
+        heartbeat = asyncio.ensure_future(beat())
+        tasks = {asyncio.ensure_future(run_leader()): leader}
+        tasks.update({asyncio.ensure_future(run_follower(p)): p for p in followers})
+        pending = set(tasks)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    exc = task.exception()
+                    if exc is not None:
+                        # a lost actor and a failed weight update are named by run_rl (with where
+                        # to resume from); which loop met them is noise
+                        if actor_death(exc) is None and not isinstance(exc, WeightSyncError):
+                            logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
+                        raise exc
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            heartbeat.cancel()
+            await asyncio.gather(*tasks, heartbeat, return_exceptions=True)
+            clear_heartbeat(run_dir)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def sync_bucket_bytes(config: RLConfig) -> int:
+    return int(config.weight_sync_bucket_mb * 2**20)
+
+
+async def restore(
+    handles: Handles, order: list[str], source: Path | None, bucket_bytes: int = 256 << 20
+) -> tuple[dict[str, int], CheckpointRecord | None]:
+    """Load every part from the record in `source` (None: fresh), check them, push restored weights."""
+    leader = order[0]
+    record = read_record(source) if source is not None else None
+    if record is None:
+        starts = {p: 0 for p in order}
+        check_resume(None, leader, starts)
+        return starts, None
+    assert source is not None
+    folder = source / record.save_dir
+    loaded = await asyncio.gather(*(handles.trainers[p].load(str(folder / p)) for p in order))
+    starts = dict(zip(order, loaded, strict=True))
+    executor_positions = await handles.executor.load.remote(str(folder / RL_EXECUTOR))
+    check_resume(record, leader, starts, executor_positions)
+    await asyncio.gather(
+        *(push_weights(handles.trainers[p], handles.engines[p], p, bucket_bytes) for p in order if starts[p])
+    )
+    logger.info(f"resumed from {folder}: " + ", ".join(f"{p} at rollout {starts[p]}" for p in order))
+    return starts, record

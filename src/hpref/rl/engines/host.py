@@ -1,0 +1,115 @@
+"""`EngineHost`, the Ray actor around whichever registered engine component a recipe names
+(`[rl.engine] name = ...`: the built-in `transformers` engine, vLLM, or a plugin's): it builds the
+component inside the actor's process and forwards every `Engine` method (`hpref.rl.protocols`),
+keeping a colocated engine asleep while its trainer steps."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from hpref.recipe.rl import PolicyModelConfig
+from hpref.rl.policy import apply_env
+
+
+class EngineHost:
+    """The Ray actor around a registered engine component (`[rl.engine] name = ...`).
+
+    Ray needs the actor's methods on its class, so this class names every engine method and
+    forwards it; the component itself is built inside the actor's process by its plugin's `build`.
+    `adapters`: a shared base's LoRA policies by id (`rl.share_base`), passed to `build` only when
+    given, so an engine plugin that serves no adapters needs no such argument.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: Any,
+        policy: str,
+        model: PolicyModelConfig,
+        env: dict[str, str] | None = None,
+        adapters: dict[str, Any] | None = None,
+    ) -> None:
+        apply_env(env)
+        from hpref.plugins import load_plugins
+
+        component = load_plugins().get("engine", name)
+        if not isinstance(config, component.config):
+            config = component.config.model_validate(config or {})
+        extra = {"adapters": adapters} if adapters else {}
+        self.engine = component.build(config, policy=policy, model=model, env=env, **extra)
+        # A colocated engine (`rl.colocate`) sleeps while its trainer steps, and a `generate` that
+        # arrives meanwhile (the executor's next rollout) waits for `wake`; for the wake to arrive,
+        # the launcher gives such an actor two threads (max_concurrency=2), and this lock keeps the
+        # engine itself at one call at a time, as a one-thread actor does.
+        self._awake = threading.Event()
+        self._awake.set()
+        self._lock = threading.Lock()
+
+    def _generating(self, call: Any) -> Any:
+        from hpref.memory import release_freed_memory
+
+        self._awake.wait()
+        with self._lock:
+            out = call()
+        release_freed_memory()  # a rollout's logits and KV caches: GiBs glibc would keep (hpref.memory)
+        return out
+
+    def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self._generating(lambda: self.engine.generate(*args, **kwargs))
+
+    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several policies' `generate` requests in one go (a shared base's engine)."""
+        return self._generating(lambda: self.engine.generate_batch(requests))
+
+    def sleep(self) -> None:
+        with self._lock:
+            self._awake.clear()
+            self.engine.sleep()
+
+    def wake(self) -> None:
+        with self._lock:
+            self.engine.wake()
+            self._awake.set()
+
+    def begin_update(self, version: int, adapter: str | None = None) -> None:
+        with self._lock:
+            self.engine.begin_update(version, **_adapter(adapter))
+
+    def load_weights(self, state: dict[str, Any], adapter: str | None = None) -> None:
+        with self._lock:
+            self.engine.load_weights(state, **_adapter(adapter))
+
+    def weight_dtype(self) -> str:
+        return self.engine.weight_dtype()
+
+    def weight_channel_device(self) -> str:
+        return self.engine.weight_channel_device()
+
+    def connect_weight_channel(self, host: str, port: int, device: str) -> None:
+        self.engine.connect_weight_channel(host, port, device)
+
+    def receive_weights(self, layout: list[tuple[str, tuple[int, ...]]], adapter: str | None = None) -> None:
+        with self._lock:
+            self.engine.receive_weights(layout, **_adapter(adapter))
+
+    def commit_update(self, adapter: str | None = None) -> int:
+        from hpref.memory import release_freed_memory
+
+        with self._lock:
+            version = self.engine.commit_update(**_adapter(adapter))
+        release_freed_memory()  # the staged state dict, copied into the model
+        return version
+
+    def abort_update(self, adapter: str | None = None) -> None:
+        with self._lock:
+            self.engine.abort_update(**_adapter(adapter))
+
+    def get_version(self, adapter: str | None = None) -> int:
+        return self.engine.get_version(**_adapter(adapter))
+
+
+def _adapter(adapter: str | None) -> dict[str, str]:
+    """`adapter=` for an engine call on a shared base's adapter; nothing otherwise, so an engine
+    plugin that serves no adapters keeps its one-policy signatures."""
+    return {"adapter": adapter} if adapter is not None else {}

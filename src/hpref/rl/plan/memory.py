@@ -1,0 +1,265 @@
+"""The memory estimate of `hpref rl --plan` (`hpref.rl.plan.table`): what each actor of a policy would
+hold, counted from the policy's config on the meta device
+(`hpref.rl.policy.policy_skeleton`) and the first prompts' lengths, per actor (GiB):
+
+- trainer rank (FSDP2 over `ranks`): fp32 weights / ranks (a LoRA base too: frozen, but sharded),
+  gradients and AdamW's two moments of what trains / ranks, the frozen KL reference (full
+  fine-tuning with `kl_coef` > 0 or `measure_kl`; LoRA's reference is its base with the adapters
+  off), then the largest of what a step adds on top: one micro-batch's saved activations and logits
+  (with bf16 autocast's bf16 copy of the weights, or two gathered FSDP units with several ranks),
+  the optimizer step's temporaries, a weight sync's bucket;
+- engine: its weights in its dtype, its KV cache (vLLM: `kv_cache_gib` on CPU, its
+  `gpu_memory_utilization` of a GPU; the transformers engine: the rollout's sequences, with every
+  step's logits, which `generate` keeps) or the prompt forward's logits, whichever is larger, or a
+  sync's staged copy;
+- every actor: the process baseline, measured here (this process after importing torch,
+  transformers and the trainer) plus a Ray worker's own (`RAY_WORKER_BYTES`).
+
+The activation constants are counted from the tensors autograd saves for a transformers Llama
+block (`benchmarks/rl_plan_memory.py` measures the estimate against real actors' peak RSS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpref.rl.placement.resources import (
+    engines_on_gpu,
+)
+
+if TYPE_CHECKING:
+    from hpref.recipe.rl import PolicyConfig, RLConfig, RolloutConfig
+
+GIB = 2**30
+MIB = 2**20
+#: A Ray actor's resident set over a plain process with the same imports (measured here: 661 vs
+#: 610 MiB after importing torch, transformers and the trainer): Ray's core worker and its threads.
+RAY_WORKER_BYTES = 64 * MIB
+#: CUDA's context and kernels in each GPU process (not measured here, where there is no GPU).
+CUDA_CONTEXT_BYTES = 512 * MIB
+#: Bytes per answer token per vocabulary entry at the loss: the fp32 log-softmax autograd keeps, and
+#: in backward its gradient and the gradient of the scaled logits (three fp32 copies).
+LOGIT_BYTES = 12
+#: A micro-batch's peak resident set over the tensors autograd saves: the forward's temporaries and
+#: what the allocator keeps of them (measured on SmolLM2-135M, one 556-token micro-batch under bf16
+#: autocast, steady-state steps: 1.44x full fine-tuning, 1.35x LoRA; `benchmarks/rl_plan_memory.py`).
+MICRO_BATCH_SLACK = 1.4
+
+
+# --------------------------------------------------------------------------------------------------
+# the model, from its config
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the memory of a policy's model depends on, read from its skeleton."""
+
+    params: int  # every parameter (LoRA's adapters included)
+    trainable: int  # what the optimizer steps: all, or the adapters
+    largest_unit: int  # an FSDP unit: the largest decoder block, or the root (embeddings, norm, head)
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_width: int  # key/value heads x head size
+    vocab: int
+
+
+def model_shape(policy: PolicyConfig) -> Shape:
+    """The policy's `Shape` from its config on the meta device (LoRA injected there too)."""
+    from hpref.rl.policy import policy_skeleton
+
+    skeleton = policy_skeleton(policy.model)
+    config = skeleton.config
+    if policy.lora is not None:
+        from hpref.models.lm_adapters import apply_lora_to_causal_lm
+
+        apply_lora_to_causal_lm(skeleton, policy.lora, seed=policy.model.seed)
+    params = sum(p.numel() for p in skeleton.parameters())
+    blocks = skeleton.get_decoder().layers
+    block = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return Shape(
+        params=params,
+        trainable=sum(p.numel() for p in skeleton.parameters() if p.requires_grad),
+        largest_unit=max(block, params - in_blocks),
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        kv_width=getattr(config, "num_key_value_heads", heads) * head_dim,
+        vocab=config.vocab_size,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# memory per actor
+
+
+@dataclass(frozen=True)
+class Memory:
+    """An actor's estimate: `terms` in bytes (what it holds all run, and the largest transient on
+    top, named), of which `host_terms` stay in host memory when the actor computes on a GPU."""
+
+    terms: dict[str, int]
+    gpu: bool = False
+    host_terms: tuple[str, ...] = ("baseline",)
+
+    @property
+    def host(self) -> int:
+        return sum(v for k, v in self.terms.items() if not self.gpu or k in self.host_terms)
+
+    @property
+    def device(self) -> int:
+        return sum(v for k, v in self.terms.items() if self.gpu and k not in self.host_terms)
+
+    def text(self) -> str:
+        return " + ".join(f"{k} {v / GIB:.2f}" for k, v in self.terms.items() if v)
+
+
+def micro_batch_activations(
+    shape: Shape, prompt: int, answers: int, groups: int, group: int, bf16: bool
+) -> int:
+    """Bytes autograd keeps for one micro-batch of `groups` prompt groups (each prompt once, its
+    `group` answers of `answers` tokens on its KV cache, as `hpref.rl.policy.group_batch`).
+
+    Per decoder position and block, counted from the saved tensors of a transformers Llama block:
+    fp32: 10 hidden-wide (norms, residual, q, attention out, o_proj input), 4 intermediate-wide
+    (gate, up, SiLU, product) and 2 key/value-wide; under bf16 autocast the norms and residual stay
+    fp32 (6 hidden-wide), the rest is bf16. Each answer row also keeps the keys and values of its
+    prompt and answer repeated to every head (sdpa's grouped-query repeat), and the answers' logits
+    cost `LOGIT_BYTES` per vocabulary entry."""
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_width
+    per_position = (6 * h * 4 + (4 * h + 4 * i + 2 * kv) * 2) if bf16 else (10 * h + 4 * i + 2 * kv) * 4
+    positions = groups * (prompt + group * answers)
+    rows = groups * group
+    repeated_kv = rows * (prompt + answers) * 2 * h * (2 if bf16 else 4)
+    logits = rows * answers * shape.vocab * LOGIT_BYTES
+    return shape.layers * (positions * per_position + repeated_kv) + logits
+
+
+def trainer_memory(
+    policy: PolicyConfig,
+    shape: Shape,
+    rollout: RolloutConfig,
+    prompt: int,
+    *,
+    baseline: int,
+    bucket: int,
+    bf16: bool,
+    gpu: bool = False,
+    adapters: int = 1,
+) -> Memory:
+    """One trainer rank's memory (every rank of a policy holds the same: FSDP2 shards evenly).
+    `adapters`: the policies of a shared base this trainer holds (`rl.share_base`): each its own
+    adapter, gradients and AdamW moments, one micro-batch at a time."""
+    ranks = policy.ranks
+    answers, group = rollout.max_new_tokens, rollout.group_size
+    from hpref.rl.algorithms.registry import build_algorithm
+
+    # the algorithm's call (GRPO: a KL term or its measure; DPO: always); LoRA's is its base
+    full_reference = policy.lora is None and build_algorithm("plan", policy).wants_reference()
+    terms = {
+        "weights": (shape.params + (adapters - 1) * shape.trainable) * 4 // ranks,
+        "grads": adapters * shape.trainable * 4 // ranks,
+        "AdamW": adapters * shape.trainable * 8 // ranks,
+        "KL reference": shape.params * 4 // ranks if full_reference else 0,
+    }
+    # whole prompt groups per micro-batch: as many as `micro_batch_tokens` holds (at least one), of
+    # this rank's share of the rollout
+    groups_here = math.ceil(rollout.prompts_per_rollout / ranks)
+    groups = max(1, min(groups_here, policy.micro_batch_tokens // (prompt + group * answers)))
+    step = micro_batch_activations(shape, prompt, answers, groups, group, bf16)
+    if ranks > 1:  # FSDP2 gathers a unit in the compute dtype and prefetches the next
+        step += 2 * shape.largest_unit * (2 if bf16 else 4)
+    elif bf16:  # autocast keeps a bf16 copy of every weight it casts until the micro-batch ends
+        step += shape.params * 2
+    transients = {
+        "micro-batch": int(step * MICRO_BATCH_SLACK),
+        "optimizer step": 2 * shape.trainable * 4 // ranks,  # foreach AdamW's temporaries
+        "sync bucket": bucket,
+    }
+    largest = max(transients, key=lambda k: transients[k])
+    terms[largest] = transients[largest]
+    if gpu:
+        terms["CUDA context"] = CUDA_CONTEXT_BYTES
+        terms["host staging"] = shape.params * 4 // ranks  # a rank's shard passes through the host
+    terms["baseline"] = baseline
+    return Memory(terms, gpu=gpu, host_terms=("baseline", "host staging"))
+
+
+def engine_memory(
+    config: RLConfig,
+    shape: Shape,
+    rollout: RolloutConfig,
+    prompt: int,
+    *,
+    baseline: int,
+    gpu_memory: int | None = None,
+    adapters: int = 0,
+    adapter_params: int = 0,
+) -> Memory:
+    """One engine's memory: the built-in transformers engine (fp32 on CPU), vLLM (its dtype; CPU or
+    GPU) or a plugin engine (its weights in fp32 and the baseline: nothing else is known of it).
+    `adapters`: the LoRA policies of a shared base it serves (`adapter_params` each), whose rollouts
+    it may batch all at once."""
+    name, engine = config.engine.name, config.engine_config
+    gpus = engines_on_gpu(config)
+    rows = rollout.prompts_per_rollout * rollout.group_size * max(adapters, 1)
+    shape = dataclasses.replace(shape, params=shape.params + adapters * adapter_params)
+    if name == "vllm":
+        dtype = 4 if getattr(engine, "dtype", "bfloat16") == "float32" else 2
+        parallel = max(int(getattr(engine, "tensor_parallel_size", 1)), 1)
+        weights = shape.params * dtype // (parallel if gpus else 1)
+        if gpus:  # vLLM takes its share of the GPU up front: weights, KV cache and all
+            share = float(getattr(engine, "gpu_memory_utilization", 0.3))
+            held = int(share * gpu_memory) if gpu_memory else weights
+            terms = {
+                "gpu_memory_utilization" if gpu_memory else "weights": held,
+                "CUDA context": CUDA_CONTEXT_BYTES,
+            }
+            return Memory({**terms, "baseline": baseline}, gpu=True)
+        terms = {"weights": weights, "KV cache": int(getattr(engine, "kv_cache_gib", 1)) * GIB}
+        return Memory({**terms, "baseline": baseline})
+    weights = shape.params * 4
+    if name != "transformers":
+        return Memory({"weights": weights, "baseline": baseline})
+    # `generate` grows each block's keys and values by concatenation (old and new alive at once);
+    # a step's sampling holds a few [rows, vocab] tensors (`hpref.rl.engines.sampling`: the scores, their
+    # log-softmax, the Gumbel noise, the processed scores)
+    kv = rows * (prompt + rollout.max_new_tokens) * shape.layers * 2 * shape.kv_width * 4 * 2
+    generation = kv + 4 * rows * shape.vocab * 4
+    prefill = rollout.prompts_per_rollout * prompt * shape.vocab * 4  # the prompt forward's logits
+    transients = {"generation": generation, "prompt logits": prefill, "staged sync": weights}
+    largest = max(transients, key=lambda k: transients[k])
+    return Memory({"weights": weights, largest: transients[largest], "baseline": baseline})
+
+
+def process_baseline() -> int:
+    """This process's resident set after importing what an actor imports (torch, transformers, the
+    trainer), plus a Ray worker's own: the memory an actor holds before its model."""
+    import torch  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401  (transformers' model code, as an actor's)
+
+    import hpref.rl.trainer.actor  # noqa: F401
+
+    return resident_bytes() + RAY_WORKER_BYTES
+
+
+def resident_bytes() -> int:
+    """This process's resident set (Linux's VmRSS; elsewhere its peak, `ru_maxrss`)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,487 @@
+"""Rollouts of `hpref rl`: the prompts, the executor that serves them, and the staleness policy.
+
+Every policy answers the same prompts at the same rollout id (`rollout_prompts`: prompt i of the
+stream depends only on (seed, i)), sampled with a seed of (policy, rollout) (`sample_seed`); a
+save keeps the rollouts prefetched ahead of the trainer, so a resume trains on the data an
+uninterrupted run does. `staleness_decision` says whether buffered data is still fresh enough for
+the trainer; the `RolloutExecutor` holds the buffers and the reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpref.data.prompts import Prompt, stream_rng
+from hpref.errors import UserError
+from hpref.recipe.rl import RLConfig, RolloutConfig
+from hpref.recipe.rl_sampling import sampling_knobs
+from hpref.rl.algorithms.registry import build_algorithm
+from hpref.rl.policy import apply_env
+from hpref.rl.rollout.evaluation import eval_report, scorer_report
+from hpref.rl.rollout.rewards import RewardSet, build_reward
+from hpref.rl.rollout_types import Rollout
+from hpref.rl.staleness import staleness_decision
+from hpref.runfolder.layout import EXECUTOR_STATE
+
+if TYPE_CHECKING:
+    from hpref.rl.protocols import PromptSource
+
+
+def build_prompt_source(config: RLConfig) -> Any:
+    """The `[rl.prompts]` component (`hpref.rl.protocols.PromptSource`); reads its file now, so a bad
+    file or one without usable prompts is a `UserError` before any actor starts."""
+    from hpref.plugins import load_plugins
+    from hpref.recipe.rl import resolve_prompts
+
+    if config.prompts_config is None:
+        config.prompts_config = resolve_prompts(config.prompts)
+    return load_plugins().get("prompts", config.prompts.name).build(config.prompts_config)
+
+
+def rollout_prompts(source: PromptSource, rollout: RolloutConfig, rollout_id: int) -> list[Prompt]:
+    """The prompts of rollout `rollout_id`: prompt i of the stream depends only on (seed, i), so every
+    policy answers the same prompts at the same rollout id and a restored position replays nothing."""
+    first = rollout_id * rollout.prompts_per_rollout
+    return source.train_prompts(rollout.seed, first, rollout.prompts_per_rollout)
+
+
+def sample_seed(seed: int, policy: str, rollout_id: int) -> int:
+    """The sampling seed of one policy's rollout: regenerating it gives the same answers."""
+    return stream_rng("sample", seed, policy, rollout_id).getrandbits(62)
+
+
+class RequestBatcher:
+    """The generate requests of a shared-base engine (`rl.share_base`), sent together: while the
+    engine works on one batch, every request that arrives waits, and the next call takes them all
+    (`generate_batch`), so the policies' rollouts, evals and opponents' answers share its passes.
+    What a request gets does not depend on its batch (`hpref.rl.engines.sampling`). `max_rows`: the answers
+    one call may ask for (0: all that queued), so an engine that runs a batch in passes anyway
+    (the transformers engine's `batch_rows`) gets one pass per call and a weight sync waits for one
+    pass, not for every policy's rollout."""
+
+    def __init__(self, engine: Any, max_rows: int = 0) -> None:
+        self.engine = engine
+        self.max_rows = max_rows
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.ensure_future(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # the requests made in this turn of the event loop go together
+        while self._pending:
+            waiting = [(r, f) for r, f in self._pending if not f.done()]
+            batch, rows = [], 0
+            for request, future in waiting:
+                n = len(request["prompts"]) * request["group_size"] if self.max_rows else 0
+                if batch and self.max_rows and rows + n > self.max_rows:
+                    break
+                batch.append((request, future))
+                rows += n
+            self._pending = waiting[len(batch) :]
+            if not batch:
+                continue
+            try:
+                results = await self.engine.generate_batch.remote([r for r, _ in batch])
+            except Exception as exc:  # each waiting request gets the engine's error
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), out in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(out)
+
+    def cancel(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+        for _, future in self._pending:
+            future.cancel()
+        self._pending = []
+
+
+class RolloutExecutor:
+    """Prompts, per-policy groups of answers, rewards, and a bounded buffer per policy.
+
+    `get(rollout_id, policy)` serves rollouts strictly in order per policy (each policy drains only
+    its own buffer) and then prefetches the next ones up to `max_buffered`, so generation of rollout
+    r + 1 overlaps training on r. The data position (each policy's next rollout id) is what `save`
+    writes and `load` restores.
+    """
+
+    def __init__(
+        self,
+        config: RLConfig | dict[str, Any],
+        policies: list[str],
+        engines: dict[str, Any],
+        env: dict[str, str] | None = None,
+        prompts: Any = None,
+    ) -> None:
+        apply_env(env)
+        from hpref.recipe.rl import resolve_reward
+        from hpref.recipe.rl_rewards import reward_parts
+
+        self.config = config if isinstance(config, RLConfig) else RLConfig.model_validate(config)
+        #: what the policies train on: `[rl.reward]`, or `[rl.rewards.<name>]`'s weighted sum
+        self.reward = RewardSet.from_parts(reward_parts(self.config))
+        #: the second scorer of evals, never trained against (`[rl.eval_scorer]`)
+        self.scorer = None
+        if self.config.eval_scorer is not None:
+            if self.config.eval_scorer_config is None:
+                self.config.eval_scorer_config = resolve_reward(self.config.eval_scorer, key="rl.eval_scorer")
+            scorer = build_reward(self.config.eval_scorer.name, self.config.eval_scorer_config)
+            self.scorer = RewardSet.single(scorer, "scorer")
+        #: `[rl.prompts]`, built by the launcher (which checked the file) or here
+        self.prompts = prompts if prompts is not None else build_prompt_source(self.config)
+        # a reward's ground truth means something only for the prompts it was made for
+        self.truth = self.reward.true_utility if self.prompts.ground_truth else None
+        self.policies = list(policies)
+        self.engines = engines
+        #: each policy's algorithm: what its rollouts carry (judged pairs for online DPO)
+        self.algorithms = {p: build_algorithm(p, self.config.policies[p]) for p in self.policies}
+        if any(a.needs_preferences for a in self.algorithms.values()) and not self.reward.judges_pairs:
+            raise UserError(
+                f"{', '.join(self.reward.names)}: not every reward judges answer pairs (judge_answers)"
+            )
+        #: a shared base's one engine serves every policy's adapter, requests batched together
+        passes = int(getattr(self.config.engine_config, "batch_rows", 0) or 0)
+        self.batcher = RequestBatcher(engines[self.policies[0]], passes) if self.config.share_base else None
+        self.positions = {p: 0 for p in self.policies}
+        self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
+        # each policy's answers per rollout id, for judging the other policies against them
+        self._answers: dict[tuple[str, int], list[list[str]]] = {}
+        # each policy's starting checkpoint's greedy eval answers and their lengths in tokens
+        self._start_answers: dict[str, tuple[list[str], list[int]]] = {}
+
+    async def _generate(self, policy: str, *request: Any, **knobs: Any) -> dict[str, Any]:
+        """The policy's engine's `generate(prompts, group_size, max_new_tokens, temperature, top_k, seed[,
+        greedy], **knobs on)`, or on a shared base its adapter's, batched with the other policies'."""
+        if self.batcher is None:
+            return await self.engines[policy].generate.remote(*request, **knobs)
+        names = ("prompts", "group_size", "max_new_tokens", "temperature", "top_k", "seed", "greedy")
+        return await self.batcher.generate(dict(zip(names, request, strict=False), adapter=policy, **knobs))
+
+    async def _sample(self, policy: str, prompts: list[Prompt], answers: int, seed: int) -> dict[str, Any]:
+        """`answers` answers per prompt, sampled by the policy's engine with its rollout settings."""
+        rollout = self.config.policy_rollout(policy)
+        settings = (rollout.max_new_tokens, rollout.temperature, rollout.top_k, seed)
+        return await self._generate(policy, prompts, answers, *settings, **sampling_knobs(rollout))
+
+    async def _version(self, policy: str) -> int:
+        """The weight version the policy's engine (or adapter) serves."""
+        if self.batcher is None:
+            return await self.engines[policy].get_version.remote()
+        return await self.engines[policy].get_version.remote(adapter=policy)
+
+    def _wants_opponents(self, policy: str | None = None) -> bool:
+        """Whether other policies' answers are wanted: by the reward (cross-policy judging), or by
+        `policy`'s algorithm (cross-policy pairs); with no `policy`, by anyone."""
+        if len(self.policies) < 2:
+            return False
+        reward_wants = self.reward.wants_opponents
+
+        def wants(q: str) -> bool:
+            algorithm = self.algorithms[q]
+            # a pairwise algorithm judges its own pairs: the reward's cross-policy setting is not its
+            return algorithm.cross_policy if algorithm.needs_preferences else reward_wants
+
+        return any(wants(q) for q in ([policy] if policy is not None else self.policies))
+
+    async def _opponents(
+        self, policy: str, rollout_id: int, prompts: list[tuple[str, ...]]
+    ) -> tuple[list[list[str]], int]:
+        """Other policies' answers to this rollout's prompts: (answers per prompt, tokens generated).
+
+        Every policy answers the same prompts at the same rollout id, so an opponent that already
+        produced this rollout lends its own answers (free); otherwise its engine samples
+        `opponent_answers` per prompt now, seeded by (opponent, policy, rollout), at its current
+        weights. Which of the two happens depends on how far each policy has got, so cross-policy
+        rewards, unlike within-group ones, are not replayed bit for bit after a resume.
+        """
+        k = self.reward.opponent_answers
+        per_prompt: list[list[str]] = [[] for _ in prompts]
+        generated = 0
+        for q in self.policies:
+            if q == policy:
+                continue
+            cached = self._answers.get((q, rollout_id))
+            if cached is None:
+                seed = sample_seed(self.config.policy_rollout(q).seed, f"{q}>{policy}", rollout_id)
+                out = await self._sample(q, prompts, k, seed)
+                generated += out["tokens"]
+                cached = [out["texts"][i * k : (i + 1) * k] for i in range(len(prompts))]
+            for i, answers in enumerate(cached):
+                per_prompt[i].extend(answers[:k])
+        return per_prompt, generated
+
+    def _forget_answers(self) -> None:
+        """Keep only answers of rollouts some policy may still produce (bounded memory)."""
+        oldest = min(self.positions.values()) - 1
+        for key in [key for key in self._answers if key[1] < oldest]:
+            del self._answers[key]
+
+    async def _produce(self, policy: str, rollout_id: int) -> Rollout:
+        rollout = self.config.policy_rollout(policy)
+        prompts = rollout_prompts(self.prompts, rollout, rollout_id)
+        seed = sample_seed(rollout.seed, policy, rollout_id)
+        out = await self._sample(policy, prompts, rollout.group_size, seed)
+        g = rollout.group_size
+        groups = [out["texts"][i * g : (i + 1) * g] for i in range(len(prompts))]
+        algorithm = self.algorithms[policy]
+        judged: dict[str, Any] = {}
+        opponents, opponent_tokens = None, 0
+        if self._wants_opponents():  # someone judges against this policy's answers: lend them
+            self._answers[(policy, rollout_id)] = groups
+        if self._wants_opponents(policy):
+            opponents, opponent_tokens = await self._opponents(policy, rollout_id, prompts)
+        rows = self._rows(prompts)
+        components = None
+        # a judge model's forward pass would block the event loop that serves every policy's get()
+        if algorithm.needs_preferences:
+            from hpref.rl.rollout.pairing import judged_pairs
+
+            rivals = opponents if algorithm.cross_policy else None
+            pairs, verdicts, opponent_texts, rewards = await asyncio.to_thread(
+                judged_pairs, self.reward, prompts, groups, rivals, rows
+            )
+            judged = {"pairs": pairs, "verdicts": verdicts, "opponent_texts": opponent_texts}
+        else:
+            scores, parts = await asyncio.to_thread(
+                self.reward.score_components, prompts, groups, opponents, rows
+            )
+            rewards = [float(s) for group in scores for s in group]
+            if self.reward.named:
+                components = {name: [s for group in part for s in group] for name, part in parts.items()}
+        truth = self.truth
+        return Rollout.from_generation(
+            out,
+            rollout_id=rollout_id,
+            policy=policy,
+            group_size=g,
+            temperature=rollout.temperature,
+            opponent_tokens=opponent_tokens,
+            rewards=rewards,
+            true_utility=[truth(p, a) for p, group in zip(prompts, groups, strict=True) for a in group]
+            if truth
+            else None,
+            reward_components=components,
+            **judged,
+        )
+
+    def _rows(self, prompts: list[Prompt]) -> list[dict[str, Any]] | None:
+        """The prompt file's row of each prompt, when a reward reads rows (`wants_rows`)."""
+        if not self.reward.wants_rows and not (self.scorer is not None and self.scorer.wants_rows):
+            return None
+        row = getattr(self.prompts, "row", None)
+        return [row(p) if row is not None else {} for p in prompts]
+
+    def _prefetch(self, policy: str, after: int) -> None:
+        """Start generating the rollouts after `after` that can still be fresh when trained on.
+
+        Data generated now comes from weights at most one version newer than those of rollout
+        `after`; the trainer accepts data `staleness_limit` versions behind, i.e. rollouts up to
+        `staleness_limit x update_weights_interval` ahead. Prefetching further only makes data the
+        staleness rule throws away (on a SmolLM2 policy with limit 1 and two rollouts buffered, every
+        second rollout was generated twice, the second time while the trainer waited)."""
+        buffer = self._buffer[policy]
+        useful = self.config.staleness_limit * self.config.update_weights_interval
+        for r in range(after + 1, after + 1 + min(self.config.rollout.max_buffered, useful)):
+            if r not in buffer and r >= self.positions[policy]:  # not one it has taken already
+                buffer[r] = asyncio.ensure_future(self._produce(policy, r))
+
+    def _prefetch_together(self) -> None:
+        """A shared base's prefetch: every policy's next rollouts at once, from the rollout all of
+        them have taken (the slowest's position), so their requests reach the one engine in the
+        same turn and go as one batch (`RequestBatcher`). A policy ahead of the others gets what it
+        needs beyond that on demand, in `get`."""
+        taken = min(self.positions.values()) - 1
+        for q in self.policies:
+            self._prefetch(q, taken)
+
+    async def get(self, rollout_id: int, policy: str) -> Rollout:
+        if policy not in self.positions:
+            raise KeyError(f"rollout executor: unknown policy '{policy}'")
+        if rollout_id != self.positions[policy]:
+            raise RuntimeError(
+                f"policy '{policy}' asked for rollout {rollout_id} but its next rollout is "
+                f"{self.positions[policy]}: each policy drains its own buffer in order"
+            )
+        task = self._buffer[policy].pop(rollout_id, None)
+        data = await task if task is not None else None
+        engine_version = await self._version(policy)
+        decision = staleness_decision(
+            policy,
+            rollout_id,
+            None if data is None else data.version,
+            engine_version,
+            self.config.update_weights_interval,
+            self.config.staleness_limit,
+        )
+        if decision == "regenerate":
+            data = await self._produce(policy, rollout_id)
+        assert data is not None
+        data.stale_regenerated = task is not None and decision == "regenerate"
+        self.positions[policy] = rollout_id + 1
+        self._forget_answers()
+        if self.batcher is not None:
+            self._prefetch_together()
+        else:
+            self._prefetch(policy, rollout_id)
+        return data
+
+    def _drop_buffers(self) -> None:
+        if self.batcher is not None:
+            self.batcher.cancel()
+        for buffer in self._buffer.values():
+            for task in buffer.values():
+                task.cancel()
+            buffer.clear()
+
+    def _eval_prompts(self) -> list[Prompt]:
+        return self.prompts.eval_prompts(self.config.rollout.seed, self.config.rollout.eval_prompts)
+
+    async def _greedy_answers(self, policy: str, prompts: list[Prompt]) -> tuple[list[str], list[int]]:
+        """The policy's greedy answers to `prompts` and their lengths in tokens (eos included), with its
+        repetition penalty and stop strings (`sampling_knobs`: its behaviour, as in its rollouts)."""
+        rollout = self.config.policy_rollout(policy)
+        knobs = sampling_knobs(rollout, greedy=True)
+        gen = await self._generate(policy, prompts, 1, rollout.max_new_tokens, 1.0, 0, 0, True, **knobs)
+        return list(gen["texts"]), [len(c) for c in gen["completions"]]
+
+    async def record_start(self, policies: list[str]) -> dict[str, Any]:
+        """Greedy eval answers of each policy's starting checkpoint; returns their eval report.
+
+        Called while every engine still serves the weights it was built with (version 0: the
+        warm-up checkpoint, the policy's model folder, or its seeded init), before a resume pushes
+        restored weights, so the `<id>@start` players of every eval are the true start.
+        """
+        prompts = self._eval_prompts()
+        if not prompts:
+            return {}
+        for p in policies:
+            version = await self._version(p)
+            if version != 0:
+                raise RuntimeError(f"record_start: engine '{p}' already serves version {version}, not 0")
+        # all at once: separate engines answer in parallel, a shared one in one batch
+        answers = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
+        self._start_answers.update(zip(policies, answers, strict=True))
+        return await self._report(prompts, {}, {}, policies)
+
+    async def evaluate(self, policies: list[str]) -> dict[str, Any]:
+        """Greedy answers of every policy (and of its start, `<id>@start`) to the held-out eval
+        prompts, scored by the ground truth when the prompts have one, by the training reward, and by
+        `[rl.eval_scorer]` when set (`hpref.rl.rollout.evaluation` does the numbers).
+
+        Returns `true_utility`, `win_rate_vs_start` and `battles` (the ground truth's, empty without
+        one), `reward` / `scorer`: {"means", "win_rate_vs_start"} per scorer, `answer_tokens` (mean
+        greedy answer length per player), and `leaderboard_battles`: the battles of the Bradley-Terry
+        leaderboard (the ground truth's, else the eval scorer's, else the reward's, when pointwise),
+        and `leaderboard_by`, which of them (None: none scored the answers pointwise).
+        """
+        prompts = self._eval_prompts()
+        if not prompts:
+            return {"true_utility": {}, "win_rate_vs_start": {}, "battles": [], "leaderboard_battles": []}
+        answers, lengths = {}, {}
+        said = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
+        for p, (texts, tokens) in zip(policies, said, strict=True):
+            answers[p], lengths[p] = texts, tokens
+        return await self._report(prompts, answers, lengths, policies)
+
+    async def _report(
+        self,
+        prompts: list[Prompt],
+        answers: dict[str, list[str]],
+        lengths: dict[str, list[int]],
+        policies: list[str],
+    ) -> dict[str, Any]:
+        for p in policies:
+            if p in self._start_answers:
+                answers[f"{p}@start"], lengths[f"{p}@start"] = self._start_answers[p]
+        report: dict[str, Any] = {"true_utility": {}, "win_rate_vs_start": {}, "battles": []}
+        if self.truth is not None:
+            truth = self.truth
+            utilities = {
+                who: [truth(q, a) for q, a in zip(prompts, said, strict=True)]
+                for who, said in answers.items()
+            }
+            report = eval_report(utilities, policies)
+        report["answer_tokens"] = {who: sum(n) / len(n) for who, n in lengths.items()}
+        report["leaderboard_battles"] = report["battles"]
+        report["leaderboard_by"] = "ground truth" if report["battles"] else None
+        # every answer with its scores, for the run folder: a mean that moved says that something
+        # changed, the answers say what (shorter, declining, repeating: reward hacking is read here)
+        rows = {
+            who: [
+                {"prompt": list(q), "answer": a, "tokens": n}
+                for q, a, n in zip(prompts, said, lengths[who], strict=True)
+            ]
+            for who, said in answers.items()
+        }
+        rows_of = self._rows(prompts)
+        for name, reward in (("scorer", self.scorer), ("reward", self.reward)):
+            if reward is None:
+                continue
+            # a judge model's forward pass would block the event loop that serves every policy's get()
+            scored = await asyncio.to_thread(scorer_report, reward, prompts, answers, policies, rows_of)
+            report[name] = {"means": scored["means"], "win_rate_vs_start": scored["win_rate_vs_start"]}
+            if scored["components"]:
+                report["reward_components"] = scored["components"]
+            for who, scores in scored["scores"].items():
+                for row, score in zip(rows[who], scores, strict=True):
+                    row[name] = score
+            if not report["leaderboard_battles"] and scored["battles"]:
+                report["leaderboard_battles"] = scored["battles"]
+                report["leaderboard_by"] = "eval scorer" if name == "scorer" else "reward"
+        report["answers"] = rows
+        return report
+
+    async def save(self, folder: str) -> None:
+        """Write the data position and the rollouts prefetched past it (waiting for one in flight):
+        made by weights older than the saved ones, regenerated they were other answers, and a
+        resumed run trained on them was no longer the uninterrupted one (benchmarks/chaos_rl.py)."""
+        from hpref.runfolder import integrity
+        from hpref.runfolder.files import write_json_atomic
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        ahead = {p: [(await t).to_json() for _r, t in sorted(b.items())] for p, b in self._buffer.items()}
+        state = {"positions": self.positions, "buffered": ahead}
+        write_json_atomic(path / EXECUTOR_STATE, state, sort_keys=True)
+        integrity.write_manifest(path)
+
+    async def load(self, folder: str) -> dict[str, int]:
+        """Restore the data position of the policies saved in `folder`; returns it."""
+        path = Path(folder) / EXECUTOR_STATE
+        self._drop_buffers()
+        self._answers.clear()
+        saved: dict[str, int] = {}
+        ahead: list[Rollout] = []  # a save made before they were kept has none: regenerated then
+        if path.is_file():
+            from hpref.runfolder import integrity
+            from hpref.runfolder.safe_load import CheckpointError
+
+            integrity.require_verified(path.parent)
+            try:
+                state = json.loads(path.read_text(encoding="utf-8"))
+                saved = {str(p): int(n) for p, n in state["positions"].items()}
+                ahead = [Rollout.from_json(r) for rows in state.get("buffered", {}).values() for r in rows]
+            except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
+        for p in self.policies:
+            self.positions[p] = int(saved.get(p, 0))
+        for data in ahead:
+            if data.policy in self._buffer and data.rollout_id >= self.positions[data.policy]:
+                self._buffer[data.policy][data.rollout_id] = done = asyncio.get_running_loop().create_future()
+                done.set_result(data)
+        return {p: self.positions[p] for p in self.policies if p in saved}
+
+    async def shutdown(self) -> None:
+        self._drop_buffers()

@@ -1,0 +1,60 @@
+"""Pairing, a rollout service an algorithm asks for (`Algorithm.needs_preferences`): a rollout's answers
+paired and judged three ways by the run's reward (`PairJudge.judge_answers`), each answer's reward
+its mean verdict. Online DPO trains on these pairs; GRPO with a judge reward scores the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from hpref.rl.rollout_types import Verdict
+
+if TYPE_CHECKING:
+    from hpref.data.prompts import Prompt
+    from hpref.rl.protocols import PairJudge
+
+
+def judged_pairs(
+    judge: PairJudge,
+    prompts: Sequence[Prompt],
+    groups: Sequence[Sequence[str]],
+    opponents: Sequence[Sequence[str]] | None = None,
+    rows: Sequence[dict[str, Any]] | None = None,
+) -> tuple[list[tuple[int, int]], list[Verdict], list[str], list[float]]:
+    """Pair a rollout's answers and judge them: (pairs as rows, verdicts, opponent texts, a reward per
+    answer). Without `opponents` a group's answers pair two by two (rows 2k, 2k + 1); with them each
+    answer pairs with one opponent answer to its prompt, taken in turn. An answer's reward is its
+    mean P(preferred) + half P(tie) over its pairs: the pairwise reward GRPO's judge gives. `rows[i]`:
+    the prompt file's row of `prompts[i]`, for a judge that reads it (`hpref.rl.rollout.rewards`)."""
+    pairs: list[tuple[int, int]] = []
+    texts: list[tuple[str, str]] = []
+    pair_prompts: list[Prompt] = []
+    pair_rows: list[dict[str, Any]] = []
+    opponent_texts: list[str] = []
+    own = sum(len(g) for g in groups)
+    row = 0
+    for g, (prompt, answers) in enumerate(zip(prompts, groups, strict=True)):
+        rivals = list(opponents[g]) if opponents else []
+        for k, answer in enumerate(answers):
+            if rivals:
+                opponent_texts.append(rivals[k % len(rivals)])
+                pairs.append((row + k, own + len(opponent_texts) - 1))
+                texts.append((answer, opponent_texts[-1]))
+                pair_prompts.append(prompt)
+                pair_rows.append(rows[g] if rows else {})
+            elif k % 2 == 0:
+                pairs.append((row + k, row + k + 1))
+                texts.append((answer, answers[k + 1]))
+                pair_prompts.append(prompt)
+                pair_rows.append(rows[g] if rows else {})
+        row += len(answers)
+    extra = {"rows": pair_rows} if rows is not None else {}
+    verdicts = [tuple(float(p) for p in v) for v in judge.judge_answers(pair_prompts, texts, **extra)]
+    scores: list[list[float]] = [[] for _ in range(own)]
+    for (first, second), (p_first, p_second, p_tie) in zip(pairs, verdicts, strict=True):
+        scores[first].append(p_first + 0.5 * p_tie)
+        if second < own:
+            scores[second].append(p_second + 0.5 * p_tie)
+    rewards = [sum(s) / len(s) for s in scores]
+    return pairs, verdicts, opponent_texts, rewards  # type: ignore[return-value]
