@@ -10,9 +10,9 @@ import time
 import pytest
 
 from hpref.recipe.rl import parse_rl_section
+from hpref.rl.control.actors import Teardown
 from hpref.rl.control.driver import Handles, drive, restore
 from hpref.rl.control.record import ResumeError, read_record
-from hpref.rl.launch import Teardown
 from hpref.rl.report.metrics import rollout_metrics
 from hpref.rl.rollout_types import rollout_of_tokens
 from hpref.runfolder.layout import HEARTBEAT, SAVE_NOW
@@ -52,7 +52,7 @@ class FakeExecutor:
     async def evaluate(self, policies):
         with self.world.lock:
             assert not self.world.busy
-        battles = [(policies[0], policies[1], 0.75)] * 3
+        battles = [(policies[0], policies[1], 0.75)] * 3 if len(policies) > 1 else []
         return {
             "true_utility": {p: 1.0 for p in policies},
             "battles": battles,
@@ -358,3 +358,100 @@ def test_the_leader_beats_while_the_policies_run_and_stops_at_the_end(tmp_path, 
     run(drive(config(num_rollouts=3), order, handles, tmp_path, {"a": 0, "b": 0}))
     assert beats and beats[0] == (0, True)  # alive from the start
     assert not (tmp_path / HEARTBEAT).exists()  # and no longer once the policies stopped
+
+
+# --- the driver's parts alone (`Driver.step`, `evaluate`, `after_rollout`, `follow`)
+
+
+def driver_of(tmp_path, order, **over):
+    from hpref.rl.control.driver import Driver
+    from hpref.rl.report.metrics import MetricsWriter
+
+    world = World()
+    handles, trainers = make(world, order)
+    cfg = config(policies={p: {} for p in order}, **over)
+    return Driver(cfg, order, handles, tmp_path, {p: 0 for p in order}, MetricsWriter(tmp_path)), trainers
+
+
+def test_step_trains_one_rollout_pushes_weights_when_due_and_writes_its_row(tmp_path):
+    """Two steps of one policy at `update_weights_interval = 2`: the position advances one rollout a
+    step, the engine gets the trainer's weights after the second step only, and each step writes one
+    row naming its rollout and the version it pushed (none after the first). If this fails, a step
+    trains twice or skips, pushes on the wrong rollout, or loses its metrics row."""
+    drv, trainers = driver_of(tmp_path, ["a"], update_weights_interval=2)
+    engine = drv.handles.engines["a"]
+    run(drv.step("a"))
+    assert drv.positions["a"] == 1 and trainers["a"].done == 1 and engine.wrapped.version == 0
+    run(drv.step("a"))
+    assert drv.positions["a"] == 2 and trainers["a"].done == 2 and engine.wrapped.version == 2
+    rows = drv.metrics.rows["a"]
+    assert [r["rollout"] for r in rows] == [0, 1]
+    assert [r.get("weight_version") for r in rows] == [None, 2]
+    assert all(r["elapsed_s"] >= 0 for r in rows)
+
+
+def test_evaluate_writes_a_row_per_policy_with_the_kl_since_the_last_eval(tmp_path):
+    """An eval after the policies moved: one eval row per policy at its own position, each with the
+    mean KL of its rollouts since the last eval, which then starts again. If this fails, an eval row
+    is lost or misplaced, or a policy's KL leaks into the next eval."""
+    drv, _ = driver_of(tmp_path, ["a", "b"])
+    drv.positions.update(a=4, b=6)
+    drv.kl_since_eval["a"].extend([0.1, 0.3])
+    run(drv.evaluate())
+    assert drv.result.evals[-1]["rollout"] == 4
+    assert drv.result.evals[-1]["kl"] == {"a": pytest.approx(0.2)}
+    rows = {p: drv.metrics.rows[p][-1] for p in ("a", "b")}
+    assert rows["a"]["rollout"] == 4 and rows["b"]["rollout"] == 6
+    assert rows["a"]["eval"] and rows["b"]["eval"]
+    assert drv.kl_since_eval == {"a": [], "b": []}
+
+
+def test_after_the_last_leader_rollout_the_leader_evaluates_saves_and_stops_the_followers(tmp_path):
+    """At the leader's last rollout: its eval, one save recording where it stands, the stop set
+    (followers end where the save recorded them); the run ends by its rollout count, not by a signal,
+    a debug exit or the clock. Before the last rollout, with nothing due, nothing happens. (With
+    followers the leader parks them first: test_leader_parks_everyone_before_each_save_...) If this
+    fails, the final save or eval is skipped or made twice, or the followers run on."""
+    drv, _ = driver_of(tmp_path, ["a"], num_rollouts=3, save_interval=0, eval_interval=5)
+    drv.positions["a"] = 2
+    assert run(drv.after_rollout()) is False
+    assert drv.result.saves == 0 and not drv.stop.is_set() and read_record(tmp_path) is None
+    drv.positions["a"] = 3
+    assert run(drv.after_rollout()) is False
+    assert drv.result.saves == 1 and drv.stop.is_set() and [e["rollout"] for e in drv.result.evals] == [3]
+    assert read_record(tmp_path).rollout_ids == {"a": 3}
+    assert not (drv.result.debug_exit or drv.result.timed_out or drv.result.stopped_by)
+
+
+def test_after_rollout_ends_the_run_at_the_debug_exit_and_at_the_time_limit(tmp_path):
+    """`debug_exit_after_rollout` and `time_limit_s` each end the leader's loop after a save, and the
+    result says which. If this fails, a debug exit runs on, or a timed-out run ends without its save."""
+    drv, _ = driver_of(tmp_path, ["a"], num_rollouts=10, debug_exit_after_rollout=2)
+    drv.positions["a"] = 2
+    assert run(drv.after_rollout()) is True
+    assert drv.result.debug_exit and drv.result.saves == 1
+    drv, _ = driver_of(tmp_path / "t", ["a"], num_rollouts=10, time_limit_s=0.001)
+    drv.positions["a"] = 1
+    drv.began -= 1.0  # a second into the run: past its limit
+    assert run(drv.after_rollout()) is True
+    assert drv.result.timed_out and drv.result.saves == 1
+
+
+def test_a_follower_steps_until_the_stop_and_leaves_its_parkers(tmp_path):
+    """A follower runs rollouts while the leader has not stopped, and once stopped it steps no more
+    and leaves both parkers (a later hold does not wait for it). If this fails, a follower trains
+    past the final save, or a save after it ended waits for it until `park_timeout`."""
+    drv, trainers = driver_of(tmp_path, ["a", "b"])
+
+    async def two_steps_then_stop():
+        follower = asyncio.ensure_future(drv.follow("b"))
+        while trainers["b"].done < 2:
+            await asyncio.sleep(0.001)
+        drv.stop.set()
+        await follower
+        async with drv.save_parker.hold(1.0):  # nobody left to park: returns at once
+            pass
+
+    run(two_steps_then_stop())
+    done = trainers["b"].done
+    assert done >= 2 and drv.positions["b"] == done

@@ -16,10 +16,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 from hpref.errors import RecipeError  # noqa: E402
+from hpref.models.causal_lm import build_policy_model  # noqa: E402
 from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.control.driver import Handles, drive, restore  # noqa: E402
 from hpref.rl.engines.transformers_engine import EngineActor  # noqa: E402
-from hpref.rl.policy import build_policy_model, completion_logprobs, pad_batch  # noqa: E402
+from hpref.rl.policy import completion_logprobs, pad_batch  # noqa: E402
 from hpref.rl.report.metrics import MetricsWriter  # noqa: E402
 from hpref.rl.rollout.executor import RolloutExecutor  # noqa: E402
 from hpref.rl.trainer.actor import TrainerActor  # noqa: E402
@@ -41,7 +42,7 @@ def rl_config(lora=None, **over):
         "staleness_limit": 10,  # the fixture's rollouts all come from the starting weights
         "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 6, "max_buffered": 1},
         "defaults": {"model": TINY, "lr": 3e-2},
-        "policies": {"a": {}, "b": {"kl_coef": 0.1}},
+        "policies": {"a": {}, "b": {"algorithm": {"kl_coef": 0.1}}},
         "reward": {"name": "rule", "function": "rl_lora_length_reward:score"},
     }
     data.update(over)
@@ -138,7 +139,7 @@ def test_engine_and_trainer_agree_after_a_sync(world):
         t.train(rollout)
     engine = EngineActor("a", cfg.policies["a"].model)
     gen = engine.generate([("What is the capital of Peru?",), ("Add 2 and 3.",)], 2, 6, 1.0, 0, 7)
-    batch = pad_batch(gen["prompt_ids"], gen["completions"], engine.tokenizer.pad_token_id)
+    batch = pad_batch(gen.prompt_ids, gen.completions, engine.tokenizer.pad_token_id)
     mask = batch["mask"].bool()
 
     def gap():
@@ -157,11 +158,11 @@ def test_engine_and_trainer_agree_after_a_sync(world):
     assert gap() < 1e-5  # fp32: base + B A alpha/r computes what base(x) + B(A(x)) alpha/r does
     # and what the engine samples with is what the trainer's next step sees (left vs right padding)
     gen = engine.generate([("What is the capital of Peru?",)], 2, 6, 1.0, 0, 8)
-    batch = pad_batch(gen["prompt_ids"], gen["completions"], engine.tokenizer.pad_token_id)
+    batch = pad_batch(gen.prompt_ids, gen.completions, engine.tokenizer.pad_token_id)
     with torch.no_grad():
         trained = completion_logprobs(t.model, batch, 1.0)
-    for i, ref in enumerate(gen["logprobs"]):
-        s = len(gen["prompt_ids"][i]) - 1
+    for i, ref in enumerate(gen.logprobs):
+        s = len(gen.prompt_ids[i]) - 1
         assert trained[i, s : s + len(ref)].tolist() == pytest.approx(ref, abs=1e-4)
 
 
@@ -278,7 +279,7 @@ def test_driver_gives_the_recipes_lora_to_the_policies():
     # Wrong if `hpref rl` parsed [rl] without the recipe's [lora] (policies would train in full
     # while `recipes check` had accepted the section for them).
     from hpref.recipe import recipe_from_dict
-    from hpref.rl.launch import _rl_config
+    from hpref.rl.control.preflight import rl_config as _rl_config
 
     recipe = recipe_from_dict({"rl": {"policies": {"a": {}}}, "lora": {"r": 3}}, resolve=False)
     config, _run_dir = _rl_config(recipe)
@@ -396,7 +397,7 @@ def test_hpref_rl_with_lora_on_ray_saves_adapters(ray_cluster, tmp_path):
         "defaults": {"model": TINY, "lr": 1e-3},
         # one policy (three actors: each is a process that imports torch), with the recipe's [lora]
         # and its own change to it
-        "policies": {"b": {"kl_coef": 0.05, "lora": {"alpha": 2}}},
+        "policies": {"b": {"algorithm": {"kl_coef": 0.05}, "lora": {"alpha": 2}}},
     }
     run = {"name": "arena", "output_dir": str(tmp_path)}
     recipe = recipe_from_dict({"run": run, "rl": rl, "lora": {"r": R}}, resolve=False)
@@ -421,10 +422,10 @@ def test_merged_weights_cover_embedding_and_lm_head_adapters():
     # embedding while the trainer uses the adapted one. Random adapters, so every delta is non-zero.
     from transformers import LlamaForCausalLM
 
+    from hpref.models.causal_lm import tiny_policy_config
     from hpref.models.lm_adapters import apply_lora_to_causal_lm, merged_lm_state
     from hpref.recipe import LoraSection
     from hpref.recipe.rl import PolicyModelConfig
-    from hpref.rl.policy import tiny_policy_config
 
     config = tiny_policy_config(PolicyModelConfig(**TINY), vocab_size=300)
     torch.manual_seed(0)

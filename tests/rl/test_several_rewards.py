@@ -131,7 +131,7 @@ def test_rewards_that_cannot_score_the_prompts_are_refused_before_the_run(tmp_pa
     # Wrong if a reward asking for a column the prompt file lacks, or a function whose signature
     # does not fit, got as far as an actor (where it fails on the first rollout, not in one line).
     from hpref.builtin.prompts import FilePromptsConfig, build_file
-    from hpref.rl.launch import check_rewards_fit_prompts
+    from hpref.rl.control.preflight import check_rewards_fit_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}?", "reference": i}) + "\n" for i in range(20)))

@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("torch")
 
 from hpref.errors import DataError, RecipeError  # noqa: E402
+from hpref.models.causal_lm import encode_prompt, policy_tokenizer  # noqa: E402
 from hpref.recipe.rl import PolicyModelConfig, WarmupConfig, parse_rl_section  # noqa: E402
-from hpref.rl.launch import apply_warmup, preflight  # noqa: E402
-from hpref.rl.policy import encode_prompt, policy_tokenizer  # noqa: E402
+from hpref.rl.control.preflight import preflight  # noqa: E402
+from hpref.rl.launch import apply_warmup  # noqa: E402
 from hpref.rl.warmup import data as warmup_data  # noqa: E402
 from hpref.rl.warmup import supervised as warmup_mod  # noqa: E402
 from tests.rl.tiny import TINY as TINY_SETTINGS  # noqa: E402

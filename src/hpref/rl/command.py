@@ -58,7 +58,8 @@ def rl_command(request: RlRequest) -> int:
     With `plan`, print the plan instead (`hpref.rl.plan.table.run_plan`: 0 when it fits, 2 when not)."""
     import hpref.rl
     from hpref.logs import ACTOR_LOG_DIR_ENV
-    from hpref.rl.launch import preflight, resume_source
+    from hpref.rl.control.preflight import preflight
+    from hpref.rl.launch import resume_source
     from hpref.runfolder.start import start_run_folder
 
     recipe_path, resume = request.recipe_path, request.resume
@@ -97,8 +98,8 @@ def warmup_lines(request: WarmupRequest) -> Iterator[str]:
     """`hpref rl-warmup`: build (or find in the cache) each policy's warm-up checkpoint; yields one
     line per policy: its id, a tab, the checkpoint folder (or its own `model.path`)."""
     from hpref.errors import RecipeError
+    from hpref.models.causal_lm import policy_tokenizer
     from hpref.rl.placement.shared_base import resolve_share_base
-    from hpref.rl.policy import policy_tokenizer
     from hpref.rl.warmup.data import check_source
     from hpref.rl.warmup.supervised import warmup_checkpoint, warmup_settings
 

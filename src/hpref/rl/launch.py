@@ -13,219 +13,30 @@ SIGTERM or Ctrl-C (`hpref.rl.control.stop`: a save first, unless a second signal
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
 from hpref.builtin.loggers import build_loggers
-from hpref.builtin.rewards import check_reward_exports
-from hpref.errors import RecipeError, UserError
-from hpref.logs import ACTOR_LOG_DIR_ENV
-from hpref.recipe.rl import RLConfig, resolve_engine
-from hpref.recipe.rl_rewards import reward_parts, rl_rewards
-from hpref.rl.algorithms.registry import check_algorithms
+from hpref.errors import UserError
+from hpref.recipe.rl import RLConfig
+from hpref.rl.control.actors import Teardown, create_ray_actors
 from hpref.rl.control.driver import DriveResult, Handles, drive, restore, sync_bucket_bytes
+from hpref.rl.control.preflight import preflight, rl_config
 from hpref.rl.control.record import ResumeError, check_record_leader, read_record
 from hpref.rl.control.stop import StopNow, StopSignals, stopped_line
 from hpref.rl.report.metrics import MetricsWriter, eval_line
-from hpref.rl.trainer.backends import check_backends, trainer_backend
 from hpref.rl.trainer.group import WeightSyncError
 from hpref.runfolder.files import write_json_atomic
 from hpref.runfolder.layout import RECORD_FILE, RL_JSON, RL_SUMMARY
 from hpref.runtime.ray_cluster import actor_death, actor_names, connect_ray, dead_actor, lost_actor, ray_cause
 
 if TYPE_CHECKING:
-    from ray.actor import ActorHandle
-
     from hpref.recipe import Recipe
     from hpref.rl.protocols import PromptSource
-
-CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
-FORWARDED_ENV = (
-    "HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME", ACTOR_LOG_DIR_ENV
-)  # fmt: skip
-
-
-class Teardown:
-    """Callbacks run in reverse order of registration; each failure is logged, none stops the rest."""
-
-    def __init__(self) -> None:
-        self._steps: list[tuple[str, Callable[[], Any]]] = []
-
-    def add(self, name: str, fn: Callable[[], Any]) -> None:
-        self._steps.append((name, fn))
-
-    def close(self) -> list[str]:
-        done = []
-        while self._steps:
-            name, fn = self._steps.pop()
-            try:
-                fn()
-            except Exception as exc:  # teardown must reach every component
-                logger.warning(f"teardown of {name} failed: {exc}")
-            done.append(name)
-        return done
-
-
-def _actor_env() -> dict[str, str]:
-    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-
-
-def create_ray_actors(
-    config: RLConfig,
-    order: list[str],
-    teardown: Teardown,
-    prompts: PromptSource | None = None,
-    where: str = "recipe",
-) -> Handles:
-    """The cluster checked and each policy's placement group reserved (`hpref.rl.placement.resources`: a run
-    the cluster cannot hold is refused in one line before any actor starts), then engines, the
-    executor and the trainer ranks, each in its bundle and registered for teardown as it is created.
-    `prompts`: the built `[rl.prompts]` source (None: the executor builds it)."""
-    import ray
-
-    from hpref.rl.engines.host import EngineHost
-    from hpref.rl.placement.resources import EXECUTOR_CPUS, check_cluster, cluster_nodes, colocated, reserve
-    from hpref.rl.placement.shared_base import AdapterEngine, SharedBase, placement_order, resolve_share_base
-    from hpref.rl.rollout.executor import RolloutExecutor
-    from hpref.rl.trainer.actor import TrainerActor
-    from hpref.rl.trainer.group import TrainerGroup
-
-    engine_config = config.engine_config
-    if engine_config is None:
-        engine_config = resolve_engine(config.engine)
-        config = config.model_copy(update={"engine_config": engine_config})
-    if config.share_base is None:  # a caller that skipped `preflight`
-        config = resolve_share_base(config, order, where)
-    # with a shared base, the leader's engine and trainer group serve every policy
-    hosts = placement_order(config, order)
-    check_cluster(config, hosts, ray.cluster_resources(), where, nodes=cluster_nodes())
-    placement = reserve(config, hosts, where=where)
-    teardown.add("placement groups", placement.release)
-    opts = {"num_cpus": EXECUTOR_CPUS}  # outside the policies' groups (it serves them all)
-    env = _actor_env()
-
-    def kill(handle: ActorHandle) -> Callable[[], None]:
-        return lambda: ray.kill(handle, no_restart=True)
-
-    adapters = {p: config.policies[p].lora for p in order} if config.share_base else None
-    engines: dict[str, Any] = {}
-    for p in hosts:
-        # a colocated engine waits for its trainer's step in a second thread (`EngineHost.sleep`)
-        threads = {"max_concurrency": 2} if colocated(config, p) else {}
-        engines[p] = (
-            ray.remote(EngineHost)
-            .options(**placement.engine_options(p), **threads)
-            .remote(
-                config.engine.name, engine_config, p, config.policies[p].model, env=env, adapters=adapters
-            )
-        )
-        teardown.add(f"engine '{p}'" + (" (shared base)" if adapters else ""), kill(engines[p]))
-    if adapters:
-        engines = {p: engines[hosts[0]] for p in order}  # the executor batches on the one engine
-    executor = (
-        ray.remote(RolloutExecutor).options(**opts).remote(config, order, engines, env=env, prompts=prompts)
-    )
-    teardown.add("rollout executor", kill(executor))
-    trainers = {}
-    shared = {p: config.policies[p] for p in order} if config.share_base else None
-    for p in hosts:
-        policy = config.policies[p]
-        # a megatron trainer's parallel state is closed before the kill; a group's ranks are only
-        # killed (a rank left waiting in a collective for a dead peer would not answer `close`, and
-        # its process group ends with its process)
-        closes = trainer_backend(policy.trainer_backend).holds_process_state
-        ranks = []
-        for rank in range(policy.ranks):
-            handle = (
-                ray.remote(TrainerActor)
-                .options(**placement.rank_options(p, rank))
-                .remote(
-                    p,
-                    policy,
-                    config.update_weights_interval,
-                    env=env,
-                    rank=rank,
-                    world_size=policy.ranks,
-                    shared=shared,
-                    threads=policy.threads,
-                )
-            )
-            name = f"trainer '{p}'" + (f" rank {rank}" if policy.ranks > 1 else "")
-            teardown.add(name, close_then_kill(handle) if closes else kill(handle))
-            ranks.append(handle)
-        trainers[p] = TrainerGroup(p, ranks)
-    if shared:  # one group of ranks and one engine, seen by each policy as its own
-        base, ranks = SharedBase(), trainers[hosts[0]].ranks
-        trainers = {p: TrainerGroup(p, ranks, base) for p in order}
-        engines = {p: AdapterEngine(engines[p], p) for p in order}
-    return Handles(executor, engines, trainers)
-
-
-def close_then_kill(handle: ActorHandle) -> Callable[[], None]:
-    """A teardown step that asks the actor to `close()` (bounded wait; a dead or stuck actor is
-    only logged) and then kills it."""
-    import ray
-
-    def step() -> None:
-        try:
-            ray.get(handle.close.remote(), timeout=CLOSE_TIMEOUT_S)
-        except Exception as exc:  # the kill below still ends it
-            logger.debug(f"close before kill: {exc}")
-        ray.kill(handle, no_restart=True)
-
-    return step
-
-
-def check_rewards_fit_prompts(config: RLConfig, prompts: PromptSource, where: str) -> None:
-    """Each reward can score these prompts, one line naming its key: the `rule` reward's built-in
-    utility is the synthetic arena's judge (on other prompts it would score nonsense, so it needs
-    prompts with a ground truth or a user `function`); a user function takes (prompt, answer) or
-    (prompt, answer, row); the prompt file has the `columns` a reward reads from its rows."""
-    from hpref.builtin.rewards import rule_function
-
-    scorer = [("rl.eval_scorer", config.eval_scorer, config.eval_scorer_config)] if config.eval_scorer else []
-    parts = [(p.key, p.section, p.config) for p in reward_parts(config)]
-    available = tuple(getattr(prompts, "columns", ()))
-    for key, section, validated in parts + scorer:
-        function = getattr(validated, "function", None)
-        if section.name == "rule" and function is None and not prompts.ground_truth:
-            raise RecipeError(
-                f"{where}: {key}.name: 'rule' scores with the synthetic arena's judge, which knows nothing "
-                f"of the prompts from {prompts.source}; use a 'judge' (path = an `hpref save` export) or set "
-                f"{key}.function = 'module:function'"
-            )
-        takes_row = False
-        if section.name == "rule" and function is not None:
-            try:
-                _fn, takes_row = rule_function(function, key)
-            except UserError as exc:
-                raise RecipeError(f"{where}: {exc}") from None
-        wanted = list(getattr(validated, "columns", None) or ())
-        if wanted and not takes_row:
-            raise RecipeError(
-                f"{where}: {key}.columns: the function {function!r} takes (prompt, answer), so it never "
-                "sees a row; give it a third parameter, row, or drop columns"
-            )
-        missing = [c for c in wanted if c not in available]
-        if missing:
-            raise RecipeError(
-                f"{where}: {key}.columns: {', '.join(map(repr, missing))} not in the prompts from "
-                f"{prompts.source} (its columns beside the conversation: {', '.join(available) or 'none'})"
-            )
-
-
-def _rl_config(recipe: Recipe) -> tuple[RLConfig, Path]:
-    """The typed `[rl]` section of a Recipe (`hpref.recipe.rl`: validated once, when the recipe
-    loaded, with the recipe's `[lora]` as every policy's default) and its run folder."""
-    if recipe.rl is None:
-        where = str(getattr(recipe, "_source", None) or "recipe")
-        raise RecipeError(f"{where}: rl: the recipe has no [rl] section")
-    return recipe.rl, Path(recipe.run.run_dir)
 
 
 def resume_source(run_dir: Path, resume: str | None) -> Path | None:
@@ -270,42 +81,19 @@ def apply_warmup(config: RLConfig, order: list[str]) -> dict[str, str]:
     return out
 
 
-def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
-    """Everything `hpref rl` checks before it writes anything or starts an actor, each mistake one
-    line naming the key: adapters that fit their LM, megatron policies, policy folders that hold a
-    causal LM with a chat template, the warm-up's data file, reward exports, and the prompt file,
-    which is read here. Returns
-    the built `[rl.prompts]` source."""
-    from hpref.rl.policy import check_policy_models
-    from hpref.rl.rollout.executor import build_prompt_source
+@dataclass
+class RunSetup:
+    """What `prepare` settled before any actor starts: the typed `[rl]` section (warm-ups applied,
+    `share_base` decided), the policies in order (the leader first), the run folder, the save a
+    resume restores (None: fresh), the prompt source and the warm-up checkpoints."""
 
-    config, _run_dir = _rl_config(recipe)
-    order = config.select(list(policies))
-    where = str(getattr(recipe, "_source", None) or "recipe")
-    if any(config.policies[p].lora is not None for p in order):
-        from hpref.rl.policy import check_policy_lora
-
-        # a wrong target name is one line here, not an actor that dies while it is being built
-        check_policy_lora(config, order, where)
-    check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
-    check_algorithms(config, order, where)  # e.g. online DPO's pairs: an even group, a judging reward
-    check_policy_models(config, order, where)
-    from hpref.rl.warmup.data import check_source
-
-    check_source(config.warmup, where)  # its file and columns; its rows are read when it trains
-    # an engine may refuse policies it cannot run (vLLM: head sizes its kernels lack)
-    engine = config.engine_config or resolve_engine(config.engine, where)
-    engine_check = getattr(engine, "check_policies", None)
-    if engine_check is not None:
-        engine_check(config, order, where)
-    check_reward_exports(rl_rewards(config), where)
-    prompts = build_prompt_source(config)
-    check_rewards_fit_prompts(config, prompts, where)
-    from hpref.rl.placement.shared_base import resolve_share_base
-
-    # decided here, once, for the policies that run: the actors, rl.json and the plan read it
-    recipe.rl = resolve_share_base(config, order, where)
-    return prompts
+    config: RLConfig
+    order: list[str]
+    run_dir: Path
+    source: Path | None
+    prompts: PromptSource
+    warm_started: dict[str, str]
+    where: str
 
 
 def run_rl(
@@ -326,7 +114,31 @@ def run_rl(
     SIGTERM, 130 for SIGINT). User mistakes raise `UserError`.
     """
     started = time.perf_counter()
-    config, run_dir = _rl_config(recipe)
+    setup = prepare(recipe, policies, resume, prompts)
+    setup_s = time.perf_counter() - started
+    metrics = MetricsWriter(setup.run_dir)
+    outcome = run_on_ray(recipe, setup, metrics, ray_address, signals)
+    if isinstance(outcome, int):  # stopped at once, interrupted, or an actor lost: already said
+        return outcome
+    write_summary(setup, outcome, metrics, setup_s=setup_s, wall_s=time.perf_counter() - started)
+    if outcome.stopped_by is not None:
+        leader = setup.order[0]
+        logger.warning(
+            stopped_line(
+                setup.run_dir, outcome.stopped_by, rollout=outcome.positions[leader], saved=outcome.last_save
+            )
+        )
+        assert signals is not None and signals.exit_code is not None
+        return signals.exit_code
+    return 0
+
+
+def prepare(
+    recipe: Recipe, policies: list[str], resume: str | None, prompts: PromptSource | None
+) -> RunSetup:
+    """Everything before the cluster: the checks (`preflight`, unless the caller ran it), the resume
+    source and its leader, the tokenizers, the warm-ups, and `rl.json`."""
+    config, run_dir = rl_config(recipe)
     order = config.select(list(policies))
     if prompts is None:
         prompts = preflight(recipe, order)
@@ -337,7 +149,7 @@ def run_rl(
         assert record is not None
         check_record_leader(record, order[0], order)
     run_dir.mkdir(parents=True, exist_ok=True)
-    from hpref.rl.policy import policy_tokenizer
+    from hpref.models.causal_lm import policy_tokenizer
 
     for p in order:  # train/cache tokenizers once here, not once per actor in parallel
         policy_tokenizer(config.policies[p].model)
@@ -360,51 +172,36 @@ def run_rl(
         # the log file only when they cannot (full fine-tuning, other bases)
         level = "INFO" if share_base_problem(config, order) is None else "DEBUG"
         logger.log(level, share_base_line(config))
-    setup_s = time.perf_counter() - started
+    where = str(getattr(recipe, "_source", None) or "recipe")
+    return RunSetup(config, order, run_dir, source, prompts, warm_started, where)
 
+
+def run_on_ray(
+    recipe: Recipe,
+    setup: RunSetup,
+    metrics: MetricsWriter,
+    ray_address: str | None,
+    signals: StopSignals | None,
+) -> DriveResult | int:
+    """The cluster joined or started, the actors created, then `start_and_drive`; every actor and
+    the cluster torn down in reverse, whatever happens. Returns the drive's result, or the exit code
+    of a run that ended early: a second signal (128 + its number), Ctrl-C without handlers (130), a
+    lost actor or a failed weight update (1, named in one line with where `--resume auto` goes on)."""
     teardown = Teardown()
     if connect_ray(ray_address):
         import ray
 
         teardown.add("ray", ray.shutdown)
     actors: dict[str, str] = {}
-    metrics = MetricsWriter(run_dir)
+    handles: Handles | None = None
     try:
-        where = str(getattr(recipe, "_source", None) or "recipe")
-        handles = create_ray_actors(config, order, teardown, prompts, where)
+        handles = create_ray_actors(setup.config, setup.order, teardown, setup.prompts, setup.where)
         actors = actor_names(handles)
-        teardown_executor = handles.executor
-
-        async def main() -> DriveResult:
-            try:
-                # the trainer groups of ranks > 1 form their process groups and shard their policies
-                await asyncio.gather(*(handles.trainers[p].start() for p in order))
-                if config.eval_interval:  # before restore: the engines still serve the start
-                    start = await handles.executor.record_start.remote(order)
-                    metrics.write_answers("start", start.pop("answers", {}))
-                    if start:
-                        logger.info("start: " + "; ".join(eval_line(start, f"{p}@start") for p in order))
-                starts, _record = await restore(handles, order, source, sync_bucket_bytes(config))
-                for p in order:
-                    metrics.truncate(p, starts[p])
-                # TensorBoard, W&B, ...: the leader writes, each curve continued from its policy's start
-                first = min(starts.values()) if source is not None and starts else None
-                metrics.loggers = build_loggers(recipe, run_dir, None if first is None else first - 1)
-                for p in order:
-                    if first is not None:
-                        metrics.replay(p, first)
-                return await drive(config, order, handles, run_dir, starts, metrics, signals)
-            finally:
-                try:  # stop prefetching; a dead executor must not mask the run's own error
-                    await asyncio.shield(teardown_executor.shutdown.remote())
-                except Exception as exc:
-                    logger.debug(f"rollout executor shutdown: {exc}")
-
-        result = asyncio.run(main())
+        return asyncio.run(start_and_drive(recipe, setup, handles, metrics, signals))
     except StopNow as stop:
         teardown.close()  # every actor and the cluster first: the line is the run's last word
         metrics.close()
-        logger.warning(stopped_line(run_dir, stop))
+        logger.warning(stopped_line(setup.run_dir, stop))
         return stop.exit_code
     except KeyboardInterrupt:
         logger.warning("interrupted: tearing every component down")
@@ -419,40 +216,74 @@ def run_rl(
         lost = lost_actor(exc, actors)
         if lost is None and not isinstance(exc, WeightSyncError):
             raise
-        if lost is None and actors:  # a failed weight push: a trainer or engine that died under it?
+        if lost is None and handles is not None and actors:  # a failed push: a part that died under it?
             lost = dead_actor(handles, actors)
-        record = read_record(run_dir)
-        where = (
-            f"--resume auto continues from {record.save_dir} ({run_dir / RECORD_FILE})"
-            if record is not None
-            else "no save was recorded yet, so a new run starts from the beginning"
-        )
-        logger.opt(exception=exc).debug("the run stopped")
-        death = actor_death(exc)
-        how = type(death).__name__ if death is not None else "found dead after a weight update failed"
-        what = f"{exc}" if lost is None else f"{lost} died ({how})"
-        logger.error(f"{what}; the run stopped; {where}")
+        logger.error(stopped_by_failure_line(setup.run_dir, exc, lost))
         metrics.close()  # the loggers' files complete up to the last row
         return 1
     finally:
         if signals is not None:
             signals.closing()  # a signal during the teardown must not cut it short
         teardown.close()
+
+
+async def start_and_drive(
+    recipe: Recipe, setup: RunSetup, handles: Handles, metrics: MetricsWriter, signals: StopSignals | None
+) -> DriveResult:
+    """The trainer groups started, the start's eval, the restore, the metrics and loggers continued
+    from where each policy resumes, then the drive; the executor stops prefetching at the end."""
+    config, order, run_dir = setup.config, setup.order, setup.run_dir
+    try:
+        # the trainer groups of ranks > 1 form their process groups and shard their policies
+        await asyncio.gather(*(handles.trainers[p].start() for p in order))
+        if config.eval_interval:  # before restore: the engines still serve the start
+            start = await handles.executor.record_start.remote(order)
+            metrics.write_answers("start", start.pop("answers", {}))
+            if start:
+                logger.info("start: " + "; ".join(eval_line(start, f"{p}@start") for p in order))
+        starts, _record = await restore(handles, order, setup.source, sync_bucket_bytes(config))
+        for p in order:
+            metrics.truncate(p, starts[p])
+        # TensorBoard, W&B, ...: the leader writes, each curve continued from its policy's start
+        first = min(starts.values()) if setup.source is not None and starts else None
+        metrics.loggers = build_loggers(recipe, run_dir, None if first is None else first - 1)
+        for p in order:
+            if first is not None:
+                metrics.replay(p, first)
+        return await drive(config, order, handles, run_dir, starts, metrics, signals)
+    finally:
+        try:  # stop prefetching; a dead executor must not mask the run's own error
+            await asyncio.shield(handles.executor.shutdown.remote())
+        except Exception as exc:
+            logger.debug(f"rollout executor shutdown: {exc}")
+
+
+def stopped_by_failure_line(run_dir: Path, exc: BaseException, lost: str | None) -> str:
+    """The one line of a run an actor's death (`lost`) or a failed weight update ended, with where
+    `--resume auto` continues from."""
+    record = read_record(run_dir)
+    where = (
+        f"--resume auto continues from {record.save_dir} ({run_dir / RECORD_FILE})"
+        if record is not None
+        else "no save was recorded yet, so a new run starts from the beginning"
+    )
+    logger.opt(exception=exc).debug("the run stopped")
+    death = actor_death(exc)
+    how = type(death).__name__ if death is not None else "found dead after a weight update failed"
+    what = f"{exc}" if lost is None else f"{lost} died ({how})"
+    return f"{what}; the run stopped; {where}"
+
+
+def write_summary(
+    setup: RunSetup, result: DriveResult, metrics: MetricsWriter, *, setup_s: float, wall_s: float
+) -> None:
+    """After a drive: the leaderboard logged, `rl_summary.json` and the metric plots written."""
+    order, run_dir = setup.order, setup.run_dir
     leaderboard = result.leaderboard(order)
     metrics.log_leaderboard(leaderboard, result.positions.get(order[0], 0))  # at the leader's end
     metrics.close()
-    leaderboard_by = result.evals[-1].get("leaderboard_by") if result.evals else None
     if not leaderboard:
-        if result.evals:
-            why = (
-                "the last eval's answers had no pointwise scores (no ground truth, no [rl.eval_scorer], a "
-                "pairwise reward)"
-            )
-        elif config.eval_interval:
-            why = f"no eval ran (the run stopped before rollout {config.eval_interval}, the first eval)"
-        else:
-            why = "no eval ran (eval_interval = 0)"
-        logger.info(f"no leaderboard in {RL_SUMMARY}: {why}")
+        logger.info(f"no leaderboard in {RL_SUMMARY}: {no_leaderboard_reason(setup.config, result)}")
     from hpref.rl.report.metrics import last_rollout_rows
 
     write_json_atomic(
@@ -470,11 +301,12 @@ def run_rl(
             # each policy's last training metrics: rewards (per component), entropy, lengths, clipping
             "last_rollout": last_rollout_rows(run_dir, order),
             "leaderboard": leaderboard,  # {} when no eval ran or nothing scored pointwise
-            "leaderboard_by": leaderboard_by,  # "ground truth", "eval scorer", "reward" or None
-            "warmup_checkpoints": warm_started,
+            # "ground truth", "eval scorer", "reward" or None
+            "leaderboard_by": result.evals[-1].get("leaderboard_by") if result.evals else None,
+            "warmup_checkpoints": setup.warm_started,
             "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
             "drive_s": result.seconds,  # the policies' loops: what concurrency speeds up
-            "wall_s": time.perf_counter() - started,
+            "wall_s": wall_s,
         },
         indent=2,
         sort_keys=True,
@@ -482,11 +314,14 @@ def run_rl(
     from hpref.rl.report.leaderboard import plot_metrics
 
     plot_metrics(run_dir, order)
-    if result.stopped_by is not None:
-        leader = order[0]
-        logger.warning(
-            stopped_line(run_dir, result.stopped_by, rollout=result.positions[leader], saved=result.last_save)
+
+
+def no_leaderboard_reason(config: RLConfig, result: DriveResult) -> str:
+    if result.evals:
+        return (
+            "the last eval's answers had no pointwise scores (no ground truth, no [rl.eval_scorer], a "
+            "pairwise reward)"
         )
-        assert signals is not None and signals.exit_code is not None
-        return signals.exit_code
-    return 0
+    if config.eval_interval:
+        return f"no eval ran (the run stopped before rollout {config.eval_interval}, the first eval)"
+    return "no eval ran (eval_interval = 0)"

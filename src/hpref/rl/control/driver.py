@@ -22,9 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loguru import logger
 
@@ -39,9 +40,6 @@ from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
 from hpref.runfolder.layout import CHECKPOINTS, RL_EXECUTOR, ROLLOUT_PREFIX
 from hpref.runfolder.save_trigger import check_save_trigger
 from hpref.runtime.ray_cluster import actor_death
-
-if TYPE_CHECKING:
-    pass
 
 HEARTBEAT_INTERVAL_S = 5.0  # well under HEARTBEAT_STALE_S: a slow rollout does not read as a hung run
 
@@ -131,6 +129,215 @@ def prune_checkpoints(run_dir: Path, keep_last: int, record: CheckpointRecord) -
     return deleted
 
 
+class Driver:
+    """One run's policy loops and the state they share: where each policy stands (`positions`), the
+    run's result so far, the leader's two parkers (saves, evals), the stop event and each policy's KL
+    since the last eval. `lead` is the leader's loop, `follow(p)` a follower's, each made of `step(p)`
+    (one rollout trained, its weights pushed when due, its metrics row written) and, for the leader,
+    `after_rollout` (the eval and save that are due, and whether the run ends); `run` starts the loops
+    and the heartbeat and ends them all when the first one fails or the leader ends."""
+
+    def __init__(
+        self,
+        config: RLConfig,
+        order: list[str],
+        handles: Handles,
+        run_dir: Path,
+        starts: dict[str, int],
+        metrics: MetricsWriter | None = None,
+        signals: StopSignals | None = None,
+    ) -> None:
+        self.config, self.order, self.handles, self.run_dir = config, order, handles, run_dir
+        self.leader, self.followers = order[0], order[1:]
+        self.metrics = metrics or MetricsWriter(None)
+        #: the command's SIGTERM / SIGINT handlers, asked after each leader rollout
+        self.signals = signals
+        self.save_parker, self.eval_parker = Parker(self.followers, "save"), Parker(self.followers, "eval")
+        self.positions = dict(starts)
+        self.stop = asyncio.Event()
+        self.result = DriveResult(self.positions, saves=0, debug_exit=False)
+        self.began = time.perf_counter()
+        self.bucket_bytes = sync_bucket_bytes(config)
+        self.sleeps = {p: colocated(config, p) for p in order}
+        # each policy's KL to its start in the rollouts since the last eval (a trainer measures it when
+        # kl_coef > 0 or measure_kl): the eval's KL, beside its answer lengths and scores
+        self.kl_since_eval: dict[str, list[float]] = {p: [] for p in order}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
+
+    async def step(self, p: str) -> None:
+        """Policy `p`'s next rollout: fetched, trained (its engine asleep meanwhile when colocated),
+        its weights pushed every `update_weights_interval` rollouts, its metrics row written."""
+        r = self.positions[p]
+        rollout = await self.handles.executor.get.remote(r, p)
+        async with self.engine_asleep(p):
+            stats = await self.handles.trainers[p].train(rollout)
+        self.positions[p] = r + 1
+        version = None
+        try:
+            if self.positions[p] % self.config.update_weights_interval == 0:
+                trainer, engine = self.handles.trainers[p], self.handles.engines[p]
+                version = await push_weights(trainer, engine, p, self.bucket_bytes)
+        finally:
+            # the rollout trained, and a save may count it, even when its push failed (no version)
+            row = rollout_metrics(rollout, stats, version)
+            if "kl" in stats:
+                self.kl_since_eval[p].append(float(stats["kl"]))
+            row["elapsed_s"] = self.elapsed()  # for "reached X within N minutes"
+            self.metrics.write(p, row)
+
+    @contextlib.asynccontextmanager
+    async def engine_asleep(self, p: str) -> AsyncIterator[None]:
+        """Colocated (`rl.colocate`): the engine gives the GPU up while its trainer steps; a shared
+        base's engine while any of its policies steps (the first to step puts it to sleep, the last
+        wakes it). Otherwise nothing."""
+        if not self.sleeps[p]:
+            yield
+            return
+        base = self.handles.trainers[p].base
+        base.stepping += 1
+        if base.stepping == 1:
+            await self.handles.engines[p].sleep.remote()
+        try:
+            yield
+        finally:
+            base.stepping -= 1
+            if base.stepping == 0:
+                await self.handles.engines[p].wake.remote()
+
+    async def evaluate(self) -> None:
+        """Every policy's eval (the followers parked by the caller): one row per policy, the answers
+        under the leader's rollout, the KL since the last eval averaged into it."""
+        leader_at = self.positions[self.leader]
+        evaluation = await self.handles.executor.evaluate.remote(self.order)
+        self.metrics.write_answers(f"{ROLLOUT_PREFIX}{leader_at:06d}", evaluation.pop("answers", {}))
+        evaluation["rollout"] = leader_at
+        evaluation["kl"] = {p: sum(k) / len(k) for p, k in self.kl_since_eval.items() if k}
+        self.result.evals.append(evaluation)
+        for p in self.order:
+            row = eval_row(evaluation, p)
+            row.update(rollout=self.positions[p], elapsed_s=self.elapsed())
+            self.metrics.write(p, row)
+            self.kl_since_eval[p].clear()
+        logger.info("eval: " + "; ".join(eval_line(evaluation, p) for p in self.order))
+
+    def out_of_time(self) -> bool:
+        limit = self.config.time_limit_s
+        return limit is not None and self.elapsed() >= limit
+
+    async def lead(self) -> None:
+        """The leader's loop: `num_rollouts` rollouts (fewer when something ends the run), each followed
+        by what is due (`after_rollout`); the followers stop where the last save recorded them."""
+        while self.positions[self.leader] < self.config.num_rollouts:
+            await self.step(self.leader)
+            if await self.after_rollout():
+                break
+        self.stop.set()
+
+    async def after_rollout(self) -> bool:
+        """After a leader rollout: the eval and the global save that are due, with the followers
+        parked; True when the run ends here (the last rollout, `debug_exit_after_rollout`, a signal,
+        `time_limit_s`)."""
+        config, r = self.config, self.positions[self.leader]
+        timed_out = self.out_of_time()
+        last = r >= config.num_rollouts or timed_out
+        debug = config.debug_exit_after_rollout == r
+        # the leader alone reads (and removes) the trigger of `hpref save --now`: one save, not one
+        # per policy, at this rollout boundary, through the usual global save
+        asked = check_save_trigger(self.run_dir)
+        if asked:
+            logger.info(f"hpref save --now: a global save after leader rollout {r}")
+        # SIGTERM or Ctrl-C: the save `hpref save --now` would make, then the end (no eval: the
+        # stop is bounded by rl.stop_timeout_s, and a scheduler's grace period is short)
+        signalled = self.signals is not None and self.signals.requested
+        if config.eval_interval and (r % config.eval_interval == 0 or last) and not signalled:
+            async with self.eval_parker.hold(config.park_timeout):
+                await self.evaluate()
+        due = bool(config.save_interval) and r % config.save_interval == 0
+        if due or last or debug or asked or signalled:
+            await self.save(stopping=last or debug or signalled)
+        if signalled:
+            assert self.signals is not None and self.signals.first is not None
+            self.result.stopped_by = self.signals.first.name
+        elif debug:
+            self.result.debug_exit = True
+            logger.info(f"debug_exit_after_rollout = {r}: stopping after the save")
+        elif timed_out:
+            self.result.timed_out = True
+            logger.info(f"time_limit_s = {config.time_limit_s:g} reached after leader rollout {r}")
+        return signalled or debug or timed_out
+
+    async def save(self, stopping: bool) -> None:
+        """A global save with the followers parked; `stopping`: the stop is set before they are
+        released, so they stop where the save recorded them."""
+        async with self.save_parker.hold(self.config.park_timeout):
+            saved = await save_all(
+                self.handles, self.order, self.positions, self.run_dir, self.leader, self.config.keep_last
+            )
+            self.result.saves += 1
+            self.result.last_save = saved.save_dir
+            if stopping:
+                self.stop.set()
+
+    async def follow(self, p: str) -> None:
+        """A follower's loop: a rollout at a time until the leader ends, parking whenever the leader
+        holds a save or an eval."""
+        try:
+            while not self.stop.is_set():
+                await self.save_parker.park(p)
+                await self.eval_parker.park(p)
+                if self.stop.is_set():
+                    break
+                await self.step(p)
+        finally:
+            self.save_parker.leave(p)
+            self.eval_parker.leave(p)
+
+    async def beat(self) -> None:
+        """The run's liveness for `hpref save --now` (hpref.runfolder.heartbeat), from the event loop
+        itself: a loop that stops turning stops beating."""
+        while True:
+            write_heartbeat(self.run_dir, self.positions[self.leader])
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def run(self) -> DriveResult:
+        """Every policy's loop and the heartbeat until the leader ends or a loop fails (its error is
+        the run's: the other loops are cancelled)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # from here a first signal waits for the leader's next rollout boundary and its save; once the
+        # loops have ended, signals are only noted (the teardown ahead must reach every actor)
+        with self.signals.graceful() if self.signals is not None else contextlib.nullcontext():
+            heartbeat = asyncio.ensure_future(self.beat())
+            tasks = {asyncio.ensure_future(self.lead()): self.leader}
+            tasks.update({asyncio.ensure_future(self.follow(p)): p for p in self.followers})
+            try:
+                await first_failure(tasks)
+            finally:
+                self.stop.set()
+                for task in tasks:
+                    task.cancel()
+                heartbeat.cancel()
+                await asyncio.gather(*tasks, heartbeat, return_exceptions=True)
+                clear_heartbeat(self.run_dir)
+        self.result.seconds = self.elapsed()
+        return self.result
+
+
+async def first_failure(tasks: dict[asyncio.Future[None], str]) -> None:
+    """Wait for every task; the first that fails raises its error here (named in the log unless it
+    is a lost actor or a failed weight update, which run_rl names with where to resume from)."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            exc = task.exception()
+            if exc is not None:
+                if actor_death(exc) is None and not isinstance(exc, WeightSyncError):
+                    logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
+                raise exc
+
+
 async def drive(
     config: RLConfig,
     order: list[str],
@@ -140,156 +347,9 @@ async def drive(
     metrics: MetricsWriter | None = None,
     signals: StopSignals | None = None,
 ) -> DriveResult:
-    """Run every policy's loop until the leader ends (see the module docstring). `signals`: the
-    command's SIGTERM / SIGINT handlers, asked after each leader rollout."""
-    leader, followers = order[0], order[1:]
-    save_parker, eval_parker = Parker(followers, "save"), Parker(followers, "eval")
-    positions = dict(starts)
-    stop = asyncio.Event()
-    metrics = metrics or MetricsWriter(None)
-    result = DriveResult(positions, saves=0, debug_exit=False)
-    began = time.perf_counter()
-    bucket_bytes = sync_bucket_bytes(config)
-    sleeps = {p: colocated(config, p) for p in order}
-
-    async def step(p: str) -> None:
-        r = positions[p]
-        rollout = await handles.executor.get.remote(r, p)
-        # colocated: the engine gives the GPU up while its trainer steps (a shared base's engine
-        # while any of its policies steps: the first to step puts it to sleep, the last wakes it)
-        base = handles.trainers[p].base
-        if sleeps[p]:
-            base.stepping += 1
-            if base.stepping == 1:
-                await handles.engines[p].sleep.remote()
-        try:
-            stats = await handles.trainers[p].train(rollout)
-        finally:
-            if sleeps[p]:
-                base.stepping -= 1
-                if base.stepping == 0:
-                    await handles.engines[p].wake.remote()
-        positions[p] = r + 1
-        version = None
-        try:
-            if positions[p] % config.update_weights_interval == 0:
-                version = await push_weights(handles.trainers[p], handles.engines[p], p, bucket_bytes)
-        finally:
-            # the rollout trained, and a save may count it, even when its push failed (no version)
-            row = rollout_metrics(rollout, stats, version)
-            if "kl" in stats:
-                kl_since_eval[p].append(float(stats["kl"]))
-            row["elapsed_s"] = time.perf_counter() - began  # for "reached X within N minutes"
-            metrics.write(p, row)
-
-    # each policy's KL to its start in the rollouts since the last eval (a trainer measures it when
-    # kl_coef > 0 or measure_kl): the eval's KL, beside its answer lengths and scores
-    kl_since_eval: dict[str, list[float]] = {p: [] for p in order}
-
-    async def evaluate() -> None:
-        evaluation = await handles.executor.evaluate.remote(order)
-        metrics.write_answers(f"{ROLLOUT_PREFIX}{positions[leader]:06d}", evaluation.pop("answers", {}))
-        evaluation["rollout"] = positions[leader]
-        evaluation["kl"] = {p: sum(k) / len(k) for p, k in kl_since_eval.items() if k}
-        result.evals.append(evaluation)
-        for p in order:
-            row = eval_row(evaluation, p)
-            row.update(rollout=positions[p], elapsed_s=time.perf_counter() - began)
-            metrics.write(p, row)
-            kl_since_eval[p].clear()
-        logger.info("eval: " + "; ".join(eval_line(evaluation, p) for p in order))
-
-    def out_of_time() -> bool:
-        limit = config.time_limit_s
-        return limit is not None and time.perf_counter() - began >= limit
-
-    async def run_leader() -> None:
-        while positions[leader] < config.num_rollouts:
-            await step(leader)
-            r = positions[leader]
-            timed_out = out_of_time()
-            last = r >= config.num_rollouts or timed_out
-            debug = config.debug_exit_after_rollout == r
-            # the leader alone reads (and removes) the trigger of `hpref save --now`: one save, not one
-            # per policy, at this rollout boundary, through the usual global save
-            asked = check_save_trigger(run_dir)
-            if asked:
-                logger.info(f"hpref save --now: a global save after leader rollout {r}")
-            # SIGTERM or Ctrl-C: the save `hpref save --now` would make, then the end (no eval: the
-            # stop is bounded by rl.stop_timeout_s, and a scheduler's grace period is short)
-            signalled = signals is not None and signals.requested
-            if config.eval_interval and (r % config.eval_interval == 0 or last) and not signalled:
-                async with eval_parker.hold(config.park_timeout):
-                    await evaluate()
-            due = bool(config.save_interval) and r % config.save_interval == 0
-            if due or last or debug or asked or signalled:
-                async with save_parker.hold(config.park_timeout):
-                    saved = await save_all(handles, order, positions, run_dir, leader, config.keep_last)
-                    result.saves += 1
-                    result.last_save = saved.save_dir
-                    if last or debug or signalled:
-                        stop.set()  # set before release: followers stop where the save recorded them
-            if signalled:
-                assert signals is not None and signals.first is not None
-                result.stopped_by = signals.first.name
-                break
-            if debug:
-                result.debug_exit = True
-                logger.info(f"debug_exit_after_rollout = {r}: stopping after the save")
-                break
-            if timed_out:
-                result.timed_out = True
-                logger.info(f"time_limit_s = {config.time_limit_s:g} reached after leader rollout {r}")
-                break
-        stop.set()
-
-    async def run_follower(p: str) -> None:
-        try:
-            while not stop.is_set():
-                await save_parker.park(p)
-                await eval_parker.park(p)
-                if stop.is_set():
-                    break
-                await step(p)
-        finally:
-            save_parker.leave(p)
-            eval_parker.leave(p)
-
-    async def beat() -> None:
-        # the run's liveness for `hpref save --now` (hpref.runfolder.heartbeat), from the event loop
-        # itself: a loop that stops turning stops beating
-        while True:
-            write_heartbeat(run_dir, positions[leader])
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # from here a first signal waits for the leader's next rollout boundary and its save; once the
-    # loops have ended, signals are only noted (the teardown ahead must reach every actor)
-    with signals.graceful() if signals is not None else contextlib.nullcontext():
-        heartbeat = asyncio.ensure_future(beat())
-        tasks = {asyncio.ensure_future(run_leader()): leader}
-        tasks.update({asyncio.ensure_future(run_follower(p)): p for p in followers})
-        pending = set(tasks)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    exc = task.exception()
-                    if exc is not None:
-                        # a lost actor and a failed weight update are named by run_rl (with where
-                        # to resume from); which loop met them is noise
-                        if actor_death(exc) is None and not isinstance(exc, WeightSyncError):
-                            logger.error(f"policy '{tasks[task]}' failed: {type(exc).__name__}: {exc}")
-                        raise exc
-        finally:
-            stop.set()
-            for task in tasks:
-                task.cancel()
-            heartbeat.cancel()
-            await asyncio.gather(*tasks, heartbeat, return_exceptions=True)
-            clear_heartbeat(run_dir)
-    result.seconds = time.perf_counter() - began
-    return result
+    """Run every policy's loop until the leader ends (see the module docstring and `Driver`).
+    `signals`: the command's SIGTERM / SIGINT handlers, asked after each leader rollout."""
+    return await Driver(config, order, handles, run_dir, starts, metrics, signals).run()
 
 
 def sync_bucket_bytes(config: RLConfig) -> int:

@@ -20,26 +20,22 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hpref.errors import UserError
 from hpref.memory import release_freed_memory
 from hpref.recipe.rl import PolicyConfig
 from hpref.rl.policy import (
     apply_env,
     completion_logprobs,
-    group_batch,
-    micro_batches,
     on_mask,
-    pad_batch,
     shares_prefix,
-    whole_groups,
 )
 from hpref.rl.protocols import PreparesBatches
 from hpref.rl.rollout_types import Rollout, TrainingRows
 from hpref.rl.staleness import expected_version
 from hpref.rl.trainer.backends import trainer_backend
+from hpref.rl.trainer.batches import Batch, rank_micro_batches
+from hpref.rl.trainer.slots import PolicySlot, add_adapters, slot_attribute
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,49 +43,16 @@ if TYPE_CHECKING:
     from hpref.rl.transport.weight_channel import Layout
 
 
-@dataclass
-class PolicySlot:
-    """What a trainer keeps for each policy it trains: one, or on a shared base (`rl.share_base`)
-    one per adapter, each with its own settings, optimizer and counters."""
-
-    policy: str
-    config: PolicyConfig
-    optimizer: Any = None
-    trainable: list[Any] = field(default_factory=list)
-    rollouts_done: int = 0
-    version: int = 0
-    #: how it learns (`hpref.rl.protocols.Algorithm`, the policy's `algorithm`)
-    algorithm: Any = None
-
-    def __post_init__(self) -> None:
-        if self.algorithm is None:
-            from hpref.rl.algorithms.registry import build_algorithm
-
-            self.algorithm = build_algorithm(self.policy, self.config)
-
-
-def _slot_attribute(name: str) -> property:
-    """An attribute of the policy the trainer is working on (`TrainerActor.active`)."""
-
-    def get(self: TrainerActor) -> Any:
-        return getattr(self.active, name)
-
-    def put(self: TrainerActor, value: Any) -> None:
-        setattr(self.active, name, value)
-
-    return property(get, put, doc=f"the active policy's `{name}` (`PolicySlot`)")
-
-
 class TrainerActor:
     """One policy, or every LoRA policy of a shared base: a step of its algorithm per rollout,
     weights for the engine, save and load."""
 
-    policy = _slot_attribute("policy")
-    config = _slot_attribute("config")
-    optimizer = _slot_attribute("optimizer")
-    trainable = _slot_attribute("trainable")
-    rollouts_done = _slot_attribute("rollouts_done")
-    version = _slot_attribute("version")
+    policy = slot_attribute("policy")
+    config = slot_attribute("config")
+    optimizer = slot_attribute("optimizer")
+    trainable = slot_attribute("trainable")
+    rollouts_done = slot_attribute("rollouts_done")
+    version = slot_attribute("version")
 
     def __init__(
         self,
@@ -148,7 +111,7 @@ class TrainerActor:
         self.model.to(self.device)
         self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
         if self.config.lora is not None:
-            self._add_adapters()
+            self.lora = add_adapters(self.model, self.slots, self.policy, self.shared)
         self.model.train()
         self.reference = None
         if self.wants_reference and self.lora is None:  # the frozen starting policy
@@ -184,41 +147,6 @@ class TrainerActor:
             )
         # bf16 autocast or fp32 (`precision`) on the model's device; the megatron trainer computes in fp32
         self.compute_dtype = self.backend.compute_dtype(self.config.precision, self.model)
-
-    def _add_adapters(self) -> None:
-        """PEFT's adapters, in place: one ("default") for a policy of its own, one per policy (named
-        by its id) on a shared base, each drawn under the base's seed as a policy of its own is, so a
-        policy starts alike either way; the active one is the first."""
-        from loguru import logger
-
-        from hpref.models.adapters import count_parameters
-        from hpref.models.lm_adapters import add_lm_adapter, apply_lora_to_causal_lm
-
-        for i, slot in enumerate(self.slots.values()):
-            settings, name = slot.config.lora, slot.policy if self.shared else None
-            assert settings is not None
-            try:
-                if i == 0:
-                    self.lora = apply_lora_to_causal_lm(
-                        self.model, settings, seed=slot.config.model.seed, adapter=name
-                    )
-                else:
-                    add_lm_adapter(self.lora, self.model, settings, slot.policy, seed=slot.config.model.seed)
-            except UserError as exc:
-                raise UserError(f"rl.policies.{slot.policy}.{exc}") from None
-        trainable, total = count_parameters(self.model)
-        targets = sorted(next(iter(self.lora.peft_config.values())).target_modules)
-        who = (
-            f"policies {', '.join(self.slots)} (one shared base)"
-            if self.shared
-            else f"policy '{self.policy}'"
-        )
-        logger.info(
-            f"{who}: LoRA r={self.config.lora.r} on {', '.join(targets)}: "
-            f"{trainable:,} of {total:,} parameters train ({trainable / total:.2%})"
-        )
-        if self.shared:
-            self.lora.set_adapter(self.policy)
 
     @property
     def wants_reference(self) -> bool:
@@ -266,14 +194,12 @@ class TrainerActor:
         The algorithm (`hpref.rl.protocols.Algorithm`: GRPO, online DPO, a plugin's) says which rows
         the step trains on and the loss of each micro-batch; the trainer runs them in micro-batches of
         at most `micro_batch_tokens` padded tokens (whole prompt groups, or rows, of similar length
-        together: `_micro_batches`) and accumulates their gradients before one optimizer step. Each
-        micro-batch's loss is its share of the step's, so the step equals the one-batch step. In a
-        group each rank runs its share of the prompt groups (`hpref.rl.trainer.sharding`) and every rank
-        returns the group's metrics (the policy's entropy on its own answers among them)."""
-        import torch
-
-        from hpref.rl.logprobs import entropy_metrics, entropy_sums
-        from hpref.rl.trainer.sharding import full, reduce_over
+        together: `hpref.rl.trainer.batches`) and accumulates their gradients before one optimizer
+        step. Each micro-batch's loss is its share of the step's, so the step equals the one-batch
+        step. In a group each rank runs its share of the prompt groups (`hpref.rl.trainer.sharding`)
+        and every rank returns the group's metrics (the policy's entropy on its own answers among
+        them)."""
+        from hpref.rl.logprobs import entropy_metrics
 
         self.select(rollout.policy if self.shared else None)
         if rollout.rollout_id != self.rollouts_done:
@@ -286,56 +212,10 @@ class TrainerActor:
         cfg, algorithm = self.config, self.active.algorithm
         prepared = algorithm.prepare(rollout, self.tokenizer)
         total_tokens = max(sum(len(c) for c in prepared.completions), 1)
-        batches = []
-        for batch, rows in self._micro_batches(prepared):
-            if prepared.behaviour is not None:  # the engine's log-probs where the mask is 1, row by row
-                lps = torch.tensor([lp for i in rows for lp in prepared.behaviour[i]], dtype=torch.float32)
-                batch["old"] = on_mask(batch["mask"].bool(), lps)
-            batch = self._on_device(batch)
-            batch["rows"] = rows
-            batch["ref"] = self._reference_logprobs(batch, prepared.temperature)
-            batches.append(batch)
-        reduce = reduce_over(self.data_ranks)  # a group's sums and maxima; as they are on one data rank
-        if isinstance(algorithm, PreparesBatches):  # values of the whole step (REINFORCE++'s advantages)
-            algorithm.prepare_batches(batches, prepared, reduce)
-        model = self.root if self.root is not None else self.model
+        batches = self._step_batches(prepared)
         stats: dict[str, float] = {}
         for epoch in range(cfg.epochs_per_rollout):
-            self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = {"mismatch": 0.0}
-            sums["micro_batches"] = float(sum(not b.get("padding") for b in batches))  # the group's, summed
-            worst = 0.0
-            for batch in batches:
-                logp, entropy = self._logprobs(model, batch, prepared.temperature, entropy=True)
-                loss, own = algorithm.loss(logp, batch, batch["rows"], prepared)
-                # a group's padding pass runs the backward FSDP2 needs from every rank, adding nothing;
-                # FSDP2 averages gradients over the group: scaled back up, the group sums them
-                (loss * (0.0 if batch.get("padding") else self.data_ranks)).backward()
-                if batch.get("padding"):
-                    continue
-                own = {**own, **entropy_sums(entropy, batch["mask"], batch["rows"], prepared.sampled)}
-                for key, value in own.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                if epoch == 0 and "old" in batch:  # before any step: the trainer's and the engine's view
-                    gap = (logp.detach() - batch["old"]).abs() * batch["mask"]
-                    sums["mismatch"] += float(gap.sum())
-                    worst = max(worst, float(gap.max()))
-            grad_norm = (
-                self.backend.clip_grad_norm(self.model, self.trainable, cfg.grad_clip)  # the global norm
-                if cfg.grad_clip
-                else torch.tensor(0.0)
-            )
-            self.optimizer.step()
-            sums, maxes = reduce(sums, {"worst": worst})
-            worst, grad_norm = maxes["worst"], full(grad_norm)
-            if epoch == 0 and prepared.behaviour is not None:
-                stats["engine_trainer_logprob_diff"] = sums["mismatch"] / total_tokens
-                # the largest per-token |log importance ratio| between trainer and engine: one token
-                # far off (a bf16 engine, a stale or half-loaded weight) hides in the mean
-                stats["engine_trainer_logprob_diff_max"] = worst
-            stats.update(
-                algorithm.summarise(sums), micro_batches=sums["micro_batches"], grad_norm=float(grad_norm)
-            )
+            sums = self._one_pass(batches, prepared, epoch, stats, total_tokens)
         self.rollouts_done += 1
         # glibc keeps a step's freed activations (GiBs at micro_batch_tokens 2,048) in its heaps;
         # without this the process sits at its largest step's peak for the rest of the run, and two
@@ -355,6 +235,84 @@ class TrainerActor:
         )
         return stats
 
+    def _step_batches(self, prepared: TrainingRows) -> list[dict[str, Any]]:
+        """The step's micro-batches on this rank's device, each with its rows, the engine's log-probs
+        (`old`, where the algorithm kept them) and the reference's; then the algorithm's values of
+        the whole step, when it has any (REINFORCE++'s advantages)."""
+        import torch
+
+        from hpref.rl.trainer.sharding import reduce_over
+
+        batches = []
+        for batch, rows in self._micro_batches(prepared):
+            if prepared.behaviour is not None:  # the engine's log-probs where the mask is 1, row by row
+                lps = torch.tensor([lp for i in rows for lp in prepared.behaviour[i]], dtype=torch.float32)
+                batch["old"] = on_mask(batch["mask"].bool(), lps)
+            batch = self._on_device(batch)
+            batch["rows"] = rows
+            batch["ref"] = self._reference_logprobs(batch, prepared.temperature)
+            batches.append(batch)
+        algorithm = self.active.algorithm
+        if isinstance(algorithm, PreparesBatches):  # values of the whole step (REINFORCE++'s advantages)
+            # a group's sums and maxima; as they are on one data rank
+            algorithm.prepare_batches(batches, prepared, reduce_over(self.data_ranks))
+        return batches
+
+    def _one_pass(
+        self,
+        batches: list[dict[str, Any]],
+        prepared: TrainingRows,
+        epoch: int,
+        stats: dict[str, float],
+        total_tokens: int,
+    ) -> dict[str, float]:
+        """One pass over the step's micro-batches and one optimizer step; the group's metrics go into
+        `stats` (the first pass also measures the trainer's log-probs against the engine's). Returns
+        the pass's summed statistics (the entropy's among them)."""
+        import torch
+
+        from hpref.rl.logprobs import entropy_sums
+        from hpref.rl.trainer.sharding import full, reduce_over
+
+        cfg, algorithm = self.config, self.active.algorithm
+        model = self.root if self.root is not None else self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {"mismatch": 0.0}
+        sums["micro_batches"] = float(sum(not b.get("padding") for b in batches))  # the group's, summed
+        worst = 0.0
+        for batch in batches:
+            logp, entropy = self._logprobs(model, batch, prepared.temperature, entropy=True)
+            loss, own = algorithm.loss(logp, batch, batch["rows"], prepared)
+            # a group's padding pass runs the backward FSDP2 needs from every rank, adding nothing;
+            # FSDP2 averages gradients over the group: scaled back up, the group sums them
+            (loss * (0.0 if batch.get("padding") else self.data_ranks)).backward()
+            if batch.get("padding"):
+                continue
+            own = {**own, **entropy_sums(entropy, batch["mask"], batch["rows"], prepared.sampled)}
+            for key, value in own.items():
+                sums[key] = sums.get(key, 0.0) + value
+            if epoch == 0 and "old" in batch:  # before any step: the trainer's and the engine's view
+                gap = (logp.detach() - batch["old"]).abs() * batch["mask"]
+                sums["mismatch"] += float(gap.sum())
+                worst = max(worst, float(gap.max()))
+        grad_norm = (
+            self.backend.clip_grad_norm(self.model, self.trainable, cfg.grad_clip)  # the global norm
+            if cfg.grad_clip
+            else torch.tensor(0.0)
+        )
+        self.optimizer.step()
+        sums, maxes = reduce_over(self.data_ranks)(sums, {"worst": worst})
+        worst, grad_norm = maxes["worst"], full(grad_norm)
+        if epoch == 0 and prepared.behaviour is not None:
+            stats["engine_trainer_logprob_diff"] = sums["mismatch"] / total_tokens
+            # the largest per-token |log importance ratio| between trainer and engine: one token
+            # far off (a bf16 engine, a stale or half-loaded weight) hides in the mean
+            stats["engine_trainer_logprob_diff_max"] = worst
+        stats.update(
+            algorithm.summarise(sums), micro_batches=sums["micro_batches"], grad_norm=float(grad_norm)
+        )
+        return sums
+
     def _on_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         import torch
 
@@ -362,54 +320,12 @@ class TrainerActor:
             return batch
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _micro_batches(self, prepared: TrainingRows) -> list[tuple[dict[str, Any], list[int]]]:
-        """This rank's part of the step's rows as (batch, its row indices) under `micro_batch_tokens`
-        each: whole prompt groups as `group_batch`es where the model takes a KV cache, else rows as
-        `pad_batch`es (whole groups still, when the algorithm pairs rows: online DPO). A group's
-        ranks split the groups (or rows) by padded tokens and every rank gets as many micro-batches
-        as the busiest one (weight-0 `padding` ones added)."""
-        prompts, completions = prepared.prompts, prepared.completions
-        pad, group = self.tokenizer.pad_token_id, prepared.group
-        if shares_prefix(self.model) and whole_groups(prompts, group):
-            # a group's padded cost: its prompt once and its answers at their longest
-            answers = [completions[g : g + group] for g in range(0, len(completions), group)]
-            costs = [len(prompts[g * group]) + group * max(map(len, a)) for g, a in enumerate(answers)]
-
-            def make(items: list[int]) -> tuple[dict[str, Any], list[int]]:
-                rows = [g * group + j for g in sorted(items) for j in range(group)]
-                return group_batch(
-                    [prompts[i] for i in rows], [completions[i] for i in rows], group, pad
-                ), rows
-
-        else:
-            # rows, or whole groups of rows when the loss reads a group together (online DPO's pairs)
-            unit = group if prepared.whole_groups else 1
-            costs = [
-                sum(len(prompts[i]) + len(completions[i]) for i in range(u * unit, (u + 1) * unit))
-                for u in range(len(completions) // unit)
-            ]
-
-            def make(items: list[int]) -> tuple[dict[str, Any], list[int]]:
-                rows = [u * unit + j for u in items for j in range(unit)]
-                return pad_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad), rows
-
-        mine = list(range(len(costs)))
-        if self.data_ranks > 1:
-            from hpref.rl.trainer.sharding import split_groups
-
-            mine = split_groups(costs, self.data_ranks)[self.data_rank]
-        out = [
-            make([mine[j] for j in chunk])
-            for chunk in micro_batches([costs[i] for i in mine], self.config.micro_batch_tokens)
-        ]
-        if self.data_ranks > 1:
-            from hpref.rl.trainer.sharding import max_over_group
-
-            spare = out[0] if out else make([0])
-            out += [
-                (dict(spare[0], padding=True), spare[1]) for _ in range(max_over_group(len(out)) - len(out))
-            ]
-        return out
+    def _micro_batches(self, prepared: TrainingRows) -> list[Batch]:
+        """This rank's part of the step's rows (`hpref.rl.trainer.batches`)."""
+        pad, cache = self.tokenizer.pad_token_id, shares_prefix(self.model)
+        return rank_micro_batches(
+            prepared, pad, cache, self.config.micro_batch_tokens, self.data_ranks, self.data_rank
+        )
 
     def _reference_logprobs(self, batch: dict[str, Any], temperature: float) -> Any:
         """Log-probs under the frozen starting policy, or None when no KL is asked for."""
