@@ -29,7 +29,7 @@ with `--resume auto` each time, and check the result against a run that was neve
   equal. Nothing compared is a failure that says what was not compared (a policy with no position
   both runs saved, a save with no tensor), never a pass.
 
-The suite's short version (tests/rl/test_chaos_rl.py) imports `reference`, `chaos`, `check` and
+The suite's short version (tests/rl/control/test_chaos_rl.py) imports `reference`, `chaos`, `check` and
 `failures` with its own recipe, policies and kill targets in turn (`args.targets`), its runs joined
 to the suite's Ray cluster (`args.ray_address`; actors found under `args.cluster_root`).
 """

@@ -101,8 +101,8 @@ def greedy_answers(model: dict, prompts: list[tuple[str, ...]]) -> tuple[list[st
     texts, lengths = [], []
     for start in range(0, len(prompts), 16):
         out = engine.generate(prompts[start : start + 16], 1, 64, 1.0, greedy=True)
-        texts += out["texts"]
-        lengths += [len(c) for c in out["completions"]]
+        texts += out.texts
+        lengths += [len(c) for c in out.completions]
     return texts, lengths
 
 

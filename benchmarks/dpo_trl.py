@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.dpo_trl [--data FILE] [--pairs N] [--steps S] [--batch B]
         [--lr LR] [--lora-r R] [--max-length L] [--rounds R]
-        [--contenders hpref,trl,trl-fp32-no-gc,...] [--out FILE] [--keep DIR]
+        [--contenders hpref,trl,trl-fp32-no-gc,...] [--policy DIR] [--out FILE] [--keep DIR]
 
 The same pairs (HH-RLHF helpful-base from ../shared: the first `--pairs` whose two sequences fit
 `--max-length` under SmolLM2's chat template, so neither side truncates), the same model
@@ -44,7 +44,9 @@ within three steps (measured 1.8e-2 at 4 pairs a step); BF16_TOLERANCE = 5e-2 bo
 and the fp32 pair is the check that the objective is the same.
 
 Skips cleanly (exit 0, a line) when the data file is absent. A quick smoke: `--pairs 16 --steps 2
---batch 4 --contenders hpref,trl-fp32-no-gc`.
+--batch 4 --contenders hpref,trl-fp32-no-gc`. The suite's (tests/test_dpo_trl_benchmark.py)
+runs every step above in seconds: `--policy` a config-built tiny Llama's folder (random init, a
+ChatML template) instead of SmolLM2 and `--data` a few toy pairs instead of ../shared's.
 """
 
 from __future__ import annotations
@@ -77,10 +79,13 @@ CONTENDERS = {
 SEED = 0
 
 
-def prepare_pairs(data: Path, n: int, max_length: int, batch: int, work: Path) -> tuple[Path, Path, str, int]:
+def prepare_pairs(
+    data: Path, n: int, max_length: int, batch: int, work: Path, policy: str | None = None
+) -> tuple[Path, Path, str, int]:
     """(hpref's pair file in file order, TRL's in hpref's step order, model folder, pairs kept): the
-    first `n` pairs whose two sequences fit `max_length`, as TRL conversational rows (prompt messages,
-    chosen and rejected assistant messages), which hpref's pairwise reader reads too."""
+    first `n` pairs whose two sequences fit `max_length` under the tokenizer of `policy` (a causal-LM
+    folder; None: SmolLM2), as TRL conversational rows (prompt messages, chosen and rejected assistant
+    messages), which hpref's pairwise reader reads too."""
     from transformers import AutoTokenizer
 
     from hpref.data.packing import plan_steps
@@ -90,7 +95,7 @@ def prepare_pairs(data: Path, n: int, max_length: int, batch: int, work: Path) -
     from hpref.recipe.rl import PolicyModelConfig
     from hpref.train.dpo_data import encode_pair, prompt_turns
 
-    folder = policy_folder(PolicyModelConfig(name="smollm2"))
+    folder = policy or policy_folder(PolicyModelConfig(name="smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     rows = []
     for battle in PairwiseReader(PairwiseConfig(path=str(data)), seed=SEED).battles():
@@ -134,6 +139,8 @@ def hpref_recipe(args: argparse.Namespace, pairs: Path, precision: str | None, w
     recipe["run"] = {"name": "dpo", "output_dir": str(work / "runs"), "seed": SEED}
     recipe["dataset"] = {"train": {"name": "pairwise", "path": str(pairs)}}
     recipe["dpo"].update(beta=args.beta, loss_type="sigmoid", label_smoothing=0.0)
+    if args.policy is not None:
+        recipe["dpo"]["model"] = {"path": args.policy}
     recipe["lora"] = {"r": args.lora_r, "alpha": 2 * args.lora_r, "dropout": 0.0}
     recipe["optimizer"] = {
         "name": "adamw",
@@ -165,7 +172,7 @@ def run_hpref(args: argparse.Namespace, pairs: Path, settings: dict, work: Path)
     recipe = hpref_recipe(args, pairs, settings["precision"], work)
     res = run_measured([HPREF, "train", str(recipe)], work / "train.log")
     if res["rc"] != 0:
-        return {**res, "error": f"hpref train exited {res['rc']} (log {res['log']})"}
+        return {**res, "error": f"hpref train exited {res['rc']}: {last_line(res['log'])}"}
     records = [json.loads(x) for x in (work / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines() if x]
     train = [r for r in records if r.get("kind") == "train"]
     return {
@@ -196,22 +203,30 @@ def run_trl(args: argparse.Namespace, pairs: Path, model_dir: str, settings: dic
     cmd = python_module("benchmarks.dpo_trl_worker", str(write_json(work / "spec.json", spec)), str(out))
     res = run_measured(cmd, work / "trl.log")
     if res["rc"] != 0 or not out.is_file():
-        return {**res, "error": f"TRL worker exited {res['rc']} (log {res['log']})"}
+        return {**res, "error": f"TRL worker exited {res['rc']}: {last_line(res['log'])}"}
     return {**res, **{k: v for k, v in read_json(out).items() if k in ("train_s", "losses")}}
 
 
-def is_bf16(name: str) -> bool:
-    """Whether a contender computes in bf16 (its loss curve is compared with the same precision's)."""
+def last_line(log: str) -> str:
+    """A failed contender's last log line (its error), for the table: without `--keep` the log goes
+    with the work folder."""
+    lines = Path(log).read_text(errors="replace").strip().splitlines()
+    return lines[-1][:300] if lines else f"no output in {log}"
+
+
+def is_bf16(name: str, width: int = 576) -> bool:
+    """Whether a contender computes in bf16 (its loss curve is compared with the same precision's);
+    `width`: the model's hidden size, which hpref's `auto` reads (SmolLM2's 576 by default)."""
     settings = CONTENDERS[name]
     if settings["side"] == "trl":
         return bool(settings["bf16"])
     precision = settings["precision"] or _recipe_precision()
-    if precision == "auto":  # what hpref's `auto` picks on this CPU for SmolLM2 (576 wide)
+    if precision == "auto":  # what hpref's `auto` picks on this CPU for a model this wide
         import torch
 
         from hpref.models.precision import resolve_precision
 
-        return resolve_precision("auto", torch.device("cpu"), 576) == torch.bfloat16
+        return resolve_precision("auto", torch.device("cpu"), width) == torch.bfloat16
     return precision == "bf16"
 
 
@@ -223,11 +238,14 @@ def _recipe_precision() -> str:
     )
 
 
-def report(args: argparse.Namespace, results: dict[str, list[dict]], kept: int) -> str:
-    """The markdown: the timing table (medians) and the step-by-step loss curves."""
+def report(args: argparse.Namespace, results: dict[str, list[dict]], kept: int, width: int = 576) -> str:
+    """The markdown: the timing table (medians) and the step-by-step loss curves (`width`: the
+    model's hidden size, for `is_bf16`)."""
+    pairs = "HH-RLHF helpful-base" if args.data == DEFAULT_DATA else args.data.name
+    model = "SmolLM2-135M-Instruct" if args.policy is None else args.policy
     lines = [
-        f"# hpref offline DPO vs TRL DPOTrainer ({kept} HH-RLHF helpful-base pairs, "
-        f"SmolLM2-135M-Instruct, LoRA r {args.lora_r}, lr {args.lr}, batch {args.batch}, "
+        f"# hpref offline DPO vs TRL DPOTrainer ({kept} {pairs} pairs, "
+        f"{model}, LoRA r {args.lora_r}, lr {args.lr}, batch {args.batch}, "
         f"{args.steps} steps, {args.rounds} round(s))",
         "",
         "| contender | wall s (median) | train s | peak RSS GiB | load | runs |",
@@ -268,7 +286,7 @@ def report(args: argparse.Namespace, results: dict[str, list[dict]], kept: int) 
         lines.append(f"| {step + 1} | " + " | ".join(cells) + " |")
     lines.append("")
     for t in trls:
-        same = [h for h in hprefs if is_bf16(h) == is_bf16(t)]
+        same = [h for h in hprefs if is_bf16(h, width) == is_bf16(t)]
         for h in same:
             a, b = medians[h]["losses"], medians[t]["losses"]
             gap = max((abs(x - y) for x, y in zip(a, b, strict=False)), default=float("nan"))
@@ -292,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--contenders", default="hpref,trl,trl-bf16-no-gc,trl-fp32-gc,trl-fp32-no-gc")
+    parser.add_argument(
+        "--policy", default=None, help="a causal-LM folder with a chat template instead of SmolLM2"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown here")
     parser.add_argument("--keep", type=Path, default=None, help="keep the work folders here")
     args = parser.parse_args(argv)
@@ -306,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     try:
         hpref_pairs, trl_pairs, model_dir, kept = prepare_pairs(
-            args.data, args.pairs, args.max_length, args.batch, root
+            args.data, args.pairs, args.max_length, args.batch, root, args.policy
         )
+        width = json.loads((Path(model_dir) / "config.json").read_text())["hidden_size"]
         if kept < args.batch * args.steps:
             parser.error(f"only {kept} pairs fit --max-length {args.max_length}; need batch x steps")
         results: dict[str, list[dict]] = {n: [] for n in names}
@@ -331,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                     file=sys.stderr,
                 )
-        text = report(args, results, kept)
+        text = report(args, results, kept, width)
         print(text)
         if args.out is not None:
             args.out.write_text(text)

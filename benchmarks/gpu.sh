@@ -153,7 +153,7 @@ fi
 import sys
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from hpref.rl.policy import policy_folder
+from hpref.models.causal_lm import policy_folder
 from hpref.recipe.rl import PolicyModelConfig
 
 folder = sys.argv[1]

@@ -272,8 +272,9 @@ def run_trl_online_dpo(spec: dict[str, Any]) -> dict[str, Any]:
 
 def hpref_overrides(prompts_per_update: int) -> list[str]:
     """`hpref rl rl-smollm2 --set ...` for online DPO on TRL's terms: every policy's algorithm standard
-    DPO at `BETA`, answers in pairs, `prompts_per_update` prompts per rollout (the recipe's kl_coef is
-    GRPO's and unused; its measure_kl reports the KL to the start, which DPO computes anyway)."""
+    DPO at `BETA`, answers in pairs, `prompts_per_update` prompts per rollout (this table replaces
+    the recipe's GRPO one, kl_coef and measure_kl with it: DPO keeps its reference and reports the
+    KL anyway)."""
     algorithm = f'{{ name = "online-dpo", loss_type = "{LOSS_TYPE}", beta = {BETA} }}'
     settings = [
         f"rl.defaults.algorithm={algorithm}",

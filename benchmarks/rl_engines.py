@@ -46,7 +46,7 @@ def worker(name: str, rollouts: int, threads: int, policy: str | None = None) ->
     """In this process: build the engine, then time `rollouts` rollouts (the first is a warm-up)."""
     from hpref.recipe.rl import PolicyModelConfig, RLConfig, resolve_rl_components
     from hpref.rl.engines.host import EngineHost
-    from hpref.rl.rollout.executor import build_prompt_source
+    from hpref.rl.rollout.prompts import build_prompt_source
 
     engine_name, settings = CONTENDERS[name]
     rl = RLConfig.model_validate(
@@ -68,7 +68,7 @@ def worker(name: str, rollouts: int, threads: int, policy: str | None = None) ->
         t = time.perf_counter()
         out = host.generate(prompts, GROUP, NEW_TOKENS, TEMPERATURE, seed=i)
         wall = time.perf_counter() - t
-        rows.append({"wall_s": wall, "tokens": out["tokens"], "tokens_per_s": out["tokens"] / wall})
+        rows.append({"wall_s": wall, "tokens": out.tokens, "tokens_per_s": out.tokens / wall})
     timed = rows[1:]
     return {
         "contender": name,

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import vllm  # noqa: F401
 
-        from hpref.rl.engines.vllm_engine import VLLMEngineConfig
+        from hpref.rl.engines.vllm_config import VLLMEngineConfig
 
         engine_config, engine_name, gpus = (
             VLLMEngineConfig(num_gpus=0.5, gpu_memory_utilization=0.3),
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [("Write a short poem about the sea.",), ("Explain gradient descent to a child.",)] * 4
     start = time.perf_counter()
     generated = ray.get(engine.generate.remote(prompts, 4, 128, 1.0, 0, 0))
-    engine_tps = generated["tokens"] / (time.perf_counter() - start)
+    engine_tps = generated.tokens / (time.perf_counter() - start)
     trained = []
     for update in range(args.updates):
         r = rollout(update)

@@ -32,11 +32,15 @@ PROMPTS = "../shared/data/hh-rlhf-helpful-base-test.jsonl.gz"
 POLICIES = {
     "tiny": ({}, {"name": "synthetic"}),
     "smollm2-full": (
-        {"model": {"name": "smollm2"}, "kl_coef": 0.04, "measure_kl": True},
+        {"model": {"name": "smollm2"}, "algorithm": {"name": "grpo", "kl_coef": 0.04, "measure_kl": True}},
         {"name": "pairwise", "path": PROMPTS, "max_prompt_chars": 1000},
     ),
     "smollm2-lora": (
-        {"model": {"name": "smollm2"}, "kl_coef": 0.04, "measure_kl": True, "lora": {"r": 16, "alpha": 32}},
+        {
+            "model": {"name": "smollm2"},
+            "algorithm": {"name": "grpo", "kl_coef": 0.04, "measure_kl": True},
+            "lora": {"r": 16, "alpha": 32},
+        },
         {"name": "pairwise", "path": PROMPTS, "max_prompt_chars": 1000},
     ),
 }
@@ -56,7 +60,7 @@ class EngineProbe:
 
     def generate(self, prompts, group_size, max_new_tokens):
         out = self.engine.generate(prompts, group_size, max_new_tokens, 1.0)
-        return max(len(c) for c in out["completions"])
+        return max(len(c) for c in out.completions)
 
     def peak(self) -> int:
         return peak_bytes()
@@ -74,12 +78,12 @@ def rollout_rows(rollout_id: int, prompt: int, answers: int, groups: int, group:
 def measure(which: str, rollouts: int, threads: int, baseline: int) -> list[tuple[str, float, float, str]]:
     import ray
 
+    from hpref.models.causal_lm import encode_prompt, policy_tokenizer
     from hpref.models.precision import cpu_has_fast_bf16
     from hpref.recipe.rl import parse_rl_section
     from hpref.rl.plan.memory import engine_memory, model_shape, trainer_memory
     from hpref.rl.plan.table import prompt_lengths
-    from hpref.rl.policy import encode_prompt, policy_tokenizer
-    from hpref.rl.rollout.executor import build_prompt_source
+    from hpref.rl.rollout.prompts import build_prompt_source
     from hpref.rl.trainer.actor import TrainerActor
 
     policy_table, prompts_table = POLICIES[which]

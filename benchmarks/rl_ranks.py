@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "model": model,
             "lr": 2e-5,
-            "measure_kl": True,
+            "algorithm": {"name": "grpo", "measure_kl": True},
             "micro_batch_tokens": 1024,
             "reshard_after_forward": not args.keep_gathered,
             **({"lora": {"r": 16, "alpha": 32}} if args.lora else {}),

@@ -203,7 +203,7 @@ def hpref_result(run: Path, policies: str, rollouts: int, measured: dict) -> dic
 
 def recipe_defaults() -> dict:
     """The shipped recipe's policy defaults: TRL trains at the same learning rate and KL coefficient
-    (TRL's `beta`: its k3 KL to the reference in the loss, as hpref's `kl_coef`)."""
+    (TRL's `beta`: its k3 KL to the reference in the loss, as GRPO's `kl_coef` in `algorithm`)."""
     import tomllib
 
     return tomllib.loads(RECIPE.read_text())["rl"]["defaults"]
@@ -234,7 +234,7 @@ def run_trl(name: str, rollouts: int, reward: Path, work: Path, dpo_prompts: int
         "max_new_tokens": 64,
         "temperature": 1.0,
         "lr": float(recipe_defaults()["lr"]),
-        "beta": float(recipe_defaults().get("kl_coef", 0.0)),
+        "beta": float(recipe_defaults().get("algorithm", {}).get("kl_coef", 0.0)),
         "lora": {
             "r": 16,
             "alpha": 32,

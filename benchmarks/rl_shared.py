@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.rl_shared [--rollouts 3] [--rounds 2]
         [--runs alone,shared-2,separate-2,shared-4] [--engine-adapters 1,2,4]
-        [--reward DIR] [--work DIR] [--out FILE]
+        [--reward DIR] [--work DIR] [--out FILE] [--policy DIR] [--prompts FILE] [--ray-address ADDR]
 
 Two parts, both on SmolLM2-135M-Instruct with the shipped recipe's LoRA (r 16, alpha 32, every block
 linear), HH-RLHF helpful-base prompts from ../shared, 8 prompts x 4 answers of at most 64 tokens:
@@ -24,6 +24,12 @@ linear), HH-RLHF helpful-base prompts from ../shared, 8 prompts x 4 answers of a
   its own (`merged`: LoRA folded into the weights, what `share_base = false` serves).
 
 The machine must be otherwise quiet: no tests, no helper sessions, no other training.
+
+The suite's smoke run (tests/rl/test_rl_shared_benchmark.py) takes both parts through the same code
+in seconds: `--policy` a config-built tiny Llama's folder instead of SmolLM2, `--prompts` a few toy
+prompts instead of ../shared's, `--reward` a tiny reward export, and `--ray-address` the suite's Ray
+cluster (each run joins it instead of starting its own; a run's memory is then its driver's alone,
+as the actors live in the cluster's processes).
 """
 
 from __future__ import annotations
@@ -73,14 +79,28 @@ GPU_SETTINGS = (
 )
 
 
-def run_hpref(name: str, round_: int, rollouts: int, reward: Path, work: Path, gpu: bool = False) -> dict:
+def run_hpref(
+    name: str,
+    round_: int,
+    rollouts: int,
+    reward: Path,
+    work: Path,
+    gpu: bool = False,
+    *,
+    policy: str | None = None,
+    prompts: Path = HELPFUL,
+    ray_address: str | None = None,
+) -> dict:
+    """One `hpref rl` run of `name` (`run_args`), timed; `policy`: a causal-LM folder for every
+    policy instead of the recipe's SmolLM2; `ray_address`: a Ray cluster to join instead of a local one."""
     policies, sets = run_args(name)
     sets += list(GPU_SETTINGS) if gpu else []
+    sets += [f'rl.defaults.model={{ path = "{policy}" }}'] if policy else []
     folder = f"{name}-r{round_}"
     cmd = [
         hpref_bin(), "rl", str(RECIPE), "--policies", ",".join(policies),
         "--set", f'run.output_dir="{work}"', "--set", f'run.name="{folder}"',
-        "--set", f'rl.prompts.path="{HELPFUL}"', "--set", f'rl.reward.path="{reward}"',
+        "--set", f'rl.prompts.path="{prompts}"', "--set", f'rl.reward.path="{reward}"',
         # the scorer only scores evals, and these runs have none: the training reward stands in
         "--set", f'rl.eval_scorer.path="{reward}"',
         "--set", f"rl.num_rollouts={rollouts}", "--set", "rl.eval_interval=0",
@@ -88,9 +108,11 @@ def run_hpref(name: str, round_: int, rollouts: int, reward: Path, work: Path, g
     ]  # fmt: skip
     for setting in sets:
         cmd += ["--set", setting]
+    cmd += ["--ray-address", ray_address] if ray_address else []
     measured = run_measured(cmd, work / f"{folder}.log", timeout=3 * 3600)
     if measured["rc"] != 0:
-        raise SystemExit(f"{folder} failed: see {measured['log']}")
+        last = Path(measured["log"]).read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise SystemExit(f"{folder} failed ({last[0][:300]}): see {measured['log']}")
     rows = [json.loads(line) for line in (work / folder / "metrics" / "a.jsonl").read_text().splitlines()]
     times = [r["elapsed_s"] for r in rows if "loss" in r]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
@@ -106,20 +128,23 @@ def run_hpref(name: str, round_: int, rollouts: int, reward: Path, work: Path, g
     return out
 
 
-def engine_tokens(adapters: int, prompts: list, seed: int) -> dict:
+def engine_tokens(adapters: int, prompts: list, seed: int, policy: str | None = None) -> dict:
     """One rollout per adapter (8 prompts x 4 answers, up to 64 tokens) in one batch; `adapters` 0:
-    the engine of a policy of its own (its LoRA merged into the weights)."""
+    the engine of a policy of its own (its LoRA merged into the weights); `policy`: a causal-LM
+    folder instead of SmolLM2."""
     import torch
 
     from hpref.models.lm_adapters import adapter_items
     from hpref.recipe.rl import PolicyLoraSection, PolicyModelConfig
-    from hpref.rl.engines import EngineActor
+    from hpref.rl.engines.transformers_engine import EngineActor
+    from hpref.rl.rollout_types import GenerationRequest
 
     names = [f"p{i}" for i in range(adapters)]
     lora = PolicyLoraSection(r=16, alpha=32)
     adapters_of = dict.fromkeys(names, lora) or None
     # every request in one pass: what batching several adapters costs on this machine
-    engine = EngineActor("a", PolicyModelConfig(name="smollm2"), adapters=adapters_of, batch_rows=0)
+    model = PolicyModelConfig(path=policy) if policy else PolicyModelConfig(name="smollm2")
+    engine = EngineActor("a", model, adapters=adapters_of, batch_rows=0)
     generator = torch.Generator().manual_seed(seed)
     for name in names:  # adapters that differ, as trained ones do
         state = {
@@ -129,21 +154,23 @@ def engine_tokens(adapters: int, prompts: list, seed: int) -> dict:
         engine.load_weights(state, adapter=name)
         engine.commit_update(adapter=name)
     requests = [
-        dict(prompts=prompts, group_size=4, max_new_tokens=64, temperature=1.0, seed=seed + i, adapter=name)
+        GenerationRequest(
+            prompts, group_size=4, max_new_tokens=64, temperature=1.0, seed=seed + i, adapter=name
+        )
         for i, name in enumerate(names or [None])
     ]
     start = time.perf_counter()
     results = engine.generate_batch(requests)
     seconds = time.perf_counter() - start
-    tokens = sum(r["tokens"] for r in results)
+    tokens = sum(r.tokens for r in results)
     return {"adapters": adapters, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def eval_prompts(count: int = 8) -> list:
+def eval_prompts(count: int = 8, path: Path = HELPFUL) -> list:
     from hpref.recipe import load_recipe
-    from hpref.rl.rollouts import build_prompt_source
+    from hpref.rl.rollout.prompts import build_prompt_source
 
-    recipe = load_recipe(RECIPE, [f'rl.prompts.path="{HELPFUL}"'])
+    recipe = load_recipe(RECIPE, [f'rl.prompts.path="{path}"'])
     source = build_prompt_source(recipe.rl)
     return source.train_prompts(0, 0, count)
 
@@ -159,9 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--gpu", action="store_true", help="vLLM and trainer ranks on the GPU (gpu.sh)")
+    parser.add_argument("--policy", default=None, help="a causal-LM folder instead of SmolLM2")
+    parser.add_argument("--prompts", type=Path, default=HELPFUL, help="the prompt file (HH-RLHF pairs)")
+    parser.add_argument("--ray-address", default=None, help="a Ray cluster the runs join")
     args = parser.parse_args(argv)
-    if not HELPFUL.is_file():
-        print(f"skipped: the HH-RLHF files are not in {HELPFUL.parent}")
+    if not args.prompts.is_file():
+        print(f"skipped: {args.prompts} not found (the HH-RLHF prompts from ../shared)")
         return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="hpref-rl-shared-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -170,19 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     engine: dict[int, list[dict]] = {}
     once = set(filter(None, args.once.split(",")))
     counts = [int(n) for n in args.engine_adapters.split(",") if n]
-    prompts = eval_prompts() if counts else []
+    prompts = eval_prompts(path=args.prompts) if counts else []
     reward = ensure_export(args.reward, 0, work) if args.runs else args.reward
     for round_ in range(args.rounds):
         for name in filter(None, args.runs.split(",")):
             if name in once and round_ > 0:
                 continue
             print(f"round {round_}: {name} ...", flush=True)
-            got = run_hpref(name, round_, args.rollouts, reward, work, args.gpu)
+            got = run_hpref(
+                name, round_, args.rollouts, reward, work, args.gpu,
+                policy=args.policy, prompts=args.prompts, ray_address=args.ray_address,
+            )  # fmt: skip
             results.setdefault(name, []).append(got)
             per, pss = got["seconds_per_leader_rollout"], got["peak_pss_gib"]
             print(f"  {per:.1f} s / leader rollout, peak PSS {pss:.2f} GiB", flush=True)
         for n in [0, *counts] if counts else []:  # `--engine-adapters ""`: no engine part
-            got = engine_tokens(n, prompts, seed=round_)
+            got = engine_tokens(n, prompts, seed=round_, policy=args.policy)
             engine.setdefault(n, []).append(got)
             print(f"round {round_}: engine with {n or 'merged'} adapters: {got['tokens_per_s']:.1f} tokens/s")
     lines = report(results, engine, args.rollouts)

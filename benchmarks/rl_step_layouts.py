@@ -18,8 +18,9 @@ import time
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from hpref.models.causal_lm import build_policy_model
     from hpref.recipe.rl import PolicyModelConfig
-    from hpref.rl.policy import build_policy_model, completion_logprobs, group_batch, pad_batch
+    from hpref.rl.policy import completion_logprobs, group_batch, pad_batch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)

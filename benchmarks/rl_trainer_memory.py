@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "model": {"name": "smollm2"},
             "lr": 2e-4,
-            "measure_kl": True,
+            "algorithm": {"name": "grpo", "measure_kl": True},
             "lora": {"r": 16, "alpha": 32},
             "micro_batch_tokens": args.micro_batch_tokens,
         }

@@ -1,6 +1,6 @@
 """A test's process tree, read from /proc, and what it listens on: the TCP listeners (`ss -ltnp`) of
 a process tree, and those bound beyond loopback. The loopback checks of torchrun runs
-(test_watchdog.py) and of the Ray clusters `hpref rl` starts or joins (test_actor_death.py,
+(test_watchdog.py) and of the Ray clusters `hpref rl` starts or joins (rl/control/test_stop_signals.py,
 test_cluster.py) share them, and the orphan checks of the watchdog and stop-signal tests."""
 
 from __future__ import annotations

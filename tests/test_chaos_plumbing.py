@@ -1,7 +1,7 @@
 """The chaos benchmarks' verdicts (benchmarks/chaos_train.py `verify`, benchmarks/chaos_rl.py `check`
 and `failures`) on fabricated run folders, in process: a run that compared nothing fails and says
 what it did not compare, a difference fails, and only a match passes. The real runs are the suite's
-chaos tests (tests/train/test_engine.py, tests/rl/test_chaos_rl.py) and the benchmarks themselves."""
+chaos tests (tests/train/test_engine.py, tests/rl/control/test_chaos_rl.py) and the benchmarks themselves."""
 
 from __future__ import annotations
 

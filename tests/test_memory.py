@@ -19,6 +19,15 @@ def test_onednn_cache_is_capped_unless_the_user_chose(monkeypatch):
     assert memory.cap_onednn_cache() == "1024"
 
 
+def test_ideep_cache_is_capped_unless_the_user_chose(monkeypatch):
+    """Unset: 16 (ideep's default 1,024 built matmuls, one per packed length, kept an `hpref serve`
+    replica's native memory growing ~0.8 MiB a pass). Set by the user: theirs is kept."""
+    monkeypatch.delenv(memory.IDEEP_CACHE_ENV, raising=False)
+    assert memory.cap_ideep_cache() == "16" and memory.IDEEP_CACHE_ENV == "LRU_CACHE_CAPACITY"
+    monkeypatch.setenv(memory.IDEEP_CACHE_ENV, "1024")
+    assert memory.cap_ideep_cache() == "1024"
+
+
 PROBE = """
 import torch
 from hpref import memory

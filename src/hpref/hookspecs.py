@@ -161,17 +161,19 @@ def register_rewards(register) -> None:
 
 @hookspec
 def register_engines(register) -> None:
-    """Register inference engines for `hpref rl` (`[rl.engine]`).
+    """Register inference engines for `hpref rl` (`[rl.engine]`):
+    `register(name=..., config=..., build=...)`.
 
-    `build(config, *, policy, model, env)` runs inside the engine's Ray actor and returns an object
-    with: `generate(prompts, group_size, max_new_tokens, temperature, top_k=0, seed=0, greedy=False)
-    -> dict` (`prompt_ids`, `completions` (token ids, eos included), `logprobs` (per completion
-    token, at `temperature`), `texts`, `version`, `tokens`, `seconds`); the weight-update steps
-    `begin_update(version)`, `load_weights(state_dict)`, `commit_update() -> version`,
-    `abort_update()`; and `get_version() -> int`. `model` is the policy's
-    `hpref.recipe.rl.PolicyModelConfig` (its `path` is a transformers folder, e.g. the warm-up
-    checkpoint); `env` holds cache/offline variables to apply. The config's `num_cpus` and
-    `num_gpus` fields, when it has them, are the actor's Ray resources.
+    `config` is a pydantic class that inherits `hpref.rl.protocols.EngineConfigBase`, so it has
+    every attribute of the `hpref.rl.protocols.EngineConfig` protocol (the Ray resources of the
+    engine's actor, the dtype the plan counts, whether it serves a shared base's adapters, the
+    sampling knobs it takes, its checks before any actor starts) with a default, and overrides
+    those it has. `build(config, *, policy, model, env)` (and `adapters=` on a shared base) runs
+    inside the engine's Ray actor and returns an `hpref.rl.protocols.Engine`: `generate` and
+    `generate_batch` answer with `hpref.rl.rollout_types.Generation`s, `generate_batch` takes
+    `GenerationRequest`s, and the weight-update steps, the weight channel and sleep / wake are as
+    that protocol says. `model` is the policy's `hpref.recipe.rl.PolicyModelConfig` (its `path` is
+    a transformers folder, e.g. the warm-up checkpoint); `env` holds cache/offline variables to apply.
     """
 
 

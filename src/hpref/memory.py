@@ -31,6 +31,22 @@ def cap_onednn_cache() -> str:
     return os.environ.setdefault(ONEDNN_CACHE_ENV, ONEDNN_CACHE_DEFAULT)
 
 
+#: ideep (PyTorch's C++ wrapper of oneDNN, which runs bf16 matmuls on the CPU) keeps its own cache
+#: of built matmul primitives, one per input shape, up to this many (ideep's default: 1,024); it is
+#: read when the cache is first used, so it too must be set before the first matmul
+IDEEP_CACHE_ENV = "LRU_CACHE_CAPACITY"
+IDEEP_CACHE_DEFAULT = "16"
+
+
+def cap_ideep_cache() -> str:
+    """Bound ideep's per-shape matmul cache (the user's own setting wins); returns the value. For a
+    `hpref serve` replica, whose every packed pass has a new token count: uncapped, its live native
+    memory grew ~0.8 MiB a pass for hundreds of passes (MiniLM reward, bf16; `python -m
+    benchmarks.serve_replica_memory`); 16 entries hold one pass's few shapes (QKV, FFN up and
+    down), so a pass still reuses them layer after layer."""
+    return os.environ.setdefault(IDEEP_CACHE_ENV, IDEEP_CACHE_DEFAULT)
+
+
 @functools.cache
 def _malloc_trim():
     """glibc's `malloc_trim`, or None on a C library without it (musl, macOS)."""

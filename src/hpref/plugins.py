@@ -83,16 +83,9 @@ class Component:
     def parameters(self) -> list[dict[str, Any]]:
         """Name, type, default, whether required, and description of each parameter, from the config
         schema. A required parameter has no default (`default` None, `required` True), so a string
-        default can never be mistaken for the marker. A config's `policy_keys` (name -> field) are
-        settings the component reads from its policy's table instead (GRPO's `advantage`, `kl_coef`,
-        ...): listed too, under their recipe keys."""
+        default can never be mistaken for the marker."""
         rows = []
-        policy_keys = getattr(self.config, "policy_keys", {})
-        fields = [
-            *self.config.model_fields.items(),
-            *((f"rl.policies.<id>.{k}", v) for k, v in policy_keys.items()),
-        ]
-        for pname, info in fields:
+        for pname, info in self.config.model_fields.items():
             required = info.is_required()
             rows.append(
                 {

@@ -33,7 +33,7 @@ def recipe(run_dir, b_ranks=1, **rl_over):
         "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 6},
         "reward": {"name": "rule"},
         "defaults": {"model": TINY, "lr": 1e-3},
-        "policies": {"a": {}, "b": {"model": {"seed": 1}, "kl_coef": 0.05, "ranks": b_ranks}},
+        "policies": {"a": {}, "b": {"model": {"seed": 1}, "algorithm": {"kl_coef": 0.05}, "ranks": b_ranks}},
         "eval_interval": 3,
         "save_interval": 1,
         "keep_last": 1,

@@ -14,7 +14,16 @@ import pytest
 
 from hpref.plugins import load_plugins
 from hpref.recipe.rl import PolicyConfig
-from hpref.rl.protocols import Algorithm, Engine, GroundTruthReward, PairJudge, Reward, TrainerBackend
+from hpref.rl.protocols import (
+    Algorithm,
+    Engine,
+    EngineConfig,
+    EngineConfigBase,
+    GroundTruthReward,
+    PairJudge,
+    Reward,
+    TrainerBackend,
+)
 from hpref.rl.trainer.backends import trainer_backend
 
 
@@ -95,6 +104,58 @@ def test_builtin_engines_are_engines():
     assert isinstance(engine, Engine)
     _check_class(EngineActor, Engine)
     _check_class(EngineHost, Engine)  # the Ray actor around any engine forwards each method
+
+
+def test_engine_configs_declare_what_placement_and_plan_read_and_a_plugins_gets_the_defaults():
+    """Wrong if the `EngineConfig` protocol lost an attribute the placement, plan, shared-base checks
+    or executor read, if a built-in engine's config did not satisfy it or changed a value those read
+    (the transformers engine: CPU, float32, passes of 32 answers; vLLM: its own batches), or if a
+    plugin's config inheriting `EngineConfigBase` did not get what a config without them got before
+    the protocol (0.25 CPUs, no GPU, float32, no passes, no adapters, no knobs, no checks)."""
+    from types import SimpleNamespace
+
+    from hpref.recipe.rl_sampling import KNOBS_OFF
+    from hpref.rl.engines.transformers_engine import TransformersEngineConfig
+    from hpref.rl.engines.vllm_config import VLLMEngineConfig
+    from hpref.rl.placement.resources import engine_resources
+
+    attributes = {"serves_adapters", "sampling_knobs", "num_cpus", "num_gpus", "dtype", "batch_rows"}
+    assert set(EngineConfig.__annotations__) == attributes
+    assert set(_protocol_methods(EngineConfig)) == {"check_policies", "check_adapters"}
+
+    class PluginConfig(EngineConfigBase):
+        suffix: str = "!"
+
+    # vLLM's config checks at validation that vLLM is installed: built unvalidated, its defaults
+    built = [TransformersEngineConfig(), VLLMEngineConfig.model_construct(), PluginConfig()]
+    for config in built:
+        assert isinstance(config, EngineConfig), type(config).__name__
+        _check_class(type(config), EngineConfig)
+    read = [
+        (
+            c.serves_adapters,
+            c.sampling_knobs,
+            engine_resources(SimpleNamespace(engine_config=c)),
+            c.dtype,
+            c.batch_rows,
+        )
+        for c in built
+    ]
+    knobs = frozenset(KNOBS_OFF)
+    assert read == [
+        (True, knobs, (0.25, 0.0), "float32", 32),
+        (True, knobs, (0.25, 0.0), "bfloat16", 0),
+        (False, frozenset(), (0.25, 0.0), "float32", 0),
+    ]
+    assert PluginConfig().check_policies(None, ["a"], "r.toml") is None
+    assert PluginConfig().check_adapters(None, ["a", "b"], "r.toml") is None
+    assert set(TransformersEngineConfig.model_fields) == {
+        "threads",
+        "batch_rows",
+        "num_cpus",
+        "share_prefill",
+        "prefill_precision",
+    }  # a recipe sets these and nothing else: dtype and num_gpus are not the transformers engine's
 
 
 def test_an_object_without_the_weight_updates_is_not_an_engine():

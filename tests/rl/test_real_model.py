@@ -134,7 +134,7 @@ def run(reward_export, tmp_path_factory, ray_cluster):
     recipe = str(several_rewards_recipe(out))
     features = [
         "--set", "rl.rollout.top_p=0.95", "--set", f"rl.rollout.repetition_penalty={PENALTY}",
-        "--set", 'rl.policies.b.advantage="rloo"',
+        "--set", 'rl.policies.b.algorithm.advantage="rloo"',
         "--ray-address", ray.get_runtime_context().gcs_address,
     ]  # fmt: skip
     stop = ["--set", "rl.debug_exit_after_rollout=1"]

@@ -73,6 +73,22 @@ def test_every_endpoint_answers_with_the_scorers_numbers(server, scorer, exports
     assert info["tie_log_nu"] == pytest.approx(float(scorer.model.head.log_tie.detach()))
 
 
+def test_replicas_cap_the_per_shape_matmul_caches_before_their_first_matmul(server):
+    """Each replica bounds ideep's cache of built matmuls (`LRU_CACHE_CAPACITY`, 16 entries) and
+    oneDNN's (64) before it loads the export, a user's own values winning, and /info says what it
+    set. Wrong if a replica ran with ideep's default of 1,024: each packed pass's new token count is
+    a new shape, and a MiniLM replica then kept ~0.8 MiB more native memory a pass, its RSS growing
+    9 % from pass 25 to 80 (0 % capped; benchmarks/serve_replica_memory.py)."""
+    from hpref import memory
+
+    info = httpx.get(f"{server.url}/info", headers=server.headers, timeout=30).json()
+    # the server's environment is this process's (tests/serve/conftest.py: server_env)
+    assert info["native_caches"] == {
+        memory.ONEDNN_CACHE_ENV: os.environ.get(memory.ONEDNN_CACHE_ENV, "64"),
+        memory.IDEEP_CACHE_ENV: os.environ.get(memory.IDEEP_CACHE_ENV, "16"),
+    }
+
+
 def test_the_token_guards_everything_but_the_probes(server):
     """Wrong if a request without the token, or with a wrong one, were scored; or if the health
     probes (which load balancers send without credentials) needed it. Clients that cannot send a

@@ -163,11 +163,12 @@ def build_hf_classifier(
 ) -> PreferenceModel:
     """Any transformers backbone (local folder or HF cache, decoder or encoder) with a fresh head."""
     from hpref.errors import UserError
-    from hpref.models.hf import build_from_folder, is_export, load_exported, resolve_backbone_path
+    from hpref.exports.layout import is_export_folder
+    from hpref.models.hf import build_from_folder, load_exported, resolve_backbone_path
 
     folder = resolve_backbone_path(config.path, config.revision)
     if config.keep_head:
-        if not is_export(folder):
+        if not is_export_folder(folder):
             raise UserError(f"keep_head = true needs an hpref model export, and '{folder}' is not one")
         return load_exported(
             folder,

@@ -31,7 +31,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hpref.builtin.remote_reward import RemoteConfig, build_remote
-from hpref.builtin.scoring import export_problem, pairwise_rewards
+from hpref.builtin.scoring import pairwise_rewards
+from hpref.exports.layout import export_problem
 from hpref.hookspecs import hookimpl
 
 Prompt = tuple[str, ...]

@@ -25,7 +25,6 @@ this module.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,56 +33,12 @@ from typing import Any
 
 from hpref.data.prompts import battle_with_answers
 from hpref.data.records import Battle
+from hpref.exports.layout import export_problem, export_settings
 from hpref.protocols import Formatter, PreferenceModel
 
 Prompt = tuple[str, ...]
-#: written by `PreferenceModel.save_pretrained` (`hpref.models.preference.EXPORT_JSON`) and by `hpref
-#: save` (`hpref.save.export`, with the model card); named here so reading them needs no torch
-MODEL_JSON = "hpref_model.json"
-CHECKPOINT_JSON = "hpref_checkpoint.json"
-MODEL_CARD = "README.md"
 #: a judge's default formatter when the export does not name one (a reward model always uses "answers")
 DEFAULT_JUDGE_FORMATTER = "pab"
-
-
-def card_metrics(card: str) -> dict[str, Any]:
-    """The eval metrics `model_card` wrote into a card's "## Eval metrics" table (numbers as numbers),
-    for readers of an export (`hpref serve`'s /info); {} when it has none."""
-    section = card.partition("## Eval metrics")[2].partition("\n## ")[0]
-    out: dict[str, Any] = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 2 or cells[0] in ("metric", "") or set(cells[0]) <= {"-"}:
-            continue
-        try:
-            out[cells[0]] = int(cells[1]) if cells[1].lstrip("-").isdigit() else float(cells[1])
-        except ValueError:
-            out[cells[0]] = cells[1]
-    return out
-
-
-def export_problem(path: str | Path) -> str | None:
-    """Why `path` is not an `hpref save` export on this machine, or None."""
-    folder = Path(path).expanduser()
-    if not (folder / MODEL_JSON).is_file():
-        return (
-            f"no exported preference model at {path} (make one with `hpref train` then "
-            "`hpref save RUN_DIR --to DIR`)"
-        )
-    return None
-
-
-def export_settings(path: str | Path) -> dict[str, Any]:
-    """What the export says about itself: `hpref_model.json` (head, pooling, tie parameter, ...)
-    merged with `hpref save`'s `hpref_checkpoint.json` (formatter, max_length, step, dtype) when
-    present (a folder written by `save_pretrained` alone has only the first)."""
-    folder = Path(path).expanduser()
-    settings: dict[str, Any] = {}
-    for name in (MODEL_JSON, CHECKPOINT_JSON):
-        file = folder / name
-        if file.is_file():
-            settings.update(json.loads(file.read_text(encoding="utf-8")))
-    return settings
 
 
 def softmax(row: Sequence[float]) -> tuple[float, ...]:

@@ -1,14 +1,13 @@
 """Reading an adapter export back (`hpref save --adapter`): the base model its folder names, PEFT's
 adapter loaded into it, hpref's head. `hpref eval --checkpoint FOLDER` and Python callers use it.
 
-The folder is written by `hpref.models.adapters.save_adapter`; this side needs the component registry
-(the base is a `[model]` section) and the export's remote-code check, so it lives with evaluation,
-not with the models.
+The folder is written by `hpref.models.adapters.save_adapter` and read by `hpref.exports` (its
+files, `hpref_adapter.json` checked, remote code refused); building the base needs the component
+registry (the base is a `[model]` section), so the model is rebuilt here, with evaluation.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,22 +15,10 @@ import torch
 from loguru import logger
 
 from hpref.errors import UserError
-from hpref.models.adapters import (
-    ADAPTER_FORMAT,
-    ADAPTER_JSON,
-    PEFT_CONFIG_FILE,
-    PEFT_WEIGHTS_FILE,
-    QUANTIZE_KEY,
-    attach_adapter,
-    quiet_peft,
-    require_peft,
-)
+from hpref.exports.files import read_head_state
+from hpref.exports.layout import ADAPTER_JSON, HEAD_FILE, QUANTIZE_KEY, read_adapter_meta
+from hpref.models.adapters import attach_adapter, quiet_peft, require_peft
 from hpref.plugins import load_plugins
-from hpref.recipe import remote_code_keys
-
-
-def is_adapter_export(folder: str | Path) -> bool:
-    return (Path(folder) / ADAPTER_JSON).is_file()
 
 
 def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu") -> Any:
@@ -41,33 +28,12 @@ def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu
     PEFT loads the adapter into it (`PeftModel.from_pretrained`, safetensors only); a QLoRA adapter's
     base (`quantize_base = "4bit"` in the pointer) is quantised first, as in training. That section came
     with the folder, so it may not turn on remote code (as for a run folder's recipe)."""
-    from safetensors.torch import load_file
-
     require_peft()
     from peft import PeftModel
 
     folder = Path(folder)
-    try:
-        meta = json.loads((folder / ADAPTER_JSON).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{folder / ADAPTER_JSON}: unreadable ({exc})") from None
-    if (
-        not isinstance(meta, dict)
-        or meta.get("format") != ADAPTER_FORMAT
-        or not isinstance(meta.get("base"), dict)
-    ):
-        raise UserError(
-            f"{folder / ADAPTER_JSON}: not an hpref adapter description (format {ADAPTER_FORMAT})"
-        )
-    for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, "head.safetensors"):
-        if not (folder / name).is_file():
-            raise UserError(f"{folder}: no {name}; not a complete adapter export")
+    meta = read_adapter_meta(folder)  # the format, the files and no remote code, checked
     base = dict(meta["base"])
-    if remote_code_keys(base):
-        raise UserError(
-            f"{folder / ADAPTER_JSON}: base.trust_remote_code = true: a folder being loaded may not enable "
-            "remote code"
-        )
     quantize_base = str(base.pop(QUANTIZE_KEY, "none"))
     registry = load_plugins()
     name = base.pop("name", None)
@@ -89,12 +55,12 @@ def load_adapter_export(folder: str | Path, *, device: str | torch.device = "cpu
             f"{folder}: the adapter does not fit its base model ({str(exc).splitlines()[0]})"
         ) from None
     attach_adapter(model, peft_model, meta.get("lora", {}))
-    head = {k.removeprefix("head."): v for k, v in load_file(str(folder / "head.safetensors")).items()}
+    head = read_head_state(folder)
     try:
         model.head.load_state_dict({k: v.float() for k, v in head.items()}, strict=True)
     except RuntimeError as exc:
         raise UserError(
-            f"{folder / 'head.safetensors'}: does not fit the base's head ({str(exc).splitlines()[0]})"
+            f"{folder / HEAD_FILE}: does not fit the base's head ({str(exc).splitlines()[0]})"
         ) from None
     model.to(torch.float32).to(device)
     model.eval()

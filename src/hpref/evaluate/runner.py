@@ -22,6 +22,7 @@ from loguru import logger
 
 from hpref.data.records import Battle
 from hpref.errors import UserError
+from hpref.exports.layout import is_adapter_export, is_export_folder
 from hpref.prediction.evaluation import evaluate_battles
 from hpref.protocols import Formatter, PreferenceModel
 from hpref.runfolder.layout import EVAL, EVAL_PREDICTIONS
@@ -31,12 +32,6 @@ if TYPE_CHECKING:
 
     from hpref.evaluate.request import EvalRequest
     from hpref.recipe import Recipe
-
-
-def is_export_folder(path: Path) -> bool:
-    from hpref.models.preference import EXPORT_JSON
-
-    return (Path(path) / EXPORT_JSON).is_file()
 
 
 def load_model(source: str | Path, recipe: Recipe | None = None, *, device: Any = "cpu") -> PreferenceModel:
@@ -137,7 +132,7 @@ def _rank() -> int:
 
 def _predict_with_model(request: EvalRequest, battles: list[Battle] | None, *, device: str):
     from hpref.components import Components
-    from hpref.evaluate.adapter_export import is_adapter_export, load_adapter_export
+    from hpref.evaluate.adapter_export import load_adapter_export
     from hpref.prediction.files import Predictions
     from hpref.recipe import load_recipe
 

@@ -27,7 +27,8 @@ plain `PreferenceModel` again, and `save_pretrained` writes today's format. `sav
 PEFT's own adapter folder (`adapter_config.json`, `adapter_model.safetensors`: loadable by
 `peft.PeftModel.from_pretrained(AutoModel.from_pretrained(base), folder)`) plus hpref's head and
 `hpref_adapter.json`, which names the base model (the recipe's `[model]` section) so that
-`hpref.evaluate.adapter_export.load_adapter_export` rebuilds base + adapter + head.
+`hpref.evaluate.adapter_export.load_adapter_export` rebuilds base + adapter + head (the files:
+`hpref.exports`).
 
 QLoRA. With `quantize_base = "4bit"` the targeted block linears are quantised to bitsandbytes NF4
 before PEFT wraps them (`hpref.models.quantize`), on a materialised model; merged exports fold the
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -56,16 +56,13 @@ from loguru import logger
 from torch import nn
 
 from hpref.errors import UserError, did_you_mean
+from hpref.exports.layout import QUANTIZE_KEY
 from hpref.models.preference import PreferenceModel
 
 if TYPE_CHECKING:
     from hpref.recipe import LoraSection
 
 ADAPTER = "default"  # PEFT's adapter name; hpref trains one adapter per model
-PEFT_CONFIG_FILE = "adapter_config.json"
-PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_JSON = "hpref_adapter.json"
-ADAPTER_FORMAT = 1
 _STATE_ATTR = "_hpref_lora"  # in the model's __dict__: a plain attribute, not a registered submodule
 
 # PEFT's wrappers add these segments to a wrapped module's keys; without them a key is the base's
@@ -375,10 +372,6 @@ def merge_lora(model: nn.Module) -> None:
     model._backbone_state = state.plain_backbone_state
 
 
-#: the key `base_pointer` adds for a QLoRA base (not a `[model]` parameter: readers pop it)
-QUANTIZE_KEY = "quantize_base"
-
-
 def base_pointer(recipe: Any) -> dict[str, Any]:
     """What names the frozen base weights a LoRA checkpoint or adapter export leaves out: the
     recipe's resolved `[model]` section (component and parameters), plus `quantize_base` for a
@@ -391,30 +384,25 @@ def base_pointer(recipe: Any) -> dict[str, Any]:
 
 
 def save_adapter(model: PreferenceModel, folder: Path, *, base: dict[str, Any], dtype: torch.dtype) -> None:
-    """PEFT's adapter folder for the backbone, plus hpref's head, tokenizer and `hpref_adapter.json`."""
-    from safetensors.torch import save_file
+    """PEFT's adapter folder for the backbone, plus hpref's head, tokenizer and `hpref_adapter.json`
+    (`hpref.exports.files.write_adapter_export`)."""
+    from hpref.exports.files import write_adapter_export
 
     state = lora_state(model)
     if state is None:
         raise UserError("--adapter: the model has no LoRA adapters (the recipe has no [lora] section)")
-    folder = Path(folder)
-    if dtype != torch.float32:
-        state.peft.to(dtype)
-    state.peft.save_pretrained(str(folder), safe_serialization=True)
-    head = {f"head.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in model.head.state_dict().items()}
-    save_file(head, str(folder / "head.safetensors"), metadata={"format": "pt"})
-    model.tokenizer.save_pretrained(folder)
-    meta = {
-        "format": ADAPTER_FORMAT,
-        "base": base,
-        "num_labels": model.num_labels,
-        "pooling": model.pooling,
-        "head": model.head_kind,
-        "lora": state.settings,
-    }
-    if model.head_kind == "reward":
-        meta["tie_log_nu"] = float(model.head.log_tie.detach().float().reshape(()))
-    (folder / ADAPTER_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    write_adapter_export(
+        Path(folder),
+        state.peft,
+        model.head.state_dict(),
+        tokenizer=model.tokenizer,
+        dtype=dtype,
+        base=base,
+        num_labels=model.num_labels,
+        pooling=model.pooling,
+        head_kind=model.head_kind,
+        lora=state.settings,
+    )
 
 
 def attach_adapter(model: PreferenceModel, peft_model: Any, settings: dict[str, Any]) -> LoraState:

@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from hpref.errors import UserError, did_you_mean
+from hpref.exports.files import read_head_state
+from hpref.exports.layout import read_export_meta
 from hpref.models.attention import register_varlen_attention
-from hpref.models.preference import EXPORT_FORMAT, EXPORT_JSON, HEAD_FILE, PreferenceModel, is_causal_backbone
+from hpref.models.preference import PreferenceModel, is_causal_backbone
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -378,10 +380,6 @@ def finish(model: PreferenceModel, *, device: str | torch.device, meta: bool) ->
     return model
 
 
-def is_export(folder: Path) -> bool:
-    return (folder / EXPORT_JSON).is_file()
-
-
 def load_exported(
     folder: Path,
     *,
@@ -399,31 +397,7 @@ def load_exported(
     `num_labels`, when given, must match the saved head (a 3-way head cannot score a 2-way task);
     `head`, when given, must be the saved head's kind (judge or reward).
     """
-    meta_file = folder / EXPORT_JSON
-    if not meta_file.is_file():
-        raise UserError(f"'{folder}' is not an hpref model export (no {EXPORT_JSON})")
-    info = json.loads(meta_file.read_text())
-    if info.get("format") != EXPORT_FORMAT:
-        raise UserError(
-            f"'{folder}' has export format {info.get('format')}; this hpref reads {EXPORT_FORMAT}"
-        )
-
-    if num_labels is not None and int(info["num_labels"]) != num_labels:
-        raise UserError(
-            f"the head saved in '{folder}' has {info['num_labels']} labels, the run needs {num_labels}"
-        )
-
-    saved_head = info.get("head", "judge")
-    if head is not None and head != saved_head:
-        raise UserError(
-            f"the head saved in '{folder}' is a {saved_head} head, the recipe asks for head = '{head}'"
-        )
-
-    def head_state() -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        return {k.removeprefix("head."): v for k, v in load_file(str(folder / HEAD_FILE)).items()}
-
+    info = read_export_meta(folder, num_labels=num_labels, head=head)
     return build_from_folder(
         folder,
         num_labels=int(info["num_labels"]),
@@ -436,10 +410,10 @@ def load_exported(
         seed=int(info["seed"]),
         trust_remote_code=trust_remote_code,
         provenance={"exported": info.get("provenance", {}), "folder": str(folder)},
-        head_state=head_state,
+        head_state=lambda: read_head_state(folder),
         backbone_config=backbone_config,
         backbone_dropout=backbone_dropout,
-        head=saved_head,
+        head=info.get("head", "judge"),
     )
 
 

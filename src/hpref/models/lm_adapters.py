@@ -174,7 +174,7 @@ def save_adapter_folder(peft_model: Any, adapter: str, folder: Any, state: dict[
 
     from safetensors.torch import save_file
 
-    from hpref.models.adapters import PEFT_WEIGHTS_FILE
+    from hpref.exports.layout import PEFT_WEIGHTS_FILE
 
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)

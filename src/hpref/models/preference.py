@@ -32,13 +32,12 @@ reward  a scalar reward model: each example is two sequences (A's conversation, 
         checkpoints see one example = one battle with 3 logits, as with a judge. `save_pretrained`
         writes the backbone and `score` in the layout of transformers' sequence-classification model
         with one label (TRL loads it; OpenRLHF a decoder's), or, mean-pooled, as a sentence-
-        transformers model (`hpref.models.sentence_export`); nu goes in hpref_model.json.
+        transformers model; nu goes in hpref_model.json (the format: `hpref.exports`).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -60,10 +59,6 @@ if TYPE_CHECKING:
 
 Pooling = Literal["last", "first", "mean"]
 Head = Literal["judge", "reward"]
-EXPORT_FORMAT = 1
-EXPORT_JSON = "hpref_model.json"
-HEAD_FILE = "head.safetensors"
-BACKBONE_FILE = "model.safetensors"
 
 StateFactory = Callable[[], dict[str, torch.Tensor]]
 
@@ -404,7 +399,7 @@ class PreferenceModel(nn.Module):
         is sharded (gather it with `get_model_state_dict(full_state_dict=True, cpu_offload=True)` and
         save on rank 0). Without it the module's own state dict is used.
         """
-        from safetensors.torch import save_file
+        from hpref.exports.files import sequence_classifier, write_export
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -419,68 +414,36 @@ class PreferenceModel(nn.Module):
         unknown = set(state_dict) - {f"backbone.{k}" for k in backbone} - set(head)
         if unknown:
             raise ValueError(f"state dict keys outside backbone./head.: {sorted(unknown)[:5]}")
-
-        def plain(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-
         config = self.backbone_config
         if self.exports_sequence_classifier:
-            backbone, config = self._sequence_classification(backbone, head)
-        save_file(plain(backbone), str(folder / BACKBONE_FILE), metadata={"format": "pt"})
-        save_file(plain(head), str(folder / HEAD_FILE), metadata={"format": "pt"})
-        config.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
-        meta = {
-            "format": EXPORT_FORMAT,
-            "num_labels": self.num_labels,
-            "pooling": self.pooling,
-            "head": self.head_kind,
-            "head_hidden_size": self.head_hidden_size,
-            "head_dropout": self.head_dropout,
-            "seed": self.seed,
-            "provenance": self.provenance,
-        }
-        if self.reward_layout is not None:
-            meta["tie_log_nu"] = float(head["head.log_tie"].float().reshape(()))
-        if self.reward_layout is not None and self.pooling == "mean":
-            from hpref.models.sentence_export import write_sentence_transformers_layout
-
-            score = {k.removeprefix("head.score."): v for k, v in head.items() if k.startswith("head.score.")}
-            write_sentence_transformers_layout(
-                folder, score, hidden_size=config.hidden_size, max_seq_length=self.max_position_embeddings
+            assert self.reward_layout is not None
+            backbone, config = sequence_classifier(
+                backbone, head, layout=self.reward_layout, config=config, tokenizer=self.tokenizer
             )
-        (folder / EXPORT_JSON).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        return folder
+        return write_export(
+            folder,
+            backbone,
+            head,
+            config=config,
+            tokenizer=self.tokenizer,
+            num_labels=self.num_labels,
+            pooling=self.pooling,
+            head_kind=self.head_kind,
+            head_hidden_size=self.head_hidden_size,
+            head_dropout=self.head_dropout,
+            seed=self.seed,
+            provenance=self.provenance,
+            reward=self.reward_layout is not None,
+            max_seq_length=self.max_position_embeddings,
+        )
 
     @property
     def exports_sequence_classifier(self) -> bool:
         """True when `save_pretrained` writes a transformers sequence classifier with one label (a
         reward model pooled as that class pools); False for a judge and a mean-pooled reward model,
         whose folder holds the plain backbone and hpref's head (a mean-pooled reward model's is also
-        a sentence-transformers model: `hpref.models.sentence_export`)."""
+        a sentence-transformers model: `hpref.exports.sentence_transformers`)."""
         return self.reward_layout is not None and self.pooling != "mean"
-
-    def _sequence_classification(
-        self, backbone: dict[str, torch.Tensor], head: dict[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], Any]:
-        """The reward model as transformers' sequence-classification checkpoint with one label:
-        backbone keys under the base-model prefix, `head.score.*` as its scoring linear, and a config
-        naming that class (`AutoModel` still reads the backbone out of it: hpref loads it back)."""
-        import copy
-
-        layout = self.reward_layout
-        assert layout is not None
-        state = {f"{layout['prefix']}.{k}": v for k, v in backbone.items()}
-        for part in ("weight", "bias"):
-            if f"head.score.{part}" in head:
-                state[f"{layout['name']}.{part}"] = head[f"head.score.{part}"]
-        config = copy.deepcopy(self.backbone_config)
-        config.num_labels = 1
-        config.architectures = [layout["class"]]
-        if getattr(config, "pad_token_id", None) is None:
-            # a decoder's sequence classifier finds each row's last token by its padding id
-            config.pad_token_id = getattr(self.tokenizer, "pad_token_id", None)
-        return state, config
 
     @classmethod
     def from_pretrained(

@@ -42,7 +42,7 @@
     [rl.policies.a]              # ... and each policy's own table, over the defaults
     model = { seed = 1 }
     [rl.policies.b]
-    kl_coef = 0.05
+    algorithm = { name = "grpo", kl_coef = 0.05 }   # the algorithm and its settings (default: grpo)
     rollout = { temperature = 0.7 }   # only the keys in POLICY_ROLLOUT_OVERRIDES
     lora = { r = 8 }             # LoRA: only this policy's adapter trains (hpref.recipe.LoraSection)
     [rl.policies.c]
@@ -84,7 +84,7 @@ from hpref.recipe.rl_components import (
 
 # the policies' tables live in `rl_policy`; importers reach them here, with the rest of `[rl]`
 from hpref.recipe.rl_policy import POLICY_ROLLOUT_OVERRIDES as POLICY_ROLLOUT_OVERRIDES
-from hpref.recipe.rl_policy import PolicyConfig, Section
+from hpref.recipe.rl_policy import PolicyConfig, Section, refuse_grpo_keys
 from hpref.recipe.rl_policy import PolicyLoraSection as PolicyLoraSection
 from hpref.recipe.rl_policy import PolicyModelConfig as PolicyModelConfig
 from hpref.recipe.rl_policy import PolicyRolloutOverrides as PolicyRolloutOverrides
@@ -280,6 +280,7 @@ def parse_rl_section(
     defaults = data.pop("defaults", {}) or {}
     if not isinstance(defaults, dict):
         raise RecipeError(f"{where}: rl.defaults: expected a table")
+    refuse_grpo_keys(defaults, "rl.defaults", where)
     if lora is not None:
         if isinstance(lora, LoraSection):  # only the keys the recipe set, so a policy's table can add
             lora = lora.model_dump(mode="json", exclude_unset=True)
@@ -300,6 +301,7 @@ def parse_rl_section(
             )
         if not isinstance(table, dict):
             raise RecipeError(f"{where}: rl.policies.{pid}: expected a table")
+        refuse_grpo_keys(table, f"rl.policies.{pid}", where)
         try:
             policies[pid] = PolicyConfig.model_validate(_merge(defaults, table))
         except ValidationError as exc:

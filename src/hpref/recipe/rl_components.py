@@ -49,9 +49,9 @@ class EngineSection(BaseModel):
 
 class AlgorithmSection(BaseModel):
     """A policy's `algorithm`: a registered algorithm's name (`algorithm = "online-dpo"`) or a table
-    with the name and its parameters (`algorithm = { name = "online-dpo", beta = 0.1 }`). GRPO's
-    settings are the policy's own keys (`clip_low`, `kl_coef`, ...), as they were before algorithms
-    were components."""
+    with the name and its parameters (`algorithm = { name = "grpo", kl_coef = 0.04 }`,
+    `{ name = "online-dpo", beta = 0.1 }`); `[rl.defaults]`' table is merged under a policy's, key
+    by key (a plain name replaces it)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,13 +1,15 @@
 """The policies of `[rl]`: `[rl.defaults]` and each `[rl.policies.<id>]` table (`PolicyConfig`: its
-model, algorithm, optimizer, GRPO settings, rollout overrides, LoRA, trainer backend and group), which
+model, algorithm, optimizer, rollout overrides, LoRA, trainer backend and group), which
 `hpref.recipe.rl.parse_rl_section` merges and validates."""
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hpref.errors import RecipeError
 from hpref.recipe.rl_components import AlgorithmSection
 from hpref.recipe.rl_sampling import MinP, RepetitionPenalty, StopStrings, TopP
 from hpref.recipe.schema import LoraSection
@@ -24,6 +26,23 @@ POLICY_ROLLOUT_OVERRIDES = (
     "repetition_penalty",
     "stop",
 )
+
+
+#: GRPO's settings, once a policy's own keys, now its algorithm's (`hpref.rl.algorithms.grpo.GrpoConfig`,
+#: whose fields these are: tests/rl/algorithms/test_estimators.py keeps the two equal)
+GRPO_KEYS = ("advantage", "clip_low", "clip_high", "kl_coef", "measure_kl", "scale_by_std", "aggregation")
+
+
+def refuse_grpo_keys(table: dict[str, Any], key: str, where: str) -> None:
+    """A policy's table (or `[rl.defaults]`, `key` its dotted name) with one of `GRPO_KEYS`: one line
+    that names it and says where it went, rather than pydantic's "unknown key"."""
+    for name in GRPO_KEYS:
+        if name in table:
+            value = json.dumps(table[name])  # a TOML literal for the strings, numbers and booleans set
+            raise RecipeError(
+                f"{where}: {key}.{name} moved into the grpo algorithm's settings: "
+                f'algorithm = {{ name = "grpo", {name} = {value} }}'
+            )
 
 
 class Section(BaseModel):
@@ -97,7 +116,8 @@ class PolicyLoraSection(LoraSection):
 
 
 class PolicyConfig(Section):
-    """One policy: its model, optimizer, algorithm and GRPO settings."""
+    """One policy: its model, optimizer, algorithm (with its settings), rollout overrides, LoRA and
+    trainer."""
 
     model: PolicyModelConfig = Field(default_factory=PolicyModelConfig, description="the causal LM")
     algorithm: AlgorithmSection = Field(
@@ -109,26 +129,6 @@ class PolicyConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
     grad_clip: float | None = Field(1.0, gt=0, description="clip the grad norm (none = off)")
-    clip_low: float = Field(0.2, ge=0, lt=1, description="lower clip: ratios below 1 - clip_low are clipped")
-    clip_high: float = Field(0.28, ge=0, description="upper clip: ratios above 1 + clip_high are clipped")
-    kl_coef: float = Field(
-        0.0, ge=0, description="KL weight to the start (0 = off): k3 in the loss; reinforce++: k1 in reward"
-    )
-    measure_kl: bool = Field(
-        False,
-        description="keep a frozen copy of the start to report the KL to it even when kl_coef = 0 "
-        "(costs one reference forward pass per rollout); without either, `kl` is reported as 0",
-    )
-    scale_by_std: bool = Field(True, description="divide advantages by the group std (false = Dr. GRPO)")
-    advantage: Literal["grpo", "rloo", "reinforce++"] = Field(
-        "grpo",
-        description="the grpo algorithm's advantage estimator: grpo (group-normalised, scale_by_std), rloo "
-        "(reward less the mean of its group's other answers), reinforce++ (kl_coef's KL in a per-token "
-        "reward, returns normalised over the rollout's tokens, no KL term in the loss)",
-    )
-    aggregation: Literal["token-mean", "sequence-mean"] = Field(
-        "token-mean", description="how token losses are averaged"
-    )
     epochs_per_rollout: int = Field(1, ge=1, description="optimizer passes over each rollout")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto",

@@ -91,8 +91,9 @@ def sampling_knobs(rollout: Any, greedy: bool = False) -> dict[str, Any]:
 
 def check_engine_knobs(config: Any, where: str) -> None:
     """Each knob the recipe turns on (`[rl.rollout]` or a policy's `rollout`) is one the engine takes
-    (its config's `sampling_knobs`); `config` is the `RLConfig`, its engine resolved."""
-    takes = getattr(config.engine_config, "sampling_knobs", frozenset())
+    (its config's `sampling_knobs`, `hpref.rl.protocols.EngineConfig`); `config` is the `RLConfig`,
+    its engine resolved."""
+    takes = config.engine_config.sampling_knobs
     tables = [("rl.rollout", sampling_knobs(config.rollout))]
     tables += [
         (f"rl.policies.{p}.rollout", sampling_knobs(config.policy_rollout(p))) for p in config.policies

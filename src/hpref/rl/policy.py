@@ -1,9 +1,10 @@
 """A policy of `hpref rl`: its causal LM and tokenizer, its prompts, and the padding maths of a step.
 
-The engine and the trainer of one policy build the same model independently (`build_policy_model`:
-a local folder, or a seeded tiny Llama), so version 0 needs no weight transfer. Numbers live in
-small functions that tests call directly (`encode_prompt`, `trim_completion`, `stop_string_cut`,
-`pad_batch`, `group_batch`).
+The engine and the trainer of one policy build the same model independently
+(`hpref.models.causal_lm.build_policy_model`: a local folder, or a seeded tiny Llama), so version 0
+needs no weight transfer; the causal-LM helpers (the prompt layout `encode_prompt`, the tokenizer,
+the folder checks) are that module's, imported from it. Numbers live in small functions that tests
+call directly (`trim_completion`, `stop_string_cut`, `pad_batch`, `group_batch`).
 """
 
 from __future__ import annotations
@@ -14,31 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from hpref.errors import UserError
 from hpref.recipe.rl import PolicyModelConfig, RLConfig
-
-#: the causal-LM helpers moved to `hpref.models.causal_lm`; rl's modules and tests still import them
-#: here. Looked up on first use (PEP 562), not at import: `hpref.models` imports torch, and the rl
-#: engines' plugin modules import this one when `hpref --help` loads every plugin.
-_CAUSAL_LM = (
-    "ASSISTANT",
-    "TOKENIZER_MIN_FREQUENCY",
-    "TOKENIZER_SEED",
-    "USER",
-    "build_policy_model",
-    "causal_lm_problem",
-    "encode_prompt",
-    "policy_folder",
-    "policy_tokenizer",
-    "tiny_policy_config",
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CAUSAL_LM:
-        from hpref.models import causal_lm
-
-        return getattr(causal_lm, name)
-    raise AttributeError(f"module 'hpref.rl.policy' has no attribute '{name}'")
-
 
 if TYPE_CHECKING:
     import torch

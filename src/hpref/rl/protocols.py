@@ -10,7 +10,9 @@ against them, and a plugin author can check theirs the same way: `isinstance(obj
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from hpref.recipe.rl import PolicyModelConfig, RLConfig
-    from hpref.rl.rollout_types import Rollout, TrainingRows, Verdict
+    from hpref.rl.rollout_types import Generation, GenerationRequest, Rollout, TrainingRows, Verdict
 
 Prompt = tuple[str, ...]  # one conversation's turns: user, assistant, ..., user (the one to answer)
 
@@ -172,11 +174,11 @@ class Engine(Protocol):
 
     The sampling knobs beyond temperature and top-k (`top_p`, `min_p`, `repetition_penalty`,
     `stop`: `hpref.recipe.rl_sampling`) reach `generate` as keyword arguments, and only those that
-    are on (away from 1, 0, 1, no strings), in `generate_batch`'s requests likewise: an engine
-    plugin whose `generate` predates them keeps working unchanged while a recipe leaves them off.
-    An engine declares the knobs it takes on its config class (`sampling_knobs`, a frozenset of
-    their names; none when absent), and a recipe that turns on one its engine does not take is
-    refused when it loads. A greedy request ignores temperature, top-k, top-p and min-p and takes
+    are on (away from 1, 0, 1, no strings); `generate_batch`'s requests carry every knob
+    (`GenerationRequest`, off at its default): an engine plugin whose `generate` predates them keeps
+    working unchanged while a recipe leaves them off. An engine declares the knobs it takes on its
+    config (`EngineConfig.sampling_knobs`), and a recipe that turns on one its engine does not take
+    is refused when it loads. A greedy request ignores temperature, top-k, top-p and min-p and takes
     the repetition penalty and the stop strings; an answer that reaches a stop string ends before
     it, text and tokens alike (`hpref.rl.policy.stop_string_cut`).
     """
@@ -196,15 +198,15 @@ class Engine(Protocol):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: Sequence[str] = (),
-    ) -> dict[str, Any]:
-        """`group_size` answers per prompt: `prompt_ids`, `completions` (token ids, eos included; an
-        answer cut at a stop string without it), `logprobs` (per completion token, at `temperature`),
-        `texts`, `version`, `tokens`, `seconds`."""
+    ) -> Generation:
+        """`group_size` answers per prompt (`hpref.rl.rollout_types.Generation`): `prompt_ids`,
+        `completions` (token ids, eos included; an answer cut at a stop string without it),
+        `logprobs` (per completion token, at `temperature`), `texts`, `version`, `tokens`, `seconds`."""
         ...
 
-    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """`generate` of each request (its keyword arguments, `adapter` included), in request order;
-        a request's answers are the same as alone, whatever else is in the batch."""
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[Generation]:
+        """`generate` of each request (`adapter` included), in request order; a request's answers
+        are the same as alone, whatever else is in the batch."""
         ...
 
     def weight_dtype(self) -> str:
@@ -238,6 +240,65 @@ class Engine(Protocol):
     def abort_update(self, adapter: str | None = None) -> None: ...
 
     def get_version(self, adapter: str | None = None) -> int: ...
+
+
+@runtime_checkable
+class EngineConfig(Protocol):
+    """What `hpref rl` reads of an engine's config (`register_engines`' `config`, validated from
+    `[rl.engine]`) beside what the engine's own `build` reads: the placement (`hpref.rl.placement`),
+    the plan (`hpref.rl.plan`), the shared base's checks and the executor's batching read these and
+    nothing else. `EngineConfigBase` declares each with its default; an engine's config inherits it.
+    """
+
+    #: serves several LoRA adapters over one base (`rl.share_base`): the `Engine` calls with `adapter=`
+    serves_adapters: bool
+    #: the names of the sampling knobs `generate` takes (`hpref.recipe.rl_sampling`); a recipe that
+    #: turns on another is refused when it loads
+    sampling_knobs: frozenset[str]
+    #: Ray CPUs each engine actor reserves (`hpref.rl.placement.resources`)
+    num_cpus: float
+    #: Ray GPUs each engine actor reserves; above 0 the engines run on a GPU (`engines_on_gpu`:
+    #: the weight channel's device, whether LoRA policies share a base by default)
+    num_gpus: float
+    #: the torch dtype name of the engine's weights, what `hpref rl --plan` counts per parameter
+    dtype: str
+    #: a shared base's engine is called with at most this many answers at a time (the executor's
+    #: `RequestBatcher`; 0: every request waiting, in one call)
+    batch_rows: int
+
+    def check_policies(self, rl: RLConfig, policies: list[str], where: str) -> None:
+        """Before any actor starts (`hpref.rl.launch.preflight`): one `RecipeError` line for a policy
+        of `policies` the engine cannot run (vLLM: a head size its CPU kernels lack)."""
+        ...
+
+    def check_adapters(self, rl: RLConfig, policies: list[str], where: str) -> None:
+        """Before any actor starts, when `policies` share one base (`hpref.rl.placement.shared_base.
+        resolve_share_base`): one `RecipeError` line for an adapter the engine cannot serve."""
+        ...
+
+
+class EngineConfigBase(BaseModel):
+    """The `EngineConfig` defaults, in one place: an engine's config class inherits this, overrides
+    the settings it has (a field of its own, or a `ClassVar` for one a recipe may not set: the
+    transformers engine's dtype is float32) and keeps the rest. Unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    serves_adapters: ClassVar[bool] = False
+    sampling_knobs: ClassVar[frozenset[str]] = frozenset()
+
+    num_cpus: float = Field(0.25, gt=0, description="Ray CPUs each engine actor reserves")
+    num_gpus: float = Field(0, ge=0, description="Ray GPUs each engine actor reserves")
+    dtype: str = Field("float32", description="the torch dtype of the engine's weights")
+    batch_rows: int = Field(
+        0, ge=0, description="a shared base's engine is called with at most this many answers (0 = all)"
+    )
+
+    def check_policies(self, rl: RLConfig, policies: list[str], where: str) -> None:
+        """Every policy runs (an engine that refuses some overrides this)."""
+
+    def check_adapters(self, rl: RLConfig, policies: list[str], where: str) -> None:
+        """Every adapter of a shared base is served (an engine that refuses some overrides this)."""
 
 
 @runtime_checkable

@@ -1,21 +1,59 @@
-"""What travels through `hpref rl`, typed: an engine's `Generation`, and the `Rollout` the executor
-makes of it (answers + rewards, and the judged pairs a pairwise algorithm asks for), which the driver
-hands to the trainer and to the metrics row. One object from the executor on, filled in one place
-(`hpref.rl.rollout.executor.RolloutExecutor._produce`); the driver marks a regenerated one.
+"""What travels through `hpref rl`, typed: what an engine is asked (`GenerationRequest`) and what it
+answers (`Generation`), and the `Rollout` the executor makes of it (answers + rewards, and the judged
+pairs a pairwise algorithm asks for), which the driver hands to the trainer and to the metrics row.
+One object from the executor on, filled in one place (`hpref.rl.rollout.executor.RolloutExecutor.
+_produce`); the driver marks a regenerated one.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any
+
+from hpref.recipe.rl_sampling import KNOBS_OFF
+
+if TYPE_CHECKING:
+    from hpref.data.prompts import Prompt
 
 #: a three-way verdict on an answer pair: (P(first preferred), P(second preferred), P(tie))
 Verdict = tuple[float, float, float]
 
 
-class Generation(TypedDict):
-    """What every engine's `generate` returns (`hpref.rl.protocols.Engine`; built by
-    `hpref.rl.engines.requests.generation_result`)."""
+@dataclass(frozen=True)
+class GenerationRequest:
+    """`Engine.generate`'s arguments as one request of `generate_batch` (every built-in engine's
+    `generate` is the batch of its one request, so a request is served alike alone or batched). It
+    crosses Ray to the engine's actor (a plain dataclass: pickled as is). The sampling knobs are off
+    at their `KNOBS_OFF` values (`hpref.recipe.rl_sampling`)."""
+
+    prompts: list[Prompt]
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int = 0
+    seed: int = 0
+    greedy: bool = False
+    #: the policy whose LoRA adapter answers, on a shared base's engine (`rl.share_base`)
+    adapter: str | None = None
+    top_p: float = KNOBS_OFF["top_p"]
+    min_p: float = KNOBS_OFF["min_p"]
+    repetition_penalty: float = KNOBS_OFF["repetition_penalty"]
+    stop: tuple[str, ...] = KNOBS_OFF["stop"]
+
+    def __post_init__(self) -> None:
+        # a recipe's stop strings arrive as a list; the request holds them as a tuple, as `KNOBS_OFF`
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def rows(self) -> int:
+        """The answers it asks for: `group_size` per prompt."""
+        return len(self.prompts) * self.group_size
+
+
+@dataclass
+class Generation:
+    """What every engine's `generate` returns, one per `generate_batch` request
+    (`hpref.rl.protocols.Engine`; built by `hpref.rl.engines.requests.generation_result`)."""
 
     prompt_ids: list[list[int]]  # each answer's prompt tokens (a group's answers share one prompt)
     completions: list[list[int]]  # each answer's tokens, eos included
@@ -67,15 +105,16 @@ class Rollout:
         return data
 
     @classmethod
-    def from_generation(cls, out: Generation, **fields) -> Rollout:
+    def from_generation(cls, out: Generation, **fields: Any) -> Rollout:
+        """The rollout of a generation: its answers as the engine gave them, and `fields`."""
         return cls(
-            prompt_ids=out["prompt_ids"],
-            completions=out["completions"],
-            logprobs=out["logprobs"],
-            texts=out["texts"],
-            version=out["version"],
-            tokens=out["tokens"],
-            seconds=out["seconds"],
+            prompt_ids=out.prompt_ids,
+            completions=out.completions,
+            logprobs=out.logprobs,
+            texts=out.texts,
+            version=out.version,
+            tokens=out.tokens,
+            seconds=out.seconds,
             **fields,
         )
 

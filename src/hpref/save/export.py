@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 from loguru import logger
 
-from hpref.builtin.scoring import CHECKPOINT_JSON, MODEL_CARD
 from hpref.errors import UserError
+from hpref.exports.layout import CHECKPOINT_JSON, MODEL_CARD
 from hpref.runfolder.checkpoints import is_rl_run, is_rl_save, resolve_checkpoint
 from hpref.runfolder.layout import METRICS, RECIPE, SUMMARY
 from hpref.runfolder.safe_load import CheckpointError  # noqa: F401  (callers catch it from here)
@@ -72,7 +72,7 @@ def reward_export_targets(pooling: str) -> str:
     or BERT's CLS token through its pooler; OpenRLHF (`get_llm_for_sequence_regression`) reads the
     last non-pad token's hidden state through a bias-free linear named by `value_head_prefix`
     ("score"), so it fits a decoder's export and not an encoder's (no pooler, no classifier bias);
-    sentence-transformers mean-pools (`hpref.models.sentence_export`)."""
+    sentence-transformers mean-pools (`hpref.exports.sentence_transformers`)."""
     if pooling == "last":
         return (
             "`AutoModelForSequenceClassification` (one label), so TRL's `RewardTrainer` and OpenRLHF's "

@@ -29,8 +29,8 @@ from typing import Any
 
 from loguru import logger
 
-from hpref.builtin.scoring import CHECKPOINT_JSON, MODEL_CARD
 from hpref.errors import UserError
+from hpref.exports.layout import CHECKPOINT_JSON, MODEL_CARD
 from hpref.recipe import Recipe
 from hpref.runfolder.layout import RECIPE, SUMMARY, TRAIN_STATE
 from hpref.save.card import metrics_and_recipe

@@ -31,8 +31,9 @@ from hpref.runfolder.layout import EXECUTOR_STATE, POLICY_MODEL, RL_EXECUTOR, RL
 from hpref.runfolder.safe_load import CheckpointError
 from hpref.save.card import metrics_and_recipe
 
-#: the keys of a policy's section the card names beside its algorithm (those that are set)
-POLICY_KEYS = ("advantage", "lr", "kl_coef", "epochs_per_rollout", "trainer_backend")
+#: the keys of a policy's section the card names beside its algorithm (those that are set; the
+#: algorithm's own, such as GRPO's kl_coef, are in its table)
+POLICY_KEYS = ("lr", "epochs_per_rollout", "trainer_backend")
 
 
 def export_rl_policy(
@@ -226,7 +227,7 @@ def load_saved_policy(part: Path, base: PolicyModelConfig | None, lora: Any) -> 
         return lm.eval(), AutoTokenizer.from_pretrained(folder), None
     from safetensors.torch import load_file
 
-    from hpref.models.adapters import PEFT_WEIGHTS_FILE
+    from hpref.exports.layout import PEFT_WEIGHTS_FILE
     from hpref.models.causal_lm import build_policy_model
     from hpref.models.lm_adapters import POLICY_ADAPTER_DIR, apply_lora_to_causal_lm, load_lm_adapter_state
 

@@ -9,8 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
-from hpref.builtin.scoring import CHECKPOINT_JSON
 from hpref.errors import UserError
+from hpref.exports.layout import CHECKPOINT_JSON
 
 
 def check_export_target(to: Path, overwrite: bool) -> None:

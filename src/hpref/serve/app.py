@@ -146,7 +146,7 @@ def running_replicas() -> int:
 def export_info(settings: ServeSettings, scorer: ExportScorer) -> dict[str, Any]:
     """`/info`: what the export's model card and metadata say, and what this service accepts."""
     from hpref import __version__
-    from hpref.builtin.scoring import MODEL_CARD, card_metrics
+    from hpref.exports.layout import MODEL_CARD, card_metrics
 
     meta = scorer.settings
     card = Path(settings.export) / MODEL_CARD
@@ -193,9 +193,20 @@ class HprefScorer:
 
         from hpref.builtin.scoring import ExportScorer
         from hpref.logs import hpref_home, route_library_logs, setup_logging
-        from hpref.memory import PeriodicRelease, cap_onednn_cache
+        from hpref.memory import (
+            IDEEP_CACHE_ENV,
+            ONEDNN_CACHE_ENV,
+            PeriodicRelease,
+            cap_ideep_cache,
+            cap_onednn_cache,
+        )
 
-        cap_onednn_cache()  # before the first matmul: oneDNN's per-shape cache stays bounded
+        # before the first matmul: oneDNN's and ideep's per-shape caches stay bounded. ideep's
+        # (1,024 built matmuls by default) was what kept a replica's memory growing after its first
+        # minute: each pass's new token count is a new shape, ~0.8 MiB more live native memory a
+        # pass, 9 % from pass 25 to 80 (capped: 0 %; `benchmarks.serve_replica_memory`, figures in
+        # benchmarks/README.md). /info reports the values set here.
+        caches = {ONEDNN_CACHE_ENV: cap_onednn_cache(), IDEEP_CACHE_ENV: cap_ideep_cache()}
 
         # hpref's warnings on the replica's console; its DEBUG lines and the libraries' records
         # (transformers' load report, torch) in $HPREF_HOME/logs/serve-replica-<pid>.log
@@ -209,7 +220,7 @@ class HprefScorer:
         )
         self._run.set_max_batch_size(settings.max_batch_size)
         self._run.set_batch_wait_timeout_s(settings.batch_wait_s)
-        self.info = export_info(settings, self.scorer)
+        self.info = {**export_info(settings, self.scorer), "native_caches": caches}
         self.metrics = metrics.ReplicaMetrics(settings.max_batch_size)
         # one scoring thread for the replica's life (torch's own threads do the parallel work), so
         # passes share one malloc arena instead of one per thread of asyncio's pool

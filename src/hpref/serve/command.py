@@ -80,7 +80,7 @@ class ServeRequest:
 
 def serve_command(request: ServeRequest) -> int:
     """`hpref serve`: check the export and the options, then run the Ray Serve app until stopped."""
-    from hpref.builtin.scoring import export_problem
+    from hpref.exports.layout import export_problem
 
     export, host, port, replicas = request.export, request.host, request.port, request.replicas
     ray_address, max_batch_size, precision = request.ray_address, request.max_batch_size, request.precision

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from hpref.exports.layout import BACKBONE_FILE, HEAD_FILE
 from hpref.protocols import LoadsPlainState
 from hpref.runfolder.layout import INIT
 
@@ -22,15 +23,15 @@ from hpref.runfolder.layout import INIT
 def init_weights_folder(run_dir: Path) -> Path | None:
     """`run_dir/init` when `hpref init` wrote it, else None."""
     folder = Path(run_dir) / INIT
-    return folder if (folder / "model.safetensors").is_file() else None
+    return folder if (folder / BACKBONE_FILE).is_file() else None
 
 
 def read_init_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The full state dict (`backbone.*`, `head.*`) of a folder written by `save_pretrained`."""
     from safetensors.torch import load_file
 
-    state = {f"backbone.{k}": v for k, v in load_file(str(folder / "model.safetensors")).items()}
-    head = load_file(str(folder / "head.safetensors"))  # keys carry the `head.` prefix already
+    state = {f"backbone.{k}": v for k, v in load_file(str(folder / BACKBONE_FILE)).items()}
+    head = load_file(str(folder / HEAD_FILE))  # keys carry the `head.` prefix already
     state.update({k if k.startswith("head.") else f"head.{k}": v for k, v in head.items()})
     return state
 

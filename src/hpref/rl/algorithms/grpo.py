@@ -1,6 +1,6 @@
 """GRPO as an `hpref.rl.protocols.Algorithm` (`algorithm = "grpo"`, every policy's default): a
-policy-gradient step of the clipped surrogate on advantages from one of three estimators (the
-policy's `advantage`; `hpref.rl.algorithms.objectives` holds the numbers):
+policy-gradient step of the clipped surrogate on advantages from one of three estimators (its
+`advantage`; `hpref.rl.algorithms.objectives` holds the numbers):
 
 - `grpo`: group-normalised (each reward less its group's mean, over its group's std), with an
   in-loss k3 KL to the start at `kl_coef`; `scale_by_std = false` is Dr. GRPO.
@@ -14,37 +14,52 @@ policy's `advantage`; `hpref.rl.algorithms.objectives` holds the numbers):
   in-loss KL term. `kl_coef = 0` is allowed, as there: plain batch-normalised REINFORCE, which needs
   no reference.
 
-Its settings are the policy's own keys (`advantage`, `clip_low`, `clip_high`, `kl_coef`,
-`measure_kl`, `scale_by_std`, `aggregation`), as before algorithms were components.
+Its settings are its algorithm table's (`GrpoConfig`: `algorithm = { name = "grpo", kl_coef = 0.04,
+advantage = "rloo" }`), as every algorithm's are; a plain `algorithm = "grpo"` keeps the defaults.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, ConfigDict, Field
 
-from hpref.recipe.rl import PolicyConfig
 from hpref.rl.rollout_types import Rollout, TrainingRows
 
 if TYPE_CHECKING:
     import torch
 
-    from hpref.recipe.rl import RLConfig
+    from hpref.recipe.rl import PolicyConfig, RLConfig
     from hpref.rl.algorithms.objectives import StatsReduce
-
-#: the policy's keys GRPO reads (`[rl.defaults]` or a policy's table, not its `algorithm` table)
-POLICY_KEYS = ("advantage", "clip_low", "clip_high", "kl_coef", "measure_kl", "scale_by_std", "aggregation")
 
 
 class GrpoConfig(BaseModel):
-    """GRPO takes its settings from the policy's keys (`advantage`, `clip_low`, `kl_coef`, ...): none here."""
+    """GRPO's settings, `rl.policies.<id>.algorithm = { name = "grpo", ... }` (or `[rl.defaults]`'s).
+    The same keys in a policy's own table, where they were before, are refused in one line that
+    says where each went (`hpref.recipe.rl_policy.GRPO_KEYS`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_default=True)
 
-    #: `hpref components algorithm` lists them with their descriptions (`hpref.plugins.Component`)
-    policy_keys: ClassVar[dict[str, FieldInfo]] = {k: PolicyConfig.model_fields[k] for k in POLICY_KEYS}
+    clip_low: float = Field(0.2, ge=0, lt=1, description="lower clip: ratios below 1 - clip_low are clipped")
+    clip_high: float = Field(0.28, ge=0, description="upper clip: ratios above 1 + clip_high are clipped")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL weight to the start (0 = off): k3 in the loss; reinforce++: k1 in reward"
+    )
+    measure_kl: bool = Field(
+        False,
+        description="keep a frozen copy of the start to report the KL to it even when kl_coef = 0 "
+        "(costs one reference forward pass per rollout); without either, `kl` is reported as 0",
+    )
+    scale_by_std: bool = Field(True, description="divide advantages by the group std (false = Dr. GRPO)")
+    advantage: Literal["grpo", "rloo", "reinforce++"] = Field(
+        "grpo",
+        description="the advantage estimator: grpo (group-normalised, scale_by_std), rloo (reward less the "
+        "mean of its group's other answers), reinforce++ (kl_coef's KL in a per-token reward, returns "
+        "normalised over the rollout's tokens, no KL term in the loss)",
+    )
+    aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "token-mean", description="how token losses are averaged"
+    )
 
 
 class Grpo:
@@ -53,14 +68,14 @@ class Grpo:
     cross_policy = False
 
     def __init__(self, config: GrpoConfig, policy: PolicyConfig) -> None:
-        self.policy = policy
+        self.config = config
 
     def check(self, policy: str, config: RLConfig, policies: list[str], where: str) -> None:
-        return None  # the policy's GRPO keys are checked with the recipe
+        return None  # GrpoConfig's fields are checked when the recipe is read
 
     def wants_reference(self) -> bool:
         # REINFORCE++ reads the reference only for its KL reward: at kl_coef 0 it needs none either
-        return self.policy.kl_coef > 0 or self.policy.measure_kl
+        return self.config.kl_coef > 0 or self.config.measure_kl
 
     def prepare(self, rollout: Rollout, tokenizer: Any) -> TrainingRows:
         """The rollout's rows; `values`: an advantage per answer (grpo, rloo), or the raw rewards that
@@ -74,9 +89,9 @@ class Grpo:
         )
 
         rewards = torch.tensor(rollout.rewards, dtype=torch.float32)
-        estimator = self.policy.advantage
+        estimator = self.config.advantage
         if estimator == "grpo":
-            values = group_advantages(rewards, rollout.group_size, scale_by_std=self.policy.scale_by_std)
+            values = group_advantages(rewards, rollout.group_size, scale_by_std=self.config.scale_by_std)
         elif estimator == "rloo":
             values = leave_one_out_advantages(rewards, rollout.group_size)
         else:
@@ -97,7 +112,7 @@ class Grpo:
         """REINFORCE++: each micro-batch's per-token advantages (`batch["advantages"]`), from the
         returns of its rows normalised over the whole step (`hpref.rl.protocols.PreparesBatches`);
         the other estimators have theirs per answer already."""
-        if self.policy.advantage != "reinforce++":
+        if self.config.advantage != "reinforce++":
             return
         from hpref.rl.algorithms.objectives import batch_normalised, reinforce_returns
 
@@ -107,7 +122,7 @@ class Grpo:
                 batch["mask"],
                 batch.get("old"),
                 batch.get("ref"),
-                self.policy.kl_coef,
+                self.config.kl_coef,
             )
             for batch in batches
         ]
@@ -122,7 +137,7 @@ class Grpo:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         from hpref.rl.algorithms.objectives import policy_loss
 
-        cfg = self.policy
+        cfg = self.config
         mask = batch["mask"]
         # REINFORCE++'s advantages are per token and its KL is in them; the others' per answer
         in_reward = cfg.advantage == "reinforce++"
@@ -159,8 +174,8 @@ class Grpo:
 
 
 def build_grpo(config: GrpoConfig, policy: PolicyConfig) -> Grpo:
-    """GRPO on a reward per answer; set by the policy's keys (advantage, clip_low, clip_high, kl_coef).
+    """GRPO on a reward per answer (advantage: grpo, rloo or reinforce++; kl_coef, clip_low, ...).
 
-    `advantage` picks the estimator: grpo (`scale_by_std = false` is Dr. GRPO), rloo or reinforce++;
-    `measure_kl`, `aggregation` and `epochs_per_rollout` too."""
+    Its settings are the `GrpoConfig` above (`scale_by_std = false` is Dr. GRPO); the policy's
+    `epochs_per_rollout` applies as to every algorithm."""
     return Grpo(config, policy)

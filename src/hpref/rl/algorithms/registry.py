@@ -33,12 +33,6 @@ def check_algorithms(config: RLConfig, policies: list[str], where: str) -> None:
     for policy in policies:
         algorithm = build_algorithm(policy, config.policies[policy], where)
         algorithm.check(policy, config, policies, where)
-        advantage = config.policies[policy].advantage
-        if advantage != "grpo" and algorithm.name != "grpo":  # the estimators are the grpo algorithm's
-            raise RecipeError(
-                f"{where}: rl.policies.{policy}.advantage: '{advantage}' is an advantage estimator of the "
-                f"grpo algorithm, and this policy's algorithm is {algorithm.name}; remove advantage"
-            )
         if not algorithm.needs_preferences:
             continue
         key = f"{where}: rl.policies.{policy}.algorithm"

@@ -92,7 +92,7 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     which is read here. Returns
     the built `[rl.prompts]` source."""
     from hpref.rl.policy import check_policy_models
-    from hpref.rl.rollout.executor import build_prompt_source
+    from hpref.rl.rollout.prompts import build_prompt_source
 
     config, _run_dir = rl_config(recipe)
     order = config.select(list(policies))

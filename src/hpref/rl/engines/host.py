@@ -6,10 +6,13 @@ keeping a colocated engine asleep while its trainer steps."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpref.recipe.rl import PolicyModelConfig
 from hpref.rl.policy import apply_env
+
+if TYPE_CHECKING:
+    from hpref.rl.rollout_types import Generation, GenerationRequest
 
 
 class EngineHost:
@@ -55,10 +58,10 @@ class EngineHost:
         release_freed_memory()  # a rollout's logits and KV caches: GiBs glibc would keep (hpref.memory)
         return out
 
-    def generate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def generate(self, *args: Any, **kwargs: Any) -> Generation:
         return self._generating(lambda: self.engine.generate(*args, **kwargs))
 
-    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[Generation]:
         """Several policies' `generate` requests in one go (a shared base's engine)."""
         return self._generating(lambda: self.engine.generate_batch(requests))
 

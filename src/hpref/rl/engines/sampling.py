@@ -29,11 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hpref.recipe.rl_sampling import KNOBS_OFF
+
+if TYPE_CHECKING:
+    from hpref.rl.rollout_types import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -53,19 +56,19 @@ class Block:
     stop_strings: tuple[str, ...] = ()
 
     @classmethod
-    def of_request(cls, request: dict[str, Any], start: int, stop: int) -> Block:
-        """The block of a `generate_batch` request (`hpref.rl.engines.requests.generate_request`'s keys)."""
+    def of_request(cls, request: GenerationRequest, start: int, stop: int) -> Block:
+        """The block of a `generate_batch` request."""
         return cls(
             start,
             stop,
-            request["temperature"],
-            request.get("top_k", 0),
-            bool(request.get("greedy", False)),
-            request.get("seed", 0),
-            top_p=request.get("top_p", KNOBS_OFF["top_p"]),
-            min_p=request.get("min_p", KNOBS_OFF["min_p"]),
-            repetition_penalty=request.get("repetition_penalty", KNOBS_OFF["repetition_penalty"]),
-            stop_strings=tuple(request.get("stop", ())),
+            request.temperature,
+            request.top_k,
+            request.greedy,
+            request.seed,
+            top_p=request.top_p,
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            stop_strings=request.stop,
         )
 
 

@@ -14,13 +14,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
 from hpref.recipe.rl_sampling import KNOBS_OFF
 from hpref.recipe.schema import LoraSection
-from hpref.rl.engines.requests import generate_request, generation_result
+from hpref.rl.engines.requests import generation_result
 from hpref.rl.engines.versioned import VersionedWeights
 from hpref.rl.policy import (
     apply_env,
@@ -29,18 +29,23 @@ from hpref.rl.policy import (
     stop_token_ids,
     trim_completion,
 )
+from hpref.rl.protocols import EngineConfigBase
+from hpref.rl.rollout_types import GenerationRequest
 
 if TYPE_CHECKING:
-    pass
+    from hpref.rl.rollout_types import Generation
 
 
-class TransformersEngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TransformersEngineConfig(EngineConfigBase):
+    """`[rl.engine] name = "transformers"` (`hpref.rl.protocols.EngineConfig`)."""
 
     #: serves several LoRA adapters over one base (`rl.share_base`; PEFT's mixed-adapter batches)
     serves_adapters: ClassVar[bool] = True
     #: the sampling knobs `generate` takes (`hpref.recipe.rl_sampling`): all of them
     sampling_knobs: ClassVar[frozenset[str]] = frozenset(KNOBS_OFF)
+    #: runs on the CPU (or whatever device torch defaults to), in the policy's float32 weights
+    num_gpus: ClassVar[float] = 0.0
+    dtype: ClassVar[str] = "float32"
 
     threads: int = Field(1, ge=1, description="torch threads of each engine actor")
     batch_rows: int = Field(
@@ -50,7 +55,6 @@ class TransformersEngineConfig(BaseModel):
         "most this many answers (a larger request alone; 0 = every request in one pass). 32: on a 2-core "
         "CPU a 64-answer pass of SmolLM2 ran at 0.69x the tokens/s of a 32-answer one",
     )
-    num_cpus: float = Field(0.25, gt=0, description="Ray CPUs each engine actor reserves")
     share_prefill: bool = Field(
         True,
         description="run each prompt through the model once and share its KV cache across the group's "
@@ -176,20 +180,20 @@ class EngineActor(VersionedWeights):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: Sequence[str] = (),
-    ) -> dict[str, Any]:
+    ) -> Generation:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
         (`adapter`: the policy's, on a shared base; the sampling knobs: `hpref.recipe.rl_sampling`)."""
         asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
         knobs = dict(top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, stop=tuple(stop))
-        return self.generate_batch([generate_request(*asked, **knobs)])[0]
+        return self.generate_batch([GenerationRequest(*asked, **knobs)])[0]
 
-    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Several `generate` requests (their keyword arguments) in as few batches as their group
-        sizes allow, each request on its adapter and drawn from its own seed
-        (`hpref.rl.engines.sampling`): its answers are the ones it would get alone."""
-        out: list[dict[str, Any] | None] = [None] * len(requests)
-        for size in sorted({r["group_size"] for r in requests}):
-            picked = [i for i, r in enumerate(requests) if r["group_size"] == size]
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[Generation]:
+        """Several `generate` requests in as few batches as their group sizes allow, each request on
+        its adapter and drawn from its own seed (`hpref.rl.engines.sampling`): its answers are the
+        ones it would get alone."""
+        out: list[Generation | None] = [None] * len(requests)
+        for size in sorted({r.group_size for r in requests}):
+            picked = [i for i, r in enumerate(requests) if r.group_size == size]
             for chunk in self._passes([requests[i] for i in picked], picked):
                 for i, result in zip(
                     chunk, self._generate_together([requests[i] for i in chunk]), strict=True
@@ -197,12 +201,12 @@ class EngineActor(VersionedWeights):
                     out[i] = result
         return [r for r in out if r is not None]
 
-    def _passes(self, requests: list[dict[str, Any]], indices: list[int]) -> list[list[int]]:
+    def _passes(self, requests: list[GenerationRequest], indices: list[int]) -> list[list[int]]:
         """`indices` (of `requests`, in order) in passes of at most `batch_rows` answers each."""
         passes: list[list[int]] = []
         rows = 0
         for request, i in zip(requests, indices, strict=True):
-            n = len(request["prompts"]) * request["group_size"]
+            n = request.rows
             if passes and (not self.batch_rows or rows + n <= self.batch_rows):
                 passes[-1].append(i)
                 rows += n
@@ -211,7 +215,7 @@ class EngineActor(VersionedWeights):
                 rows = n
         return passes
 
-    def _generate_together(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _generate_together(self, requests: list[GenerationRequest]) -> list[Generation]:
         """One batch of requests of one group size: every prompt's KV cache computed once
         (`_prefill`), then sampled step by step, each request's rows by `RowSampler`."""
         import torch
@@ -220,12 +224,10 @@ class EngineActor(VersionedWeights):
         from hpref.rl.engines.sampling import Block, RowSampler, StopAtStrings
 
         start = time.perf_counter()
-        group = requests[0]["group_size"]
-        per_request = [self.prompt_ids(r["prompts"]) for r in requests]
+        group = requests[0].group_size
+        per_request = [self.prompt_ids(r.prompts) for r in requests]
         prompt_ids = [ids for ids in per_request for ids in ids]
-        prompt_adapters = [
-            r.get("adapter") for r, ids in zip(requests, per_request, strict=True) for _ in ids
-        ]
+        prompt_adapters = [r.adapter for r, ids in zip(requests, per_request, strict=True) for _ in ids]
         row_adapters = [a for a in prompt_adapters for _ in range(group)]
         blocks, first = [], 0
         for r, ids in zip(requests, per_request, strict=True):
@@ -248,7 +250,7 @@ class EngineActor(VersionedWeights):
                 input_ids=input_ids,
                 attention_mask=attention,
                 **({cache_keyword(self.model): cache} if cache is not None else {}),
-                max_new_tokens=max(r["max_new_tokens"] for r in requests),
+                max_new_tokens=max(r.max_new_tokens for r in requests),
                 pad_token_id=pad,
                 eos_token_id=self.stop_ids,
                 do_sample=False,  # greedy over `sampler`'s scores: exactly the token it drew
@@ -262,11 +264,11 @@ class EngineActor(VersionedWeights):
         for r, block in zip(requests, blocks, strict=True):
             rows, completions, logprobs = [], [], []
             for i in range(block.start, block.stop):
-                tokens = trim_completion(new[i, : r["max_new_tokens"]].tolist(), self.stop_ids, pad)
+                tokens = trim_completion(new[i, : r.max_new_tokens].tolist(), self.stop_ids, pad)
                 rows.append(prompt_ids[i // group])
                 completions.append(tokens)
                 logprobs.append(logp[i, : len(tokens)].tolist())
-            version = self.get_version(r.get("adapter"))
+            version = self.get_version(r.adapter)
             results.append(
                 generation_result(
                     self.tokenizer, rows, completions, logprobs, version, start, block.stop_strings

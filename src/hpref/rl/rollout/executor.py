@@ -1,10 +1,11 @@
-"""Rollouts of `hpref rl`: the prompts, the executor that serves them, and the staleness policy.
+"""The rollout executor of `hpref rl`: the Ray actor that turns the prompt stream into every policy's
+typed rollouts, holding the buffers and the reward.
 
-Every policy answers the same prompts at the same rollout id (`rollout_prompts`: prompt i of the
-stream depends only on (seed, i)), sampled with a seed of (policy, rollout) (`sample_seed`); a
-save keeps the rollouts prefetched ahead of the trainer, so a resume trains on the data an
-uninterrupted run does. `staleness_decision` says whether buffered data is still fresh enough for
-the trainer; the `RolloutExecutor` holds the buffers and the reward.
+Every policy answers the same prompts at the same rollout id (`hpref.rl.rollout.prompts`), sampled
+with a seed of (policy, rollout); a save keeps the rollouts prefetched ahead of the trainer, so a
+resume trains on the data an uninterrupted run does. `staleness_decision` says whether buffered data
+is still fresh enough for the trainer; a shared base's requests go to its engine together
+(`hpref.rl.rollout.batching`).
 """
 
 from __future__ import annotations
@@ -14,98 +15,22 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpref.data.prompts import Prompt, stream_rng
+from hpref.data.prompts import Prompt
 from hpref.errors import UserError
-from hpref.recipe.rl import RLConfig, RolloutConfig
+from hpref.recipe.rl import RLConfig
 from hpref.recipe.rl_sampling import sampling_knobs
 from hpref.rl.algorithms.registry import build_algorithm
 from hpref.rl.policy import apply_env
+from hpref.rl.rollout.batching import RequestBatcher
 from hpref.rl.rollout.evaluation import eval_report, scorer_report
+from hpref.rl.rollout.prompts import build_prompt_source, rollout_prompts, sample_seed
 from hpref.rl.rollout.rewards import RewardSet, build_reward
-from hpref.rl.rollout_types import Rollout
+from hpref.rl.rollout_types import Generation, GenerationRequest, Rollout
 from hpref.rl.staleness import staleness_decision
 from hpref.runfolder.layout import EXECUTOR_STATE
 
 if TYPE_CHECKING:
-    from hpref.rl.protocols import PromptSource
-
-
-def build_prompt_source(config: RLConfig) -> Any:
-    """The `[rl.prompts]` component (`hpref.rl.protocols.PromptSource`); reads its file now, so a bad
-    file or one without usable prompts is a `UserError` before any actor starts."""
-    from hpref.plugins import load_plugins
-    from hpref.recipe.rl import resolve_prompts
-
-    if config.prompts_config is None:
-        config.prompts_config = resolve_prompts(config.prompts)
-    return load_plugins().get("prompts", config.prompts.name).build(config.prompts_config)
-
-
-def rollout_prompts(source: PromptSource, rollout: RolloutConfig, rollout_id: int) -> list[Prompt]:
-    """The prompts of rollout `rollout_id`: prompt i of the stream depends only on (seed, i), so every
-    policy answers the same prompts at the same rollout id and a restored position replays nothing."""
-    first = rollout_id * rollout.prompts_per_rollout
-    return source.train_prompts(rollout.seed, first, rollout.prompts_per_rollout)
-
-
-def sample_seed(seed: int, policy: str, rollout_id: int) -> int:
-    """The sampling seed of one policy's rollout: regenerating it gives the same answers."""
-    return stream_rng("sample", seed, policy, rollout_id).getrandbits(62)
-
-
-class RequestBatcher:
-    """The generate requests of a shared-base engine (`rl.share_base`), sent together: while the
-    engine works on one batch, every request that arrives waits, and the next call takes them all
-    (`generate_batch`), so the policies' rollouts, evals and opponents' answers share its passes.
-    What a request gets does not depend on its batch (`hpref.rl.engines.sampling`). `max_rows`: the answers
-    one call may ask for (0: all that queued), so an engine that runs a batch in passes anyway
-    (the transformers engine's `batch_rows`) gets one pass per call and a weight sync waits for one
-    pass, not for every policy's rollout."""
-
-    def __init__(self, engine: Any, max_rows: int = 0) -> None:
-        self.engine = engine
-        self.max_rows = max_rows
-        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-
-    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.ensure_future(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        await asyncio.sleep(0)  # the requests made in this turn of the event loop go together
-        while self._pending:
-            waiting = [(r, f) for r, f in self._pending if not f.done()]
-            batch, rows = [], 0
-            for request, future in waiting:
-                n = len(request["prompts"]) * request["group_size"] if self.max_rows else 0
-                if batch and self.max_rows and rows + n > self.max_rows:
-                    break
-                batch.append((request, future))
-                rows += n
-            self._pending = waiting[len(batch) :]
-            if not batch:
-                continue
-            try:
-                results = await self.engine.generate_batch.remote([r for r, _ in batch])
-            except Exception as exc:  # each waiting request gets the engine's error
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            for (_, future), out in zip(batch, results, strict=True):
-                if not future.done():
-                    future.set_result(out)
-
-    def cancel(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-        for _, future in self._pending:
-            future.cancel()
-        self._pending = []
+    pass
 
 
 class RolloutExecutor:
@@ -152,8 +77,11 @@ class RolloutExecutor:
                 f"{', '.join(self.reward.names)}: not every reward judges answer pairs (judge_answers)"
             )
         #: a shared base's one engine serves every policy's adapter, requests batched together
-        passes = int(getattr(self.config.engine_config, "batch_rows", 0) or 0)
-        self.batcher = RequestBatcher(engines[self.policies[0]], passes) if self.config.share_base else None
+        self.batcher = (
+            RequestBatcher(engines[self.policies[0]], self.config.engine_config.batch_rows)
+            if self.config.share_base
+            else None
+        )
         self.positions = {p: 0 for p in self.policies}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
         # each policy's answers per rollout id, for judging the other policies against them
@@ -161,15 +89,15 @@ class RolloutExecutor:
         # each policy's starting checkpoint's greedy eval answers and their lengths in tokens
         self._start_answers: dict[str, tuple[list[str], list[int]]] = {}
 
-    async def _generate(self, policy: str, *request: Any, **knobs: Any) -> dict[str, Any]:
+    async def _generate(self, policy: str, *request: Any, **knobs: Any) -> Generation:
         """The policy's engine's `generate(prompts, group_size, max_new_tokens, temperature, top_k, seed[,
-        greedy], **knobs on)`, or on a shared base its adapter's, batched with the other policies'."""
+        greedy], **knobs on)`, or on a shared base its adapter's (a `GenerationRequest`), batched with
+        the other policies'."""
         if self.batcher is None:
             return await self.engines[policy].generate.remote(*request, **knobs)
-        names = ("prompts", "group_size", "max_new_tokens", "temperature", "top_k", "seed", "greedy")
-        return await self.batcher.generate(dict(zip(names, request, strict=False), adapter=policy, **knobs))
+        return await self.batcher.generate(GenerationRequest(*request, adapter=policy, **knobs))
 
-    async def _sample(self, policy: str, prompts: list[Prompt], answers: int, seed: int) -> dict[str, Any]:
+    async def _sample(self, policy: str, prompts: list[Prompt], answers: int, seed: int) -> Generation:
         """`answers` answers per prompt, sampled by the policy's engine with its rollout settings."""
         rollout = self.config.policy_rollout(policy)
         settings = (rollout.max_new_tokens, rollout.temperature, rollout.top_k, seed)
@@ -216,8 +144,8 @@ class RolloutExecutor:
             if cached is None:
                 seed = sample_seed(self.config.policy_rollout(q).seed, f"{q}>{policy}", rollout_id)
                 out = await self._sample(q, prompts, k, seed)
-                generated += out["tokens"]
-                cached = [out["texts"][i * k : (i + 1) * k] for i in range(len(prompts))]
+                generated += out.tokens
+                cached = [out.texts[i * k : (i + 1) * k] for i in range(len(prompts))]
             for i, answers in enumerate(cached):
                 per_prompt[i].extend(answers[:k])
         return per_prompt, generated
@@ -234,7 +162,7 @@ class RolloutExecutor:
         seed = sample_seed(rollout.seed, policy, rollout_id)
         out = await self._sample(policy, prompts, rollout.group_size, seed)
         g = rollout.group_size
-        groups = [out["texts"][i * g : (i + 1) * g] for i in range(len(prompts))]
+        groups = [out.texts[i * g : (i + 1) * g] for i in range(len(prompts))]
         algorithm = self.algorithms[policy]
         judged: dict[str, Any] = {}
         opponents, opponent_tokens = None, 0
@@ -354,7 +282,7 @@ class RolloutExecutor:
         rollout = self.config.policy_rollout(policy)
         knobs = sampling_knobs(rollout, greedy=True)
         gen = await self._generate(policy, prompts, 1, rollout.max_new_tokens, 1.0, 0, 0, True, **knobs)
-        return list(gen["texts"]), [len(c) for c in gen["completions"]]
+        return list(gen.texts), [len(c) for c in gen.completions]
 
     async def record_start(self, policies: list[str]) -> dict[str, Any]:
         """Greedy eval answers of each policy's starting checkpoint; returns their eval report.

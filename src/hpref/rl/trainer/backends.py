@@ -38,7 +38,7 @@ class TransformersBackend:
         return None  # `check_policy_models` checks every policy's causal LM
 
     def build(self, model: PolicyModelConfig) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-        from hpref.rl.policy import build_policy_model
+        from hpref.models.causal_lm import build_policy_model
 
         return build_policy_model(model)
 
@@ -137,9 +137,9 @@ class MegatronBackend:
     def build(self, model: PolicyModelConfig) -> tuple[MegatronCausalLM, PreTrainedTokenizerBase]:
         """(megatron causal LM, tokenizer) holding exactly the weights `build_policy_model` gives the
         engine (that model is built first and converted; its memory is freed before this returns)."""
+        from hpref.models.causal_lm import build_policy_model
         from hpref.models.megatron.backbone import require_megatron
         from hpref.models.megatron.causal_lm import from_transformers
-        from hpref.rl.policy import build_policy_model
 
         require_megatron()
         hf_lm, tokenizer = build_policy_model(model)

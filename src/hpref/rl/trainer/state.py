@@ -165,7 +165,7 @@ def _load_adapter(trainer: TrainerActor, path: Path) -> None:
     """The adapter of a LoRA save into this trainer, after checking it adapts this very base."""
     from safetensors.torch import load_file
 
-    from hpref.models.adapters import PEFT_WEIGHTS_FILE
+    from hpref.exports.layout import PEFT_WEIGHTS_FILE
     from hpref.models.lm_adapters import (
         POLICY_ADAPTER_DIR,
         POLICY_BASE_FILE,

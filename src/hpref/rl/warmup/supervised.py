@@ -108,7 +108,7 @@ def sft_examples(
     policy learns to answer in the position it will be sampled from.
     """
     from hpref.arena import generate_battles
-    from hpref.rl.policy import encode_prompt
+    from hpref.models.causal_lm import encode_prompt
 
     out = []
     for battle in generate_battles(
@@ -139,8 +139,9 @@ def train_warmup(model_config: PolicyModelConfig, warmup: WarmupConfig, folder: 
     return what the warm-up's meta file records."""
     import torch
 
+    from hpref.models.causal_lm import build_policy_model
     from hpref.rl.logprobs import sequence_logprobs
-    from hpref.rl.policy import build_policy_model, pad_batch
+    from hpref.rl.policy import pad_batch
 
     if warmup.threads:
         torch.set_num_threads(warmup.threads)

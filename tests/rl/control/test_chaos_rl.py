@@ -1,0 +1,104 @@
+"""`hpref rl` killed twice and resumed, compared bit for bit with a run never killed: the suite's
+short version of benchmarks/chaos_rl.py, through its own functions."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+ray = pytest.importorskip("ray")
+
+from benchmarks import chaos_rl  # noqa: E402
+
+from tests.rl.tiny import TINY  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+#: the seed of the kill plan (benchmarks/chaos_rl.py's --seed): the delays and which rank dies
+SEED = 47
+ROLLOUTS = 12
+
+
+def write_recipe(folder: Path) -> Path:
+    """One LoRA policy whose trainer group has two ranks (FSDP2 over gloo), the rule reward; the
+    run's name, folder, rollouts and saves are chaos_rl's `--set`s."""
+    model = ", ".join(f"{k} = {v}" for k, v in TINY.items())
+    path = folder / "chaos-rl.toml"
+    path.write_text(
+        textwrap.dedent(f"""
+        [rl]
+        [rl.rollout]
+        group_size = 2
+        prompts_per_rollout = 2
+        max_new_tokens = 4
+
+        [rl.reward]
+        name = "rule"
+
+        [rl.defaults]
+        lr = 1e-3
+        model = {{ {model} }}
+
+        [rl.policies.a]
+        lora = {{ r = 4 }}
+        ranks = 2
+        """)
+    )
+    return path
+
+
+def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_path):
+    """One `hpref rl` run SIGKILLed twice at seeded random moments, each resumed with `--resume
+    auto`: first a trainer actor of the LoRA policy's two-rank group (once a save is recorded),
+    which the run's one line must name with the save `--resume auto` continues from, then the
+    driver (`hpref rl` itself). Its final save must equal the unkilled run's tensor for
+    tensor (the adapter's weights and every AdamW moment), every rollout trained exactly once,
+    weight versions rising by one, the trainer's step counts at the record's position, and no actor
+    left behind. If this fails, a resume does not restore the adapter or its optimizer state
+    exactly (or regenerates a rollout from other weights), a dead rank is not noticed (a hang) or
+    not named (a traceback, a line blaming the survivor), the driver's actors outlive it, or a
+    rollout is replayed or skipped. Runs join the suite's cluster
+    (no cluster start per run)."""
+    args = argparse.Namespace(
+        work=tmp_path,
+        cache=Path(os.environ["HPREF_CACHE"]),
+        recipe=str(write_recipe(tmp_path)),
+        sets={},
+        policies=["a"],
+        targets=["trainer", "leader"],
+        kills=2,
+        seed=SEED,
+        rollouts=ROLLOUTS,
+        staleness=None,
+        kill_after=2,  # the first kill once rollout 2 is trained: a save is recorded by then
+        slot_s=0.4,  # each kill 0.02-0.5 s after that, or a resume's first new rollout (~0.5 s each)
+        stall_s=300.0,
+        exit_timeout=120.0,
+        run_timeout=600.0,
+        ray_address=ray.get_runtime_context().gcs_address,
+        cluster_root=os.getpid(),  # the suite's cluster is this process's: its actors are below it
+    )
+    result = chaos_rl.run(args)
+    assert chaos_rl.failures(result) == [], chaos_rl.table(result)
+    trainer, driver = result["kills"]
+    assert trainer["target"] == "trainer" and driver["target"] == "leader"
+    # one line naming what died and where the resume goes on (was test_actor_death's [trainer] run)
+    died = re.fullmatch(
+        r"policy 'a': trainer rank [01] actor died \(\w+\); the run stopped; --resume auto continues "
+        r"from (checkpoints/rollout-\d{6}) \(.*record\.json\)",
+        trainer["message"],
+    )
+    assert trainer["exit_code"] == 1 and died is not None, trainer
+    assert (tmp_path / "runs" / "chaos" / died.group(1) / "a" / "trainer.pt").is_file()
+    assert driver["exit_code"] == -9
+    final = result["checks"]["a"]["final_weights"]
+    # LoRA r=4 on TINY's seven linears: 14 adapter matrices, each with AdamW's step and two moments
+    assert final["equal"] is True and final["position"] == ROLLOUTS and final["tensors"] >= 14 * 3
+    assert result["checks"]["a"]["rows"] == ROLLOUTS
