@@ -23,6 +23,7 @@ from hpref.rl.algorithms.registry import build_algorithm
 from hpref.rl.policy import apply_env
 from hpref.rl.rollout.batching import RequestBatcher
 from hpref.rl.rollout.evaluation import eval_report, scorer_report
+from hpref.rl.rollout.pairing import JudgedPairs, judged_pairs
 from hpref.rl.rollout.prompts import build_prompt_source, rollout_prompts, sample_seed
 from hpref.rl.rollout.rewards import RewardSet, build_reward
 from hpref.rl.rollout_types import Generation, GenerationRequest, Rollout
@@ -164,7 +165,7 @@ class RolloutExecutor:
         g = rollout.group_size
         groups = [out.texts[i * g : (i + 1) * g] for i in range(len(prompts))]
         algorithm = self.algorithms[policy]
-        judged: dict[str, Any] = {}
+        judged = JudgedPairs.none()
         opponents, opponent_tokens = None, 0
         if self._wants_opponents():  # someone judges against this policy's answers: lend them
             self._answers[(policy, rollout_id)] = groups
@@ -174,13 +175,9 @@ class RolloutExecutor:
         components = None
         # a judge model's forward pass would block the event loop that serves every policy's get()
         if algorithm.needs_preferences:
-            from hpref.rl.rollout.pairing import judged_pairs
-
             rivals = opponents if algorithm.cross_policy else None
-            pairs, verdicts, opponent_texts, rewards = await asyncio.to_thread(
-                judged_pairs, self.reward, prompts, groups, rivals, rows
-            )
-            judged = {"pairs": pairs, "verdicts": verdicts, "opponent_texts": opponent_texts}
+            judged = await asyncio.to_thread(judged_pairs, self.reward, prompts, groups, rivals, rows)
+            rewards = judged.rewards
         else:
             scores, parts = await asyncio.to_thread(
                 self.reward.score_components, prompts, groups, opponents, rows
@@ -201,7 +198,9 @@ class RolloutExecutor:
             if truth
             else None,
             reward_components=components,
-            **judged,
+            pairs=judged.pairs,
+            verdicts=judged.verdicts,
+            opponent_texts=judged.opponent_texts,
         )
 
     def _rows(self, prompts: list[Prompt]) -> list[dict[str, Any]] | None:

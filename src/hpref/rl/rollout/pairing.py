@@ -6,7 +6,7 @@ its mean verdict. Online DPO trains on these pairs; GRPO with a judge reward sco
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hpref.rl.rollout_types import Verdict
 
@@ -15,13 +15,28 @@ if TYPE_CHECKING:
     from hpref.rl.protocols import PairJudge
 
 
+class JudgedPairs(NamedTuple):
+    """A rollout's judged pairs, typed: the `Rollout` fields an algorithm that `needs_preferences`
+    trains on (`pairs`, `verdicts`, `opponent_texts`), and a reward per answer."""
+
+    pairs: list[tuple[int, int]]
+    verdicts: list[Verdict]
+    opponent_texts: list[str]
+    rewards: list[float]
+
+    @classmethod
+    def none(cls) -> JudgedPairs:
+        """What a rollout of an algorithm that asks for no preferences carries: no pairs."""
+        return cls([], [], [], [])
+
+
 def judged_pairs(
     judge: PairJudge,
     prompts: Sequence[Prompt],
     groups: Sequence[Sequence[str]],
     opponents: Sequence[Sequence[str]] | None = None,
     rows: Sequence[dict[str, Any]] | None = None,
-) -> tuple[list[tuple[int, int]], list[Verdict], list[str], list[float]]:
+) -> JudgedPairs:
     """Pair a rollout's answers and judge them: (pairs as rows, verdicts, opponent texts, a reward per
     answer). Without `opponents` a group's answers pair two by two (rows 2k, 2k + 1); with them each
     answer pairs with one opponent answer to its prompt, taken in turn. An answer's reward is its
@@ -57,4 +72,4 @@ def judged_pairs(
         if second < own:
             scores[second].append(p_second + 0.5 * p_tie)
     rewards = [sum(s) / len(s) for s in scores]
-    return pairs, verdicts, opponent_texts, rewards  # type: ignore[return-value]
+    return JudgedPairs(pairs, verdicts, opponent_texts, rewards)  # type: ignore[arg-type]
