@@ -242,6 +242,10 @@ async def start_and_drive(
             if start:
                 logger.info("start: " + "; ".join(eval_line(start, f"{p}@start") for p in order))
         starts, _record = await restore(handles, order, setup.source, sync_bucket_bytes(config))
+        # Ray creates actors in the background: without this wait a fresh run without a start eval
+        # would count its engines' start-up (a model load, seconds to minutes) in its first rollout,
+        # and the drive's clock (`drive_s`, each row's `elapsed_s`) would not be the loops' alone
+        await asyncio.gather(*(handles.engines[p].get_version.remote() for p in order))
         for p in order:
             metrics.truncate(p, starts[p])
         # TensorBoard, W&B, ...: the leader writes, each curve continued from its policy's start
