@@ -48,6 +48,7 @@ LONGEST_MODULES_FIRST = (
     "tests/train/test_megatron_train.py",
     "tests/rl/control/test_stop_signals.py",
     "tests/train/test_real_hh_accuracy.py",
+    "tests/rl/test_rl_shared_benchmark.py",
     "tests/train/test_engine.py",
     "tests/train/test_watchdog.py",
     "tests/train/test_qlora.py",
@@ -73,6 +74,7 @@ LONGEST_MODULES_FIRST = (
     "tests/models/test_megatron.py",
     "tests/train/test_multinode.py",
     "tests/rl/control/test_save_now_rl.py",
+    "tests/test_dpo_trl_benchmark.py",
     "tests/train/test_save_now.py",
 )
 
