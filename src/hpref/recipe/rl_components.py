@@ -78,10 +78,34 @@ def resolve_prompts(section: PromptsSection, where: str = "recipe") -> BaseModel
     return resolve_component("prompts", section.name, params, "rl.prompts", where, plain_value_errors=True)
 
 
+#: What `hpref rl` reads of every engine's config (`hpref.rl.protocols.EngineConfig`, which a test
+#: keeps equal to this): checked when the recipe loads, so a plugin's config class that lacks one is
+#: one line there, not an AttributeError in the placement or the executor.
+ENGINE_CONFIG_ATTRIBUTES = (
+    "serves_adapters",
+    "sampling_knobs",
+    "num_cpus",
+    "num_gpus",
+    "dtype",
+    "batch_rows",
+    "check_policies",
+    "check_adapters",
+)
+
+
 def resolve_engine(section: EngineSection, where: str = "recipe") -> BaseModel:
-    """The engine component's validated config."""
+    """The engine component's validated config, refused in one line when its class lacks what
+    `hpref rl` reads of every engine (`ENGINE_CONFIG_ATTRIBUTES`)."""
     params = dict(section.model_extra or {})
-    return resolve_component("engine", section.name, params, "rl.engine", where, plain_value_errors=True)
+    config = resolve_component("engine", section.name, params, "rl.engine", where, plain_value_errors=True)
+    missing = [name for name in ENGINE_CONFIG_ATTRIBUTES if not hasattr(config, name)]
+    if missing:
+        raise RecipeError(
+            f"{where}: rl.engine.name: the '{section.name}' engine's config ({type(config).__name__}) has no "
+            f"{', '.join(missing)}, which hpref rl reads of every engine; its plugin's config class should "
+            "inherit hpref.rl.protocols.EngineConfigBase"
+        )
+    return config
 
 
 def resolve_algorithm(section: AlgorithmSection, policy: str, where: str = "recipe") -> BaseModel:

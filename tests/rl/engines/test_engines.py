@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from pydantic import BaseModel
 
 from hpref.errors import RecipeError
 from hpref.hookspecs import hookimpl
@@ -157,3 +158,37 @@ def test_a_sleeping_engine_holds_generation_until_it_wakes(monkeypatch, tmp_path
     host.wake()
     worker.join(timeout=30)
     assert len(done) == 1 and len(done[0].completions) == 2
+
+
+class BareConfig(BaseModel):
+    """A plugin engine's config that declares its own settings only (no `EngineConfigBase`)."""
+
+    threads: int = 1
+
+
+class BarePlugin:
+    __name__ = "bare-engine"
+
+    @hookimpl
+    def register_engines(self, register):
+        register(name="bare", config=BareConfig, build=lambda config, **kw: None, description="bare")
+
+
+def test_an_engine_config_without_what_hpref_rl_reads_is_refused_when_the_recipe_loads():
+    """A plugin's engine config that does not inherit `EngineConfigBase` is refused in one line at
+    recipe load, naming the engine and what its config lacks; and the attributes checked are exactly
+    the `EngineConfig` protocol's. If this fails, such a plugin fails later with an AttributeError in
+    the placement or the executor, or the check and the protocol have drifted apart."""
+    from hpref.recipe.rl_components import ENGINE_CONFIG_ATTRIBUTES
+    from hpref.rl.protocols import EngineConfig
+
+    declared = set(EngineConfig.__annotations__) | {
+        name for name, value in vars(EngineConfig).items() if callable(value) and not name.startswith("_")
+    }
+    assert set(ENGINE_CONFIG_ATTRIBUTES) == declared
+    load_plugins(extra=[BarePlugin()])
+    with pytest.raises(RecipeError) as refused:
+        section(engine={"name": "bare"})
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("r.toml: rl.engine.name: the 'bare' engine's config")
+    assert "serves_adapters" in message and "EngineConfigBase" in message
