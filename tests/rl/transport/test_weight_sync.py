@@ -179,8 +179,13 @@ def test_every_second_update_reaches_the_engine_through_a_failure_and_a_resume(b
         ids = [row["rollout"] for row in rows]
         assert ids == list(range(len(ids))), (policy, ids)  # nothing replayed or skipped
         pushed = [row["weight_version"] for row in rows]
+        # b's rollout whose push failed trained, and its row (no version) is kept when the leader's
+        # save that was waiting for b to park went ahead as b's loop ended (b's position already
+        # counted it); when the loops were cancelled first, the resume ran that rollout again and
+        # pushed its version then. Which of the two happened is the record's to say, not the test's.
         failed = 2 * (run["half"].before.version + 1) - 1 if policy == "b" else None
-        # the rollout whose push failed trained and is kept when the save after it counted it
+        if failed is not None and stopped.rollout_ids["b"] <= failed:
+            failed = None
         expected = [(r + 1) // 2 if r % 2 and r != failed else None for r in ids]
         assert pushed == expected, (policy, pushed)
         for row in rows:
