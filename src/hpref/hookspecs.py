@@ -3,7 +3,7 @@
 Components are registered through a callback rather than returned, so one hook implementation can
 register any number of them and errors point at the exact `register(...)` call:
 
-    from hpref import hookimpl
+    from hpref.hookspecs import hookimpl
 
     @hookimpl
     def register_schedulers(register):
@@ -190,6 +190,35 @@ def register_algorithms(register) -> None:
     `summarise`). Built-ins: `grpo` (`hpref.rl.algorithms.grpo`) and `online-dpo`
     (`hpref.rl.algorithms.online_dpo`);
     `plugins/hpref-example` adds one from outside hpref.
+    """
+
+
+@hookspec
+def register_environments(register) -> None:
+    """Register RL environments for `hpref rl` (`[rl.environment] name = "<name>"`, its parameters
+    beside the name).
+
+    `build(config)` runs in the rollout executor and returns an `hpref.rl.protocols.Environment`:
+    `start(prompt, row, seed)` begins an `Episode`, which says which role acts next, takes that
+    role's turn (its text and tokens) and answers with the next observation or the end, and gives
+    each role's reward at the end (or leaves the scoring to the run's rewards). Built-ins:
+    `single-turn` (the default: one prompt, one answer) and `tool` (the policy calls tools written
+    in its answer; `hpref.rl.environments`); `plugins/hpref-example` adds one from outside hpref.
+    """
+
+
+@hookspec
+def register_tools(register) -> None:
+    """Register tools for the `tool` RL environment (`[rl.environment] name = "tool"`, `tools =
+    ["<name>", ...]`).
+
+    `build(config)` (the config's defaults: a recipe names a tool, it gives it no parameters) runs
+    in the rollout executor when the environment is built and returns an `hpref.rl.protocols.Tool`:
+    its `name` (the one registered), a one-line `description`, the `argument` the short call form
+    `<name>...</name>` passes, and `run(arguments) -> str`, which raises `ValueError` with a message
+    the policy reads for wrong arguments. It runs on a worker thread under the environment's
+    `time_limit_s`, which stops the waiting, not the tool: a tool bounds its own work. Built-in:
+    `calculator` (`hpref.rl.environments.calculator`).
     """
 
 

@@ -48,6 +48,8 @@ KINDS: dict[str, str] = {
     "reward": "register_rewards",
     "engine": "register_engines",
     "algorithm": "register_algorithms",
+    "environment": "register_environments",
+    "tool": "register_tools",
     "trainer_backend": "register_trainer_backends",
     "logger": "register_loggers",
 }
@@ -64,6 +66,8 @@ BUILTIN_PLUGINS = (
     "hpref.rl.engines.transformers_engine",
     "hpref.rl.engines.vllm_engine",
     "hpref.rl.algorithms.builtin",
+    "hpref.rl.environments.builtin",
+    "hpref.rl.environments.calculator",
     "hpref.rl.trainer.backends",
     "hpref.builtin.loggers",
 )

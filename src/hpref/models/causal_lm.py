@@ -163,3 +163,64 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, turns: tuple[str, ...]) ->
             ids.append(tokenizer.eos_token_id)
     ids.append(tokenizer.convert_tokens_to_ids(ASSISTANT))
     return ids
+
+
+def turn_end_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token that closes an assistant turn in the policy's layout (its eos: the tiny layout's, and
+    the chat templates' end-of-turn, `<|im_end|>` in SmolLM2's). An episode's turn cut at
+    `max_new_tokens` gets it appended as context, so the next message starts where the template
+    expects."""
+    return int(tokenizer.eos_token_id)
+
+
+def observation_ids(tokenizer: PreTrainedTokenizerBase, role: str, text: str) -> list[int]:
+    """The tokens that follow a closed assistant turn when the next message is `text` from `role`
+    ("tool" or "user"), up to where the assistant's next answer begins: what an episode appends to
+    the transcript between two of the policy's turns, whose own tokens (its closing eos included)
+    stay as it generated them.
+
+    With a chat template: the template's rendering of a probe conversation with the message and its
+    generation prompt, less the rendering without them up to the end of the probe answer: after its
+    closing token when the template closes answers with the eos the policy generates (ChatML's
+    `<|im_end|>`: whatever follows it, a newline, belongs to the observation), else right after its
+    text (a template that closes answers with nothing, as hpref's tiny ones). A template that refuses
+    a "tool" message renders it as a user message. Without a template: encode_prompt's layout."""
+    if not getattr(tokenizer, "chat_template", None):
+        ids = [tokenizer.convert_tokens_to_ids(USER)]
+        ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        ids.append(tokenizer.convert_tokens_to_ids(ASSISTANT))
+        return ids
+    answer = "!"
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": answer}]
+
+    def render(messages: list[dict[str, str]], generation: bool) -> list[int]:
+        return list(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation, tokenize=True, return_dict=False
+            )
+        )
+
+    before = render(probe, False)
+    end = turn_end_id(tokenizer)
+    if end in before:
+        cut = len(before) - before[::-1].index(end)
+    elif before[-1:] == tokenizer.encode(answer, add_special_tokens=False)[-1:]:
+        cut = len(before)
+    else:
+        raise UserError(
+            "the policy's chat template closes an assistant turn with neither its eos token "
+            f"({tokenizer.convert_ids_to_tokens(end)!r}) nor nothing: multi-turn episodes cannot tell "
+            "where a turn ends"
+        )
+    try:
+        after = render([*probe, {"role": role, "content": text}], True)
+    except Exception:  # a template that knows no tool role (jinja raises its own errors)
+        if role == "user":
+            raise
+        after = render([*probe, {"role": "user", "content": text}], True)
+    if after[:cut] != before[:cut]:
+        raise UserError(
+            "the policy's chat template renders earlier messages differently once another follows: "
+            "multi-turn episodes need a template whose transcript only grows"
+        )
+    return after[cut:]

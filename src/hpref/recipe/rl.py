@@ -72,12 +72,14 @@ from pydantic import (
 from hpref.errors import RecipeError, UserError, did_you_mean
 from hpref.recipe.rl_components import (
     EngineSection,
+    EnvironmentSection,
     PromptsSection,
     RewardSection,
     WeightedRewardSection,
     check_reward_sections,
     resolve_algorithm,
     resolve_engine,
+    resolve_environment,
     resolve_prompts,
     resolve_reward,
 )
@@ -132,6 +134,11 @@ class RLConfig(Section):
         "against (e.g. another exported reward model): reward hacking shows as `reward` rising without it",
     )
     engine: EngineSection = Field(default_factory=lambda: EngineSection(), description="the inference engine")
+    environment: EnvironmentSection = Field(
+        default_factory=lambda: EnvironmentSection(),
+        description="where episodes happen: single-turn (a prompt, one answer: the default), tool (the "
+        "policy calls tools over several turns) or a plugin's",
+    )
     warmup: WarmupConfig | None = Field(
         None,
         description="supervised warm-up, the policies' starting checkpoint: tiny ones on the synthetic "
@@ -190,6 +197,9 @@ class RLConfig(Section):
     rewards_config: Any = Field(None, exclude=True, description="(internal) the validated rewards' configs")
     eval_scorer_config: Any = Field(None, exclude=True, description="(internal) the validated scorer config")
     engine_config: Any = Field(None, exclude=True, description="(internal) the validated engine config")
+    environment_config: Any = Field(
+        None, exclude=True, description="(internal) the validated environment config"
+    )
     share_base_reason: str | None = Field(
         None,
         exclude=True,
@@ -312,6 +322,7 @@ def parse_rl_section(
         ("reward_config", "reward"),
         ("rewards_config", "rewards"),
         ("engine_config", "engine"),
+        ("environment_config", "environment"),
         ("prompts_config", "prompts"),
         ("eval_scorer_config", "eval_scorer"),
         ("share_base_reason", "share_base"),
@@ -350,4 +361,5 @@ def resolve_rl_components(config: RLConfig, where: str = "recipe") -> None:
     if config.eval_scorer is not None:
         config.eval_scorer_config = resolve_reward(config.eval_scorer, where, key="rl.eval_scorer")
     config.engine_config = resolve_engine(config.engine, where)
+    config.environment_config = resolve_environment(config.environment, where)
     check_engine_knobs(config, where)

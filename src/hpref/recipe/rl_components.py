@@ -47,6 +47,39 @@ class EngineSection(BaseModel):
     name: str = Field("transformers", description="registered engine component (see `hpref components`)")
 
 
+class EnvironmentSection(BaseModel):
+    """`[rl.environment]`: `name` picks a registered environment (`single-turn`, every run's default;
+    `tool`; a plugin's); `max_turns`, `max_context_tokens` and `roles` bound and cast every
+    environment's episodes; every other key is one of the environment's parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(
+        "single-turn", description="registered environment (see `hpref components environment`)"
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="the most turns a policy takes in one episode; an episode still going then ends, is "
+        "trained on as far as it went and counted in `truncated_share`",
+    )
+    max_context_tokens: int = Field(
+        2048,
+        ge=16,
+        description="the longest an episode's context may grow (prompt, turns and observations, in the "
+        "policy's tokens, with room for one more answer of max_new_tokens); past it the episode ends as "
+        "at max_turns",
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description='the role each policy plays, { <policy id> = "<role>" } (default: the environment\'s '
+        "first role)",
+    )
+
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
 class AlgorithmSection(BaseModel):
     """A policy's `algorithm`: a registered algorithm's name (`algorithm = "online-dpo"`) or a table
     with the name and its parameters (`algorithm = { name = "grpo", kl_coef = 0.04 }`,
@@ -112,6 +145,13 @@ def resolve_algorithm(section: AlgorithmSection, policy: str, where: str = "reci
     """A policy's algorithm's validated config (`rl.policies.<policy>.algorithm`)."""
     key = f"rl.policies.{policy}.algorithm"
     return resolve_component("algorithm", section.name, section.params(), key, where, plain_value_errors=True)
+
+
+def resolve_environment(section: EnvironmentSection, where: str = "recipe") -> BaseModel:
+    """The environment's validated config (`rl.environment`: its parameters, not the bounds)."""
+    return resolve_component(
+        "environment", section.name, section.params(), "rl.environment", where, plain_value_errors=True
+    )
 
 
 REWARD_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")

@@ -8,13 +8,14 @@ only from rooms below it; `|` rooms never import each other):
 - `plan/` | `control/`: `hpref rl --plan` (placement and memory estimate) | the driver, the leader's
   parking of its followers, the resume record, SIGTERM/Ctrl-C, the preflight checks.
 - `warmup/` | `rollout/` | `trainer/` | `engines/` | `report/`: the supervised warm-up | the rollout
-  executor, rewards, pairing, evaluation | a policy's trainer actor, its group, FSDP2 sharding,
+  executor, its episodes, rewards, pairing, evaluation | a policy's trainer actor, its group, FSDP2 sharding,
   backends, saves | the transformers and vLLM engines and their Ray host | metrics and the leaderboard.
-- `algorithms/`: GRPO (with RLOO, REINFORCE++), online DPO, their numbers, the registry.
+- `algorithms/` | `environments/`: GRPO (with RLOO, REINFORCE++), online DPO, their numbers, the
+  registry | where episodes happen (`single-turn`, `tool` and its calculator), the registry.
 - `placement/`: Ray resources and the shared-base decision.
 - `transport/`: the rendezvous and the trainer -> engine weight channel.
 - shared by every room: `policy` (a policy's causal LM, tokenizer, prompts, padding maths),
-  `protocols` (the `Reward`, `Engine`, `Algorithm`, `TrainerBackend` seams), `logprobs` (token
+  `protocols` (the `Reward`, `Engine`, `Algorithm`, `Environment`, `TrainerBackend` seams), `logprobs` (token
   log-probs and entropy), `rollout_types` (the typed rollout) and `staleness` (how far behind its
   trainer a rollout's weights may be).
 

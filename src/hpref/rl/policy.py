@@ -179,11 +179,17 @@ def left_padded(rows: list[list[int]], width: int, pad: int) -> tuple[Any, Any]:
     return input_ids, attention
 
 
-def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict[str, Any]:
+def pad_batch(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    masks: list[list[int]] | None = None,
+) -> dict[str, Any]:
     """Right-padded `[B, L]` tensors of prompt + completion, for one teacher-forced forward pass.
 
-    `targets[:, t]` is the token at t + 1 and `mask[:, t]` is 1 where that token is a completion token:
-    logits at position t predict it. Prompt tokens and padding never count.
+    `targets[:, t]` is the token at t + 1 and `mask[:, t]` is 1 where that token is a completion token
+    (with `masks`, one of the completion's 1s: an episode's own tokens, not its observations): logits
+    at position t predict it. Prompt tokens and padding never count.
     """
     import torch
 
@@ -196,7 +202,9 @@ def pad_batch(prompts: list[list[int]], completions: list[list[int]], pad_id: in
         row = p + c
         input_ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
-        mask[i, len(p) - 1 : len(row) - 1] = 1.0
+        mask[i, len(p) - 1 : len(row) - 1] = (
+            1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
+        )
     return {"input_ids": input_ids, "attention_mask": attention, "targets": input_ids[:, 1:], "mask": mask}
 
 
@@ -275,12 +283,17 @@ def whole_groups(prompts: list[list[int]], group_size: int) -> bool:
 
 
 def group_batch(
-    prompts: list[list[int]], completions: list[list[int]], group_size: int, pad_id: int
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    group_size: int,
+    pad_id: int,
+    masks: list[list[int]] | None = None,
 ) -> dict[str, Any] | None:
     """A rollout's rows as prompt groups: each of the `G` distinct prompts once, left-padded
     (`prompt_ids`, `prompt_attention` `[G, Wp]`), and its `group_size` answers right-padded
     (`completion_ids`, `mask` `[G * group_size, Wc]`); `mask[i, t]` is 1 where column t is one of
-    row i's answer tokens. None when the rows are not whole groups of one prompt each.
+    row i's answer tokens (with `masks`, one of its 1s: an episode's own tokens; its observations
+    are in `completion_ids` as context). None when the rows are not whole groups of one prompt each.
 
     GRPO samples `group_size` answers per prompt, and HH-RLHF prompts with a chat template are
     several times longer than 64-token answers: a `pad_batch` runs every prompt `group_size` times
@@ -297,7 +310,7 @@ def group_batch(
     mask = torch.zeros((len(completions), width), dtype=torch.float32)
     for i, c in enumerate(completions):
         completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[i, : len(c)] = 1.0
+        mask[i, : len(c)] = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
     return {
         "prompt_ids": prompt_ids,
         "prompt_attention": prompt_attention,

@@ -20,7 +20,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from hpref.recipe.rl import PolicyModelConfig, RLConfig
-    from hpref.rl.rollout_types import Generation, GenerationRequest, Rollout, TrainingRows, Verdict
+    from hpref.rl.rollout_types import (
+        Generation,
+        GenerationRequest,
+        Rollout,
+        Step,
+        TrainingRows,
+        Turn,
+        Verdict,
+    )
 
 Prompt = tuple[str, ...]  # one conversation's turns: user, assistant, ..., user (the one to answer)
 
@@ -150,6 +158,50 @@ class PreparesBatches(Protocol):
 
 
 @runtime_checkable
+class Episode(Protocol):
+    """One episode of an `Environment`: the rollout asks who acts, gives that role's turn to `step`,
+    and reads the rewards once `step` says it is done (or a bound of `[rl.environment]` ended it)."""
+
+    def actor(self) -> str:
+        """The role that acts next (one of the environment's `roles`)."""
+        ...
+
+    def step(self, turn: Turn) -> Step:
+        """Take the acting role's turn; answer with the next observation or the end (`Step`). An
+        error of the environment's own making (a tool that failed) is an observation, not an
+        exception: an exception here ends the run."""
+        ...
+
+    def rewards(self) -> dict[str, float] | None:
+        """Each role's reward at the end (also when a bound cut the episode short), or None: the
+        run's rewards (`[rl.reward]` / `[rl.rewards.*]`) score each role's last answer, as they
+        score a single answer. Per-turn rewards (`Step.reward`) are added to either."""
+        ...
+
+    def success(self) -> bool | None:
+        """Whether the episode reached its goal, when the environment can tell (the eval's and the
+        metrics' `success`); None when it cannot."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What a rollout's episodes happen in (`[rl.environment]`; `register_environments`; built-ins in
+    `hpref.rl.environments`). It works in text: the rollout keeps the tokens (`hpref.rl.rollout.
+    episodes`). `start` depends only on its arguments: a regenerated rollout replays its episodes."""
+
+    #: the registered name
+    name: str
+    #: the roles that act in its episodes (`("policy",)`: one)
+    roles: tuple[str, ...]
+
+    def start(self, prompt: Prompt, row: dict[str, Any], seed: int) -> Episode:
+        """A new episode on `prompt` (its prompt file row's other columns in `row`: a `reference`,
+        a label; {} when the source has none), seeded by `seed`."""
+        ...
+
+
+@runtime_checkable
 class GroundTruthReward(Reward, Protocol):
     """A reward that also knows the truth (the synthetic arena), for the metrics that reveal reward
     hacking (`true_utility` in every rollout's row, the evals and the leaderboard)."""
@@ -198,6 +250,7 @@ class Engine(Protocol):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: Sequence[str] = (),
+        contexts: list[list[int]] | None = None,
     ) -> Generation:
         """`group_size` answers per prompt (`hpref.rl.rollout_types.Generation`): `prompt_ids`,
         `completions` (token ids, eos included; an answer cut at a stop string without it),
@@ -206,7 +259,9 @@ class Engine(Protocol):
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[Generation]:
         """`generate` of each request (`adapter` included), in request order; a request's answers
-        are the same as alone, whatever else is in the batch."""
+        are the same as alone, whatever else is in the batch. A request with `contexts` (an
+        episode's later turns) continues those token ids as they are instead of encoding its
+        prompts."""
         ...
 
     def weight_dtype(self) -> str:
@@ -378,3 +433,17 @@ class TrainerBackend(Protocol):
     def close(self, model: nn.Module) -> None:
         """Release what `build` set up beyond memory."""
         ...
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """A tool the `tool` environment's policy calls (`register_tools`): `name`, the one it is registered
+    and called by; `description`, one line; `argument`, what the short form `<name>...</name>` passes;
+    `run`, whose `ValueError` message the policy reads. It runs on a worker thread the time limit
+    cannot stop, so it bounds its own work and keeps no state between calls."""
+
+    name: str
+    description: str
+    argument: str
+
+    def run(self, arguments: dict[str, Any]) -> str: ...

@@ -39,10 +39,15 @@ class GenerationRequest:
     min_p: float = KNOBS_OFF["min_p"]
     repetition_penalty: float = KNOBS_OFF["repetition_penalty"]
     stop: tuple[str, ...] = KNOBS_OFF["stop"]
+    #: an episode's later turns: the token ids each prompt continues from (the transcript so far, the
+    #: policy's earlier turns as it generated them), used as they are instead of encoding `prompts`
+    contexts: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         # a recipe's stop strings arrive as a list; the request holds them as a tuple, as `KNOBS_OFF`
         object.__setattr__(self, "stop", tuple(self.stop))
+        if self.contexts is not None and len(self.contexts) != len(self.prompts):
+            raise ValueError(f"{len(self.contexts)} contexts for {len(self.prompts)} prompts")
 
     @property
     def rows(self) -> int:
@@ -62,6 +67,56 @@ class Generation:
     version: int  # the engine's weight version that generated them
     tokens: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One role's turn in an episode (`hpref.rl.protocols.Episode.step`), as its engine sampled it."""
+
+    role: str
+    #: decoded by the policy's own tokenizer, cut at its stop strings (what a reward reads)
+    text: str
+    #: the tokens the engine generated (the context of later turns keeps these, never a re-encoding)
+    tokens: tuple[int, ...]
+    #: it ended at a stop token or string; False: cut at `max_new_tokens`
+    finished: bool
+
+
+@dataclass(frozen=True)
+class Step:
+    """An environment's answer to a turn (`hpref.rl.protocols.Episode.step`): the observation the next
+    turn sees (rendered by the policy's chat template as a `role` message: "tool" or "user"), or the
+    end of the episode; a reward for the turn just taken when the environment has per-turn rewards;
+    and what it counted (tool calls, and those that failed: an error is an observation, never a
+    crash)."""
+
+    observation: str | None = None
+    role: str = "tool"
+    done: bool = False
+    reward: float | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.done and self.observation is None:
+            raise ValueError("a Step that does not end the episode needs an observation for the next turn")
+        if self.role not in ("tool", "user"):
+            raise ValueError(f"a Step's observation is a 'tool' or 'user' message, not {self.role!r}")
+
+
+@dataclass
+class EpisodeStats:
+    """Per episode of a rollout (one per answer row), what the environment and its bounds counted."""
+
+    turns: list[int]
+    tool_calls: list[int]
+    tool_errors: list[int]
+    #: ended by `max_turns` or `max_context_tokens`, not by the environment: trained on as far as it went
+    truncated: list[bool]
+    #: the environment's verdict on the episode when it has one (`Episode.success`), else None
+    success: list[float | None]
+    #: the sum of the environment's per-turn rewards (`Step.reward`) in each episode
+    turn_rewards: list[float]
 
 
 @dataclass
@@ -92,6 +147,18 @@ class Rollout:
     reward_components: dict[str, list[float]] | None = None
     opponent_tokens: int = 0
     stale_regenerated: bool = False
+    #: multi-turn episodes (`[rl.environment]`): per row, one flag per `completions` token, 1 where the
+    #: policy generated it (trained on), 0 where it is context (an observation, a turn's closing
+    #: token the template adds); `logprobs` then hold the engine's log-probs of the 1s only. None: a
+    #: single answer per row, every token the policy's.
+    masks: list[list[int]] | None = None
+    episodes: EpisodeStats | None = None
+
+    def own_lengths(self) -> list[int]:
+        """Each row's tokens the policy generated (its answer's length; every turn's, in an episode)."""
+        if self.masks is None:
+            return [len(c) for c in self.completions]
+        return [sum(m) for m in self.masks]
 
     def to_json(self) -> dict[str, Any]:
         """Plain lists, numbers and strings (a save's `executor.json`: no code runs from it)."""
@@ -99,7 +166,8 @@ class Rollout:
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> Rollout:
-        data = cls(**row)
+        episodes = row.get("episodes")
+        data = cls(**{**row, "episodes": EpisodeStats(**episodes) if episodes is not None else None})
         data.pairs = [(int(a), int(b)) for a, b in data.pairs]
         data.verdicts = [tuple(v) for v in data.verdicts]  # type: ignore[misc]
         return data
@@ -140,6 +208,16 @@ class TrainingRows:
     #: metrics of the whole step the algorithm knows once (the advantages' spread), reported as they
     #: are: not summed over micro-batches or ranks
     metrics: dict[str, float] = field(default_factory=dict)
+    #: per row, per completion token: 1 where the policy generated it (the loss, the KL and the
+    #: entropy read those), 0 for context inside the completion (an episode's observations); None:
+    #: every completion token counts. `behaviour` then holds log-probs of the 1s only.
+    masks: list[list[int]] | None = None
+
+    def trained_tokens(self) -> int:
+        """The tokens the step trains on: every completion token, or the 1s of `masks`."""
+        if self.masks is None:
+            return sum(len(c) for c in self.completions)
+        return sum(sum(m) for m in self.masks)
 
 
 def rollout_of_tokens(

@@ -104,6 +104,7 @@ class Grpo:
             temperature=rollout.temperature,
             values=values,
             metrics=advantage_spread(values) if estimator != "reinforce++" else {},
+            masks=rollout.masks,  # an episode's observations are context, never trained on
         )
 
     def prepare_batches(
@@ -153,7 +154,7 @@ class Grpo:
             aggregation=cfg.aggregation,
         )
         tokens = float(mask.sum())
-        total_tokens = max(sum(len(c) for c in prepared.completions), 1)
+        total_tokens = max(prepared.trained_tokens(), 1)
         # the micro-batch's share of the step: of its tokens (token-mean) or of its answers
         weight = (
             tokens / total_tokens

@@ -63,6 +63,12 @@ class OnlineDpo:
             raise RecipeError(
                 f"{key}.pairs: 'cross' pairs each answer with another policy's, and only '{policy}' runs"
             )
+        if self.cross_policy and config.environment.name != "single-turn":
+            # the other policy's side of a pair would be its last answer alone, not its episode
+            raise RecipeError(
+                f"{key}.pairs: 'cross' pairs compare single answers, and rl.environment is "
+                f"'{config.environment.name}' (episodes); use pairs = \"own\""
+            )
 
     def wants_reference(self) -> bool:
         return True
@@ -78,7 +84,7 @@ class OnlineDpo:
             )
         own = len(rollout.completions)
         eos = tokenizer.eos_token_id
-        prompts, completions = [], []
+        prompts, completions, masks = [], [], []
         for first, second in rollout.pairs:
             for row in (first, second):
                 prompts.append(rollout.prompt_ids[first])
@@ -87,6 +93,8 @@ class OnlineDpo:
                 else:
                     text = rollout.opponent_texts[row - own]
                     completions.append(tokenizer.encode(text, add_special_tokens=False) + [eos])
+                # an episode's observations are context: its answer is the policy's tokens alone
+                masks.append(rollout.masks[row] if rollout.masks is not None else [1] * len(completions[-1]))
         sampled = [row < own for pair in rollout.pairs for row in pair]
         return TrainingRows(
             prompts=prompts,
@@ -101,6 +109,7 @@ class OnlineDpo:
             },
             whole_groups=True,
             sampled=sampled,
+            masks=masks if rollout.masks is not None else None,
         )
 
     def loss(

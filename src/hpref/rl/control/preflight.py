@@ -20,6 +20,7 @@ from hpref.recipe import Recipe
 from hpref.recipe.rl import RLConfig, resolve_engine
 from hpref.recipe.rl_rewards import reward_parts, rl_rewards
 from hpref.rl.algorithms.registry import check_algorithms
+from hpref.rl.environments.registry import check_environment
 from hpref.rl.trainer.backends import check_backends
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ def _check_rl_backends(recipe: Recipe, where: str) -> None:
     assert config is not None
     check_backends(config, sorted(config.policies), where)
     check_algorithms(config, sorted(config.policies), where)
+    check_environment(config, sorted(config.policies), where)
 
 
 def rl_config(recipe: Recipe) -> tuple[RLConfig, Path]:
@@ -104,6 +106,7 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
         check_policy_lora(config, order, where)
     check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
     check_algorithms(config, order, where)  # e.g. online DPO's pairs: an even group, a judging reward
+    check_environment(config, order, where)  # its parameters and tools, the roles, the context bound
     check_policy_models(config, order, where)
     from hpref.rl.warmup.data import check_source
 

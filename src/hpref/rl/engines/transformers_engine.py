@@ -180,12 +180,13 @@ class EngineActor(VersionedWeights):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: Sequence[str] = (),
+        contexts: list[list[int]] | None = None,
     ) -> Generation:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
         (`adapter`: the policy's, on a shared base; the sampling knobs: `hpref.recipe.rl_sampling`)."""
         asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
         knobs = dict(top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, stop=tuple(stop))
-        return self.generate_batch([GenerationRequest(*asked, **knobs)])[0]
+        return self.generate_batch([GenerationRequest(*asked, **knobs, contexts=contexts)])[0]
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[Generation]:
         """Several `generate` requests in as few batches as their group sizes allow, each request on
@@ -225,7 +226,7 @@ class EngineActor(VersionedWeights):
 
         start = time.perf_counter()
         group = requests[0].group_size
-        per_request = [self.prompt_ids(r.prompts) for r in requests]
+        per_request = [r.contexts if r.contexts is not None else self.prompt_ids(r.prompts) for r in requests]
         prompt_ids = [ids for ids in per_request for ids in ids]
         prompt_adapters = [r.adapter for r, ids in zip(requests, per_request, strict=True) for _ in ids]
         row_adapters = [a for a in prompt_adapters for _ in range(group)]

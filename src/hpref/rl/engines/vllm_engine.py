@@ -319,12 +319,13 @@ class VLLMEngine(VersionedWeights):
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         stop: Sequence[str] = (),
+        contexts: list[list[int]] | None = None,
     ) -> Generation:
         """`group_size` answers per prompt: token ids, their log-probs, texts, and the weight version
         (`adapter`: the policy's, on a shared base; the sampling knobs: `hpref.recipe.rl_sampling`)."""
         asked = (prompts, group_size, max_new_tokens, temperature, top_k, seed, greedy, adapter)
         knobs = dict(top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, stop=tuple(stop))
-        return self.generate_batch([GenerationRequest(*asked, **knobs)])[0]
+        return self.generate_batch([GenerationRequest(*asked, **knobs, contexts=contexts)])[0]
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[Generation]:
         """Several `generate` requests in one `llm.generate`, each prompt
@@ -337,7 +338,10 @@ class VLLMEngine(VersionedWeights):
         versions = [self.get_version(r.adapter) for r in requests]  # an unknown adapter raises
         from hpref.models.causal_lm import encode_prompt
 
-        per_request = [[encode_prompt(self.tokenizer, p) for p in r.prompts] for r in requests]
+        per_request = [
+            r.contexts if r.contexts is not None else [encode_prompt(self.tokenizer, p) for p in r.prompts]
+            for r in requests
+        ]
         inputs, params, loras = [], [], []
         for r, prompt_ids in zip(requests, per_request, strict=True):
             # one seed per prompt, drawn from the request's: vLLM seeds each prompt's sampling, and

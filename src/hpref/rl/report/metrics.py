@@ -122,7 +122,9 @@ def rollout_metrics(rollout: Rollout, stats: dict[str, float], version: int | No
         "opponent_tokens": rollout.opponent_tokens,
         "stale_regenerated": rollout.stale_regenerated,
     }
-    row.update(length_percentiles([len(c) for c in rollout.completions]))
+    row.update(length_percentiles(rollout.own_lengths()))
+    if rollout.episodes is not None:
+        row.update(episode_metrics(rollout))
     for name, values in (rollout.reward_components or {}).items():  # several rewards: each on its own
         row[f"reward_{name}_mean"] = sum(values) / len(values)
     if rollout.true_utility:
@@ -133,6 +135,27 @@ def rollout_metrics(rollout: Rollout, stats: dict[str, float], version: int | No
         row["cross_policy_pairs"] = sum(second >= len(rollout.completions) for _, second in rollout.pairs)
         row["judged_tie_share"] = sum(v[2] for v in rollout.verdicts) / len(rollout.verdicts)
     row.update(stats)
+    return row
+
+
+def episode_metrics(rollout: Rollout) -> dict[str, float]:
+    """An environment's rollout (`[rl.environment]` other than single-turn): turns, tool calls and tool
+    errors per episode, the share of episodes a bound cut short (`truncated_share`), and the share the
+    environment judged a success (where it judges any)."""
+    stats = rollout.episodes
+    assert stats is not None
+    n = max(len(stats.turns), 1)
+    row = {
+        "turns_mean": sum(stats.turns) / n,
+        "tool_calls_mean": sum(stats.tool_calls) / n,
+        "tool_errors_mean": sum(stats.tool_errors) / n,
+        "truncated_share": sum(stats.truncated) / n,
+    }
+    judged = [s for s in stats.success if s is not None]
+    if judged:
+        row["success"] = sum(judged) / len(judged)
+    if any(stats.turn_rewards):
+        row["turn_reward_mean"] = sum(stats.turn_rewards) / n
     return row
 
 

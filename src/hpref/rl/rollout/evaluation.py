@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hpref.rl.rollout.episodes import Played
     from hpref.rl.rollout.rewards import RewardSet
 
 Utilities = dict[str, list[float]]  # player (a policy, or `<id>@start`) -> score per eval prompt
@@ -130,3 +131,72 @@ def scorer_report(
         "win_rate_vs_start": win_rates,
         "battles": [],
     }
+
+
+async def answers_report(
+    scorers: dict[str, RewardSet | None],
+    truth: Callable[[tuple[str, ...], str], float] | None,
+    prompts: Sequence[tuple[str, ...]],
+    played: dict[str, Played],
+    policies: list[str],
+    rows_of: Sequence[dict[str, Any]] | None,
+    episodes: bool,
+) -> dict[str, Any]:
+    """An eval's report from every player's greedy episodes (`played`: each policy's and its start's,
+    `<id>@start`): `true_utility`, `win_rate_vs_start` and `battles` (the ground truth's, empty
+    without one), `reward` / `scorer`: {"means", "win_rate_vs_start"} per scorer (`scorers`, None
+    where a run has none), `answer_tokens` (mean greedy answer length per player: its own tokens),
+    `leaderboard_battles`: the battles of the Bradley-Terry leaderboard (the ground truth's, else the
+    eval scorer's, else the reward's, when pointwise) and `leaderboard_by`, which of them (None: none
+    scored the answers pointwise), and `answers`: every answer with its scores. With `episodes`
+    (an environment other than single-turn), each answer's row also holds the whole transcript (each
+    message tagged with its role), its turns and tool calls, and `success` (per player, the share of
+    episodes the environment judged a success, where it judges)."""
+    import asyncio
+
+    answers = {who: list(p.texts) for who, p in played.items()}
+    lengths = {who: [sum(m) for m in p.masks] for who, p in played.items()}
+    report: dict[str, Any] = {"true_utility": {}, "win_rate_vs_start": {}, "battles": []}
+    if truth is not None:
+        utilities = {
+            who: [truth(q, a) for q, a in zip(prompts, said, strict=True)] for who, said in answers.items()
+        }
+        report = eval_report(utilities, policies)
+    report["answer_tokens"] = {who: sum(n) / len(n) for who, n in lengths.items()}
+    report["leaderboard_battles"] = report["battles"]
+    report["leaderboard_by"] = "ground truth" if report["battles"] else None
+    # every answer with its scores, for the run folder: a mean that moved says that something
+    # changed, the answers say what (shorter, declining, repeating: reward hacking is read here)
+    rows = {
+        who: [
+            {"prompt": list(q), "answer": a, "tokens": n}
+            for q, a, n in zip(prompts, said, lengths[who], strict=True)
+        ]
+        for who, said in answers.items()
+    }
+    if episodes:
+        report["success"] = {}
+        for who, p in played.items():
+            for i, row in enumerate(rows[who]):
+                row["transcript"] = [{"role": role, "text": text} for role, text in p.transcripts[i]]
+                row.update(turns=p.stats.turns[i], tool_calls=p.stats.tool_calls[i])
+                row.update(truncated=p.stats.truncated[i], success=p.stats.success[i])
+            judged = [s for s in p.stats.success if s is not None]
+            if judged:
+                report["success"][who] = sum(judged) / len(judged)
+    for name, reward in scorers.items():
+        if reward is None:
+            continue
+        # a judge model's forward pass would block the event loop that serves every policy's get()
+        scored = await asyncio.to_thread(scorer_report, reward, prompts, answers, policies, rows_of)
+        report[name] = {"means": scored["means"], "win_rate_vs_start": scored["win_rate_vs_start"]}
+        if scored["components"]:
+            report["reward_components"] = scored["components"]
+        for who, scores in scored["scores"].items():
+            for row, score in zip(rows[who], scores, strict=True):
+                row[name] = score
+        if not report["leaderboard_battles"] and scored["battles"]:
+            report["leaderboard_battles"] = scored["battles"]
+            report["leaderboard_by"] = "eval scorer" if name == "scorer" else "reward"
+    report["answers"] = rows
+    return report

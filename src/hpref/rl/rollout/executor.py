@@ -20,9 +20,11 @@ from hpref.errors import UserError
 from hpref.recipe.rl import RLConfig
 from hpref.recipe.rl_sampling import sampling_knobs
 from hpref.rl.algorithms.registry import build_algorithm
+from hpref.rl.environments.registry import build_environment, policy_roles
 from hpref.rl.policy import apply_env
 from hpref.rl.rollout.batching import RequestBatcher
-from hpref.rl.rollout.evaluation import eval_report, scorer_report
+from hpref.rl.rollout.episodes import Bounds, Played, TurnCodec, play_episodes
+from hpref.rl.rollout.evaluation import answers_report
 from hpref.rl.rollout.pairing import JudgedPairs, judged_pairs
 from hpref.rl.rollout.prompts import build_prompt_source, rollout_prompts, sample_seed
 from hpref.rl.rollout.rewards import RewardSet, build_reward
@@ -83,12 +85,16 @@ class RolloutExecutor:
             if self.config.share_base
             else None
         )
+        #: where the episodes happen (`[rl.environment]`; `single-turn`: a prompt and one answer)
+        self.environment = build_environment(self.config)
+        self.roles = policy_roles(self.config, self.environment, self.policies, "recipe")
+        self._codecs = {p: TurnCodec(self._tokenizer_of(p)) for p in self.policies}
         self.positions = {p: 0 for p in self.policies}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
         # each policy's answers per rollout id, for judging the other policies against them
         self._answers: dict[tuple[str, int], list[list[str]]] = {}
-        # each policy's starting checkpoint's greedy eval answers and their lengths in tokens
-        self._start_answers: dict[str, tuple[list[str], list[int]]] = {}
+        # each policy's starting checkpoint's greedy eval episodes
+        self._start_answers: dict[str, Played] = {}
 
     async def _generate(self, policy: str, *request: Any, **knobs: Any) -> Generation:
         """The policy's engine's `generate(prompts, group_size, max_new_tokens, temperature, top_k, seed[,
@@ -98,11 +104,46 @@ class RolloutExecutor:
             return await self.engines[policy].generate.remote(*request, **knobs)
         return await self.batcher.generate(GenerationRequest(*request, adapter=policy, **knobs))
 
-    async def _sample(self, policy: str, prompts: list[Prompt], answers: int, seed: int) -> Generation:
-        """`answers` answers per prompt, sampled by the policy's engine with its rollout settings."""
+    def _tokenizer_of(self, policy: str) -> Any:
+        def load() -> Any:
+            from hpref.models.causal_lm import policy_tokenizer
+
+            return policy_tokenizer(self.config.policies[policy].model)
+
+        return load
+
+    async def _play(
+        self, policy: str, prompts: list[Prompt], answers: int, seed: int, greedy: bool = False
+    ) -> Played:
+        """`answers` episodes per prompt played by the policy's engine with its rollout settings
+        (`greedy`: the evals' answers); the first turn is the one request a single answer is."""
         rollout = self.config.policy_rollout(policy)
-        settings = (rollout.max_new_tokens, rollout.temperature, rollout.top_k, seed)
-        return await self._generate(policy, prompts, answers, *settings, **sampling_knobs(rollout))
+        knobs = sampling_knobs(rollout, greedy=greedy)
+        if greedy:
+            settings: tuple[Any, ...] = (rollout.max_new_tokens, 1.0, 0, 0, True)
+        else:
+            settings = (rollout.max_new_tokens, rollout.temperature, rollout.top_k, seed)
+
+        async def first_turn() -> Generation:
+            return await self._generate(policy, prompts, answers, *settings, **knobs)
+
+        async def next_turn(live: list[Prompt], contexts: list[list[int]], turn_seed: int) -> Generation:
+            sampled = (*settings[:3], turn_seed, greedy)
+            adapter = policy if self.batcher is not None else None
+            request = GenerationRequest(live, 1, *sampled, adapter=adapter, contexts=contexts, **knobs)
+            if self.batcher is not None:
+                return await self.batcher.generate(request)
+            return (await self.engines[policy].generate_batch.remote([request]))[0]
+
+        section = self.config.environment
+        bounds = Bounds(
+            self.roles[policy], section.max_turns, section.max_context_tokens, rollout.max_new_tokens
+        )
+        rows = self._prompt_rows(prompts)
+        codec = self._codecs[policy]
+        return await play_episodes(
+            self.environment, codec, first_turn, next_turn, prompts, rows, answers, seed, bounds
+        )
 
     async def _version(self, policy: str) -> int:
         """The weight version the policy's engine (or adapter) serves."""
@@ -144,7 +185,7 @@ class RolloutExecutor:
             cached = self._answers.get((q, rollout_id))
             if cached is None:
                 seed = sample_seed(self.config.policy_rollout(q).seed, f"{q}>{policy}", rollout_id)
-                out = await self._sample(q, prompts, k, seed)
+                out = await self._play(q, prompts, k, seed)
                 generated += out.tokens
                 cached = [out.texts[i * k : (i + 1) * k] for i in range(len(prompts))]
             for i, answers in enumerate(cached):
@@ -161,7 +202,7 @@ class RolloutExecutor:
         rollout = self.config.policy_rollout(policy)
         prompts = rollout_prompts(self.prompts, rollout, rollout_id)
         seed = sample_seed(rollout.seed, policy, rollout_id)
-        out = await self._sample(policy, prompts, rollout.group_size, seed)
+        out = await self._play(policy, prompts, rollout.group_size, seed)
         g = rollout.group_size
         groups = [out.texts[i * g : (i + 1) * g] for i in range(len(prompts))]
         algorithm = self.algorithms[policy]
@@ -174,20 +215,39 @@ class RolloutExecutor:
         rows = self._rows(prompts)
         components = None
         # a judge model's forward pass would block the event loop that serves every policy's get()
+        given = [None if r is None else r[self.roles[policy]] for r in out.rewards]
         if algorithm.needs_preferences:
+            if any(r is not None for r in given):
+                raise RuntimeError(
+                    f"{algorithm.name} of '{policy}' judges answer pairs with the run's rewards, and the "
+                    f"'{self.environment.name}' environment gives episodes rewards of its own"
+                )
             rivals = opponents if algorithm.cross_policy else None
             judged = await asyncio.to_thread(judged_pairs, self.reward, prompts, groups, rivals, rows)
             rewards = judged.rewards
+        elif all(r is not None for r in given):  # the environment scored every episode itself
+            rewards = [float(r) for r in given]  # type: ignore[arg-type]
         else:
             scores, parts = await asyncio.to_thread(
                 self.reward.score_components, prompts, groups, opponents, rows
             )
-            rewards = [float(s) for group in scores for s in group]
+            scored = [float(s) for group in scores for s in group]
+            rewards = [scored[i] if r is None else float(r) for i, r in enumerate(given)]
             if self.reward.named:
                 components = {name: [s for group in part for s in group] for name, part in parts.items()}
+        if any(out.stats.turn_rewards):  # the environment's per-turn rewards, on top of either
+            rewards = [r + t for r, t in zip(rewards, out.stats.turn_rewards, strict=True)]
         truth = self.truth
-        return Rollout.from_generation(
-            out,
+        return Rollout(
+            prompt_ids=out.prompt_ids,
+            completions=out.completions,
+            logprobs=out.logprobs,
+            texts=out.texts,
+            version=out.version,
+            tokens=out.tokens,
+            seconds=out.seconds,
+            masks=None if out.single_turn else out.masks,
+            episodes=None if self.environment.name == "single-turn" else out.stats,
             rollout_id=rollout_id,
             policy=policy,
             group_size=g,
@@ -207,6 +267,10 @@ class RolloutExecutor:
         """The prompt file's row of each prompt, when a reward reads rows (`wants_rows`)."""
         if not self.reward.wants_rows and not (self.scorer is not None and self.scorer.wants_rows):
             return None
+        return self._prompt_rows(prompts)
+
+    def _prompt_rows(self, prompts: list[Prompt]) -> list[dict[str, Any]]:
+        """The prompt file's row of each prompt ({} from a source without rows: `PromptSource.row`)."""
         row = getattr(self.prompts, "row", None)
         return [row(p) if row is not None else {} for p in prompts]
 
@@ -275,13 +339,10 @@ class RolloutExecutor:
     def _eval_prompts(self) -> list[Prompt]:
         return self.prompts.eval_prompts(self.config.rollout.seed, self.config.rollout.eval_prompts)
 
-    async def _greedy_answers(self, policy: str, prompts: list[Prompt]) -> tuple[list[str], list[int]]:
-        """The policy's greedy answers to `prompts` and their lengths in tokens (eos included), with its
+    async def _greedy_answers(self, policy: str, prompts: list[Prompt]) -> Played:
+        """The policy's greedy episodes on `prompts` (single-turn: its greedy answers), with its
         repetition penalty and stop strings (`sampling_knobs`: its behaviour, as in its rollouts)."""
-        rollout = self.config.policy_rollout(policy)
-        knobs = sampling_knobs(rollout, greedy=True)
-        gen = await self._generate(policy, prompts, 1, rollout.max_new_tokens, 1.0, 0, 0, True, **knobs)
-        return list(gen.texts), [len(c) for c in gen.completions]
+        return await self._play(policy, prompts, 1, 0, greedy=True)
 
     async def record_start(self, policies: list[str]) -> dict[str, Any]:
         """Greedy eval answers of each policy's starting checkpoint; returns their eval report.
@@ -298,77 +359,32 @@ class RolloutExecutor:
             if version != 0:
                 raise RuntimeError(f"record_start: engine '{p}' already serves version {version}, not 0")
         # all at once: separate engines answer in parallel, a shared one in one batch
-        answers = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
-        self._start_answers.update(zip(policies, answers, strict=True))
-        return await self._report(prompts, {}, {}, policies)
+        played = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
+        self._start_answers.update(zip(policies, played, strict=True))
+        return await self._report(prompts, {}, policies)
 
     async def evaluate(self, policies: list[str]) -> dict[str, Any]:
         """Greedy answers of every policy (and of its start, `<id>@start`) to the held-out eval
         prompts, scored by the ground truth when the prompts have one, by the training reward, and by
-        `[rl.eval_scorer]` when set (`hpref.rl.rollout.evaluation` does the numbers).
-
-        Returns `true_utility`, `win_rate_vs_start` and `battles` (the ground truth's, empty without
-        one), `reward` / `scorer`: {"means", "win_rate_vs_start"} per scorer, `answer_tokens` (mean
-        greedy answer length per player), and `leaderboard_battles`: the battles of the Bradley-Terry
-        leaderboard (the ground truth's, else the eval scorer's, else the reward's, when pointwise),
-        and `leaderboard_by`, which of them (None: none scored the answers pointwise).
-        """
+        `[rl.eval_scorer]` when set (`hpref.rl.rollout.evaluation.answers_report` does the numbers
+        and says what the report holds)."""
         prompts = self._eval_prompts()
         if not prompts:
             return {"true_utility": {}, "win_rate_vs_start": {}, "battles": [], "leaderboard_battles": []}
-        answers, lengths = {}, {}
-        said = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
-        for p, (texts, tokens) in zip(policies, said, strict=True):
-            answers[p], lengths[p] = texts, tokens
-        return await self._report(prompts, answers, lengths, policies)
+        played = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
+        return await self._report(prompts, dict(zip(policies, played, strict=True)), policies)
 
     async def _report(
-        self,
-        prompts: list[Prompt],
-        answers: dict[str, list[str]],
-        lengths: dict[str, list[int]],
-        policies: list[str],
+        self, prompts: list[Prompt], played: dict[str, Played], policies: list[str]
     ) -> dict[str, Any]:
         for p in policies:
             if p in self._start_answers:
-                answers[f"{p}@start"], lengths[f"{p}@start"] = self._start_answers[p]
-        report: dict[str, Any] = {"true_utility": {}, "win_rate_vs_start": {}, "battles": []}
-        if self.truth is not None:
-            truth = self.truth
-            utilities = {
-                who: [truth(q, a) for q, a in zip(prompts, said, strict=True)]
-                for who, said in answers.items()
-            }
-            report = eval_report(utilities, policies)
-        report["answer_tokens"] = {who: sum(n) / len(n) for who, n in lengths.items()}
-        report["leaderboard_battles"] = report["battles"]
-        report["leaderboard_by"] = "ground truth" if report["battles"] else None
-        # every answer with its scores, for the run folder: a mean that moved says that something
-        # changed, the answers say what (shorter, declining, repeating: reward hacking is read here)
-        rows = {
-            who: [
-                {"prompt": list(q), "answer": a, "tokens": n}
-                for q, a, n in zip(prompts, said, lengths[who], strict=True)
-            ]
-            for who, said in answers.items()
-        }
-        rows_of = self._rows(prompts)
-        for name, reward in (("scorer", self.scorer), ("reward", self.reward)):
-            if reward is None:
-                continue
-            # a judge model's forward pass would block the event loop that serves every policy's get()
-            scored = await asyncio.to_thread(scorer_report, reward, prompts, answers, policies, rows_of)
-            report[name] = {"means": scored["means"], "win_rate_vs_start": scored["win_rate_vs_start"]}
-            if scored["components"]:
-                report["reward_components"] = scored["components"]
-            for who, scores in scored["scores"].items():
-                for row, score in zip(rows[who], scores, strict=True):
-                    row[name] = score
-            if not report["leaderboard_battles"] and scored["battles"]:
-                report["leaderboard_battles"] = scored["battles"]
-                report["leaderboard_by"] = "eval scorer" if name == "scorer" else "reward"
-        report["answers"] = rows
-        return report
+                played[f"{p}@start"] = self._start_answers[p]
+        scorers = {"scorer": self.scorer, "reward": self.reward}
+        episodes = self.environment.name != "single-turn"
+        return await answers_report(
+            scorers, self.truth, prompts, played, policies, self._rows(prompts), episodes
+        )
 
     async def save(self, folder: str) -> None:
         """Write the data position and the rollouts prefetched past it (waiting for one in flight):

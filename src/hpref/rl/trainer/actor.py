@@ -211,7 +211,7 @@ class TrainerActor:
         release_freed_memory()
         cfg, algorithm = self.config, self.active.algorithm
         prepared = algorithm.prepare(rollout, self.tokenizer)
-        total_tokens = max(sum(len(c) for c in prepared.completions), 1)
+        total_tokens = max(prepared.trained_tokens(), 1)
         batches = self._step_batches(prepared)
         stats: dict[str, float] = {}
         for epoch in range(cfg.epochs_per_rollout):

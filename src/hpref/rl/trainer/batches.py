@@ -28,6 +28,7 @@ def rank_micro_batches(
     `takes_cache`: the model shares a prompt's KV cache across its group's answers
     (`hpref.rl.policy.shares_prefix`)."""
     prompts, completions, group = prepared.prompts, prepared.completions, prepared.group
+    masks = prepared.masks
     if takes_cache and whole_groups(prompts, group):
         # a group's padded cost: its prompt once and its answers at their longest
         answers = [completions[g : g + group] for g in range(0, len(completions), group)]
@@ -35,8 +36,9 @@ def rank_micro_batches(
 
         def make(items: list[int]) -> Batch:
             rows = [g * group + j for g in sorted(items) for j in range(group)]
+            picked = [masks[i] for i in rows] if masks is not None else None
             return group_batch(
-                [prompts[i] for i in rows], [completions[i] for i in rows], group, pad_id
+                [prompts[i] for i in rows], [completions[i] for i in rows], group, pad_id, picked
             ), rows
 
     else:
@@ -49,7 +51,8 @@ def rank_micro_batches(
 
         def make(items: list[int]) -> Batch:
             rows = [u * unit + j for u in items for j in range(unit)]
-            return pad_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_id), rows
+            picked = [masks[i] for i in rows] if masks is not None else None
+            return pad_batch([prompts[i] for i in rows], [completions[i] for i in rows], pad_id, picked), rows
 
     mine = list(range(len(costs)))
     if data_ranks > 1:

@@ -1,0 +1,13 @@
+"""The built-in environments, registered through `register_environments` like a plugin's."""
+
+from __future__ import annotations
+
+from hpref.hookspecs import hookimpl
+from hpref.rl.environments.single_turn import SingleTurnConfig, build_single_turn
+from hpref.rl.environments.tool import ToolConfig, build_tool
+
+
+@hookimpl
+def register_environments(register):
+    register(name="single-turn", config=SingleTurnConfig, build=build_single_turn)
+    register(name="tool", config=ToolConfig, build=build_tool)
