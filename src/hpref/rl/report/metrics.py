@@ -215,6 +215,12 @@ def eval_row(evaluation: dict[str, Any], policy: str) -> dict[str, Any]:
             row["eval_answer_tokens_start"] = lengths[start]
     if policy in evaluation.get("kl", {}):
         row["eval_kl"] = evaluation["kl"][policy]
+    for name in ("success", "tool_call_share", "turns"):  # an environment's episodes (#49)
+        figures = evaluation.get(name, {})
+        if policy in figures:
+            row[f"eval_{name}"] = figures[policy]
+            if start in figures:
+                row[f"eval_{name}_start"] = figures[start]
     return row
 
 
@@ -240,4 +246,11 @@ def eval_line(evaluation: dict[str, Any], policy: str) -> str:
         parts.append(f"{row['eval_answer_tokens']:.1f} tokens")
     if "eval_kl" in row:
         parts.append(f"KL {row['eval_kl']:.4f}")
+    if "eval_success" in row:
+        start = row.get("eval_success_start")
+        parts.append(
+            f"success {row['eval_success']:.3f}" + (f" (start {start:.3f})" if start is not None else "")
+        )
+    if "eval_tool_call_share" in row:
+        parts.append(f"tool calls in {row['eval_tool_call_share']:.0%} of episodes")
     return f"{policy} " + ", ".join(parts)

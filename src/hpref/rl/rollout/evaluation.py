@@ -133,6 +133,21 @@ def scorer_report(
     }
 
 
+def episode_figures(played: dict[str, Played]) -> dict[str, dict[str, float]]:
+    """Per player, over its eval episodes: `success` (the share the environment judged a success,
+    where it judges), `tool_call_share` (the share that called a tool at least once) and `turns`
+    (the mean turns taken)."""
+    success, calls, turns = {}, {}, {}
+    for who, p in played.items():
+        n = max(len(p.stats.turns), 1)
+        judged = [s for s in p.stats.success if s is not None]
+        if judged:
+            success[who] = sum(judged) / len(judged)
+        calls[who] = sum(c > 0 for c in p.stats.tool_calls) / n
+        turns[who] = sum(p.stats.turns) / n
+    return {"success": success, "tool_call_share": calls, "turns": turns}
+
+
 async def answers_report(
     scorers: dict[str, RewardSet | None],
     truth: Callable[[tuple[str, ...], str], float] | None,
@@ -175,15 +190,12 @@ async def answers_report(
         for who, said in answers.items()
     }
     if episodes:
-        report["success"] = {}
+        report.update(episode_figures(played))
         for who, p in played.items():
             for i, row in enumerate(rows[who]):
                 row["transcript"] = [{"role": role, "text": text} for role, text in p.transcripts[i]]
                 row.update(turns=p.stats.turns[i], tool_calls=p.stats.tool_calls[i])
                 row.update(truncated=p.stats.truncated[i], success=p.stats.success[i])
-            judged = [s for s in p.stats.success if s is not None]
-            if judged:
-                report["success"][who] = sum(judged) / len(judged)
     for name, reward in scorers.items():
         if reward is None:
             continue
