@@ -158,6 +158,31 @@ class TestOneFp32Engine:
         )
         assert nucleus.completions == [c for c in theirs.completions for _ in range(2)]
 
+    def test_a_later_turn_continues_its_token_context_as_the_transformers_engine_does(self, fp32_engine):
+        """An episode's second turn (`GenerationRequest.contexts`: the prompt, the first answer as
+        generated, an observation rendered by the chat template): vLLM continues exactly those
+        tokens, greedy as the transformers engine does, and its log-probs of the new tokens are the
+        trainer's teacher-forced over the whole context. Wrong: vLLM re-encoded the turns, or a
+        context's tokens reached it otherwise than they reach the trainer. (Runs after the test above
+        put the start weights back.)"""
+        from hpref.models.causal_lm import observation_ids
+        from hpref.rl.engines.transformers_engine import EngineActor
+
+        spec = PolicyModelConfig(**TINY_VLLM)
+        host, _ = fp32_engine
+        local = EngineActor("a", spec)
+        first = local.generate(PROMPTS, 1, 6, 1.0, greedy=True)
+        seen = observation_ids(local.tokenizer, "tool", "calculator: 84")
+        contexts = [p + c + seen for p, c in zip(first.prompt_ids, first.completions, strict=True)]
+        request = GenerationRequest(PROMPTS, 1, 6, TEMPERATURE, seed=5, contexts=contexts)
+        ours = ray.get(host.generate_batch.remote([request]))[0]
+        assert ours.prompt_ids == contexts  # continued as given, not re-encoded from the prompts
+        greedy = dataclasses.replace(request, greedy=True, temperature=1.0)
+        theirs = local.generate_batch([greedy])[0]
+        assert ray.get(host.generate_batch.remote([greedy]))[0].completions == theirs.completions
+        model, _ = build_policy_model(spec)
+        assert gap(model, ours, TEMPERATURE)[0] < 1e-4
+
 
 def lp_gap(a, b):
     """The largest per-token log-prob difference of two results with the same completions."""
