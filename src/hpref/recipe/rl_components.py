@@ -72,8 +72,8 @@ class EnvironmentSection(BaseModel):
     )
     roles: dict[str, str] = Field(
         default_factory=dict,
-        description='the role each policy plays, { <policy id> = "<role>" } (default: the environment\'s '
-        "first role)",
+        description='the policy that plays each role, { <role> = "<policy id>" } (default: every policy '
+        "plays the environment's first role, in episodes of its own)",
     )
 
     def params(self) -> dict[str, Any]:

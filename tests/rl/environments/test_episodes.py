@@ -154,10 +154,10 @@ def test_a_role_the_environment_does_not_have_and_bad_bounds_are_one_line():
         config({"name": "repeat", "max_turns": 0})
     with pytest.raises(RecipeError, match=r"rl.environment.tunrs: unknown key"):
         config({"name": "repeat", "tunrs": 3})
-    with pytest.raises(RecipeError, match=r"roles.a: the 'repeat' environment has no role 'judge'"):
-        check_environment(config({"name": "repeat", "roles": {"a": "judge"}}), ["a"], "test")
-    with pytest.raises(RecipeError, match=r"rl.environment.roles.zz: no such policy"):
-        check_environment(config({"name": "repeat", "roles": {"zz": "policy"}}), ["a"], "test")
+    with pytest.raises(RecipeError, match=r"roles.judge: the 'repeat' environment has no role 'judge'"):
+        check_environment(config({"name": "repeat", "roles": {"judge": "a"}}), ["a"], "test")
+    with pytest.raises(RecipeError, match=r"rl.environment.roles.policy: 'zz' is no policy of the recipe"):
+        check_environment(config({"name": "repeat", "roles": {"policy": "zz"}}), ["a"], "test")
     with pytest.raises(RecipeError, match=r"max_context_tokens: 4096 tokens is past policy 'a''s"):
         check_environment(config({"name": "repeat", "max_context_tokens": 4096}), ["a"], "test")
 

@@ -28,24 +28,29 @@ def build_environment(config: RLConfig, where: str = "recipe") -> Environment:
 def policy_roles(
     config: RLConfig, environment: Environment, policies: list[str], where: str
 ) -> dict[str, str]:
-    """The role each policy plays in its episodes: `[rl.environment] roles = { <policy> = "<role>" }`,
-    else the environment's first role; one line naming the key for a policy that does not run or a
-    role the environment does not have."""
+    """The role each policy plays in its episodes: the role `[rl.environment] roles = { <role> =
+    "<policy>" }` gives it, else the environment's first role; one line naming the key for a role the
+    environment does not have or a policy the recipe does not declare."""
     from hpref.errors import RecipeError
 
-    chosen = dict(config.environment.roles)
-    for policy, role in chosen.items():
-        if policy not in config.policies:
-            raise RecipeError(
-                f"{where}: rl.environment.roles.{policy}: no such policy (the recipe's: "
-                f"{', '.join(config.policies)})"
-            )
+    played: dict[str, str] = {}
+    for role, policy in config.environment.roles.items():
+        key = f"{where}: rl.environment.roles.{role}"
         if role not in environment.roles:
             raise RecipeError(
-                f"{where}: rl.environment.roles.{policy}: the '{environment.name}' environment has no "
-                f"role '{role}' (its roles: {', '.join(environment.roles)})"
+                f"{key}: the '{environment.name}' environment has no role '{role}' (its roles: "
+                f"{', '.join(environment.roles)})"
             )
-    return {p: chosen.get(p, environment.roles[0]) for p in policies}
+        if policy not in config.policies:
+            raise RecipeError(
+                f"{key}: '{policy}' is no policy of the recipe (its policies: {', '.join(config.policies)})"
+            )
+        if policy in played:
+            raise RecipeError(
+                f"{key}: '{policy}' already plays '{played[policy]}'; a policy plays one role in its episodes"
+            )
+        played[policy] = role
+    return {p: played.get(p, environment.roles[0]) for p in policies}
 
 
 def check_environment(config: RLConfig, policies: list[str], where: str) -> None:
