@@ -412,6 +412,15 @@ def test_policies_vllm_cannot_run_are_refused_at_recipe_load():
     config = resolve_engine(rl.engine)
     with pytest.raises(RecipeError, match=r"rl.policies.a.model: head size 16 .* rl.engine.name"):
         config.check_policies(rl, ["a"], "r.toml")
+    # an episode's context past vLLM's model length: refused before the run, not by vLLM mid-run
+    engine = {"name": "vllm", "max_model_len": 512}
+    rl = RLConfig.model_validate(
+        {"policies": {"a": {"model": TINY_VLLM}}, "engine": engine, "environment": {"name": "tool"}}
+    )
+    with pytest.raises(
+        RecipeError, match=r"max_context_tokens: 2048 tokens is past the engine's max_model_len"
+    ):
+        resolve_engine(rl.engine).check_policies(rl, ["a"], "r.toml")
 
 
 def test_without_vllm_the_engine_is_one_line_naming_the_extra(monkeypatch):

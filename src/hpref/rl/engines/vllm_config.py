@@ -85,6 +85,17 @@ class VLLMEngineConfig(EngineConfigBase):
         from hpref.errors import RecipeError
         from hpref.rl.policy import policy_skeleton
 
+        bound = rl.environment.max_context_tokens
+        if (
+            rl.environment.name != "single-turn"
+            and self.max_model_len is not None
+            and bound > self.max_model_len
+        ):
+            # an episode's later turns would reach vLLM longer than it takes: refused mid-run otherwise
+            raise RecipeError(
+                f"{where}: rl.environment.max_context_tokens: {bound} tokens is past the engine's "
+                f"max_model_len ({self.max_model_len}); lower it or raise rl.engine.max_model_len"
+            )
         supported = cpu_head_sizes()
         if supported is None:
             return
