@@ -67,8 +67,8 @@ class EnvironmentSection(BaseModel):
         2048,
         ge=16,
         description="the longest an episode's context may grow (prompt, turns and observations, in the "
-        "policy's tokens, with room for one more answer of max_new_tokens); past it the episode ends as "
-        "at max_turns",
+        "policy's tokens, with room for one more answer of max_new_tokens; never past a tiny policy's "
+        "positions); past it the episode ends as at max_turns",
     )
     roles: dict[str, str] = Field(
         default_factory=dict,

@@ -185,6 +185,15 @@ class Episode(Protocol):
 
 
 @runtime_checkable
+class OpensPerRole(Protocol):
+    """An `Episode` capability, optional (asked with `isinstance`): each role of an episode several
+    policies play starts from a conversation of its own (the speaker sees the target, the listener
+    does not), asked when the role first acts; without it every role starts from the prompt."""
+
+    def opening(self, role: str) -> Prompt: ...
+
+
+@runtime_checkable
 class Environment(Protocol):
     """What a rollout's episodes happen in (`[rl.environment]`; `register_environments`; built-ins in
     `hpref.rl.environments`). It works in text: the rollout keeps the tokens (`hpref.rl.rollout.
@@ -224,15 +233,11 @@ class Engine(Protocol):
     passes `adapter=` only on a shared base, so an engine plugin that serves no adapters can keep
     the one-policy signatures.
 
-    The sampling knobs beyond temperature and top-k (`top_p`, `min_p`, `repetition_penalty`,
-    `stop`: `hpref.recipe.rl_sampling`) reach `generate` as keyword arguments, and only those that
-    are on (away from 1, 0, 1, no strings); `generate_batch`'s requests carry every knob
-    (`GenerationRequest`, off at its default): an engine plugin whose `generate` predates them keeps
-    working unchanged while a recipe leaves them off. An engine declares the knobs it takes on its
-    config (`EngineConfig.sampling_knobs`), and a recipe that turns on one its engine does not take
-    is refused when it loads. A greedy request ignores temperature, top-k, top-p and min-p and takes
-    the repetition penalty and the stop strings; an answer that reaches a stop string ends before
-    it, text and tokens alike (`hpref.rl.policy.stop_string_cut`).
+    The sampling knobs beyond temperature and top-k (`hpref.recipe.rl_sampling`) reach `generate` as
+    keyword arguments only when on, so an older plugin's `generate` keeps working while a recipe
+    leaves them off (`generate_batch`'s requests carry every knob); an engine declares those it takes
+    (`EngineConfig.sampling_knobs`). Greedy ignores temperature, top-k, top-p and min-p; an answer
+    ends before its stop string, text and tokens alike (`hpref.rl.policy.stop_string_cut`).
     """
 
     def generate(
@@ -285,15 +290,10 @@ class Engine(Protocol):
         ...
 
     def wake(self) -> None: ...
-
     def begin_update(self, version: int, adapter: str | None = None) -> None: ...
-
     def load_weights(self, state: dict[str, Any], adapter: str | None = None) -> None: ...
-
     def commit_update(self, adapter: str | None = None) -> int: ...
-
     def abort_update(self, adapter: str | None = None) -> None: ...
-
     def get_version(self, adapter: str | None = None) -> int: ...
 
 

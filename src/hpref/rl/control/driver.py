@@ -162,6 +162,9 @@ class Driver:
         # each policy's KL to its start in the rollouts since the last eval (a trainer measures it when
         # kl_coef > 0 or measure_kl): the eval's KL, beside its answer lengths and scores
         self.kl_since_eval: dict[str, list[float]] = {p: [] for p in order}
+        #: the policies that play the environment's episodes together (`rl.environment.roles`): they
+        #: take each rollout in lockstep, none a rollout ahead of another (`ahead`)
+        self.together = seated_policies(config, order)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.began
@@ -230,6 +233,8 @@ class Driver:
         """The leader's loop: `num_rollouts` rollouts (fewer when something ends the run), each followed
         by what is due (`after_rollout`); the followers stop where the last save recorded them."""
         while self.positions[self.leader] < self.config.num_rollouts:
+            while self.ahead(self.leader) and not self.stop.is_set():
+                await asyncio.sleep(LOCKSTEP_POLL_S)
             await self.step(self.leader)
             if await self.after_rollout():
                 break
@@ -289,10 +294,20 @@ class Driver:
                 await self.eval_parker.park(p)
                 if self.stop.is_set():
                     break
+                if self.ahead(p):  # back to the parkers: the leader may be holding them meanwhile
+                    await asyncio.sleep(LOCKSTEP_POLL_S)
+                    continue
                 await self.step(p)
         finally:
             self.save_parker.leave(p)
             self.eval_parker.leave(p)
+
+    def ahead(self, p: str) -> bool:
+        """Whether `p` plays episodes together with a policy that has not yet taken `p`'s last
+        rollout: their episodes are shared, so each rollout's are trained on by all of them at the
+        same weights (a policy running ahead would make its partners' part of them stale)."""
+        mine = self.positions[p]
+        return p in self.together and any(self.positions[q] < mine for q in self.together if q != p)
 
     async def beat(self) -> None:
         """The run's liveness for `hpref save --now` (hpref.runfolder.heartbeat), from the event loop
@@ -322,6 +337,19 @@ class Driver:
                 clear_heartbeat(self.run_dir)
         self.result.seconds = self.elapsed()
         return self.result
+
+
+#: how often a policy that is a rollout ahead of its partners looks again (an asyncio sleep: cheap)
+LOCKSTEP_POLL_S = 0.01
+
+
+def seated_policies(config: RLConfig, order: list[str]) -> frozenset[str]:
+    """The run's policies that play its environment's episodes together (none when each plays its
+    own: `hpref.rl.environments.registry.seated_roles`)."""
+    from hpref.rl.environments.registry import build_environment, seated_roles
+
+    seated = seated_roles(config, build_environment(config), order, "recipe")
+    return frozenset(seated.values()) if seated else frozenset()
 
 
 async def first_failure(tasks: dict[asyncio.Future[None], str]) -> None:

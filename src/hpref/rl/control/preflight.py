@@ -75,7 +75,24 @@ def _check_rl_backends(recipe: Recipe, where: str) -> None:
     assert config is not None
     check_backends(config, sorted(config.policies), where)
     check_algorithms(config, sorted(config.policies), where)
-    check_environment(config, sorted(config.policies), where)
+    check_cast(config, sorted(config.policies), where)
+
+
+def check_cast(config: RLConfig, policies: list[str], where: str) -> None:
+    """The environment (`environments.registry.check_environment`), and with several policies in its
+    episodes (`roles`), no policy whose algorithm judges its answers in pairs."""
+    from hpref.rl.algorithms.registry import build_algorithm
+
+    seated = check_environment(config, policies, where)
+    if seated is None:
+        return
+    for policy in policies:
+        algorithm = build_algorithm(policy, config.policies[policy], where)
+        if algorithm.needs_preferences:
+            raise RecipeError(
+                f"{where}: rl.policies.{policy}.algorithm: {algorithm.name} judges a policy's answers in "
+                f"pairs, and in the '{config.environment.name}' environment policies play episodes together"
+            )
 
 
 def rl_config(recipe: Recipe) -> tuple[RLConfig, Path]:
@@ -106,7 +123,7 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
         check_policy_lora(config, order, where)
     check_backends(config, order, where)  # e.g. megatron-core there, and an architecture it maps
     check_algorithms(config, order, where)  # e.g. online DPO's pairs: an even group, a judging reward
-    check_environment(config, order, where)  # its parameters and tools, the roles, the context bound
+    check_cast(config, order, where)  # its parameters and tools, the roles, the context bound
     check_policy_models(config, order, where)
     from hpref.rl.warmup.data import check_source
 

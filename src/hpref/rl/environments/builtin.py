@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hpref.hookspecs import hookimpl
+from hpref.rl.environments.signal import SignalConfig, build_signal
 from hpref.rl.environments.single_turn import SingleTurnConfig, build_single_turn
 from hpref.rl.environments.tool import ToolConfig, build_tool
 
@@ -11,3 +12,4 @@ from hpref.rl.environments.tool import ToolConfig, build_tool
 def register_environments(register):
     register(name="single-turn", config=SingleTurnConfig, build=build_single_turn)
     register(name="tool", config=ToolConfig, build=build_tool)
+    register(name="signal", config=SignalConfig, build=build_signal)

@@ -53,23 +53,67 @@ def policy_roles(
     return {p: played.get(p, environment.roles[0]) for p in policies}
 
 
-def check_environment(config: RLConfig, policies: list[str], where: str) -> None:
+def seated_roles(
+    config: RLConfig, environment: Environment, policies: list[str], where: str
+) -> dict[str, str] | None:
+    """For an environment with several roles, the policy that plays each (`[rl.environment] roles`):
+    every role played, by a policy this run trains, every such policy in a role, and one line naming
+    the key otherwise. None for a one-role environment (each policy plays its own episodes)."""
+    from hpref.errors import RecipeError
+
+    if len(environment.roles) < 2:
+        return None
+    key = f"{where}: rl.environment.roles"
+    roles = config.environment.roles
+    for role, policy in roles.items():
+        if role not in environment.roles:
+            raise RecipeError(
+                f"{key}.{role}: the '{environment.name}' environment has no role '{role}' (its roles: "
+                f"{', '.join(environment.roles)})"
+            )
+        if policy not in policies:
+            raise RecipeError(
+                f"{key}.{role}: '{policy}' is not among the policies this run trains ({', '.join(policies)})"
+            )
+    unplayed = [r for r in environment.roles if r not in roles]
+    if unplayed:
+        example = ", ".join(f'{r} = "{policies[i % len(policies)]}"' for i, r in enumerate(environment.roles))
+        raise RecipeError(
+            f"{key}: the '{environment.name}' environment's role(s) {', '.join(unplayed)} have no policy; "
+            f"name one for each ({{ {example} }})"
+        )
+    idle = [p for p in policies if p not in roles.values()]
+    if idle:
+        raise RecipeError(f"{key}: policy '{idle[0]}' plays no role of the '{environment.name}' environment")
+    return {role: roles[role] for role in environment.roles}
+
+
+def context_bound(config: RLConfig, policy: str) -> int:
+    """The longest an episode's context may grow for `policy`: `max_context_tokens`, and never past
+    a tiny policy's positions (the default, 2048, is past the tiny models' 512; a value the recipe
+    sets past them is refused by `check_environment`)."""
+    model = config.policies[policy].model
+    bound = config.environment.max_context_tokens
+    return bound if model.pretrained else min(bound, model.max_position_embeddings)
+
+
+def check_environment(config: RLConfig, policies: list[str], where: str) -> dict[str, str] | None:
     """Before any actor starts: the environment builds from its parameters (a plugin's or a tool's
     own checks included), every role in `rl.environment.roles` is one it has, and an episode's
     context bound fits each tiny policy's positions; one line naming the key."""
     from hpref.errors import RecipeError
 
     environment = build_environment(config, where)
-    policy_roles(config, environment, policies, where)
+    seated = seated_roles(config, environment, policies, where)
+    if seated is None:
+        policy_roles(config, environment, policies, where)
     bound = config.environment.max_context_tokens
+    chosen = "max_context_tokens" in config.environment.model_fields_set
     for policy in policies:
         model = config.policies[policy].model
-        if (
-            environment.name != "single-turn"
-            and not model.pretrained
-            and bound > model.max_position_embeddings
-        ):
+        if chosen and environment.name != "single-turn" and context_bound(config, policy) < bound:
             raise RecipeError(
                 f"{where}: rl.environment.max_context_tokens: {bound} tokens is past policy '{policy}''s "
                 f"{model.max_position_embeddings} positions (model.max_position_embeddings); lower it"
             )
+    return seated

@@ -123,6 +123,9 @@ class Played:
     rewards: list[dict[str, float] | None]
     stats: EpisodeStats
     transcripts: list[list[tuple[str, str]]]
+    #: episodes several policies play (`hpref.rl.rollout.joint`): the role of each row (its policy
+    #: may play several); None: every row is the policy's one role
+    row_roles: list[str] | None = None
 
     @property
     def single_turn(self) -> bool:

@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 from hpref.data.prompts import Prompt
 from hpref.errors import UserError
 from hpref.recipe.rl import RLConfig
-from hpref.recipe.rl_sampling import sampling_knobs
 from hpref.rl.algorithms.registry import build_algorithm
-from hpref.rl.environments.registry import build_environment, policy_roles
 from hpref.rl.policy import apply_env
 from hpref.rl.rollout.batching import RequestBatcher
-from hpref.rl.rollout.episodes import Bounds, Played, TurnCodec, play_episodes
+from hpref.rl.rollout.episodes import Played
 from hpref.rl.rollout.evaluation import answers_report
+from hpref.rl.rollout.joint import first_role
 from hpref.rl.rollout.pairing import JudgedPairs, judged_pairs
+from hpref.rl.rollout.players import Players
 from hpref.rl.rollout.prompts import build_prompt_source, rollout_prompts, sample_seed
 from hpref.rl.rollout.rewards import RewardSet, build_reward
-from hpref.rl.rollout_types import Generation, GenerationRequest, Rollout
+from hpref.rl.rollout_types import Rollout
 from hpref.rl.staleness import staleness_decision
 from hpref.runfolder.layout import EXECUTOR_STATE
 
@@ -85,10 +85,10 @@ class RolloutExecutor:
             if self.config.share_base
             else None
         )
-        #: where the episodes happen (`[rl.environment]`; `single-turn`: a prompt and one answer)
-        self.environment = build_environment(self.config)
-        self.roles = policy_roles(self.config, self.environment, self.policies, "recipe")
-        self._codecs = {p: TurnCodec(self._tokenizer_of(p)) for p in self.policies}
+        #: how the policies' engines play the episodes (`[rl.environment]`), alone or together
+        self.players = Players(self.config, self.policies, engines, self.prompts, self.batcher)
+        # the rollouts whose episodes the seated policies played together, by rollout id
+        self._joint: dict[int, asyncio.Future] = {}
         self.positions = {p: 0 for p in self.policies}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
         # each policy's answers per rollout id, for judging the other policies against them
@@ -96,60 +96,20 @@ class RolloutExecutor:
         # each policy's starting checkpoint's greedy eval episodes
         self._start_answers: dict[str, Played] = {}
 
-    async def _generate(self, policy: str, *request: Any, **knobs: Any) -> Generation:
-        """The policy's engine's `generate(prompts, group_size, max_new_tokens, temperature, top_k, seed[,
-        greedy], **knobs on)`, or on a shared base its adapter's (a `GenerationRequest`), batched with
-        the other policies'."""
-        if self.batcher is None:
-            return await self.engines[policy].generate.remote(*request, **knobs)
-        return await self.batcher.generate(GenerationRequest(*request, adapter=policy, **knobs))
-
-    def _tokenizer_of(self, policy: str) -> Any:
-        def load() -> Any:
-            from hpref.models.causal_lm import policy_tokenizer
-
-            return policy_tokenizer(self.config.policies[policy].model)
-
-        return load
-
-    async def _play(
-        self, policy: str, prompts: list[Prompt], answers: int, seed: int, greedy: bool = False
-    ) -> Played:
-        """`answers` episodes per prompt played by the policy's engine with its rollout settings
-        (`greedy`: the evals' answers); the first turn is the one request a single answer is."""
-        rollout = self.config.policy_rollout(policy)
-        knobs = sampling_knobs(rollout, greedy=greedy)
-        if greedy:
-            settings: tuple[Any, ...] = (rollout.max_new_tokens, 1.0, 0, 0, True)
-        else:
-            settings = (rollout.max_new_tokens, rollout.temperature, rollout.top_k, seed)
-
-        async def first_turn() -> Generation:
-            return await self._generate(policy, prompts, answers, *settings, **knobs)
-
-        async def next_turn(live: list[Prompt], contexts: list[list[int]], turn_seed: int) -> Generation:
-            sampled = (*settings[:3], turn_seed, greedy)
-            adapter = policy if self.batcher is not None else None
-            request = GenerationRequest(live, 1, *sampled, adapter=adapter, contexts=contexts, **knobs)
-            if self.batcher is not None:
-                return await self.batcher.generate(request)
-            return (await self.engines[policy].generate_batch.remote([request]))[0]
-
-        section = self.config.environment
-        bounds = Bounds(
-            self.roles[policy], section.max_turns, section.max_context_tokens, rollout.max_new_tokens
-        )
-        rows = self._prompt_rows(prompts)
-        codec = self._codecs[policy]
-        return await play_episodes(
-            self.environment, codec, first_turn, next_turn, prompts, rows, answers, seed, bounds
-        )
-
-    async def _version(self, policy: str) -> int:
-        """The weight version the policy's engine (or adapter) serves."""
-        if self.batcher is None:
-            return await self.engines[policy].get_version.remote()
-        return await self.engines[policy].get_version.remote(adapter=policy)
+    async def _together(self, policy: str, rollout_id: int, fresh: bool) -> tuple[list[Prompt], Played]:
+        """The policy's part of the rollout's episodes played together, played once for every seated
+        policy (again when `fresh`: a stale part regenerates them), and the prompt of each group."""
+        task = self._joint.get(rollout_id)
+        prompts = rollout_prompts(self.prompts, self.config.rollout, rollout_id)
+        if task is None or fresh:
+            seed = sample_seed(self.config.rollout.seed, "+".join(sorted(self.policies)), rollout_id)
+            task = asyncio.ensure_future(
+                self.players.play_together(prompts, self.config.rollout.group_size, seed, False)
+            )
+            self._joint[rollout_id] = task
+        played = (await task)[policy]
+        roles = sorted(set(played.row_roles or []), key=list(self.players.seated or {}).index)
+        return [p for p in prompts for _ in roles], played
 
     def _wants_opponents(self, policy: str | None = None) -> bool:
         """Whether other policies' answers are wanted: by the reward (cross-policy judging), or by
@@ -185,7 +145,7 @@ class RolloutExecutor:
             cached = self._answers.get((q, rollout_id))
             if cached is None:
                 seed = sample_seed(self.config.policy_rollout(q).seed, f"{q}>{policy}", rollout_id)
-                out = await self._play(q, prompts, k, seed)
+                out = await self.players.play(q, prompts, k, seed)
                 generated += out.tokens
                 cached = [out.texts[i * k : (i + 1) * k] for i in range(len(prompts))]
             for i, answers in enumerate(cached):
@@ -197,12 +157,17 @@ class RolloutExecutor:
         oldest = min(self.positions.values()) - 1
         for key in [key for key in self._answers if key[1] < oldest]:
             del self._answers[key]
+        for r in [r for r in self._joint if r < oldest]:
+            del self._joint[r]
 
-    async def _produce(self, policy: str, rollout_id: int) -> Rollout:
+    async def _produce(self, policy: str, rollout_id: int, fresh: bool = False) -> Rollout:
         rollout = self.config.policy_rollout(policy)
-        prompts = rollout_prompts(self.prompts, rollout, rollout_id)
-        seed = sample_seed(rollout.seed, policy, rollout_id)
-        out = await self._play(policy, prompts, rollout.group_size, seed)
+        if self.players.seated is not None:  # the policies act together: groups per start and role
+            prompts, out = await self._together(policy, rollout_id, fresh)
+        else:
+            prompts = rollout_prompts(self.prompts, rollout, rollout_id)
+            seed = sample_seed(rollout.seed, policy, rollout_id)
+            out = await self.players.play(policy, prompts, rollout.group_size, seed)
         g = rollout.group_size
         groups = [out.texts[i * g : (i + 1) * g] for i in range(len(prompts))]
         algorithm = self.algorithms[policy]
@@ -215,12 +180,13 @@ class RolloutExecutor:
         rows = self._rows(prompts)
         components = None
         # a judge model's forward pass would block the event loop that serves every policy's get()
-        given = [None if r is None else r[self.roles[policy]] for r in out.rewards]
+        roles = out.row_roles or [self.players.roles.get(policy, "")] * len(out.rewards)
+        given = [None if r is None else r[role] for r, role in zip(out.rewards, roles, strict=True)]
         if algorithm.needs_preferences:
             if any(r is not None for r in given):
                 raise RuntimeError(
                     f"{algorithm.name} of '{policy}' judges answer pairs with the run's rewards, and the "
-                    f"'{self.environment.name}' environment gives episodes rewards of its own"
+                    f"'{self.players.environment.name}' environment gives episodes rewards of its own"
                 )
             rivals = opponents if algorithm.cross_policy else None
             judged = await asyncio.to_thread(judged_pairs, self.reward, prompts, groups, rivals, rows)
@@ -247,7 +213,7 @@ class RolloutExecutor:
             tokens=out.tokens,
             seconds=out.seconds,
             masks=None if out.single_turn else out.masks,
-            episodes=None if self.environment.name == "single-turn" else out.stats,
+            episodes=None if self.players.environment.name == "single-turn" else out.stats,
             rollout_id=rollout_id,
             policy=policy,
             group_size=g,
@@ -267,12 +233,7 @@ class RolloutExecutor:
         """The prompt file's row of each prompt, when a reward reads rows (`wants_rows`)."""
         if not self.reward.wants_rows and not (self.scorer is not None and self.scorer.wants_rows):
             return None
-        return self._prompt_rows(prompts)
-
-    def _prompt_rows(self, prompts: list[Prompt]) -> list[dict[str, Any]]:
-        """The prompt file's row of each prompt ({} from a source without rows: `PromptSource.row`)."""
-        row = getattr(self.prompts, "row", None)
-        return [row(p) if row is not None else {} for p in prompts]
+        return self.players.prompt_rows(prompts)
 
     def _prefetch(self, policy: str, after: int) -> None:
         """Start generating the rollouts after `after` that can still be fresh when trained on.
@@ -307,7 +268,7 @@ class RolloutExecutor:
             )
         task = self._buffer[policy].pop(rollout_id, None)
         data = await task if task is not None else None
-        engine_version = await self._version(policy)
+        engine_version = await self.players.version(policy)
         decision = staleness_decision(
             policy,
             rollout_id,
@@ -317,7 +278,7 @@ class RolloutExecutor:
             self.config.staleness_limit,
         )
         if decision == "regenerate":
-            data = await self._produce(policy, rollout_id)
+            data = await self._produce(policy, rollout_id, fresh=True)
         assert data is not None
         data.stale_regenerated = task is not None and decision == "regenerate"
         self.positions[policy] = rollout_id + 1
@@ -339,10 +300,16 @@ class RolloutExecutor:
     def _eval_prompts(self) -> list[Prompt]:
         return self.prompts.eval_prompts(self.config.rollout.seed, self.config.rollout.eval_prompts)
 
-    async def _greedy_answers(self, policy: str, prompts: list[Prompt]) -> Played:
-        """The policy's greedy episodes on `prompts` (single-turn: its greedy answers), with its
-        repetition penalty and stop strings (`sampling_knobs`: its behaviour, as in its rollouts)."""
-        return await self._play(policy, prompts, 1, 0, greedy=True)
+    async def _greedy_answers(self, policies: list[str], prompts: list[Prompt]) -> dict[str, Played]:
+        """Each policy's greedy episodes on `prompts` (single-turn: its greedy answers), with its
+        repetition penalty and stop strings (`sampling_knobs`: its behaviour, as in its rollouts),
+        all at once: separate engines answer in parallel, a shared one in one batch. Policies that act
+        together play one episode per prompt, each reported in the first role it plays."""
+        if self.players.seated is not None:
+            together = await self.players.play_together(prompts, 1, 0, greedy=True)
+            return {p: first_role(together[p], len(prompts)) for p in policies}
+        played = await asyncio.gather(*(self.players.play(p, prompts, 1, 0, greedy=True) for p in policies))
+        return dict(zip(policies, played, strict=True))
 
     async def record_start(self, policies: list[str]) -> dict[str, Any]:
         """Greedy eval answers of each policy's starting checkpoint; returns their eval report.
@@ -355,12 +322,10 @@ class RolloutExecutor:
         if not prompts:
             return {}
         for p in policies:
-            version = await self._version(p)
+            version = await self.players.version(p)
             if version != 0:
                 raise RuntimeError(f"record_start: engine '{p}' already serves version {version}, not 0")
-        # all at once: separate engines answer in parallel, a shared one in one batch
-        played = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
-        self._start_answers.update(zip(policies, played, strict=True))
+        self._start_answers.update(await self._greedy_answers(policies, prompts))
         return await self._report(prompts, {}, policies)
 
     async def evaluate(self, policies: list[str]) -> dict[str, Any]:
@@ -371,8 +336,7 @@ class RolloutExecutor:
         prompts = self._eval_prompts()
         if not prompts:
             return {"true_utility": {}, "win_rate_vs_start": {}, "battles": [], "leaderboard_battles": []}
-        played = await asyncio.gather(*(self._greedy_answers(p, prompts) for p in policies))
-        return await self._report(prompts, dict(zip(policies, played, strict=True)), policies)
+        return await self._report(prompts, await self._greedy_answers(policies, prompts), policies)
 
     async def _report(
         self, prompts: list[Prompt], played: dict[str, Played], policies: list[str]
@@ -381,7 +345,7 @@ class RolloutExecutor:
             if p in self._start_answers:
                 played[f"{p}@start"] = self._start_answers[p]
         scorers = {"scorer": self.scorer, "reward": self.reward}
-        episodes = self.environment.name != "single-turn"
+        episodes = self.players.environment.name != "single-turn"
         return await answers_report(
             scorers, self.truth, prompts, played, policies, self._rows(prompts), episodes
         )

@@ -1,0 +1,269 @@
+"""Episodes several policies act in (#50): an environment with several roles, each role played by
+the policy `[rl.environment] roles = { speaker = "a", listener = "b" }` names (one policy may play
+several: self-play).
+
+    played = await play_together(environment, seating, sample, prompts, rows, group, seed)
+    played["a"]  # policy a's rows: per prompt, per role it plays, `group` episodes (a GRPO group)
+
+Each role keeps a transcript of its own, in its policy's tokens: it starts from the role's opening
+(`Episode.opening(role)` when the episode has one, else the prompt, laid out by the policy's chat
+template) the first time it acts, every observation the environment addresses to it (the `Step`
+before its turn) is appended as a tool or user message, and its turns stay the tokens its engine
+generated, as in a single policy's episodes (`hpref.rl.rollout.episodes`). Each round, every live
+episode's acting role takes its turn: one engine request per policy for all of them (a shared base's
+requests batched into one call, each row on its policy's adapter), the policies' requests at once.
+
+A role's row is its transcript after its opening, with a mask that is 1 on its own tokens; its
+reward is the environment's for that role (`Episode.rewards()`), or the run's rewards scoring its
+last answer. A policy's rollout lists its rows by prompt, then role, then episode, so a group of
+`group` consecutive rows is one role's answers to one start: a role is compared with itself, never
+with its partner (AT-GRPO's grouping; per turn position as well, when every episode of a group takes
+the same turns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hpref.data.prompts import Prompt
+from hpref.rl.protocols import OpensPerRole
+from hpref.rl.rollout.episodes import Bounds, Played, TurnCodec, episode_seed, none_or_float, turn_seed
+from hpref.rl.rollout_types import EpisodeStats, Generation, Turn
+
+if TYPE_CHECKING:
+    from hpref.rl.protocols import Environment, Episode
+
+#: (policy, the rows' prompts, their contexts, the round's seed) -> one answer per context
+Sample = Callable[[str, list[Prompt], list[list[int]], int], Awaitable[Generation]]
+
+
+@dataclass
+class Seat:
+    """One role's transcript in one episode: its opening's tokens, then everything after them."""
+
+    policy: str
+    prompt_ids: list[int] = field(default_factory=list)
+    completion: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    final: str = ""
+    opened: bool = False
+    #: its last turn was cut at max_new_tokens: its closing token goes first into what follows
+    cut: bool = False
+    transcript: list[tuple[str, str]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # of the weights each of its turns came from
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.completion
+
+    def append(self, tokens: list[int]) -> None:
+        """Context after the opening: an observation, a closing token (not trained on)."""
+        self.completion += tokens
+        self.mask += [0] * len(tokens)
+
+
+@dataclass
+class Table:
+    """One episode in progress, with a seat per role."""
+
+    episode: Episode
+    prompt: Prompt
+    seats: dict[str, Seat]
+    ended: bool = False
+    truncated: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
+    turn_rewards: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Seating:
+    """Which policy plays each role, and what each policy needs to take a turn."""
+
+    roles: dict[str, str]  # role -> policy
+    codecs: dict[str, TurnCodec]  # policy -> its tokenizer's part
+    bounds: dict[str, Bounds]  # policy -> its turns' bounds (its max_new_tokens)
+
+    def roles_of(self, policy: str) -> list[str]:
+        return [role for role, p in self.roles.items() if p == policy]
+
+
+async def play_together(
+    environment: Environment,
+    seating: Seating,
+    sample: Sample,
+    prompts: Sequence[Prompt],
+    rows: Sequence[dict[str, Any]],
+    group: int,
+    seed: int,
+) -> dict[str, Played]:
+    """Play `group` episodes per prompt with every role seated (see the module docstring); each
+    policy's part of them."""
+    began = time.perf_counter()
+    tables = []
+    for i, prompt in enumerate(prompts):
+        for k in range(group):
+            episode = environment.start(prompt, rows[i], episode_seed(seed, i * group + k))
+            seats = {role: Seat(policy) for role, policy in seating.roles.items()}
+            tables.append(Table(episode, prompt, seats))
+    turn = 0
+    live = list(tables)
+    while live:
+        turn += 1
+        asked: dict[str, list[tuple[Table, str]]] = {}
+        for table in live:
+            role = table.episode.actor()
+            if role not in table.seats:
+                raise RuntimeError(
+                    f"environment '{environment.name}': its episode asked role '{role}' to act, which no "
+                    f"policy plays (rl.environment.roles: {seating.roles})"
+                )
+            seat = table.seats[role]
+            if not seat.opened:
+                open_seat(seat, table, role, seating.codecs[seat.policy])
+            asked.setdefault(seat.policy, []).append((table, role))
+        order = sorted(asked)
+        outs = await asyncio.gather(
+            *(
+                sample(
+                    p,
+                    [t.prompt for t, _ in asked[p]],
+                    [t.seats[role].context() for t, role in asked[p]],
+                    turn_seed(seed, turn),
+                )
+                for p in order
+            )
+        )
+        for p, out in zip(order, outs, strict=True):
+            for j, (table, role) in enumerate(asked[p]):
+                take_seat_turn(table, role, out, j, seating)
+        live = [t for t in live if not t.ended]
+    for table in tables:  # a role the episode ended before it acted still has its row: its opening
+        for role, seat in table.seats.items():
+            if not seat.opened:
+                open_seat(seat, table, role, seating.codecs[seat.policy])
+    seconds = time.perf_counter() - began
+    return {
+        p: policy_part(tables, seating.roles_of(p), group, seconds)
+        for p in sorted(set(seating.roles.values()))
+    }
+
+
+def open_seat(seat: Seat, table: Table, role: str, codec: TurnCodec) -> None:
+    """The role's first context: its opening (the episode's own for the role, else the prompt) in
+    its policy's layout, then whatever observations reached it before it first acted."""
+    from hpref.models.causal_lm import encode_prompt
+
+    opening = table.episode.opening(role) if isinstance(table.episode, OpensPerRole) else table.prompt
+    waiting = seat.completion  # observations addressed to it before it opened
+    seat.prompt_ids = encode_prompt(codec.tokenizer, tuple(opening)) + waiting
+    seat.completion, seat.mask = [], []
+    seat.opened = True
+
+
+def take_seat_turn(table: Table, role: str, out: Generation, j: int, seating: Seating) -> None:
+    """Row `j` of `out` is the turn of `role` in `table`: kept as generated, given to the environment;
+    its observation goes to the role that acts next, unless the episode ends (the environment, or a
+    bound of the role that just acted or of the next one)."""
+    seat = table.seats[role]
+    bounds, codec = seating.bounds[seat.policy], seating.codecs[seat.policy]
+    tokens = list(out.completions[j])
+    seat.completion += tokens
+    seat.mask += [1] * len(tokens)
+    seat.logprobs += list(out.logprobs[j])
+    seat.turns += 1
+    seat.final = out.texts[j]
+    seat.transcript.append((role, out.texts[j]))
+    seat.versions.append(out.version)
+    finished = len(tokens) < bounds.max_new_tokens or codec.closes(tokens)
+    seat.cut = not finished
+    step = table.episode.step(Turn(role, out.texts[j], tuple(tokens), finished))
+    table.tool_calls += step.tool_calls
+    table.tool_errors += step.tool_errors
+    if step.reward is not None:
+        table.turn_rewards[role] = table.turn_rewards.get(role, 0.0) + float(step.reward)
+    if step.done:
+        table.ended = True
+        return
+    if seat.turns >= bounds.max_turns:
+        table.ended = table.truncated = True
+        return
+    assert step.observation is not None  # a Step that goes on has one (Step checks it)
+    nxt = table.episode.actor()
+    target = table.seats.get(nxt)
+    if target is None:
+        raise RuntimeError(f"the episode asked role '{nxt}' to act, which no policy plays")
+    target_codec, target_bounds = seating.codecs[target.policy], seating.bounds[target.policy]
+    context = ([target_codec.end] if target.cut else []) + target_codec.observation(
+        step.role, step.observation
+    )
+    room = len(target.context()) + len(context) + target_bounds.max_new_tokens
+    if target.opened and room > target_bounds.max_context_tokens:
+        table.ended = table.truncated = True
+        return
+    target.append(context)
+    target.cut = False
+    target.transcript.append((step.role, step.observation))
+
+
+def policy_part(tables: list[Table], roles: list[str], group: int, seconds: float) -> Played:
+    """One policy's rows of the episodes: per start (`group` consecutive episodes), per role it plays,
+    per episode; each row's reward from the environment as {its role: value}, or None."""
+    seats: list[tuple[Table, str]] = []
+    for start in range(0, len(tables), group):
+        for role in roles:
+            seats += [(t, role) for t in tables[start : start + group]]
+    given = {id(t): t.episode.rewards() for t in tables}
+    rows = [t.seats[role] for t, role in seats]
+    return Played(
+        prompt_ids=[s.prompt_ids for s in rows],
+        completions=[s.completion for s in rows],
+        masks=[s.mask for s in rows],
+        logprobs=[s.logprobs for s in rows],
+        texts=[s.final for s in rows],
+        version=min((v for s in rows for v in s.versions), default=0),
+        tokens=sum(sum(s.mask) for s in rows),
+        seconds=seconds,
+        rewards=[None if given[id(t)] is None else {role: float(given[id(t)][role])} for t, role in seats],
+        stats=EpisodeStats(
+            turns=[s.turns for s in rows],
+            tool_calls=[t.tool_calls for t, _ in seats],
+            tool_errors=[t.tool_errors for t, _ in seats],
+            truncated=[t.truncated for t, _ in seats],
+            success=[none_or_float(t.episode.success()) for t, _ in seats],
+            turn_rewards=[t.turn_rewards.get(role, 0.0) for t, role in seats],
+        ),
+        transcripts=[s.transcript for s in rows],
+        row_roles=[role for _, role in seats],
+    )
+
+
+def first_role(played: Played, prompts: int) -> Played:
+    """The rows of the first role a policy plays, one per prompt, of one episode per prompt (an
+    eval's: its answers read as a single policy's are)."""
+    roles = len(played.texts) // prompts
+    picked = [i * roles for i in range(prompts)]
+    stats = played.stats
+
+    def pick(values: list[Any]) -> list[Any]:
+        return [values[i] for i in picked]
+
+    return Played(
+        prompt_ids=pick(played.prompt_ids),
+        completions=pick(played.completions),
+        masks=pick(played.masks),
+        logprobs=pick(played.logprobs),
+        texts=pick(played.texts),
+        version=played.version,
+        tokens=sum(sum(m) for m in pick(played.masks)),
+        seconds=played.seconds,
+        rewards=pick(played.rewards),
+        stats=EpisodeStats(*(pick(getattr(stats, f)) for f in EpisodeStats.__dataclass_fields__)),
+        transcripts=pick(played.transcripts),
+        row_roles=pick(played.row_roles or []) or None,
+    )
