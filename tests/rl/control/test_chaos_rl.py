@@ -4,9 +4,11 @@ short version of benchmarks/chaos_rl.py, through its own functions."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ ray = pytest.importorskip("ray")
 
 from benchmarks import chaos_rl  # noqa: E402
 
+from tests.conftest import REPO, run_hpref_here  # noqa: E402
 from tests.rl.tiny import TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -54,7 +57,55 @@ def write_recipe(folder: Path) -> Path:
     return path
 
 
-def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_path):
+def reference_here(args: argparse.Namespace) -> dict:
+    """`chaos_rl.reference`, its `hpref rl` run through the CLI's own entry point in this process
+    (it joins the session's cluster, already up here) instead of a new one: the reference is
+    never killed, so nothing about its process is under test, and a new interpreter's imports and
+    teardown cost ~8 s. The same command line, cache and home as the benchmark's, its console
+    where `chaos_rl.check` reads the `saved` lines of a run, and the benchmark's check that the
+    run's actors all ended after it."""
+    started = time.monotonic()
+    command = chaos_rl.rl_command(args, "ref", resume=False)
+    assert command[: len(chaos_rl.HPREF)] == chaos_rl.HPREF
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in chaos_rl.run_env(args.work, args.cache).items():
+            if name.startswith("HPREF_"):
+                env.setenv(name, value)
+        result = run_hpref_here(*command[len(chaos_rl.HPREF) :], cwd=REPO)
+    log = args.work / "logs" / "ref-0.stderr"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(result.stderr)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((args.work / "runs" / "ref" / "rl_summary.json").read_text())
+    deadline = time.monotonic() + 15  # the benchmark's grace for a run's actors to end
+    while (left := actors_of_the_session()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return {
+        "wall_s": time.monotonic() - started,
+        "drive_s": summary["drive_s"],
+        "setup_s": summary["setup_s"],
+        "positions": summary["positions"],
+        "left_behind": [f"{pid} {title[:60]}" for pid, title in left],
+    }
+
+
+def actors_of_the_session() -> list[tuple[int, str]]:
+    """hpref's actor processes in the session's cluster (this process's descendants)."""
+    import psutil
+    from benchmarks.common import tree_pids
+
+    found = []
+    for pid in tree_pids(os.getpid()):
+        try:
+            title = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith(tuple(chaos_rl.TITLES.values())):
+            found.append((pid, title))
+    return found
+
+
+def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_path, monkeypatch):
     """One `hpref rl` run SIGKILLed twice at seeded random moments, each resumed with `--resume
     auto`: first a trainer actor of the LoRA policy's two-rank group (once a save is recorded),
     which the run's one line must name with the save `--resume auto` continues from, then the
@@ -65,7 +116,7 @@ def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_p
     exactly (or regenerates a rollout from other weights), a dead rank is not noticed (a hang) or
     not named (a traceback, a line blaming the survivor), the driver's actors outlive it, or a
     rollout is replayed or skipped. Runs join the suite's cluster
-    (no cluster start per run)."""
+    (no cluster start per run); the unkilled reference runs in this process (`reference_here`)."""
     args = argparse.Namespace(
         work=tmp_path,
         cache=Path(os.environ["HPREF_CACHE"]),
@@ -85,7 +136,9 @@ def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_p
         ray_address=ray.get_runtime_context().gcs_address,
         cluster_root=os.getpid(),  # the suite's cluster is this process's: its actors are below it
     )
+    monkeypatch.setattr(chaos_rl, "reference", reference_here)
     result = chaos_rl.run(args)
+    assert result["reference"]["positions"] == {"a": ROLLOUTS}  # the reference ran here, whole
     assert chaos_rl.failures(result) == [], chaos_rl.table(result)
     trainer, driver = result["kills"]
     assert trainer["target"] == "trainer" and driver["target"] == "leader"

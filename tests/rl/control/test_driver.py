@@ -455,3 +455,59 @@ def test_a_follower_steps_until_the_stop_and_leaves_its_parkers(tmp_path):
     run(two_steps_then_stop())
     done = trainers["b"].done
     assert done >= 2 and drv.positions["b"] == done
+
+
+def test_a_frozen_policy_acts_and_never_learns_and_a_schedule_gives_turns(tmp_path):
+    """`train = false` on b: its rollouts are taken and logged (`learned: false`), its trainer never
+    steps and its engine never gets weights, while a learns every rollout. `[rl.schedule] alternate
+    = 2` on two learning policies: a learns at its rollouts 0, 1, 4, 5, b at 2, 3, 6, 7, and each
+    pushes what it learned when its turn ends (its engine then serves it while it acts frozen).
+    Wrong: a frozen opponent drifting, or a turn's weights never reaching the engine."""
+    from hpref.recipe.rl import parse_rl_section
+
+    drv, trainers = driver_of(tmp_path, ["a", "b"])
+    drv.config = parse_rl_section({"policies": {"a": {}, "b": {"train": False}}}, "test")
+    for _ in range(3):
+        run(drv.step("a"))
+        run(drv.step("b"))
+    assert trainers["a"].done == 3 and trainers["b"].done == 0
+    assert drv.handles.engines["b"].wrapped.version == 0 and drv.handles.engines["a"].wrapped.version == 3
+    assert [r.get("learned", True) for r in drv.metrics.rows["b"]] == [False] * 3
+
+    drv, trainers = driver_of(tmp_path / "turns", ["a", "b"])
+    schedule = {"policies": {"a": {}, "b": {}}, "schedule": {"alternate": 3}, "update_weights_interval": 2}
+    drv.config = parse_rl_section(schedule, "test")
+    learned = {"a": [], "b": []}
+    for r in range(9):
+        for p in ("a", "b"):
+            before = trainers[p].done
+            run(drv.step(p))
+            if trainers[p].done > before:
+                learned[p].append(r)
+    assert learned == {"a": [0, 1, 2, 6, 7, 8], "b": [3, 4, 5]}
+    # pushed when due (every 2nd rollout) and when its turn ends, never while it acts frozen
+    assert [r.get("weight_version") for r in drv.metrics.rows["a"]] == [
+        None,
+        2,
+        3,
+        None,
+        None,
+        None,
+        None,
+        5,
+        6,
+    ]
+    assert [r.get("weight_version") for r in drv.metrics.rows["b"]] == [None] * 3 + [1, None, 3] + [None] * 3
+
+
+def test_a_run_where_nothing_learns_is_refused(tmp_path):
+    """Every policy the run trains frozen: one line before any actor starts."""
+    from hpref.errors import RecipeError
+    from hpref.rl.control.preflight import check_cast
+
+    cfg = config(policies={"a": {"train": False}, "b": {}})
+    with pytest.raises(
+        RecipeError, match=r"rl.policies: every policy this run trains \(a\) has train = false"
+    ):
+        check_cast(cfg, ["a"], "r.toml")
+    check_cast(cfg, ["a", "b"], "r.toml")  # b learns: fine

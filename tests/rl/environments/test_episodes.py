@@ -248,8 +248,28 @@ def test_a_tiny_policy_learns_in_a_two_turn_environment(tmp_path):
         engines,
         {"a": LocalActor(TrainerActor("a", cfg.policies["a"], cfg.update_weights_interval))},
     )
+    played = []  # every batch of episodes the executor played: their turns' weight versions
+    players = handles.executor.wrapped.players
+    real_play = players.play
+
+    async def play(*args, **kwargs):
+        played.append(out := await real_play(*args, **kwargs))
+        return out
+
+    players.play = play
+    real_continue = players._continue
+
+    async def late(*args, **kwargs):  # a later turn that comes after the trainer's step and push would
+        await asyncio.sleep(0.1)
+        return await real_continue(*args, **kwargs)
+
+    players._continue = late
     metrics = MetricsWriter(None)
     asyncio.run(drive(cfg, ["a"], handles, tmp_path / "run", {"a": 0}, metrics))
+    # the driver pushed every update, and no push came between two turns of a prefetched episode
+    # (`Driver.step` settles them first): each rollout's turns are of the one version it reports
+    assert len(played) >= 30 and all(p.newest == p.version for p in played)
+    assert [row["weight_version"] for row in metrics.rows["a"]] == list(range(1, 31))
     rows = metrics.rows["a"]
     rewards = [row["reward_mean"] for row in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

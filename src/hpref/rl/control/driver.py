@@ -165,6 +165,10 @@ class Driver:
         #: the policies that play the environment's episodes together (`rl.environment.roles`): they
         #: take each rollout in lockstep, none a rollout ahead of another (`ahead`)
         self.together = seated_policies(config, order)
+        #: episodes of several turns (any environment but `single-turn`): a push waits for those in flight
+        self.episodes = config.environment.name != "single-turn"
+        #: the policies whose trainer learned since its engine last got its weights
+        self.unpushed: set[str] = set()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.began
@@ -174,17 +178,31 @@ class Driver:
         its weights pushed every `update_weights_interval` rollouts, its metrics row written."""
         r = self.positions[p]
         rollout = await self.handles.executor.get.remote(r, p)
-        async with self.engine_asleep(p):
-            stats = await self.handles.trainers[p].train(rollout)
+        learns = self.config.learns(p, r, self.order)
+        stats: dict[str, float] = {}
+        if learns:  # else it acts frozen: `train = false`, or not its turn in `[rl.schedule]`
+            if self.sleeps[p] and self.episodes:  # a prefetched episode's next turns need it awake
+                await self.handles.executor.settle.remote(p)
+            async with self.engine_asleep(p):
+                stats = await self.handles.trainers[p].train(rollout)
+            self.unpushed.add(p)
         self.positions[p] = r + 1
         version = None
         try:
-            if self.positions[p] % self.config.update_weights_interval == 0:
+            due = self.positions[p] % self.config.update_weights_interval == 0
+            # a policy whose turn to learn ends pushes what it learned before it acts frozen
+            ending = not self.config.learns(p, r + 1, self.order)
+            if p in self.unpushed and (due or ending):
+                if self.episodes:  # a prefetched episode's turns all come from the weights it began on
+                    await self.handles.executor.settle.remote(p)
                 trainer, engine = self.handles.trainers[p], self.handles.engines[p]
                 version = await push_weights(trainer, engine, p, self.bucket_bytes)
+                self.unpushed.discard(p)
         finally:
             # the rollout trained, and a save may count it, even when its push failed (no version)
             row = rollout_metrics(rollout, stats, version)
+            if not learns:
+                row["learned"] = False
             if "kl" in stats:
                 self.kl_since_eval[p].append(float(stats["kl"]))
             row["elapsed_s"] = self.elapsed()  # for "reached X within N minutes"

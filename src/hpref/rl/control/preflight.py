@@ -79,10 +79,15 @@ def _check_rl_backends(recipe: Recipe, where: str) -> None:
 
 
 def check_cast(config: RLConfig, policies: list[str], where: str) -> None:
-    """The environment (`environments.registry.check_environment`), and with several policies in its
-    episodes (`roles`), no policy whose algorithm judges its answers in pairs."""
+    """Some policy learns; the environment (`environments.registry.check_environment`); and with
+    several policies in its episodes (`roles`), no policy whose algorithm judges its answers in pairs."""
     from hpref.rl.algorithms.registry import build_algorithm
 
+    if not any(config.policies[p].train for p in policies):
+        raise RecipeError(
+            f"{where}: rl.policies: every policy this run trains ({', '.join(policies)}) has train = false: "
+            "nothing would learn"
+        )
     seated = check_environment(config, policies, where)
     if seated is None:
         return

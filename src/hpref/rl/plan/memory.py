@@ -15,6 +15,12 @@ hold, counted from the policy's config on the meta device
 - every actor: the process baseline, measured here (this process after importing torch,
   transformers and the trainer) plus a Ray worker's own (`RAY_WORKER_BYTES`).
 
+With an environment other than `single-turn` (`[rl.environment]`, issue #49) a row is an episode: the
+trainer's row holds the prompt, every turn and observation, up to `max_context_tokens`, and the
+transformers engine's KV cache grows to that per row over the turns, each later turn's prefill
+forwarding every live episode's context; so there the context bound stands in for prompt +
+`max_new_tokens` (`episode_context`).
+
 The activation constants are counted from the tensors autograd saves for a transformers Llama
 block (`benchmarks/rl_plan_memory.py` measures the estimate against real actors' peak RSS).
 """
@@ -97,6 +103,20 @@ def model_shape(policy: PolicyConfig) -> Shape:
 # memory per actor
 
 
+def episode_context(config: RLConfig) -> int | None:
+    """The tokens an episode's row may reach (`[rl.environment] max_context_tokens`), or None for
+    `single-turn`, whose row is a prompt and one answer."""
+    environment = config.environment
+    return None if environment.name == "single-turn" else environment.max_context_tokens
+
+
+def row_after_prompt(rollout: RolloutConfig, prompt: int, context: int | None) -> int:
+    """The tokens a row holds after its prompt: one answer, or an episode's turns and observations up
+    to `context` (never less than the first answer, which the engine generates whole)."""
+    answer = rollout.max_new_tokens
+    return answer if context is None else max(context - prompt, answer)
+
+
 @dataclass(frozen=True)
 class Memory:
     """An actor's estimate: `terms` in bytes (what it holds all run, and the largest transient on
@@ -150,12 +170,14 @@ def trainer_memory(
     bf16: bool,
     gpu: bool = False,
     adapters: int = 1,
+    context: int | None = None,
 ) -> Memory:
     """One trainer rank's memory (every rank of a policy holds the same: FSDP2 shards evenly).
     `adapters`: the policies of a shared base this trainer holds (`rl.share_base`): each its own
-    adapter, gradients and AdamW moments, one micro-batch at a time."""
+    adapter, gradients and AdamW moments, one micro-batch at a time. `context`: an episode's bound
+    (`episode_context`), each row then up to it."""
     ranks = policy.ranks
-    answers, group = rollout.max_new_tokens, rollout.group_size
+    answers, group = row_after_prompt(rollout, prompt, context), rollout.group_size
     from hpref.rl.algorithms.registry import build_algorithm
 
     # the algorithm's call (GRPO: a KL term or its measure; DPO: always); LoRA's is its base
@@ -199,11 +221,13 @@ def engine_memory(
     gpu_memory: int | None = None,
     adapters: int = 0,
     adapter_params: int = 0,
+    context: int | None = None,
 ) -> Memory:
     """One engine's memory: the built-in transformers engine (fp32 on CPU), vLLM (its dtype; CPU or
     GPU) or a plugin engine (its weights in fp32 and the baseline: nothing else is known of it).
     `adapters`: the LoRA policies of a shared base it serves (`adapter_params` each), whose rollouts
-    it may batch all at once."""
+    it may batch all at once. `context`: an episode's bound (`episode_context`): the transformers
+    engine's rows grow to it over the turns (vLLM's cache is its fixed `kv_cache_gib` or GPU share)."""
     name, engine = config.engine.name, config.engine_config
     gpus = engines_on_gpu(config)
     rows = rollout.prompts_per_rollout * rollout.group_size * max(adapters, 1)
@@ -228,9 +252,12 @@ def engine_memory(
     # `generate` grows each block's keys and values by concatenation (old and new alive at once);
     # a step's sampling holds a few [rows, vocab] tensors (`hpref.rl.engines.sampling`: the scores, their
     # log-softmax, the Gumbel noise, the processed scores)
-    kv = rows * (prompt + rollout.max_new_tokens) * shape.layers * 2 * shape.kv_width * 4 * 2
+    longest = prompt + row_after_prompt(rollout, prompt, context)
+    kv = rows * longest * shape.layers * 2 * shape.kv_width * 4 * 2
     generation = kv + 4 * rows * shape.vocab * 4
     prefill = rollout.prompts_per_rollout * prompt * shape.vocab * 4  # the prompt forward's logits
+    if context is not None:  # a later turn forwards each live episode's context, up to one answer short
+        prefill = max(prefill, rows * (longest - rollout.max_new_tokens) * shape.vocab * 4)
     transients = {"generation": generation, "prompt logits": prefill, "staged sync": weights}
     largest = max(transients, key=lambda k: transients[k])
     return Memory({"weights": weights, largest: transients[largest], "baseline": baseline})

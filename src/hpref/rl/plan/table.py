@@ -25,6 +25,7 @@ from hpref.rl.plan.memory import (
     MIB,
     Memory,
     engine_memory,
+    episode_context,
     model_shape,
     process_baseline,
     trainer_memory,
@@ -79,6 +80,7 @@ def plan_rows(
     asks = actor_asks(config, hosts)
     spots = pack(nodes, asks)
     engine_dtype = 2 if config.engine_config.dtype in ("bfloat16", "float16") else 4
+    context = episode_context(config)
     rows = []
     for p in hosts:
         policy, rollout = config.policies[p], config.policy_rollout(p)
@@ -101,6 +103,7 @@ def plan_rows(
                     gpu_memory=gpu_memory,
                     adapters=served[0],
                     adapter_params=served[1],
+                    context=context,
                 )
             else:
                 gpu = ask.gpus > 0
@@ -116,6 +119,7 @@ def plan_rows(
                     bf16=bf16,
                     gpu=gpu,
                     adapters=adapters,
+                    context=context,
                 )
             name = ask.name + (f" (shared by {', '.join(order)})" if config.share_base else "")
             rows.append(Row(name, node, ask.cpus, spot[1] if spot else [], memory))
@@ -199,6 +203,15 @@ def render(
     return lines
 
 
+def episode_line(config: RLConfig) -> str:
+    """What the estimate assumed of an environment's episodes (`memory.episode_context`)."""
+    environment = config.environment
+    return (
+        f"episodes ({environment.name!r} environment): trainer rows and engine KV caches counted up to "
+        f"max_context_tokens = {environment.max_context_tokens} tokens, not prompt + max_new_tokens"
+    )
+
+
 def run_plan(
     recipe: Recipe, order: Sequence[str], ray_address: str | None, *, out: Callable[[str], Any] = print
 ) -> int:
@@ -243,6 +256,7 @@ def run_plan(
     from hpref.rl.placement.shared_base import share_base_line
 
     notes = [share_base_line(config)] if len(order) > 1 else []
+    notes += [episode_line(config)] if episode_context(config) is not None else []
     for line in render(rows, nodes, found, header, notes=notes):
         out(line)
     return 2 if found else 0

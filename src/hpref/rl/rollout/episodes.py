@@ -123,6 +123,9 @@ class Played:
     rewards: list[dict[str, float] | None]
     stats: EpisodeStats
     transcripts: list[list[tuple[str, str]]]
+    #: the newest weight version any of its turns was sampled with: `version` itself whenever no
+    #: weight push came between its turns (the driver waits for episodes in flight: `settle`)
+    newest: int | None = None
     #: episodes several policies play (`hpref.rl.rollout.joint`): the role of each row (its policy
     #: may play several); None: every row is the policy's one role
     row_roles: list[str] | None = None
@@ -185,6 +188,7 @@ async def play_episodes(
         logprobs=[p.logprobs for p in playing],
         texts=[p.final for p in playing],
         version=min(versions),
+        newest=max(versions),
         tokens=sum(sum(p.mask) for p in playing),
         seconds=seconds,
         rewards=[end_rewards(p) for p in playing],

@@ -289,6 +289,16 @@ class RolloutExecutor:
             self._prefetch(policy, rollout_id)
         return data
 
+    async def settle(self, policy: str) -> None:
+        """Wait for the rollouts in flight that `policy`'s engine answers (prefetched, or played
+        together with it): an episode's later turns must come from the weights its first turn came
+        from, so a weight push (or a colocated engine's sleep) waits for them (`Driver.step`). A
+        failure among them is raised where the rollout is taken, not here."""
+        flying = [t for t in self._buffer[policy].values() if not t.done()]
+        flying += [t for t in self._joint.values() if not t.done()]
+        if flying:
+            await asyncio.gather(*flying, return_exceptions=True)
+
     def _drop_buffers(self) -> None:
         if self.batcher is not None:
             self.batcher.cancel()
