@@ -224,6 +224,20 @@ def test_an_episode_calls_reads_the_result_then_answers():
     assert episode.success() is True and episode.rewards() is None
 
 
+def test_call_reward_rewards_a_turn_whose_calls_all_ran():
+    """`call_reward`, the format reward: once per turn whose calls all ran (no more for two calls),
+    none for a turn with an error or without a call, none at its default 0. Wrong: a policy paid for
+    calling more often, or for a broken call."""
+    environment = build_tool(ToolConfig(call_reward=0.25))
+    episode = environment.start(PROMPT, {"reference": "84"}, seed=0)
+    assert episode.step(turn("<calculator>12*(3+4)</calculator>")).reward == 0.25
+    assert episode.step(turn("<calculator>1</calculator><calculator>2</calculator>")).reward == 0.25
+    assert episode.step(turn("<calculator>1/0</calculator>")).reward is None
+    assert episode.step(turn("84")).reward is None
+    default = build_tool(ToolConfig()).start(PROMPT, {"reference": "84"}, seed=0)
+    assert default.step(turn("<calculator>2*2</calculator>")).reward is None
+
+
 def test_success_needs_a_matching_final_answer_and_a_reference():
     """Wrong if a wrong answer, or an episode a bound cut during its calls, counted as a success, or
     if a row without a reference were given a verdict (None: the environment cannot tell)."""

@@ -63,6 +63,12 @@ class ToolConfig(BaseModel):
     max_argument_chars: int = Field(
         1024, ge=1, description="the longest argument a call may pass; a longer one is an error, not run"
     )
+    call_reward: float = Field(
+        0.0,
+        ge=0,
+        description="a per-turn reward for a turn whose calls all ran without error (a format reward, as "
+        "tool-use RL recipes add while a policy has never called the tool), added to the episode's",
+    )
 
     @field_validator("tools")
     @classmethod
@@ -218,7 +224,15 @@ class ToolEpisode:
             self.answer = turn.text
             return Step(done=True)
         lines, errors = self._environment.run_calls(calls)
-        return Step(observation="\n".join(lines), role="tool", tool_calls=len(calls), tool_errors=errors)
+        # a format reward, once per turn (no gain in calling twice): only for calls that all ran
+        reward = self._environment.config.call_reward if errors == 0 else 0.0
+        return Step(
+            observation="\n".join(lines),
+            role="tool",
+            tool_calls=len(calls),
+            tool_errors=errors,
+            reward=reward or None,
+        )
 
     def rewards(self) -> dict[str, float] | None:
         return None
