@@ -49,6 +49,7 @@ def test_a_first_signal_waits_for_the_loop_and_a_second_stops_at_once():
     next rollout boundary) and the second raises; after it, signals are noted and never raised (the
     teardown must reach every actor). If this fails, a first SIGTERM would cut a rollout short with
     no save, a second would wait for the save, or a late one would break the teardown."""
+    handler = signal.getsignal(signal.SIGINT)  # what the process had (another test's CLI run may differ)
     with StopSignals(timeout_s=600) as signals:
         with pytest.raises(StopNow) as before:
             signal.raise_signal(signal.SIGINT)
@@ -70,7 +71,7 @@ def test_a_first_signal_waits_for_the_loop_and_a_second_stops_at_once():
             pass
         signal.raise_signal(signal.SIGINT)  # after the loop: the run is closing
         assert signals.first == signal.SIGINT
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signal.SIGINT) is handler  # put back
 
 
 def test_the_wait_for_the_boundary_is_bounded(tmp_path):

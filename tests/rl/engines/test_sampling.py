@@ -358,7 +358,7 @@ def test_the_executor_hands_an_engine_only_the_knobs_that_are_on():
         prompts = executor._eval_prompts()
         for p in ("a", "b"):
             await executor._produce(p, 0)
-            await executor._greedy_answers(p, prompts)
+            await executor._greedy_answers([p], prompts)
 
     asyncio.run(main())
     assert engines["a"].calls == [((2, False), {}), ((1, True), {})]
@@ -375,8 +375,9 @@ def test_the_executor_hands_an_engine_only_the_knobs_that_are_on():
                 asked.extend(requests)
                 return [answers(r.rows) for r in requests]
 
-    executor.batcher = RequestBatcher(Batched())  # a shared base's engine: the knobs in the request
-    asyncio.run(executor._generate("b", PROMPTS, 2, 5, 1.0, 0, 7, **sampled))
+    # a shared base's engine: the knobs in the request
+    executor.batcher = executor.players.batcher = RequestBatcher(Batched())
+    asyncio.run(executor.players.generate("b", PROMPTS, 2, 5, 1.0, 0, 7, **sampled))
     assert asked == [
         GenerationRequest(
             prompts=PROMPTS,

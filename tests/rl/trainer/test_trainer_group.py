@@ -152,10 +152,27 @@ def test_two_rank_update_equals_the_one_rank_update_and_streams_whole(world, tmp
     # the group's step is the one-rank step: moments within summation-order rounding and each side's
     # weights its own AdamW step (tests/adam_steps.py: a fixed bound on the weights is CPU-dependent)
     assert_same_adamw_step(alone, resumed, start, start)
-    # ... and one more identical rollout on each stays equal (the optimizer moments came back)
-    again = resumed.train(rollouts[1])
-    group_again = run(group.train(rollouts[1]))
+    # ... and one more identical rollout on each stays equal (the optimizer moments came back), this
+    # one an episode's: a context token inside each answer (an observation), trained on by neither
+    episode = with_context_tokens(rollouts[1])
+    again = resumed.train(episode)
+    group_again = run(group.train(episode))
     assert group_again["loss"] == pytest.approx(again["loss"], rel=1e-5, abs=1e-7)
+    assert group_again["train_tokens"] == again["train_tokens"] == sum(map(sum, episode.masks))
+
+
+def with_context_tokens(rollout):
+    """`rollout` as an episode's: the second token of every answer of 3+ tokens made context (mask 0,
+    no engine log-prob), as an observation between two turns is."""
+    import dataclasses
+
+    masks = [[0 if t == 1 and len(c) >= 3 else 1 for t in range(len(c))] for c in rollout.completions]
+    logprobs = [
+        [lp for lp, m in zip(row, mask, strict=True) if m]
+        for row, mask in zip(rollout.logprobs, masks, strict=True)
+    ]
+    assert any(0 in m for m in masks)
+    return dataclasses.replace(rollout, masks=masks, logprobs=logprobs)
 
 
 def test_the_group_resumes_a_one_rank_save(world, tmp_path):
