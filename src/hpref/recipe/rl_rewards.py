@@ -41,3 +41,16 @@ def rl_rewards(config: RLConfig) -> dict[str, Any]:
     if config.eval_scorer is not None:
         out["rl.eval_scorer"] = config.eval_scorer_config
     return out
+
+
+def pair_judging_fault(config: RLConfig) -> tuple[RewardPart, str] | None:
+    """The first reward part that cannot give verdicts on answer pairs, with why: `"pairs"`, its
+    config does not say `judges_pairs` (the judge and rule rewards do), or `"weight"`, a negative
+    weight (a verdict is the parts' weighted mean, `hpref.rl.rollout.rewards`); None when every
+    part can. What online DPO and a pair-judged environment (debate) both need."""
+    for part in reward_parts(config):
+        if not getattr(type(part.config), "judges_pairs", False):
+            return part, "pairs"
+        if part.weight < 0:
+            return part, "weight"
+    return None

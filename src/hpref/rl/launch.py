@@ -304,7 +304,9 @@ def write_summary(
             ],
             # each policy's last training metrics: rewards (per component), entropy, lengths, clipping
             "last_rollout": last_rollout_rows(run_dir, order),
-            "leaderboard": leaderboard,  # {} when no eval ran or nothing scored pointwise
+            "leaderboard": leaderboard,  # {} without judged matches, an eval or pointwise scores
+            # the judged matches behind it: {player: {opponent: [games, player's summed score]}}
+            "matches": result.standings,
             # "ground truth", "eval scorer", "reward" or None
             "leaderboard_by": result.evals[-1].get("leaderboard_by") if result.evals else None,
             "warmup_checkpoints": setup.warm_started,

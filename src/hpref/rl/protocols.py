@@ -1,11 +1,8 @@
-"""The seams of `hpref rl` as `typing.Protocol`s: what a reward, an engine, an algorithm and a trainer
-backend must be.
-
-A plugin's `register_rewards` / `register_engines` (`hpref.hookspecs`) registers a `build` that
-returns such an object; the rollout executor and the engine's Ray actor call nothing else. The
-protocols are runtime-checkable, so a test (tests/rl/test_protocols.py) checks the built-ins
-against them, and a plugin author can check theirs the same way: `isinstance(obj, Engine)`.
-"""
+"""The seams of `hpref rl` as `typing.Protocol`s: what a reward, an engine, an algorithm, an
+environment and a trainer backend must be. A plugin's `register_*` hook (`hpref.hookspecs`) registers
+a `build` that returns such an object; the rollout executor and the actors call nothing else. They
+are runtime-checkable: tests/rl/test_protocols.py checks the built-ins, a plugin author theirs, with
+`isinstance(obj, Engine)`."""
 
 from __future__ import annotations
 
@@ -52,9 +49,8 @@ class PromptSource(Protocol):
         ...
 
     # Optional, for rewards that read the prompt's row (`rule`'s `function(prompt, answer, row)`):
-    # `columns: tuple[str, ...]`, the columns every row has beside the conversation, and
-    # `row(prompt) -> dict`, the columns of the row a prompt came from. A source without them
-    # gives such rewards an empty row, and a reward's `columns` are refused before the run starts.
+    # `columns: tuple[str, ...]` every row has beside the conversation, and `row(prompt) -> dict`.
+    # Without them such rewards get an empty row, and a reward's `columns` are refused at the start.
 
 
 @runtime_checkable
@@ -92,13 +88,10 @@ class PairJudge(Reward, Protocol):
 
 @runtime_checkable
 class Algorithm(Protocol):
-    """How a policy learns from its rollouts (a policy's `algorithm`; `register_algorithms`).
-
-    The rollout executor builds one per policy to learn what its rollouts must carry; the trainer
-    builds one per policy it trains and calls `prepare` once per rollout, then `loss` on every
-    micro-batch of every pass (the trainer runs the forward passes, the backward, clipping, the
-    optimizer step and the reductions over a group's ranks), then `summarise` on the summed stats.
-    """
+    """How a policy learns from its rollouts (a policy's `algorithm`; `register_algorithms`). The
+    executor builds one per policy to learn what its rollouts must carry; the trainer calls `prepare`
+    once per rollout, `loss` on every micro-batch of every pass (it runs the forward and backward
+    passes, clipping, the optimizer and the reductions over ranks), then `summarise` on the sums."""
 
     #: the registered name
     name: str
@@ -191,6 +184,14 @@ class OpensPerRole(Protocol):
     does not), asked when the role first acts; without it every role starts from the prompt."""
 
     def opening(self, role: str) -> Prompt: ...
+
+
+@runtime_checkable
+class JudgedInPairs(Protocol):
+    """An `Environment` capability, optional: its two `judged_roles`' last answers are judged as a pair
+    (`PairJudge.judge_answers`, both orders averaged), each role's reward P(win) + P(tie)/2 (debate)."""
+
+    judged_roles: tuple[str, str]
 
 
 @runtime_checkable

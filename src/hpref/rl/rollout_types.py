@@ -88,7 +88,8 @@ class Step:
     turn sees (rendered by the policy's chat template as a `role` message: "tool" or "user"), or the
     end of the episode; a reward for the turn just taken when the environment has per-turn rewards;
     and what it counted (tool calls, and those that failed: an error is an observation, never a
-    crash)."""
+    crash). Where several policies act, an episode may go on with no observation: the next role
+    acts on what it had (debate's second answer, written without seeing the first)."""
 
     observation: str | None = None
     role: str = "tool"
@@ -98,8 +99,6 @@ class Step:
     tool_errors: int = 0
 
     def __post_init__(self) -> None:
-        if not self.done and self.observation is None:
-            raise ValueError("a Step that does not end the episode needs an observation for the next turn")
         if self.role not in ("tool", "user"):
             raise ValueError(f"a Step's observation is a 'tool' or 'user' message, not {self.role!r}")
 
@@ -153,6 +152,12 @@ class Rollout:
     #: single answer per row, every token the policy's.
     masks: list[list[int]] | None = None
     episodes: EpisodeStats | None = None
+    #: the judged matches this rollout adds to the run's live leaderboard, each (this policy, another
+    #: policy, this policy's score in [0, 1]): debate verdicts, online DPO's cross-policy pairs
+    matches: list[tuple[str, str, float]] = field(default_factory=list)
+    #: the matches of every rollout taken so far, this one's included, as {player: {opponent: [games,
+    #: player's summed score]}}: what the live leaderboard is fitted to (set when the rollout is taken)
+    standings: dict[str, dict[str, list[float]]] | None = None
 
     def own_lengths(self) -> list[int]:
         """Each row's tokens the policy generated (its answer's length; every turn's, in an episode)."""
@@ -170,6 +175,7 @@ class Rollout:
         data = cls(**{**row, "episodes": EpisodeStats(**episodes) if episodes is not None else None})
         data.pairs = [(int(a), int(b)) for a, b in data.pairs]
         data.verdicts = [tuple(v) for v in data.verdicts]  # type: ignore[misc]
+        data.matches = [(str(a), str(b), float(s)) for a, b, s in data.matches]
         return data
 
     @classmethod

@@ -41,17 +41,22 @@ def test_judged_pairs_pair_a_group_two_by_two_or_each_answer_against_a_rival():
     # reward, or scored a tie as a coin flip
     prompts = [("p",), ("q",)]
     groups = [["a", "bbb", "cc", "cc"], ["dd", "e", "ff", "g"]]
-    pairs, verdicts, opponents, rewards = judged_pairs(LengthJudge(), prompts, groups)
+    pairs, verdicts, opponents, rewards, _ = judged_pairs(LengthJudge(), prompts, groups)
     assert pairs == [(0, 1), (2, 3), (4, 5), (6, 7)] and opponents == []
     assert verdicts[1] == (0.0, 0.0, 1.0)  # "cc" vs "cc": a tie stays a tie
     assert rewards == pytest.approx([0.8, 0.2, 0.5, 0.5, 0.2, 0.8, 0.2, 0.8])
-    pairs, verdicts, opponents, rewards = judged_pairs(
-        LengthJudge(), prompts, groups, [["xx", "y"], ["zzzz"]]
-    )
+    judged = judged_pairs(LengthJudge(), prompts, groups, [["xx", "y"], ["zzzz"]], None, [["b", "c"], ["c"]])
+    pairs, verdicts, opponents, rewards, owners = judged
     # each answer against the prompt's rivals in turn; opponent rows follow the policy's 8 rows
     assert pairs == [(i, 8 + i) for i in range(8)]
     assert opponents == ["xx", "y", "xx", "y", "zzzz", "zzzz", "zzzz", "zzzz"]
     assert rewards[0] == pytest.approx(0.8) and rewards[1] == pytest.approx(0.2)  # "a" < "xx", "bbb" > "y"
+    # the live leaderboard's matches: each cross pair once, against the rival's own policy
+    assert owners == ["b", "c", "b", "c", "c", "c", "c", "c"]
+    assert judged.matches("a", 8) == [
+        ("a", o, v[0] + 0.5 * v[2]) for o, v in zip(owners, verdicts, strict=True)
+    ]
+    assert judged.matches("a", 8)[0] == ("a", "b", pytest.approx(rewards[0]))  # its one pair: its reward
 
 
 def _config(algorithm, **over):

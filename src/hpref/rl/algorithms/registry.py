@@ -27,23 +27,21 @@ def check_algorithms(config: RLConfig, policies: list[str], where: str) -> None:
     built-in judge and rule rewards; `hpref.rl.protocols.PairJudge`), with no negative weight (a
     verdict is the rewards' weighted mean: `hpref.rl.rollout.rewards`), one line naming the key."""
     from hpref.errors import RecipeError
-    from hpref.recipe.rl_rewards import reward_parts
+    from hpref.recipe.rl_rewards import pair_judging_fault
 
-    parts = reward_parts(config)
+    fault = pair_judging_fault(config)
     for policy in policies:
         algorithm = build_algorithm(policy, config.policies[policy], where)
         algorithm.check(policy, config, policies, where)
-        if not algorithm.needs_preferences:
+        if not algorithm.needs_preferences or fault is None:
             continue
-        key = f"{where}: rl.policies.{policy}.algorithm"
-        for part in parts:
-            if not getattr(type(part.config), "judges_pairs", False):
-                raise RecipeError(
-                    f"{key}: {algorithm.name} trains on judged answer pairs, and the reward "
-                    f"'{part.section.name}' does not judge pairs ({part.key}; judge and rule do)"
-                )
-            if part.weight < 0:
-                raise RecipeError(
-                    f"{key}: {algorithm.name}'s pair verdicts are the rewards' weighted mean, and "
-                    f"{part.key}.weight is {part.weight:g}; use weights >= 0"
-                )
+        key, (part, why) = f"{where}: rl.policies.{policy}.algorithm", fault
+        if why == "pairs":
+            raise RecipeError(
+                f"{key}: {algorithm.name} trains on judged answer pairs, and the reward "
+                f"'{part.section.name}' does not judge pairs ({part.key}; judge and rule do)"
+            )
+        raise RecipeError(
+            f"{key}: {algorithm.name}'s pair verdicts are the rewards' weighted mean, and "
+            f"{part.key}.weight is {part.weight:g}; use weights >= 0"
+        )

@@ -69,17 +69,23 @@ class DriveResult:
     timed_out: bool = False  # the leader ended at `time_limit_s`, before `num_rollouts`
     stopped_by: str | None = None  # SIGTERM or SIGINT: the leader saved and ended at that rollout
     last_save: str | None = None  # this run's newest save (`checkpoints/rollout-*`), if it made one
+    #: the judged matches of every rollout taken so far (`Rollout.standings`): the live table's
+    standings: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def leaderboard(self, policies: list[str]) -> dict[str, float]:
         """Bradley-Terry (Elo-scale) ratings of the policies and their starting checkpoints
-        (`<id>@start`) from the last eval's battles; {} without evals."""
-        from hpref.rl.report.leaderboard import bradley_terry
+        (`<id>@start`, fixed players: their answers never change) from the run's judged matches
+        (debate verdicts, online DPO's cross-policy pairs) and the last eval's battles; {} with
+        neither."""
+        from hpref.rl.report.leaderboard import bradley_terry, table_battles
 
-        battles = self.evals[-1].get("leaderboard_battles") if self.evals else None
+        battles = table_battles(self.standings)
+        if self.evals:
+            battles += self.evals[-1].get("leaderboard_battles") or []
         if not battles:
             return {}
         players = list(policies)
-        for a, b, _score in battles:
+        for a, b, *_ in battles:
             players.extend(x for x in (a, b) if x not in players)
         return bradley_terry(players, battles)
 
@@ -207,6 +213,9 @@ class Driver:
                 self.kl_since_eval[p].append(float(stats["kl"]))
             row["elapsed_s"] = self.elapsed()  # for "reached X within N minutes"
             self.metrics.write(p, row)
+            if rollout.matches:  # the live table: refitted on every rollout that adds a match
+                self.result.standings = rollout.standings or {}
+                self.metrics.log_leaderboard(self.result.leaderboard(self.order), r)
 
     @contextlib.asynccontextmanager
     async def engine_asleep(self, p: str) -> AsyncIterator[None]:

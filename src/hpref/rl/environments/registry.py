@@ -107,6 +107,7 @@ def check_environment(config: RLConfig, policies: list[str], where: str) -> dict
     seated = seated_roles(config, environment, policies, where)
     if seated is None:
         policy_roles(config, environment, policies, where)
+    check_pair_judge(config, environment, where)
     bound = config.environment.max_context_tokens
     chosen = "max_context_tokens" in config.environment.model_fields_set
     for policy in policies:
@@ -117,3 +118,26 @@ def check_environment(config: RLConfig, policies: list[str], where: str) -> dict
                 f"{model.max_position_embeddings} positions (model.max_position_embeddings); lower it"
             )
     return seated
+
+
+def check_pair_judge(config: RLConfig, environment: Environment, where: str) -> None:
+    """An environment whose episodes are judged as pairs (`JudgedInPairs`: debate) needs rewards that
+    judge pairs (`judges_pairs` on each one's config: the judge and rule rewards, a reward export),
+    each weighed >= 0 (a verdict is their weighted mean); one line naming the key."""
+    from hpref.errors import RecipeError
+    from hpref.recipe.rl_rewards import pair_judging_fault
+    from hpref.rl.protocols import JudgedInPairs
+
+    fault = pair_judging_fault(config) if isinstance(environment, JudgedInPairs) else None
+    if fault is None:
+        return
+    part, why = fault
+    if why == "pairs":
+        raise RecipeError(
+            f"{where}: {part.key}: the '{environment.name}' environment's episodes are judged as answer "
+            f"pairs, and the reward '{part.section.name}' does not judge pairs (judge and rule do)"
+        )
+    raise RecipeError(
+        f"{where}: {part.key}.weight is {part.weight:g}: the '{environment.name}' environment's "
+        f"verdicts are the rewards' weighted mean; use weights >= 0"
+    )

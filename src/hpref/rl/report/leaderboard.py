@@ -22,26 +22,29 @@ ELO_CENTRE = 1000.0
 
 def bradley_terry(
     names: Sequence[str],
-    battles: Sequence[tuple[str, str, float]],
+    battles: Sequence[tuple[str, str, float] | tuple[str, str, float, float]],
     *,
     prior: float = 0.5,
     iterations: int = 500,
     tol: float = 1e-10,
 ) -> dict[str, float]:
     """Elo-scale ratings from battles `(a, b, score_a)`, `score_a` in [0, 1] (1 = a won, 0.5 = tie,
-    or a judge's expected score). `prior` is the weight of each player's virtual battle."""
+    or a judge's expected score), or `(a, b, mean score_a, games)` for `games` battles at once.
+    `prior` is the weight of each player's virtual battle."""
     index = {n: i for i, n in enumerate(names)}
     k = len(names)
     wins = [prior * 0.5] * k  # the virtual battle against a strength-1 opponent, half won
     games: dict[tuple[int, int], float] = {}
-    for a, b, score in battles:
+    for battle in battles:
+        a, b, score = battle[:3]
+        n = float(battle[3]) if len(battle) > 3 else 1.0  # type: ignore[misc]
         if not 0.0 <= score <= 1.0:
             raise ValueError(f"score of {a} against {b} must be in [0, 1], got {score}")
         i, j = index[a], index[b]
-        wins[i] += score
-        wins[j] += 1.0 - score
+        wins[i] += n * score
+        wins[j] += n * (1.0 - score)
         key = (min(i, j), max(i, j))
-        games[key] = games.get(key, 0.0) + 1.0
+        games[key] = games.get(key, 0.0) + n
     strength = [1.0] * k
     for _ in range(iterations):
         new = []
@@ -59,6 +62,17 @@ def bradley_terry(
     logs = [math.log10(s) for s in strength]
     mean = sum(logs) / k
     return {n: ELO_CENTRE + ELO_SCALE * (logs[index[n]] - mean) for n in names}
+
+
+def table_battles(standings: dict[str, dict[str, list[float]]]) -> list[tuple[str, str, float, float]]:
+    """The run's judged matches (`Rollout.standings`: {player: {opponent: [games, summed score]}}) as
+    `bradley_terry`'s weighted battles, one per pair of players and direction."""
+    return [
+        (player, opponent, games[1] / games[0], games[0])
+        for player, row in sorted(standings.items())
+        for opponent, games in sorted(row.items())
+        if games[0] > 0
+    ]
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:

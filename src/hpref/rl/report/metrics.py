@@ -134,6 +134,9 @@ def rollout_metrics(rollout: Rollout, stats: dict[str, float], version: int | No
         # pairs against another policy's answer (online DPO's cross-policy pairs)
         row["cross_policy_pairs"] = sum(second >= len(rollout.completions) for _, second in rollout.pairs)
         row["judged_tie_share"] = sum(v[2] for v in rollout.verdicts) / len(rollout.verdicts)
+    if rollout.matches:  # against other policies: the live leaderboard's input, as a win rate
+        row["matches"] = len(rollout.matches)
+        row["match_score_mean"] = sum(m[2] for m in rollout.matches) / len(rollout.matches)
     row.update(stats)
     return row
 

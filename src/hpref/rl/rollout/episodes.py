@@ -129,6 +129,9 @@ class Played:
     #: episodes several policies play (`hpref.rl.rollout.joint`): the role of each row (its policy
     #: may play several); None: every row is the policy's one role
     row_roles: list[str] | None = None
+    #: the judged matches of episodes several policies play, as (this policy, the other, this
+    #: policy's score in [0, 1]): one per episode a pair judge scored with this policy first
+    matches: list[tuple[str, str, float]] = field(default_factory=list)
 
     @property
     def single_turn(self) -> bool:
@@ -230,7 +233,11 @@ def take_turn(playing: Playing, name: str, out: Generation, j: int, codec: TurnC
     if step.done:
         playing.ended = True
         return
-    assert step.observation is not None  # a Step that goes on has one (Step checks it)
+    if step.observation is None:  # only where several policies act: the next turn is another's
+        raise RuntimeError(
+            f"environment '{name}': its episode went on with no observation, and a policy playing alone "
+            f"takes its next turn after one (Step.observation)"
+        )
     context = ([] if finished else [codec.end]) + codec.observation(step.role, step.observation)
     room = len(playing.context()) + len(context) + bounds.max_new_tokens <= bounds.max_context_tokens
     if playing.turns >= bounds.max_turns or not room:

@@ -28,7 +28,7 @@ from hpref.rl.rollout.pairing import JudgedPairs, judged_pairs
 from hpref.rl.rollout.players import Players
 from hpref.rl.rollout.prompts import build_prompt_source, rollout_prompts, sample_seed
 from hpref.rl.rollout.rewards import RewardSet, build_reward
-from hpref.rl.rollout_types import Rollout
+from hpref.rl.rollout_types import Rollout, Verdict
 from hpref.rl.staleness import staleness_decision
 from hpref.runfolder.layout import EXECUTOR_STATE
 
@@ -90,6 +90,8 @@ class RolloutExecutor:
         # the rollouts whose episodes the seated policies played together, by rollout id
         self._joint: dict[int, asyncio.Future] = {}
         self.positions = {p: 0 for p in self.policies}
+        #: every judged match of the rollouts taken so far (`_count_matches`): the live leaderboard's
+        self.standings: dict[str, dict[str, list[float]]] = {}
         self._buffer: dict[str, dict[int, asyncio.Task]] = {p: {} for p in self.policies}
         # each policy's answers per rollout id, for judging the other policies against them
         self._answers: dict[tuple[str, int], list[list[str]]] = {}
@@ -104,12 +106,20 @@ class RolloutExecutor:
         if task is None or fresh:
             seed = sample_seed(self.config.rollout.seed, "+".join(sorted(self.policies)), rollout_id)
             task = asyncio.ensure_future(
-                self.players.play_together(prompts, self.config.rollout.group_size, seed, False)
+                self.players.play_together(prompts, self.config.rollout.group_size, seed, False, self._judge)
             )
             self._joint[rollout_id] = task
         played = (await task)[policy]
         roles = sorted(set(played.row_roles or []), key=list(self.players.seated or {}).index)
         return [p for p in prompts for _ in roles], played
+
+    async def _judge(
+        self, prompts: list[Prompt], pairs: list[tuple[str, str]], rows: list[dict[str, Any]]
+    ) -> list[Verdict]:
+        """The run's rewards' verdicts on answer pairs (episodes judged in pairs: debate), off the
+        event loop: a judge model's forward pass would block every policy's `get`."""
+        given = rows if self.reward.wants_rows else None
+        return await asyncio.to_thread(self.reward.judge_answers, prompts, pairs, given)
 
     def _wants_opponents(self, policy: str | None = None) -> bool:
         """Whether other policies' answers are wanted: by the reward (cross-policy judging), or by
@@ -127,8 +137,9 @@ class RolloutExecutor:
 
     async def _opponents(
         self, policy: str, rollout_id: int, prompts: list[tuple[str, ...]]
-    ) -> tuple[list[list[str]], int]:
-        """Other policies' answers to this rollout's prompts: (answers per prompt, tokens generated).
+    ) -> tuple[list[list[str]], list[list[str]], int]:
+        """Other policies' answers to this rollout's prompts: (answers per prompt, the policy of each,
+        tokens generated).
 
         Every policy answers the same prompts at the same rollout id, so an opponent that already
         produced this rollout lends its own answers (free); otherwise its engine samples
@@ -138,6 +149,7 @@ class RolloutExecutor:
         """
         k = self.reward.opponent_answers
         per_prompt: list[list[str]] = [[] for _ in prompts]
+        owners: list[list[str]] = [[] for _ in prompts]
         generated = 0
         for q in self.policies:
             if q == policy:
@@ -150,7 +162,8 @@ class RolloutExecutor:
                 cached = [out.texts[i * k : (i + 1) * k] for i in range(len(prompts))]
             for i, answers in enumerate(cached):
                 per_prompt[i].extend(answers[:k])
-        return per_prompt, generated
+                owners[i].extend([q] * len(answers[:k]))
+        return per_prompt, owners, generated
 
     def _forget_answers(self) -> None:
         """Keep only answers of rollouts some policy may still produce (bounded memory)."""
@@ -172,11 +185,11 @@ class RolloutExecutor:
         groups = [out.texts[i * g : (i + 1) * g] for i in range(len(prompts))]
         algorithm = self.algorithms[policy]
         judged = JudgedPairs.none()
-        opponents, opponent_tokens = None, 0
+        opponents, owners, opponent_tokens = None, None, 0
         if self._wants_opponents():  # someone judges against this policy's answers: lend them
             self._answers[(policy, rollout_id)] = groups
         if self._wants_opponents(policy):
-            opponents, opponent_tokens = await self._opponents(policy, rollout_id, prompts)
+            opponents, owners, opponent_tokens = await self._opponents(policy, rollout_id, prompts)
         rows = self._rows(prompts)
         components = None
         # a judge model's forward pass would block the event loop that serves every policy's get()
@@ -189,7 +202,7 @@ class RolloutExecutor:
                     f"'{self.players.environment.name}' environment gives episodes rewards of its own"
                 )
             rivals = opponents if algorithm.cross_policy else None
-            judged = await asyncio.to_thread(judged_pairs, self.reward, prompts, groups, rivals, rows)
+            judged = await asyncio.to_thread(judged_pairs, self.reward, prompts, groups, rivals, rows, owners)
             rewards = judged.rewards
         elif all(r is not None for r in given):  # the environment scored every episode itself
             rewards = [float(r) for r in given]  # type: ignore[arg-type]
@@ -227,6 +240,7 @@ class RolloutExecutor:
             pairs=judged.pairs,
             verdicts=judged.verdicts,
             opponent_texts=judged.opponent_texts,
+            matches=out.matches or judged.matches(policy, len(out.completions)),
         )
 
     def _rows(self, prompts: list[Prompt]) -> list[dict[str, Any]] | None:
@@ -281,6 +295,7 @@ class RolloutExecutor:
             data = await self._produce(policy, rollout_id, fresh=True)
         assert data is not None
         data.stale_regenerated = task is not None and decision == "regenerate"
+        data.standings = self._count_matches(data.matches)
         self.positions[policy] = rollout_id + 1
         self._forget_answers()
         if self.batcher is not None:
@@ -288,6 +303,15 @@ class RolloutExecutor:
         else:
             self._prefetch(policy, rollout_id)
         return data
+
+    def _count_matches(self, matches: list[tuple[str, str, float]]) -> dict[str, dict[str, list[float]]]:
+        """Add a taken rollout's matches to the run's standings (counted when taken, so a save and its
+        resume count each once); a copy of them, for the live leaderboard."""
+        for player, opponent, score in matches:
+            games = self.standings.setdefault(player, {}).setdefault(opponent, [0.0, 0.0])
+            games[0] += 1.0
+            games[1] += float(score)
+        return {p: {q: list(g) for q, g in row.items()} for p, row in self.standings.items()}
 
     async def settle(self, policy: str) -> None:
         """Wait for the rollouts in flight that `policy`'s engine answers (prefetched, or played
@@ -316,7 +340,7 @@ class RolloutExecutor:
         all at once: separate engines answer in parallel, a shared one in one batch. Policies that act
         together play one episode per prompt, each reported in the first role it plays."""
         if self.players.seated is not None:
-            together = await self.players.play_together(prompts, 1, 0, greedy=True)
+            together = await self.players.play_together(prompts, 1, 0, True, self._judge)
             return {p: first_role(together[p], len(prompts)) for p in policies}
         played = await asyncio.gather(*(self.players.play(p, prompts, 1, 0, greedy=True) for p in policies))
         return dict(zip(policies, played, strict=True))
@@ -370,7 +394,7 @@ class RolloutExecutor:
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
         ahead = {p: [(await t).to_json() for _r, t in sorted(b.items())] for p, b in self._buffer.items()}
-        state = {"positions": self.positions, "buffered": ahead}
+        state = {"positions": self.positions, "buffered": ahead, "standings": self.standings}
         write_json_atomic(path / EXECUTOR_STATE, state, sort_keys=True)
         integrity.write_manifest(path)
 
@@ -390,6 +414,11 @@ class RolloutExecutor:
                 state = json.loads(path.read_text(encoding="utf-8"))
                 saved = {str(p): int(n) for p, n in state["positions"].items()}
                 ahead = [Rollout.from_json(r) for rows in state.get("buffered", {}).values() for r in rows]
+                standings = state.get("standings", {})  # a save made before they were kept: none
+                self.standings = {
+                    str(p): {str(q): [float(g[0]), float(g[1])] for q, g in row.items()}
+                    for p, row in standings.items()
+                }
             except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
                 raise CheckpointError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
         for p in self.policies:

@@ -15,7 +15,10 @@ requests batched into one call, each row on its policy's adapter), the policies'
 
 A role's row is its transcript after its opening, with a mask that is 1 on its own tokens; its
 reward is the environment's for that role (`Episode.rewards()`), or the run's rewards scoring its
-last answer. A policy's rollout lists its rows by prompt, then role, then episode, so a group of
+last answer, or, in an environment whose two roles are judged as a pair (`JudgedInPairs`: debate),
+its share of the pair's verdict: the run's pair judge reads both orders, and each side gets its
+P(win) + P(tie)/2, averaged over the orders (the two sides' rewards sum to 1).
+A policy's rollout lists its rows by prompt, then role, then episode, so a group of
 `group` consecutive rows is one role's answers to one start: a role is compared with itself, never
 with its partner (AT-GRPO's grouping; per turn position as well, when every episode of a group takes
 the same turns).
@@ -30,15 +33,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpref.data.prompts import Prompt
-from hpref.rl.protocols import OpensPerRole
+from hpref.rl.protocols import JudgedInPairs, OpensPerRole
 from hpref.rl.rollout.episodes import Bounds, Played, TurnCodec, episode_seed, none_or_float, turn_seed
-from hpref.rl.rollout_types import EpisodeStats, Generation, Turn
+from hpref.rl.rollout_types import EpisodeStats, Generation, Turn, Verdict
 
 if TYPE_CHECKING:
     from hpref.rl.protocols import Environment, Episode
 
 #: (policy, the rows' prompts, their contexts, the round's seed) -> one answer per context
 Sample = Callable[[str, list[Prompt], list[list[int]], int], Awaitable[Generation]]
+#: (prompts, answer pairs, the prompts' rows) -> a (P(first), P(second), P(tie)) verdict per pair
+Judge = Callable[[list[Prompt], list[tuple[str, str]], list[dict[str, Any]]], Awaitable[list[Verdict]]]
 
 
 @dataclass
@@ -79,6 +84,9 @@ class Table:
     tool_calls: int = 0
     tool_errors: int = 0
     turn_rewards: dict[str, float] = field(default_factory=dict)
+    #: a pair-judged episode's rewards per role (`JudgedInPairs`), once judged
+    judged: dict[str, float] | None = None
+    row: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,16 +109,17 @@ async def play_together(
     rows: Sequence[dict[str, Any]],
     group: int,
     seed: int,
+    judge: Judge | None = None,
 ) -> dict[str, Played]:
     """Play `group` episodes per prompt with every role seated (see the module docstring); each
-    policy's part of them."""
+    policy's part of them. `judge`: the run's pair judge, for an environment that is `JudgedInPairs`."""
     began = time.perf_counter()
     tables = []
     for i, prompt in enumerate(prompts):
         for k in range(group):
             episode = environment.start(prompt, rows[i], episode_seed(seed, i * group + k))
             seats = {role: Seat(policy) for role, policy in seating.roles.items()}
-            tables.append(Table(episode, prompt, seats))
+            tables.append(Table(episode, prompt, seats, row=rows[i]))
     turn = 0
     live = list(tables)
     while live:
@@ -147,11 +156,43 @@ async def play_together(
         for role, seat in table.seats.items():
             if not seat.opened:
                 open_seat(seat, table, role, seating.codecs[seat.policy])
+    if isinstance(environment, JudgedInPairs):
+        if judge is None:
+            raise RuntimeError(
+                f"environment '{environment.name}' judges its episodes in pairs: no judge given"
+            )
+        await judge_tables(tables, environment.judged_roles, judge)
     seconds = time.perf_counter() - began
-    return {
+    parts = {
         p: policy_part(tables, seating.roles_of(p), group, seconds)
         for p in sorted(set(seating.roles.values()))
     }
+    if isinstance(environment, JudgedInPairs):  # the live leaderboard's matches, each once
+        role = environment.judged_roles[0]
+        first, second = (seating.roles[r] for r in environment.judged_roles)
+        if first != second:  # self-play: a policy against itself is no match
+            parts[first].matches = [(first, second, (t.judged or {})[role]) for t in tables]
+    return parts
+
+
+async def judge_tables(tables: list[Table], roles: tuple[str, str], judge: Judge) -> None:
+    """Each episode's two judged roles' last answers, judged in both orders in one call (a judge may
+    favour a position: the orders' mean has no such bias); each role's reward is its P(win) plus half
+    the P(tie), averaged over the orders."""
+    first, second = roles
+    prompts, pairs, rows = [], [], []
+    for t in tables:
+        x, y = t.seats[first].final, t.seats[second].final
+        prompts += [t.prompt, t.prompt]
+        pairs += [(x, y), (y, x)]
+        rows += [t.row, t.row]
+    verdicts = await judge(prompts, pairs, rows)
+    if len(verdicts) != len(pairs):
+        raise RuntimeError(f"the pair judge gave {len(verdicts)} verdicts for {len(pairs)} answer pairs")
+    for i, t in enumerate(tables):
+        (win, _, tie), (_, win_r, tie_r) = verdicts[2 * i], verdicts[2 * i + 1]
+        score = 0.5 * ((win + 0.5 * tie) + (win_r + 0.5 * tie_r))
+        t.judged = {first: score, second: 1.0 - score}
 
 
 def open_seat(seat: Seat, table: Table, role: str, codec: TurnCodec) -> None:
@@ -193,11 +234,12 @@ def take_seat_turn(table: Table, role: str, out: Generation, j: int, seating: Se
     if seat.turns >= bounds.max_turns:
         table.ended = table.truncated = True
         return
-    assert step.observation is not None  # a Step that goes on has one (Step checks it)
     nxt = table.episode.actor()
     target = table.seats.get(nxt)
     if target is None:
         raise RuntimeError(f"the episode asked role '{nxt}' to act, which no policy plays")
+    if step.observation is None:  # the next role acts on what it had (debate's unseen first answers)
+        return
     target_codec, target_bounds = seating.codecs[target.policy], seating.bounds[target.policy]
     context = ([target_codec.end] if target.cut else []) + target_codec.observation(
         step.role, step.observation
@@ -218,7 +260,7 @@ def policy_part(tables: list[Table], roles: list[str], group: int, seconds: floa
     for start in range(0, len(tables), group):
         for role in roles:
             seats += [(t, role) for t in tables[start : start + group]]
-    given = {id(t): t.episode.rewards() for t in tables}
+    given = {id(t): t.judged if t.judged is not None else t.episode.rewards() for t in tables}
     rows = [t.seats[role] for t, role in seats]
     return Played(
         prompt_ids=[s.prompt_ids for s in rows],

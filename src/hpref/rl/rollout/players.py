@@ -15,7 +15,7 @@ from hpref.recipe.rl_sampling import sampling_knobs
 from hpref.rl.environments.registry import build_environment, context_bound, policy_roles, seated_roles
 from hpref.rl.rollout.batching import RequestBatcher
 from hpref.rl.rollout.episodes import Bounds, Played, TurnCodec, play_episodes
-from hpref.rl.rollout.joint import Seating, play_together
+from hpref.rl.rollout.joint import Judge, Seating, play_together
 from hpref.rl.rollout_types import Generation, GenerationRequest
 
 
@@ -101,9 +101,10 @@ class Players:
         return (await self.engines[policy].generate_batch.remote([request]))[0]
 
     async def play_together(
-        self, prompts: list[Prompt], group: int, seed: int, greedy: bool
+        self, prompts: list[Prompt], group: int, seed: int, greedy: bool, judge: Judge | None = None
     ) -> dict[str, Played]:
-        """`group` episodes per prompt in which the seated policies act together (`rollout.joint`)."""
+        """`group` episodes per prompt in which the seated policies act together (`rollout.joint`);
+        `judge`: the run's pair judge, for episodes judged in pairs (debate)."""
         assert self.seated is not None
         seating = Seating(self.seated, self._codecs, {p: self._bounds(p, "") for p in self.policies})
 
@@ -113,7 +114,7 @@ class Players:
             return await self._continue(policy, live, contexts, turn_seed, greedy)
 
         rows = self.prompt_rows(prompts)
-        return await play_together(self.environment, seating, sample, prompts, rows, group, seed)
+        return await play_together(self.environment, seating, sample, prompts, rows, group, seed, judge)
 
     async def version(self, policy: str) -> int:
         """The weight version the policy's engine (or adapter) serves."""
