@@ -66,47 +66,47 @@ def prefers_yes(calls):
 
 
 def test_both_answer_unseen_then_each_revises_on_the_others_first_answer(tokenizer):
-    """Two rounds, `first` = a, `second` = b: round 1 is a's then b's answer, b's context holding
-    nothing of a's; then a revises reading b's round-1 answer, and b revises reading a's round-1
-    answer (not a's revision: both revise on what the other wrote unseen); the judge reads the last
-    answers in both orders in one call. Wrong: b answering after reading a (an unfair debate), a
-    reader shown the wrong answer, or one order judged (position bias in the reward)."""
-    said = {("a", 1): "a one", ("b", 2): "b one", ("a", 3): "a two", ("b", 4): "b two"}
-    sample, calls = scripted_engines(tokenizer, lambda p, call, j: said[(p, call)])
+    """Two rounds, `first` = a, `second` = b, 8 episodes: each role's first answer is written with no
+    observation before it (unseen), then each revises reading the other's round-1 answer (never the
+    other's revision); the seed draws which role opens each episode, so every round asks both
+    engines (4 rounds, two calls each); the judge reads the last answers in both orders in one call.
+    Wrong: a role answering after reading the other (an unfair debate), a reader shown the wrong
+    answer, an engine idle while the other works, or one order judged (position bias in the reward)."""
+
+    def said(policy, call, j):  # "<policy> one" before reading the other, "<policy> two" after
+        return f"{policy} {'two' if 'Another assistant' in tokenizer.decode(calls[-1][1][j]) else 'one'}"
+
+    sample, calls = scripted_engines(tokenizer, said)
     judged = []
     seats = seating(tokenizer, {"first": "a", "second": "b"})
-    played = asyncio.run(
-        play_together(debate(), seats, sample, [("q0",), ("q1",)], [{}, {}], 2, 3, prefers_yes(judged))
-    )
-    assert [c[0] for c in calls] == ["a", "b", "a", "b"]  # every episode's role per round, one call each
+    prompts, rows = [("q0",), ("q1",)], [{}, {}]
+    played = asyncio.run(play_together(debate(), seats, sample, prompts, rows, 4, 3, prefers_yes(judged)))
+    rounds = sorted({seed for _, _, seed in calls})
+    assert len(rounds) == 4 and [sorted(c[0] for c in calls if c[2] == r) for r in rounds] == [["a", "b"]] * 4
     a, b = played["a"], played["b"]
-    assert "a one" not in tokenizer.decode(calls[1][1][0])  # b's first answer: its opening alone
-    assert calls[1][1][0] == b.prompt_ids[0]
+    revise = DebateConfig().revise_prompt.format
+    assert a.transcripts == [[("first", "a one"), ("user", revise(other="b one")), ("first", "a two")]] * 8
+    assert b.transcripts == [[("second", "b one"), ("user", revise(other="a one")), ("second", "b two")]] * 8
     eos = tokenizer.eos_token_id
     one, two = (tokenizer.encode(t, add_special_tokens=False) + [eos] for t in ("a one", "a two"))
-    read = observation_ids(tokenizer, "user", DebateConfig().revise_prompt.format(other="b one"))
+    read = observation_ids(tokenizer, "user", revise(other="b one"))
     assert a.completions[0] == one + read + two  # a's row: its answer, b's first answer read, its revision
     assert a.masks[0] == [1] * len(one) + [0] * len(read) + [1] * len(two)
-    assert b.transcripts[0] == [
-        ("second", "b one"),
-        ("user", DebateConfig().revise_prompt.format(other="a one")),
-        ("second", "b two"),
-    ]
-    assert a.texts == ["a two"] * 4 and b.texts == ["b two"] * 4  # the final answers are judged
-    assert judged == [[("a two", "b two"), ("b two", "a two")] * 4]
+    assert a.texts == ["a two"] * 8 and b.texts == ["b two"] * 8  # the final answers are judged
+    assert judged == [[("a two", "b two"), ("b two", "a two")] * 8]
     # position bias alone (neither says yes): both orders averaged, a draw at 0.5 each
-    assert [r["first"] for r in a.rewards] == [pytest.approx(0.5)] * 4
-    assert [r["second"] for r in b.rewards] == [pytest.approx(0.5)] * 4
-    assert a.matches == [("a", "b", pytest.approx(0.5))] * 4 and b.matches == []
-    assert a.stats.turns == [2] * 4 and b.stats.turns == [2] * 4
+    assert [r["first"] for r in a.rewards] == [pytest.approx(0.5)] * 8
+    assert [r["second"] for r in b.rewards] == [pytest.approx(0.5)] * 8
+    assert a.matches == [("a", "b", pytest.approx(0.5))] * 8 and b.matches == []
+    assert a.stats.turns == [2] * 8 and b.stats.turns == [2] * 8
 
 
 def test_the_verdict_is_win_plus_half_tie_both_orders_and_sums_to_one(tokenizer):
     """a says yes, b says no, one round: P(a wins) is 0.8 as first and 0.7 as second, ties 0.1 each,
-    so a's reward is ((0.8 + 0.05) + (0.7 + 0.05)) / 2 = 0.8 and b's 0.2. Self-play of the same
-    game gives the roles the same rewards and no match (a policy against itself rates nothing).
-    Wrong: the tie counted as a loss, the orders not averaged, or rewards that do not sum to 1."""
-    sample, _ = scripted_engines(tokenizer, lambda p, call, j: YES if call == 1 else NO)
+    so a's reward is ((0.8 + 0.05) + (0.7 + 0.05)) / 2 = 0.8 and b's 0.2. In self-play both roles say
+    the same: a draw, and no match (a policy against itself rates nothing). Wrong: the tie counted as
+    a loss, the orders not averaged, or rewards that do not sum to 1."""
+    sample, _ = scripted_engines(tokenizer, lambda p, call, j: YES if p == "a" else NO)
     played = asyncio.run(
         play_together(debate(rounds=1), seating(tokenizer, {"first": "a", "second": "b"}), sample,
                       [("q",)], [{}], 2, 0, prefers_yes([]))
@@ -114,13 +114,12 @@ def test_the_verdict_is_win_plus_half_tie_both_orders_and_sums_to_one(tokenizer)
     assert [r["first"] for r in played["a"].rewards] == [pytest.approx(0.8)] * 2
     assert [r["second"] for r in played["b"].rewards] == [pytest.approx(0.2)] * 2
     assert played["a"].matches == [("a", "b", pytest.approx(0.8))] * 2
-    sample, _ = scripted_engines(tokenizer, lambda p, call, j: YES if call == 1 else NO)
     alone = asyncio.run(
         play_together(debate(rounds=1), seating(tokenizer, {"first": "a", "second": "a"}), sample,
                       [("q",)], [{}], 2, 0, prefers_yes([]))
     )  # fmt: skip
     assert alone["a"].row_roles == ["first", "first", "second", "second"]
-    assert [list(r.values())[0] for r in alone["a"].rewards] == pytest.approx([0.8, 0.8, 0.2, 0.2])
+    assert [list(r.values())[0] for r in alone["a"].rewards] == pytest.approx([0.5] * 4)
     assert alone["a"].matches == []
 
 

@@ -2,9 +2,12 @@
 its own, and the run's pair judge gives the final pair its three-way verdict (`[rl.environment]
 name = "debate", roles = { first = "a", second = "b" }`).
 
-Round 1: both answer the prompt, neither seeing the other (the second role's first turn follows the
-first's with no observation between them). Each later round, each role reads the other's latest
-answer (a user message, `revise_prompt`) and writes its answer again. After `rounds` rounds the two
+Round 1: both answer the prompt, neither seeing the other (the role that opens the episode acts, then
+the other with no observation between them). Each later round, each role reads the other's answer of
+the round before (a user message, `revise_prompt`) and writes its answer again. Which role opens is
+drawn from the episode's seed, so in every round about half the episodes ask each policy for a turn:
+both engines work in every round (one alternating order would leave one engine idle each round), and
+on a shared base the two policies' turns go out as one batched call. After `rounds` rounds the two
 last answers are judged as a pair by the run's rewards (`[rl.reward]`: a judge, or a reward export
 that judges pairs; `hpref.rl.protocols.JudgedInPairs`): both orders, averaged, so the judge's
 position bias cancels, and each side's reward is its P(win) + P(tie)/2: a tie is half a win for both,
@@ -44,31 +47,26 @@ class DebateConfig(BaseModel):
 
 
 class DebateEpisode:
-    def __init__(self, config: DebateConfig) -> None:
+    def __init__(self, config: DebateConfig, opener: str) -> None:
         self.config = config
+        self.opener, self.other = opener, SECOND if opener == FIRST else FIRST
         self.answers: dict[str, list[str]] = {FIRST: [], SECOND: []}
 
     def actor(self) -> str:
-        return FIRST if len(self.answers[FIRST]) == len(self.answers[SECOND]) else SECOND
+        return self.opener if len(self.answers[self.opener]) == len(self.answers[self.other]) else self.other
 
     def step(self, turn: Turn) -> Step:
         self.answers[turn.role].append(turn.text.strip())
-        written = len(self.answers[SECOND])
-        if turn.role == FIRST:
-            if written == 0:  # the second answers round 1 without seeing the first's answer
+        opened, answered = self.answers[self.opener], self.answers[self.other]
+        if turn.role == self.opener:
+            if not answered:  # the other answers round 1 without seeing the opener's answer
                 return Step(observation=None, role="user")
-            return Step(observation=self._revise(FIRST), role="user")  # the second reads the first's last
-        if written >= self.config.rounds:
+            # the other reads the opener's answer of the round before, not this revision: both
+            # revise on what the other wrote before reading them
+            return Step(observation=self.config.revise_prompt.format(other=opened[-2]), role="user")
+        if len(answered) >= self.config.rounds:
             return Step(done=True)
-        return Step(observation=self._revise(SECOND), role="user")  # the first reads the second's last
-
-    def _revise(self, author: str) -> str:
-        """What the other role reads: `author`'s answer of the round before the reader's next one (in
-        round 2 the second reads the first's round-1 answer, not its revision: both revise on what
-        the other wrote unseen)."""
-        written = self.answers[author]
-        other = written[-2] if author == FIRST and len(written) > 1 else written[-1]
-        return self.config.revise_prompt.format(other=other)
+        return Step(observation=self.config.revise_prompt.format(other=answered[-1]), role="user")
 
     def rewards(self) -> dict[str, float] | None:
         return None  # the run's pair judge scores the final pair (`judged_roles`)
@@ -86,8 +84,8 @@ class Debate:
         self.config = config
 
     def start(self, prompt: Prompt, row: dict[str, Any], seed: int) -> DebateEpisode:
-        """Both roles open on the prompt itself; nothing is drawn."""
-        return DebateEpisode(self.config)
+        """Both roles open on the prompt itself; the seed draws which acts first in each round."""
+        return DebateEpisode(self.config, FIRST if seed % 2 == 0 else SECOND)
 
 
 def build_debate(config: DebateConfig) -> Debate:
