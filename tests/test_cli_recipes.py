@@ -27,7 +27,7 @@ from tests.conftest import (
 SHIPPED = sorted((REPO / "recipes").glob("*.toml"))
 GPU_REFERENCES = {"gemma2-9b-arena", "llama3-8b-arena"}
 #: recipes that name files their user makes first (reward-model exports): checked with --portable
-NEEDS_USER_FILES = {"rl-smollm2"}
+NEEDS_USER_FILES = {"rl-smollm2", "rl-debate-smollm2"}
 GOOD = MINIMAL_RECIPE + '[scheduler]\nname = "cosine"\n'
 
 
