@@ -307,8 +307,9 @@ def write_summary(
             "leaderboard": leaderboard,  # {} without judged matches, an eval or pointwise scores
             # the judged matches behind it: {player: {opponent: [games, player's summed score]}}
             "matches": result.standings,
-            # "ground truth", "eval scorer", "reward" or None
-            "leaderboard_by": result.evals[-1].get("leaderboard_by") if result.evals else None,
+            # "judged matches" (debates, online DPO's cross pairs), then with an eval's battles: "ground
+            # truth", "eval scorer" or "reward", joined by " + "; None when the table is empty
+            "leaderboard_by": leaderboard_sources(result),
             "warmup_checkpoints": setup.warm_started,
             "setup_s": setup_s,  # tokenizers and warm-ups (cached after the first run)
             "drive_s": result.seconds,  # the policies' loops: what concurrency speeds up
@@ -320,6 +321,14 @@ def write_summary(
     from hpref.rl.report.leaderboard import plot_metrics
 
     plot_metrics(run_dir, order)
+
+
+def leaderboard_sources(result: DriveResult) -> str | None:
+    """What the run's leaderboard was fitted to (`DriveResult.leaderboard`), in words."""
+    sources = ["judged matches"] if result.standings else []
+    if result.evals and result.evals[-1].get("leaderboard_by"):
+        sources.append(result.evals[-1]["leaderboard_by"])
+    return " + ".join(sources) or None
 
 
 def no_leaderboard_reason(config: RLConfig, result: DriveResult) -> str:

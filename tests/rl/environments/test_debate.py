@@ -208,6 +208,9 @@ def test_a_debate_run_trains_both_sides_on_the_verdict_and_keeps_a_live_table(tm
     games = result.standings["a"]["b"]
     assert games[0] == 12.0 and games[1] == pytest.approx(sum(r["reward_mean"] * 4 for r in a))
     assert result.leaderboard(["a", "b"]) == logged[-1][1]
+    from hpref.rl.launch import leaderboard_sources
+
+    assert leaderboard_sources(result) == "judged matches"  # rl_summary's `leaderboard_by`: no eval ran
     asyncio.run(executor.save(str(tmp_path / "save")))
     fresh = RolloutExecutor(cfg, ["a", "b"], engines)
     asyncio.run(fresh.load(str(tmp_path / "save")))
