@@ -201,9 +201,12 @@ def register_environments(register) -> None:
     `build(config)` runs in the rollout executor and returns an `hpref.rl.protocols.Environment`:
     `start(prompt, row, seed)` begins an `Episode`, which says which role acts next, takes that
     role's turn (its text and tokens) and answers with the next observation or the end, and gives
-    each role's reward at the end (or leaves the scoring to the run's rewards). Built-ins:
-    `single-turn` (the default: one prompt, one answer) and `tool` (the policy calls tools written
-    in its answer; `hpref.rl.environments`); `plugins/hpref-example` adds one from outside hpref.
+    each role's reward at the end (or leaves the scoring to the run's rewards). With several roles,
+    several policies play each episode (`[rl.environment] roles`); optional capabilities, asked with
+    `isinstance`: `OpensPerRole` (each role starts from a conversation of its own) and `JudgedInPairs`
+    (two roles' last answers judged as a pair by the run's rewards). Built-ins: `single-turn` (the
+    default: one prompt, one answer), `tool` (the policy calls tools written in its answer), `signal`
+    and `debate` (`hpref.rl.environments`); `plugins/hpref-example` adds one from outside hpref.
     """
 
 
