@@ -48,9 +48,8 @@ class PromptSource(Protocol):
         """`count` fixed prompts, never among the training ones."""
         ...
 
-    # Optional, for rewards that read the prompt's row (`rule`'s `function(prompt, answer, row)`):
-    # `columns: tuple[str, ...]` every row has beside the conversation, and `row(prompt) -> dict`.
-    # Without them such rewards get an empty row, and a reward's `columns` are refused at the start.
+    # Optional, for rewards that read the prompt's row (`rule`'s `function(prompt, answer, row)`): `columns:
+    # tuple[str, ...]` and `row(prompt) -> dict`; without them an empty row, a reward's `columns` refused.
 
 
 @runtime_checkable
@@ -116,12 +115,10 @@ class Algorithm(Protocol):
     def loss(
         self, logprobs: torch.Tensor, batch: dict[str, Any], rows: list[int], prepared: TrainingRows
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """One micro-batch: `logprobs [B, T]` of `rows` (indices into `prepared`'s rows, whole groups)
-        under the policy, with `batch["mask"]` (1 on answer tokens), `batch["ref"]` (the reference's,
-        when wanted) and `batch["old"]` (the engine's, when `prepared.behaviour` is set). Returns the
-        loss as this micro-batch's share of the step's loss (the trainer back-propagates it as is,
-        so the micro-batches of a step add up to the one-batch loss) and statistics as sums that
-        add up over micro-batches and ranks."""
+        """One micro-batch: `logprobs [B, T]` of `rows` (indices into `prepared`'s rows, whole groups),
+        `batch["mask"]` (1 on answer tokens), `batch["ref"]` (when wanted), `batch["old"]` (the engine's,
+        when `prepared.behaviour` is set). Returns its share of the step's loss (back-propagated as is:
+        the micro-batches add up to the one-batch loss) and statistics as sums (over micro-batches, ranks)."""
         ...
 
     def summarise(self, sums: dict[str, float]) -> dict[str, float]:
@@ -131,10 +128,9 @@ class Algorithm(Protocol):
 
 @runtime_checkable
 class PreparesBatches(Protocol):
-    """An algorithm capability, optional (the trainer asks `isinstance`; an `Algorithm` without it
-    trains as before): values its loss reads that depend on the whole step and on the reference,
-    such as REINFORCE++'s per-token returns normalised over every micro-batch of every rank
-    (`hpref.rl.algorithms.grpo`)."""
+    """An algorithm capability, optional (the trainer asks `isinstance`): values its loss reads that
+    depend on the whole step and on the reference, such as REINFORCE++'s per-token returns normalised
+    over every micro-batch of every rank (`hpref.rl.algorithms.grpo`)."""
 
     def prepare_batches(
         self,
@@ -166,9 +162,8 @@ class Episode(Protocol):
         ...
 
     def rewards(self) -> dict[str, float] | None:
-        """Each role's reward at the end (also when a bound cut the episode short), or None: the
-        run's rewards (`[rl.reward]` / `[rl.rewards.*]`) score each role's last answer, as they
-        score a single answer. Per-turn rewards (`Step.reward`) are added to either."""
+        """Each role's reward at the end (also when a bound cut the episode short), or None: the run's
+        rewards score each role's last answer. Per-turn rewards (`Step.reward`) are added to either."""
         ...
 
     def success(self) -> bool | None:
@@ -179,9 +174,8 @@ class Episode(Protocol):
 
 @runtime_checkable
 class OpensPerRole(Protocol):
-    """An `Episode` capability, optional (asked with `isinstance`): each role of an episode several
-    policies play starts from a conversation of its own (the speaker sees the target, the listener
-    does not), asked when the role first acts; without it every role starts from the prompt."""
+    """An `Episode` capability, optional (asked with `isinstance`): each role starts from a conversation
+    of its own (the speaker sees the target), asked when it first acts; else from the prompt."""
 
     def opening(self, role: str) -> Prompt: ...
 
@@ -192,6 +186,17 @@ class JudgedInPairs(Protocol):
     (`PairJudge.judge_answers`, both orders averaged), each role's reward P(win) + P(tie)/2 (debate)."""
 
     judged_roles: tuple[str, str]
+
+
+@runtime_checkable
+class SharedTurn(Protocol):
+    """An `Environment` capability, optional: `shared_role` acts once, first, and that turn is played
+    once per start for all its episodes (a proposer's problem, one solver attempt per episode): the
+    role's rows are one per start, one group; `start_rewards` gives a start's episodes' rewards."""
+
+    shared_role: str
+
+    def start_rewards(self, episodes: Sequence[Episode]) -> list[dict[str, float]]: ...
 
 
 @runtime_checkable
@@ -227,18 +232,15 @@ class Engine(Protocol):
     `begin_update(version)`, `load_weights(state)` (or `receive_weights(layout)`: a bucket through
     the weight channel; once per bucket of a sync), then `commit_update()` (or `abort_update()`).
 
-    An engine whose config says `serves_adapters = True` can also serve the LoRA policies of a
-    shared base (`rl.share_base`; `build(..., adapters={policy: lora settings})`): then every call
-    that acts on one policy names its `adapter`, whose weights (PEFT's saved names) and version
-    are its own, and `generate_batch` answers several policies' requests in one go. The host
-    passes `adapter=` only on a shared base, so an engine plugin that serves no adapters can keep
-    the one-policy signatures.
+    An engine whose config says `serves_adapters = True` also serves the LoRA policies of a shared
+    base (`rl.share_base`; `build(..., adapters={policy: lora settings})`): every call on one policy
+    names its `adapter` (its own weights, PEFT's names, and version), `generate_batch` answers several
+    policies' requests at once; `adapter=` comes only on a shared base (a plugin may omit it).
 
     The sampling knobs beyond temperature and top-k (`hpref.recipe.rl_sampling`) reach `generate` as
-    keyword arguments only when on, so an older plugin's `generate` keeps working while a recipe
-    leaves them off (`generate_batch`'s requests carry every knob); an engine declares those it takes
-    (`EngineConfig.sampling_knobs`). Greedy ignores temperature, top-k, top-p and min-p; an answer
-    ends before its stop string, text and tokens alike (`hpref.rl.policy.stop_string_cut`).
+    keywords only when on (an older plugin's `generate` works while they are off; `generate_batch`'s
+    requests carry all), declared in `EngineConfig.sampling_knobs`. Greedy ignores temperature, top-k,
+    top-p, min-p; an answer ends before its stop string, text and tokens (`policy.stop_string_cut`).
     """
 
     def generate(
@@ -334,9 +336,8 @@ class EngineConfig(Protocol):
 
 
 class EngineConfigBase(BaseModel):
-    """The `EngineConfig` defaults, in one place: an engine's config class inherits this, overrides
-    the settings it has (a field of its own, or a `ClassVar` for one a recipe may not set: the
-    transformers engine's dtype is float32) and keeps the rest. Unknown keys are refused."""
+    """The `EngineConfig` defaults, in one place: an engine's config class inherits this, overrides the
+    settings it has (a field, or a `ClassVar` a recipe may not set: transformers' float32), keeps the rest."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -359,9 +360,8 @@ class EngineConfigBase(BaseModel):
 
 @runtime_checkable
 class TrainerBackend(Protocol):
-    """What a policy's trainer is built on (`rl.policies.<id>.trainer_backend`): the model it trains
-    and what it hands the engine, `hpref.rl.trainer.actor.TrainerActor`'s only view of it. Whatever it
-    trains, the engine and the saves see the transformers layout (`plain_items`)."""
+    """What a policy's trainer is built on (`rl.policies.<id>.trainer_backend`), `TrainerActor`'s only
+    view of it; whatever it trains, the engine and the saves see the transformers layout (`plain_items`)."""
 
     #: the `trainer_backend` value
     name: str

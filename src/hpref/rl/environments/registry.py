@@ -108,6 +108,7 @@ def check_environment(config: RLConfig, policies: list[str], where: str) -> dict
     if seated is None:
         policy_roles(config, environment, policies, where)
     check_pair_judge(config, environment, where)
+    check_shared_turn(config, environment, seated, where)
     bound = config.environment.max_context_tokens
     chosen = "max_context_tokens" in config.environment.model_fields_set
     for policy in policies:
@@ -118,6 +119,33 @@ def check_environment(config: RLConfig, policies: list[str], where: str) -> dict
                 f"{model.max_position_embeddings} positions (model.max_position_embeddings); lower it"
             )
     return seated
+
+
+def check_shared_turn(
+    config: RLConfig, environment: Environment, seated: dict[str, str] | None, where: str
+) -> None:
+    """An environment whose first turn is played once per start (`SharedTurn`: propose-solve's
+    problem): that role's rows, one per start, are compared with each other, so a rollout needs two
+    starts at least, and its policy plays no other role (whose rows come `group_size` per start: a
+    rollout has one group size); one line naming the key."""
+    from hpref.errors import RecipeError
+    from hpref.rl.protocols import SharedTurn
+
+    if not isinstance(environment, SharedTurn) or seated is None:
+        return
+    role, starts = environment.shared_role, config.rollout.prompts_per_rollout
+    if starts < 2:
+        raise RecipeError(
+            f"{where}: rl.rollout.prompts_per_rollout is {starts}: the '{environment.name}' environment's "
+            f"'{role}' plays one turn per start and its turns are compared with each other; use 2 or more"
+        )
+    policy = seated[role]
+    also = [r for r, p in seated.items() if p == policy and r != role]
+    if also:
+        raise RecipeError(
+            f"{where}: rl.environment.roles.{also[0]}: '{policy}' plays '{role}' too, whose rows are one per "
+            f"start while '{also[0]}''s are {config.rollout.group_size} per start; give each its own policy"
+        )
 
 
 def check_pair_judge(config: RLConfig, environment: Environment, where: str) -> None:

@@ -20,6 +20,7 @@ from hpref.errors import UserError
 from hpref.recipe.rl import RLConfig
 from hpref.rl.algorithms.registry import build_algorithm
 from hpref.rl.policy import apply_env
+from hpref.rl.protocols import SharedTurn
 from hpref.rl.rollout.batching import RequestBatcher
 from hpref.rl.rollout.episodes import Played
 from hpref.rl.rollout.evaluation import answers_report
@@ -109,6 +110,11 @@ class RolloutExecutor:
                 self.players.play_together(prompts, self.config.rollout.group_size, seed, False, self._judge)
             )
             self._joint[rollout_id] = task
+            # each partner's part is buffered now, whoever's prefetch played it, so a save keeps it: a
+            # part left out would be played again after a resume, at its partners' newer weights
+            for q in set((self.players.seated or {}).values()) - {policy}:
+                if rollout_id >= self.positions[q] and rollout_id not in self._buffer[q]:
+                    self._buffer[q][rollout_id] = asyncio.ensure_future(self._produce(q, rollout_id))
         played = (await task)[policy]
         roles = sorted(set(played.row_roles or []), key=list(self.players.seated or {}).index)
         return [p for p in prompts for _ in roles], played
@@ -175,13 +181,16 @@ class RolloutExecutor:
 
     async def _produce(self, policy: str, rollout_id: int, fresh: bool = False) -> Rollout:
         rollout = self.config.policy_rollout(policy)
+        g = group = rollout.group_size  # answers per prompt; rows per advantage group
         if self.players.seated is not None:  # the policies act together: groups per start and role
             prompts, out = await self._together(policy, rollout_id, fresh)
+            shared = self.players.environment
+            if isinstance(shared, SharedTurn) and self.players.seated[shared.shared_role] == policy:
+                g, group = 1, len(prompts)  # a turn shared per start: a row per start, all one group
         else:
             prompts = rollout_prompts(self.prompts, rollout, rollout_id)
             seed = sample_seed(rollout.seed, policy, rollout_id)
             out = await self.players.play(policy, prompts, rollout.group_size, seed)
-        g = rollout.group_size
         groups = [out.texts[i * g : (i + 1) * g] for i in range(len(prompts))]
         algorithm = self.algorithms[policy]
         judged = JudgedPairs.none()
@@ -229,7 +238,7 @@ class RolloutExecutor:
             episodes=None if self.players.environment.name == "single-turn" else out.stats,
             rollout_id=rollout_id,
             policy=policy,
-            group_size=g,
+            group_size=group,
             temperature=rollout.temperature,
             opponent_tokens=opponent_tokens,
             rewards=rewards,
@@ -297,6 +306,7 @@ class RolloutExecutor:
         data.stale_regenerated = task is not None and decision == "regenerate"
         data.standings = self._count_matches(data.matches)
         self.positions[policy] = rollout_id + 1
+        self._buffer[policy].pop(rollout_id, None)  # a part a partner's replay buffered meanwhile
         self._forget_answers()
         if self.batcher is not None:
             self._prefetch_together()
@@ -393,6 +403,9 @@ class RolloutExecutor:
 
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
+        # first every rollout in flight: one played together buffers its partners' parts as it starts
+        for task in [t for b in self._buffer.values() for t in b.values()]:
+            await task
         ahead = {p: [(await t).to_json() for _r, t in sorted(b.items())] for p, b in self._buffer.items()}
         state = {"positions": self.positions, "buffered": ahead, "standings": self.standings}
         write_json_atomic(path / EXECUTOR_STATE, state, sort_keys=True)

@@ -20,8 +20,14 @@ its share of the pair's verdict: the run's pair judge reads both orders, and eac
 P(win) + P(tie)/2, averaged over the orders (the two sides' rewards sum to 1).
 A policy's rollout lists its rows by prompt, then role, then episode, so a group of
 `group` consecutive rows is one role's answers to one start: a role is compared with itself, never
-with its partner (AT-GRPO's grouping; per turn position as well, when every episode of a group takes
-the same turns).
+with its partner (AT-GRPO's grouping per role; its groups per turn position, which sample several
+turns from one state at every turn, are not built: a row's turns share its one advantage).
+
+In an environment with a `SharedTurn` (propose-solve), the shared role acts once, first, and only in
+each start's first episode: its turn (the same tokens) is given to the start's other episodes, so
+they are `group` independent continuations of one turn (a solver's attempts at one problem). That
+role's rows are one per start (its start's first episode's seat), and every episode's rewards are
+the environment's `start_rewards` over the start's episodes together.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpref.data.prompts import Prompt
-from hpref.rl.protocols import JudgedInPairs, OpensPerRole
+from hpref.rl.protocols import JudgedInPairs, OpensPerRole, SharedTurn
 from hpref.rl.rollout.episodes import Bounds, Played, TurnCodec, episode_seed, none_or_float, turn_seed
 from hpref.rl.rollout_types import EpisodeStats, Generation, Turn, Verdict
 
@@ -84,9 +90,12 @@ class Table:
     tool_calls: int = 0
     tool_errors: int = 0
     turn_rewards: dict[str, float] = field(default_factory=dict)
-    #: a pair-judged episode's rewards per role (`JudgedInPairs`), once judged
-    judged: dict[str, float] | None = None
+    #: its rewards per role when they depend on other episodes too, once given: a pair's verdict
+    #: (`JudgedInPairs`), a start's (`SharedTurn`)
+    together: dict[str, float] | None = None
     row: dict[str, Any] = field(default_factory=dict)
+    #: the start's first episode, whose shared role's turn (`SharedTurn`) this episode takes as its own
+    lead: Table | None = None
 
 
 @dataclass
@@ -114,17 +123,14 @@ async def play_together(
     """Play `group` episodes per prompt with every role seated (see the module docstring); each
     policy's part of them. `judge`: the run's pair judge, for an environment that is `JudgedInPairs`."""
     began = time.perf_counter()
-    tables = []
-    for i, prompt in enumerate(prompts):
-        for k in range(group):
-            episode = environment.start(prompt, rows[i], episode_seed(seed, i * group + k))
-            seats = {role: Seat(policy) for role, policy in seating.roles.items()}
-            tables.append(Table(episode, prompt, seats, row=rows[i]))
+    shared = environment.shared_role if isinstance(environment, SharedTurn) else None
+    tables = set_tables(environment, seating, prompts, rows, group, seed, shared)
     turn = 0
     live = list(tables)
     while live:
         turn += 1
         asked: dict[str, list[tuple[Table, str]]] = {}
+        sharing: dict[int, list[Table]] = {}  # a start's first episode -> the others, given its shared turn
         for table in live:
             role = table.episode.actor()
             if role not in table.seats:
@@ -135,6 +141,11 @@ async def play_together(
             seat = table.seats[role]
             if not seat.opened:
                 open_seat(seat, table, role, seating.codecs[seat.policy])
+            if role == shared and table.lead is not None:  # its start's first episode plays it now
+                if turn > 1:  # else a later episode's turn would be one its row (the first's) lacks
+                    raise RuntimeError(f"environment '{environment.name}': '{role}' must act once, first")
+                sharing.setdefault(id(table.lead), []).append(table)
+                continue
             asked.setdefault(seat.policy, []).append((table, role))
         order = sorted(asked)
         outs = await asyncio.gather(
@@ -150,7 +161,8 @@ async def play_together(
         )
         for p, out in zip(order, outs, strict=True):
             for j, (table, role) in enumerate(asked[p]):
-                take_seat_turn(table, role, out, j, seating)
+                for taker in [table, *(sharing.pop(id(table), []) if role == shared else [])]:
+                    take_seat_turn(taker, role, out, j, seating)
         live = [t for t in live if not t.ended]
     for table in tables:  # a role the episode ended before it acted still has its row: its opening
         for role, seat in table.seats.items():
@@ -162,17 +174,52 @@ async def play_together(
                 f"environment '{environment.name}' judges its episodes in pairs: no judge given"
             )
         await judge_tables(tables, environment.judged_roles, judge)
+    if isinstance(environment, SharedTurn):
+        give_start_rewards(tables, environment, group)
     seconds = time.perf_counter() - began
     parts = {
-        p: policy_part(tables, seating.roles_of(p), group, seconds)
+        p: policy_part(tables, seating.roles_of(p), group, seconds, shared)
         for p in sorted(set(seating.roles.values()))
     }
     if isinstance(environment, JudgedInPairs):  # the live leaderboard's matches, each once
         role = environment.judged_roles[0]
         first, second = (seating.roles[r] for r in environment.judged_roles)
         if first != second:  # self-play: a policy against itself is no match
-            parts[first].matches = [(first, second, (t.judged or {})[role]) for t in tables]
+            parts[first].matches = [(first, second, (t.together or {})[role]) for t in tables]
     return parts
+
+
+def set_tables(
+    environment: Environment,
+    seating: Seating,
+    prompts: Sequence[Prompt],
+    rows: Sequence[dict[str, Any]],
+    group: int,
+    seed: int,
+    shared: str | None,
+) -> list[Table]:
+    """`group` episodes per prompt, each seeded by its place; with a shared role, each start's later
+    episodes led by its first."""
+    tables: list[Table] = []
+    for i, prompt in enumerate(prompts):
+        for k in range(group):
+            episode = environment.start(prompt, rows[i], episode_seed(seed, i * group + k))
+            seats = {role: Seat(policy) for role, policy in seating.roles.items()}
+            lead = tables[i * group] if shared is not None and k else None
+            tables.append(Table(episode, prompt, seats, row=rows[i], lead=lead))
+    return tables
+
+
+def give_start_rewards(tables: list[Table], environment: SharedTurn, group: int) -> None:
+    """Each start's episodes' rewards, from all of them together (`SharedTurn.start_rewards`: a
+    proposer's reward is its problem's solve rate over the start's attempts)."""
+    for first in range(0, len(tables), group):
+        start = tables[first : first + group]
+        given = environment.start_rewards([t.episode for t in start])
+        if len(given) != len(start):
+            raise RuntimeError(f"start_rewards gave {len(given)} episodes' rewards for {len(start)} episodes")
+        for table, rewards in zip(start, given, strict=True):
+            table.together = rewards
 
 
 async def judge_tables(tables: list[Table], roles: tuple[str, str], judge: Judge) -> None:
@@ -192,7 +239,7 @@ async def judge_tables(tables: list[Table], roles: tuple[str, str], judge: Judge
     for i, t in enumerate(tables):
         (win, _, tie), (_, win_r, tie_r) = verdicts[2 * i], verdicts[2 * i + 1]
         score = 0.5 * ((win + 0.5 * tie) + (win_r + 0.5 * tie_r))
-        t.judged = {first: score, second: 1.0 - score}
+        t.together = {first: score, second: 1.0 - score}
 
 
 def open_seat(seat: Seat, table: Table, role: str, codec: TurnCodec) -> None:
@@ -253,14 +300,17 @@ def take_seat_turn(table: Table, role: str, out: Generation, j: int, seating: Se
     target.transcript.append((step.role, step.observation))
 
 
-def policy_part(tables: list[Table], roles: list[str], group: int, seconds: float) -> Played:
+def policy_part(
+    tables: list[Table], roles: list[str], group: int, seconds: float, shared: str | None = None
+) -> Played:
     """One policy's rows of the episodes: per start (`group` consecutive episodes), per role it plays,
-    per episode; each row's reward from the environment as {its role: value}, or None."""
+    per episode (the `shared` role: its start's first episode only, the one that took its turn); each
+    row's reward from the environment as {its role: value}, or None."""
     seats: list[tuple[Table, str]] = []
     for start in range(0, len(tables), group):
         for role in roles:
-            seats += [(t, role) for t in tables[start : start + group]]
-    given = {id(t): t.judged if t.judged is not None else t.episode.rewards() for t in tables}
+            seats += [(t, role) for t in tables[start : start + (1 if role == shared else group)]]
+    given = {id(t): t.together if t.together is not None else t.episode.rewards() for t in tables}
     rows = [t.seats[role] for t, role in seats]
     return Played(
         prompt_ids=[s.prompt_ids for s in rows],
