@@ -203,10 +203,11 @@ def register_environments(register) -> None:
     role's turn (its text and tokens) and answers with the next observation or the end, and gives
     each role's reward at the end (or leaves the scoring to the run's rewards). With several roles,
     several policies play each episode (`[rl.environment] roles`); optional capabilities, asked with
-    `isinstance`: `OpensPerRole` (each role starts from a conversation of its own) and `JudgedInPairs`
-    (two roles' last answers judged as a pair by the run's rewards). Built-ins: `single-turn` (the
-    default: one prompt, one answer), `tool` (the policy calls tools written in its answer), `signal`
-    and `debate` (`hpref.rl.environments`); `plugins/hpref-example` adds one from outside hpref.
+    `isinstance`: `OpensPerRole` (each role starts from a conversation of its own), `JudgedInPairs`
+    (two roles' last answers judged as a pair by the run's rewards) and `SharedTurn` (one role's first
+    turn shared by a start's episodes). Built-ins: `single-turn` (the default: one prompt, one
+    answer), `tool` (the policy calls tools written in its answer), `signal`, `debate` and
+    `propose-solve` (`hpref.rl.environments`); `plugins/hpref-example` adds one from outside hpref.
     """
 
 

@@ -12,7 +12,7 @@ only from rooms below it; `|` rooms never import each other):
   backends, saves | the transformers and vLLM engines and their Ray host | metrics and the leaderboard.
 - `algorithms/` | `environments/`: GRPO (with RLOO, REINFORCE++), online DPO, their numbers, the
   registry | where episodes happen (`single-turn`, `tool` and its calculator, `signal`,
-  `debate`), the registry.
+  `debate`, `propose-solve`), the registry.
 - `placement/`: Ray resources and the shared-base decision.
 - `transport/`: the rendezvous and the trainer -> engine weight channel.
 - shared by every room: `policy` (a policy's causal LM, tokenizer, prompts, padding maths),
