@@ -116,6 +116,9 @@ class EpisodeStats:
     success: list[float | None]
     #: the sum of the environment's per-turn rewards (`Step.reward`) in each episode
     turn_rewards: list[float]
+    #: each row's own turns' rewards (`Step.reward`, 0 where none), in order: where GRPO's per-turn
+    #: advantages read each turn's reward-to-go (None: a save from before they were kept)
+    turn_steps: list[list[float]] | None = None
 
 
 @dataclass

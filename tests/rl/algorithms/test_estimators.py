@@ -170,8 +170,37 @@ def test_an_estimator_is_the_grpo_algorithms_and_a_bad_one_is_refused_naming_the
     assert not isinstance(build_algorithm("a", dpo.policies["a"]), PreparesBatches)
     listed = {c["name"]: c for c in component_listing(["algorithm"])}["grpo"]["parameters"]
     assert [p["name"] for p in listed] == list(GrpoConfig.model_fields)
-    assert set(GrpoConfig.model_fields) == set(GRPO_KEYS)
+    # every setting but those added after the move (they never lived in a policy's table)
+    assert set(GrpoConfig.model_fields) - {"turn_advantages"} == set(GRPO_KEYS)
     key = next(p for p in listed if p["name"] == "advantage")
     assert key["default"] == "grpo" and "reinforce++" in key["type"] and "rloo" in key["description"]
     kl = next(p for p in listed if p["name"] == "kl_coef")
     assert kl["default"] == 0.0 and kl["type"] == "float"
+
+
+def test_per_turn_advantages_credit_what_came_at_and_after_each_turn_grouped_by_position():
+    """AT-GRPO's per-turn groups with reward-to-go (`objectives.turn_advantages`), a group of three
+    episodes: A took two turns (0.5 for its first, episode total 1.5), B one (0.0), C two (0.5 each,
+    total 2.0). Returns: A [1.5, 1.0], B [0.0], C [2.0, 1.5]; turn 0 compares all three, turn 1 A and
+    C only (B never had one: 0). Rows of equal turns with no per-turn rewards get `group_advantages`
+    at every turn. Wrong: a turn credited with rewards that came before it, a turn compared with
+    episodes that never reached it, or a per-turn path that changes an equal-turn rollout."""
+    from hpref.rl.algorithms.objectives import group_advantages, token_turn_values, turn_advantages
+
+    rewards = torch.tensor([1.5, 0.0, 2.0])
+    steps = [[0.5, 0.0], [0.0], [0.5, 0.5]]
+    grpo = turn_advantages(rewards, steps, 3)
+    first = torch.tensor([1.5, 0.0, 2.0])
+    expected0 = (first - first.mean()) / (first.std() + 1e-6)
+    assert torch.allclose(grpo[:, 0], expected0) and grpo[1, 1] == 0.0
+    assert grpo[0, 1] == pytest.approx(-0.7071, abs=1e-3) and grpo[2, 1] == pytest.approx(0.7071, abs=1e-3)
+    rloo = turn_advantages(rewards, steps, 3, leave_one_out=True)
+    assert torch.allclose(rloo, torch.tensor([[0.5, -0.5], [-1.75, 0.0], [1.25, 0.5]]))
+    even = torch.tensor([1.0, 0.0, 0.2, 0.9])
+    per_turn = turn_advantages(even, [[0.0, 0.0]] * 4, 2)
+    assert torch.equal(per_turn[:, 0], group_advantages(even, 2)) and torch.equal(
+        per_turn[:, 1], per_turn[:, 0]
+    )
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    spread = token_turn_values(torch.tensor([[2.0, -1.0], [3.0, 0.0]]), mask)
+    assert spread.tolist() == [[2.0, 2.0, 0.0, 0.0, -1.0, -1.0, -1.0, 0.0], [3.0] + [0.0] * 7]

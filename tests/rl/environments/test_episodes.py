@@ -228,6 +228,55 @@ def test_a_two_turn_rollout_trains_on_the_policys_tokens_with_the_engines_logpro
     assert row["transcript"][1]["text"] == "again" and row["turns"] == 2
 
 
+def test_per_turn_advantages_are_one_per_episode_when_every_episode_takes_the_same_turns(engine):
+    """GRPO's per-turn advantages (`turn_advantages`, on by default): on a two-turn rollout whose
+    turns carry no reward of their own, every turn's reward-to-go is its episode's, so a step with
+    them leaves the weights bit for bit where one advantage per episode leaves them; with a reward on
+    the first turns (a tool call that ran), the first turns' advantages move and the step differs.
+    Wrong: the per-turn path reads a token's turn wrongly (its own tokens, or context) or changes what
+    an episode of equal turns trains on."""
+    from hpref.rl.algorithms.registry import build_algorithm
+
+    cfg = config({"name": "repeat", "turns": 2, "role": "tool"})
+
+    async def main():
+        ex = RolloutExecutor(cfg, ["a"], {"a": LocalActor(engine)})
+        rollout = await ex.get(0, "a")
+        await ex.shutdown()
+        return rollout
+
+    played = asyncio.run(main())
+    assert played.episodes.turn_steps is not None and all(len(t) == 2 for t in played.episodes.turn_steps)
+    rows = len(played.completions)
+    plain = dataclasses.replace(
+        played, episodes=dataclasses.replace(played.episodes, turn_steps=[[0.0, 0.0]] * rows)
+    )
+    trained = []
+    for per_turn in (True, False):
+        algorithm = {"name": "grpo", "turn_advantages": per_turn}
+        policy = config(defaults={"model": TINY, "lr": 1e-3, "algorithm": algorithm}).policies["a"]
+        assert build_algorithm("a", policy, "test").turns_of(plain) == (
+            [[0.0, 0.0]] * rows if per_turn else None
+        )
+        trainer = TrainerActor("a", policy, 1)
+        trainer.train(plain)
+        trained.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+    # RLOO keeps the returns' scale (two GRPO-normalised values are always +-0.71): a reward on the
+    # first turns lowers the second turns' reward-to-go, so those tokens step otherwise
+    rloo = config(defaults={"model": TINY, "lr": 1e-3, "algorithm": {"name": "grpo", "advantage": "rloo"}})
+    credited = dataclasses.replace(
+        played,
+        episodes=dataclasses.replace(played.episodes, turn_steps=[[0.5, 0.0], [0.0, 0.0]] * (rows // 2)),
+    )
+    after = []
+    for rollout in (plain, credited):
+        trainer = TrainerActor("a", rloo.policies["a"], 1)
+        trainer.train(rollout)
+        after.append(trainer.model.state_dict())
+    assert any(not torch.equal(after[0][k], after[1][k]) for k in after[0])
+
+
 def test_a_tiny_policy_learns_in_a_two_turn_environment(tmp_path):
     """GRPO on `repeat` (2 turns, reward minus the characters written over both turns): a random
     tiny policy rambles in both turns, and within 30 updates its episodes' reward must rise to near

@@ -60,6 +60,12 @@ class GrpoConfig(BaseModel):
     aggregation: Literal["token-mean", "sequence-mean"] = Field(
         "token-mean", description="how token losses are averaged"
     )
+    turn_advantages: bool = Field(
+        True,
+        description="multi-turn episodes (grpo, rloo): each turn its own advantage, its reward-to-go "
+        "compared with the same turn of the start's other episodes (AT-GRPO's per-turn groups); false: "
+        "one advantage per episode, every turn alike",
+    )
 
 
 class Grpo:
@@ -86,16 +92,30 @@ class Grpo:
             advantage_spread,
             group_advantages,
             leave_one_out_advantages,
+            turn_advantages,
         )
 
         rewards = torch.tensor(rollout.rewards, dtype=torch.float32)
         estimator = self.config.advantage
-        if estimator == "grpo":
+        turns = self.turns_of(rollout)
+        if turns is not None:  # [rows, turns]: the batches spread them over the turns' tokens
+            values = turn_advantages(
+                rewards,
+                turns,
+                rollout.group_size,
+                leave_one_out=estimator == "rloo",
+                scale_by_std=self.config.scale_by_std,
+            )
+            took = torch.tensor([[k < len(t) for k in range(values.shape[1])] for t in turns])
+            spread = advantage_spread(values[took])
+        elif estimator == "grpo":
             values = group_advantages(rewards, rollout.group_size, scale_by_std=self.config.scale_by_std)
         elif estimator == "rloo":
             values = leave_one_out_advantages(rewards, rollout.group_size)
         else:
             values = rewards
+        if turns is None:
+            spread = advantage_spread(values) if estimator != "reinforce++" else {}
         return TrainingRows(
             prompts=rollout.prompt_ids,
             completions=rollout.completions,
@@ -103,16 +123,31 @@ class Grpo:
             behaviour=rollout.logprobs,
             temperature=rollout.temperature,
             values=values,
-            metrics=advantage_spread(values) if estimator != "reinforce++" else {},
+            metrics=spread,
             masks=rollout.masks,  # an episode's observations are context, never trained on
         )
+
+    def turns_of(self, rollout: Rollout) -> list[list[float]] | None:
+        """Each row's own turns' rewards, where advantages go per turn (`turn_advantages`): episodes
+        some row of which took several turns, under grpo or rloo; else None (one per answer)."""
+        episodes = rollout.episodes
+        if not self.config.turn_advantages or self.config.advantage == "reinforce++" or episodes is None:
+            return None
+        turns = episodes.turn_steps
+        return turns if turns is not None and any(len(t) > 1 for t in turns) else None
 
     def prepare_batches(
         self, batches: list[dict[str, Any]], prepared: TrainingRows, reduce: StatsReduce
     ) -> None:
-        """REINFORCE++: each micro-batch's per-token advantages (`batch["advantages"]`), from the
-        returns of its rows normalised over the whole step (`hpref.rl.protocols.PreparesBatches`);
-        the other estimators have theirs per answer already."""
+        """Per-token advantages (`batch["advantages"]`, `hpref.rl.protocols.PreparesBatches`): per turn
+        (`turn_advantages`: each turn's tokens its turn's value), or REINFORCE++'s, from the returns of
+        its rows normalised over the whole step; the other estimators have theirs per answer already."""
+        if prepared.values is not None and prepared.values.ndim == 2:
+            from hpref.rl.algorithms.objectives import token_turn_values
+
+            for batch in batches:
+                batch["advantages"] = token_turn_values(prepared.values[batch["rows"]], batch["mask"])
+            return
         if self.config.advantage != "reinforce++":
             return
         from hpref.rl.algorithms.objectives import batch_normalised, reinforce_returns
@@ -140,12 +175,14 @@ class Grpo:
 
         cfg = self.config
         mask = batch["mask"]
-        # REINFORCE++'s advantages are per token and its KL is in them; the others' per answer
+        # REINFORCE++'s advantages are per token and its KL is in them; per turn too (episodes); the
+        # others' per answer
         in_reward = cfg.advantage == "reinforce++"
+        per_token = "advantages" in batch
         out = policy_loss(
             logprobs,
             batch["old"],
-            batch["advantages"] if in_reward else prepared.values[rows].to(logprobs.device),
+            batch["advantages"] if per_token else prepared.values[rows].to(logprobs.device),
             mask,
             clip_low=cfg.clip_low,
             clip_high=cfg.clip_high,

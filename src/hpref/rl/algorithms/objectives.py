@@ -59,6 +59,69 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Te
     return centred * (group_size / (group_size - 1))
 
 
+def turn_advantages(
+    rewards: torch.Tensor,
+    steps: list[list[float]],
+    group_size: int,
+    *,
+    leave_one_out: bool = False,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-turn advantages `[B, K]` of multi-turn episodes (K: the most turns of any row; 0 past a
+    row's last turn), grouped per turn position (AT-GRPO's per-turn groups, over the episodes of one
+    start). A turn's return is its reward-to-go, `rewards[i]` less the per-turn rewards of the row's
+    earlier turns (`steps[i]`: each own turn's `Step.reward`; `rewards[i]` holds the episode's reward
+    plus all of them): a turn is credited with what came at and after it, never before. Turn k of a
+    row is compared with turn k of the group's rows that have one, as `group_advantages` (or
+    `leave_one_out_advantages`) compares answers: both baselines depend on the position alone, not
+    on the turn, so the estimate stays unbiased. Rows of equal turns and no per-turn rewards get
+    `group_advantages`' values at every turn."""
+    import torch
+
+    if rewards.ndim != 1 or len(steps) != rewards.numel():
+        raise ValueError(f"{len(steps)} rows of turn rewards for rewards of shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    width = max((len(t) for t in steps), default=0)
+    returns = torch.zeros((len(steps), max(width, 1)), dtype=torch.float64)
+    present = torch.zeros_like(returns, dtype=torch.bool)
+    for i, turns in enumerate(steps):
+        earlier = 0.0
+        for k, reward in enumerate(turns):
+            returns[i, k] = float(rewards[i]) - earlier
+            present[i, k] = True
+            earlier += reward
+    out = torch.zeros_like(returns)
+    for start in range(0, len(steps), group_size):
+        for k in range(width):
+            rows = [i for i in range(start, start + group_size) if present[i, k]]
+            if len(rows) < 2:
+                continue  # a turn no other episode of the start reached: nothing to compare it with
+            values = returns[rows, k].float()
+            centred = values - values.mean()
+            if leave_one_out:
+                centred = centred * (len(rows) / (len(rows) - 1))
+            elif scale_by_std:
+                centred = centred / (values.std() + eps)
+            out[rows, k] = centred.double()
+    return out.float()
+
+
+def token_turn_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values [B, K]` (one per turn of each row) spread over `mask [B, T]`'s tokens: a row's turns
+    are its runs of 1s, in order (observations, 0s, between them), each token taking its turn's
+    value; 0 off the mask."""
+    import torch
+
+    on = mask > 0
+    before = torch.zeros_like(on)
+    before[:, 1:] = on[:, :-1]
+    turn = torch.cumsum((on & ~before).long(), dim=1) - 1
+    turn = turn.clamp(0, values.shape[1] - 1)
+    return torch.gather(values.to(mask.device, torch.float32), 1, turn) * on
+
+
 def reinforce_returns(
     rewards: torch.Tensor,
     mask: torch.Tensor,

@@ -97,6 +97,8 @@ class Playing:
     tool_calls: int = 0
     tool_errors: int = 0
     turn_reward: float = 0.0
+    #: the reward of each of its turns (`Step.reward`, 0 where none), in order
+    step_rewards: list[float] = field(default_factory=list)
     truncated: bool = False
     ended: bool = False
     final: str = ""
@@ -202,6 +204,7 @@ async def play_episodes(
             truncated=[p.truncated for p in playing],
             success=[none_or_float(p.episode.success()) for p in playing],
             turn_rewards=[p.turn_reward for p in playing],
+            turn_steps=[p.step_rewards for p in playing],
         ),
         transcripts=[p.transcript for p in playing],
     )
@@ -230,6 +233,7 @@ def take_turn(playing: Playing, name: str, out: Generation, j: int, codec: TurnC
     playing.tool_errors += step.tool_errors
     if step.reward is not None:
         playing.turn_reward += float(step.reward)
+    playing.step_rewards.append(0.0 if step.reward is None else float(step.reward))
     if step.done:
         playing.ended = True
         return

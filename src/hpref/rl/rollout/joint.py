@@ -68,6 +68,7 @@ class Seat:
     cut: bool = False
     transcript: list[tuple[str, str]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # of the weights each of its turns came from
+    step_rewards: list[float] = field(default_factory=list)  # each of its turns' `Step.reward` (0: none)
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.completion
@@ -275,6 +276,7 @@ def take_seat_turn(table: Table, role: str, out: Generation, j: int, seating: Se
     table.tool_errors += step.tool_errors
     if step.reward is not None:
         table.turn_rewards[role] = table.turn_rewards.get(role, 0.0) + float(step.reward)
+    seat.step_rewards.append(0.0 if step.reward is None else float(step.reward))
     if step.done:
         table.ended = True
         return
@@ -329,6 +331,7 @@ def policy_part(
             truncated=[t.truncated for t, _ in seats],
             success=[none_or_float(t.episode.success()) for t, _ in seats],
             turn_rewards=[t.turn_rewards.get(role, 0.0) for t, role in seats],
+            turn_steps=[s.step_rewards for s in rows],
         ),
         transcripts=[s.transcript for s in rows],
         row_roles=[role for _, role in seats],
@@ -345,6 +348,9 @@ def first_role(played: Played, prompts: int) -> Played:
     def pick(values: list[Any]) -> list[Any]:
         return [values[i] for i in picked]
 
+    def pick_some(values: list[Any] | None) -> list[Any] | None:
+        return None if values is None else pick(values)
+
     return Played(
         prompt_ids=pick(played.prompt_ids),
         completions=pick(played.completions),
@@ -355,7 +361,7 @@ def first_role(played: Played, prompts: int) -> Played:
         tokens=sum(sum(m) for m in pick(played.masks)),
         seconds=played.seconds,
         rewards=pick(played.rewards),
-        stats=EpisodeStats(*(pick(getattr(stats, f)) for f in EpisodeStats.__dataclass_fields__)),
+        stats=EpisodeStats(*(pick_some(getattr(stats, f)) for f in EpisodeStats.__dataclass_fields__)),
         transcripts=pick(played.transcripts),
         row_roles=pick(played.row_roles or []) or None,
     )
