@@ -20,8 +20,9 @@ its share of the pair's verdict: the run's pair judge reads both orders, and eac
 P(win) + P(tie)/2, averaged over the orders (the two sides' rewards sum to 1).
 A policy's rollout lists its rows by prompt, then role, then episode, so a group of
 `group` consecutive rows is one role's answers to one start: a role is compared with itself, never
-with its partner (AT-GRPO's grouping per role; its groups per turn position, which sample several
-turns from one state at every turn, are not built: a row's turns share its one advantage).
+with its partner (AT-GRPO's grouping per role; per turn position too, under GRPO's
+`turn_advantages`: turn k of a role is compared with turn k of the start's other episodes, which
+unlike AT-GRPO's tree sampling are independent episodes, not samples from one state).
 
 In an environment with a `SharedTurn` (propose-solve), the shared role acts once, first, and only in
 each start's first episode: its turn (the same tokens) is given to the start's other episodes, so
