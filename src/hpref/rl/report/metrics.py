@@ -254,6 +254,7 @@ def eval_line(evaluation: dict[str, Any], policy: str) -> str:
         parts.append(
             f"success {row['eval_success']:.3f}" + (f" (start {start:.3f})" if start is not None else "")
         )
-    if "eval_tool_call_share" in row:
+    # an environment without tools (debate, signal) has every share 0: said only where a call was made
+    if row.get("eval_tool_call_share") or row.get("eval_tool_call_share_start"):
         parts.append(f"tool calls in {row['eval_tool_call_share']:.0%} of episodes")
     return f"{policy} " + ", ".join(parts)
