@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hpref.errors import RecipeError  # noqa: E402
-from hpref.models.causal_lm import observation_ids, policy_tokenizer  # noqa: E402
+from hpref.models.causal_lm import encode_prompt, policy_tokenizer  # noqa: E402
 from hpref.plugins import load_plugins  # noqa: E402
 from hpref.recipe.rl import parse_rl_section  # noqa: E402
 from hpref.rl.control.preflight import check_cast  # noqa: E402
@@ -72,7 +72,7 @@ def seating(tokenizer, roles):
 def test_a_speaker_and_a_listener_play_one_episode_each_in_their_own_tokens(tokenizer):
     """`signal` with a speaker (a) and a listener (b): each round is one request per policy with every
     episode's acting role; the speaker's row is its opening (which names the target) and its message;
-    the listener's is its own opening, the speaker's message as a user message (masked), and its
+    the listener's is its own opening with the speaker's message in its one user message, and its
     answer; both get the environment's reward; the rows are grouped per start. Wrong: a policy that
     read the other's opening (the listener would see the target), turns sent one episode at a time,
     or the partner's tokens trained on."""
@@ -86,15 +86,18 @@ def test_a_speaker_and_a_listener_play_one_episode_each_in_their_own_tokens(toke
     eos = tokenizer.eos_token_id
     go = tokenizer.encode("go", add_special_tokens=False) + [eos]
     red = tokenizer.encode("red", add_special_tokens=False) + [eos]
-    heard = observation_ids(tokenizer, "user", "Their message: go")
+    # the speaker's message joins the listener's question as one user message (no empty answer between)
+    heard = encode_prompt(
+        tokenizer, (f"{SignalConfig().listener_prompt.format(names='red, blue')}\n\nTheir message: go",)
+    )
     for row in range(4):
         speaker_opening = a.prompt_ids[row]
-        assert tokenizer.decode(speaker_opening).count("The target is") == 1
+        target = "red" if b.stats.success[row] else "blue"  # the listener always says red
+        assert tokenizer.decode(speaker_opening, skip_special_tokens=True) == target
         assert a.completions[row] == go and a.masks[row] == [1] * len(go)
         listener_opening = b.prompt_ids[row]
-        assert "The target is" not in tokenizer.decode(listener_opening)  # it never sees the target
+        assert listener_opening == heard  # the same for every target: it never sees the target
         assert b.completions[row] == red and b.masks[row] == [1] * len(red)
-        assert listener_opening[-len(heard) :] == heard  # the message, as context before it answers
     assert calls[1][1][0] == b.prompt_ids[0]  # what the listener's engine continued, exactly
     assert [t[-1] for t in b.transcripts] == [("listener", "red")] * 4
     # the listener always says red: right exactly where the target was red, one reward for both roles

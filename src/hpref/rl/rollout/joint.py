@@ -246,12 +246,17 @@ async def judge_tables(tables: list[Table], roles: tuple[str, str], judge: Judge
 
 def open_seat(seat: Seat, table: Table, role: str, codec: TurnCodec) -> None:
     """The role's first context: its opening (the episode's own for the role, else the prompt) in
-    its policy's layout, then whatever observations reached it before it first acted."""
+    its policy's layout, with whatever observations reached it before it first acted added to the
+    opening's last message (the listener's question and the speaker's message are one user message:
+    appended as messages of their own after the layout's generation prompt, they would leave an
+    empty assistant turn open before them)."""
     from hpref.models.causal_lm import encode_prompt
 
     opening = table.episode.opening(role) if isinstance(table.episode, OpensPerRole) else table.prompt
-    waiting = seat.completion  # observations addressed to it before it opened
-    seat.prompt_ids = encode_prompt(codec.tokenizer, tuple(opening)) + waiting
+    waiting = [text for _, text in seat.transcript]  # observations addressed to it before it opened
+    if waiting:
+        opening = (*opening[:-1], "\n\n".join([opening[-1], *waiting]))
+    seat.prompt_ids = encode_prompt(codec.tokenizer, tuple(opening))
     seat.completion, seat.mask = [], []
     seat.opened = True
 
