@@ -119,6 +119,7 @@ def test_example_plugin_is_discovered_and_listed():
         "scheduler:step-decay",
         "algorithm:best-of-n",
         "environment:guess-number",
+        "environment:guess-number-duel",
     }
 
 
@@ -241,6 +242,105 @@ def test_the_plugin_environment_plays_guess_number_from_its_seed():
     assert missed.step(turn("still thinking")).done  # the third guess: the last allowed
     assert missed.success() is False
     assert missed.rewards() == {"policy": pytest.approx(0.5 * (1 - abs(wrong - secret) / 8))}
+
+
+def test_the_plugin_two_role_environment_is_zero_sum_between_keeper_and_guesser():
+    """`guess-number-duel` (the example plugin's two-role environment): the keeper acts first, from an
+    opening of its own, and its number is the secret the guesser then plays guess-number against
+    (told only that a number was picked: the keeper's text stays hidden); the keeper gets minus the
+    guesser's reward; a keeper that writes no whole number in range forfeits (-1) and the secret is
+    the one the seed draws. Wrong if the roles acted out of turn, the pick leaked to the guesser,
+    the rewards were not zero-sum, or a replayed episode could draw another fallback secret."""
+    from hpref.rl.protocols import Environment, Episode, OpensPerRole
+    from hpref.rl.rollout_types import Turn
+
+    component = load_plugins().get("environment", "guess-number-duel")
+    assert component.plugin == "example"
+    environment = component.build(component.config(low=1, high=9, max_guesses=3))
+    assert isinstance(environment, Environment) and environment.roles == ("guesser", "keeper")
+    episode = environment.start(("Guess my number.",), {}, seed=7)
+    assert isinstance(episode, Episode) and isinstance(episode, OpensPerRole)
+    assert episode.actor() == "keeper" and "from 1 to 9" in episode.opening("keeper")[0]
+    assert episode.opening("guesser") == ("Guess my number.",)
+
+    def turn(role, text):
+        return Turn(role, text, (1, 2), True)
+
+    told = episode.step(turn("keeper", "I pick 6"))
+    assert (told.done, told.role) == (False, "user") and "6" not in told.observation
+    assert episode.actor() == "guesser"
+    assert episode.step(turn("guesser", "3")).observation == "higher"
+    assert episode.step(turn("guesser", "It is 6")).done
+    assert episode.rewards() == {"guesser": 1.0, "keeper": -1.0} and episode.success() is True
+
+    hidden = environment.start((), {}, seed=7)  # a hard pick: the guesser ends two away
+    hidden.step(turn("keeper", "9"))
+    for guess in ("5", "6", "7"):
+        hidden.step(turn("guesser", guess))
+    assert hidden.success() is False
+    closeness = 0.5 * (1 - 2 / 8)
+    assert hidden.rewards() == pytest.approx({"guesser": closeness, "keeper": -closeness})
+
+    drawn = component.build(component.config(low=1, high=9)).start((), {}, seed=7)
+    one_role = load_plugins().get("environment", "guess-number")
+    secret = one_role.build(one_role.config(low=1, high=9)).start((), {}, seed=7).secret
+    for pick in ("no idea", "12", "2.5"):  # no number, out of range, not whole: forfeits
+        forfeit = environment.start((), {}, seed=7)
+        forfeit.step(turn("keeper", pick))
+        assert forfeit.game.secret == secret == drawn.drawn
+        assert forfeit.step(turn("guesser", str(secret))).done
+        assert forfeit.rewards() == {"guesser": 1.0, "keeper": -1.0}
+
+
+def test_the_two_role_environment_plays_through_the_joint_runner():
+    """`guess-number-duel` played by hpref's joint runner (`rollout.joint.play_together`, scripted
+    engines): round 1 is one request to the keeper's policy (b) with every episode, its row its own
+    opening and its pick; the guesser's (a) row starts from the prompt with "your partner picked"
+    added to it (never the pick itself), then its guesses with the hint between them masked; rows
+    grouped per start and role; the keeper's reward is minus the guesser's. Wrong if the plugin's
+    environment did not fit hpref's seams for two roles (opening, addressed observations, per-role
+    rewards)."""
+    import asyncio
+
+    pytest.importorskip("torch")
+    from hpref.models.causal_lm import encode_prompt, observation_ids, policy_tokenizer
+    from hpref.recipe.rl import PolicyModelConfig
+    from hpref.rl.rollout.episodes import Bounds, TurnCodec
+    from hpref.rl.rollout.joint import Seating, play_together
+    from hpref.rl.rollout_types import Generation
+    from tests.rl.tiny import TINY
+
+    tokenizer = policy_tokenizer(PolicyModelConfig(**TINY))
+    eos = tokenizer.eos_token_id
+    calls = []
+
+    async def sample(policy, prompts, contexts, seed):
+        calls.append((policy, len(contexts)))
+        texts = ["4" if policy == "b" else "2"] * len(contexts)  # the keeper picks 4, the guesser says 2
+        completions = [tokenizer.encode(t, add_special_tokens=False) + [eos] for t in texts]
+        logprobs = [[-0.5] * len(c) for c in completions]
+        return Generation([list(c) for c in contexts], completions, logprobs, texts, 1, 0, 0.0)
+
+    component = load_plugins().get("environment", "guess-number-duel")
+    environment = component.build(component.config(low=1, high=8, max_guesses=2))
+    codec = TurnCodec(lambda: tokenizer)
+    bounds = Bounds("", max_turns=2, max_context_tokens=256, max_new_tokens=8)
+    seating = Seating({"guesser": "a", "keeper": "b"}, {"a": codec, "b": codec}, {"a": bounds, "b": bounds})
+    played = asyncio.run(play_together(environment, seating, sample, [("p0",), ("p1",)], [{}, {}], 2, 5))
+    assert calls == [("b", 4), ("a", 4), ("a", 4)]  # the keeper's round, then two guesses
+    a, b = played["a"], played["b"]
+    assert a.row_roles == ["guesser"] * 4 and b.row_roles == ["keeper"] * 4
+    assert [t for t in b.transcripts] == [[("keeper", "4")]] * 4
+    told = "Your partner picked a whole number from 1 to 8. Guess it."
+    higher = observation_ids(tokenizer, "user", "higher")
+    two = tokenizer.encode("2", add_special_tokens=False) + [eos]
+    for row in range(4):  # the prompt row's message with the keeper's news added to it
+        assert a.prompt_ids[row] == encode_prompt(tokenizer, (f"p{row // 2}\n\n{told}",))
+        assert a.completions[row] == two + higher + two
+        assert a.masks[row] == [1] * len(two) + [0] * len(higher) + [1] * len(two)
+    guesser = 0.5 * (1 - 2 / 7)  # the last guess, 2, two away from 4 over the span 1..8
+    assert [r["guesser"] for r in a.rewards] == pytest.approx([guesser] * 4)
+    assert [r["keeper"] for r in b.rewards] == pytest.approx([-guesser] * 4)
 
 
 def test_the_plugin_environment_is_listed_and_checked_as_a_component(tmp_path):

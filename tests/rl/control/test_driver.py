@@ -511,3 +511,52 @@ def test_a_run_where_nothing_learns_is_refused(tmp_path):
     ):
         check_cast(cfg, ["a"], "r.toml")
     check_cast(cfg, ["a", "b"], "r.toml")  # b learns: fine
+
+
+def test_policies_that_play_together_never_start_a_rollout_while_a_partner_pushes(tmp_path):
+    """Two policies in one episode (`signal` roles), each push slow: no policy takes a rollout (whose
+    prefetch starts the next joint rollout's episodes) while its partner's push is under way, so a
+    partner's turns in them come from the weights it had before or after its push always the same
+    way, never as timing has it. Wrong if `Driver.ahead` let a policy go once its partner had
+    trained, before the partner's weights reached its engine: a resumed run then replays the
+    episodes with other weights than the run never stopped (#50 point 6)."""
+    world = World()
+    pushing: set[str] = set()
+    taken: list[tuple[str, int, set[str]]] = []
+
+    class SeatedExecutor(FakeExecutor):
+        async def get(self, rollout_id, policy):
+            with world.lock:
+                taken.append((policy, rollout_id, pushing - {policy}))
+            return await super().get(rollout_id, policy)
+
+        async def settle(self, policy):
+            pass
+
+    class SlowPush(FakeEngine):
+        def __init__(self, policy):
+            super().__init__()
+            self.policy = policy
+
+        def begin_update(self, v):
+            with world.lock:
+                pushing.add(self.policy)
+            super().begin_update(v)
+
+        def commit_update(self):
+            time.sleep(0.03)  # longer than a waiting partner's poll (LOCKSTEP_POLL_S)
+            with world.lock:
+                pushing.discard(self.policy)
+            return super().commit_update()
+
+    order = ["a", "b"]
+    handles = Handles(
+        LocalActor(SeatedExecutor(world)),
+        {p: LocalActor(SlowPush(p)) for p in order},
+        {p: LocalActor(FakeTrainer(p, world)) for p in order},
+    )
+    roles = {"name": "signal", "roles": {"speaker": "a", "listener": "b"}}
+    cfg = config(num_rollouts=6, policies={"a": {}, "b": {}}, environment=roles)
+    run(drive(cfg, order, handles, tmp_path, {"a": 0, "b": 0}))
+    assert sum(p == "a" for p, _, _ in taken) == 6 and sum(p == "b" for p, _, _ in taken) >= 5
+    assert [(p, r) for p, r, partners in taken if partners] == []

@@ -1,9 +1,11 @@
-"""Episodes through the rest of `hpref rl` on the suite's Ray cluster (#49 points 7 and 8): the example
-plugin's `guess-number` environment, named in the recipe and found by the actors through its entry
-point, in two-policy runs (a GRPO leader, a follower on the plugin's `best-of-n`): a stop whose save
-holds prefetched episodes and its resume, equal bit for bit to the run never stopped; `hpref save
---policy` of a policy trained on episodes; a shared base whose episodes' later turns go through the
-shared engine's batched requests; and TensorBoard's episode figures. Tiny models, 2-4 rollouts."""
+"""Episodes through the rest of `hpref rl` on the suite's Ray cluster (#49 points 7 and 8, #50 point
+6): the example plugin's environments, named in the recipe and found by the actors through its entry
+point. The module's run is two policies in ONE episode (`guess-number-duel`: a GRPO leader guesses
+the number a follower on the plugin's `best-of-n` keeps): a stop whose save holds prefetched joint
+episodes and its resume, equal bit for bit to the run never stopped; `hpref save --policy b` of the
+second role's policy; TensorBoard's episode figures. A shared base runs the one-role `guess-number`
+(each policy its own episodes), its later turns through the shared engine's batched requests. Tiny
+models, 2-4 rollouts."""
 
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ from tests.rl.tiny import TINY  # noqa: E402
 pytestmark = pytest.mark.slow
 
 ROLLOUTS, STOP = 4, 2
+#: the example plugin's environments (plugins/hpref-example): one role, each policy its own episodes
+GUESS = {"name": "guess-number", "high": 8, "max_guesses": 3, "max_turns": 3, "max_context_tokens": 256}
+#: two roles: a keeper (policy b) picks the number, a guesser (policy a) guesses it, zero-sum
+DUEL = {**GUESS, "name": "guess-number-duel", "roles": {"guesser": "a", "keeper": "b"}}
 #: what a row holds of the clock, the machine or the process: never equal across two runs
 TIMED = ("elapsed_s", "gen_tokens_per_s", "train_s", "train_tokens_per_s", "trainer_peak_rss_gib")
 
@@ -34,13 +40,7 @@ def recipe(run_dir: Path, **rl_over):
         "num_rollouts": ROLLOUTS,
         "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 4, "eval_prompts": 2},
         "reward": {"name": "rule"},  # read by no one: guess-number scores its episodes itself
-        "environment": {
-            "name": "guess-number",  # the example plugin's (plugins/hpref-example)
-            "high": 8,
-            "max_guesses": 3,
-            "max_turns": 3,
-            "max_context_tokens": 256,
-        },
+        "environment": DUEL,
         "defaults": {"model": TINY, "lr": 1e-2},
         "policies": {
             "a": {},
@@ -102,33 +102,45 @@ def runs(ray_cluster, tmp_path_factory):
 
 
 def test_a_stopped_episode_run_resumes_to_the_uninterrupted_one_bit_for_bit(runs):
-    """The save at the stop holds each policy's prefetched episode rollouts whole (their own-token
-    masks and episode counts), and the resumed run ends where the reference did: the leader's final
-    weights and every metrics row (its eval's too; the follower's rows where both runs trained that
-    rollout, its weights where both saved it at one position) equal bit for bit. If this fails, a save
-    lost an episode's masks (the resume then trained observations) or its counts, a resume replayed
-    an episode differently (the environment's seed, the turn seeds), or best-of-n on episodes was
-    not exact across a restore."""
+    """Two policies in one episode (a guesses, b keeps the number): the save at the stop holds each
+    policy's prefetched part of the joint episodes whole (the guesser's own-token masks, the keeper's
+    one turn, the episode counts), the two policies within one rollout of each other (lockstep), and
+    the resumed run ends where the reference did: the leader's final weights and every metrics row
+    (its eval's too; the follower's rows where both runs trained that rollout, its weights where both
+    saved it at one position) equal bit for bit. If this fails, a save lost an episode's masks (the
+    resume then trained observations) or its counts, or a policy's part of a joint rollout its
+    partner's prefetch played (replayed after the resume at the partner's newer weights), a resume
+    replayed a joint rollout differently (the environment's seed, the turn seeds, a role's opening),
+    a policy ran ahead of its partner, or best-of-n on episodes was not exact across a restore."""
     reference, resumed, stopped = runs["reference"], runs["resumed"], runs["stopped"]
     assert stopped.rollout_ids["a"] == STOP and read_record(resumed).rollout_ids["a"] == ROLLOUTS
+    assert abs(stopped.rollout_ids["b"] - stopped.rollout_ids["a"]) <= 1  # lockstep (Driver.ahead)
     executor = json.loads((resumed / stopped.save_dir / "executor" / "executor.json").read_text())
     for policy in ("a", "b"):
         buffered = executor["buffered"][policy]
         assert [r["rollout_id"] for r in buffered][:1] == [stopped.rollout_ids[policy]], policy
         for data in buffered:
-            masks, episodes = data["masks"], data["episodes"]
+            episodes = data["episodes"]
+            # a rollout none of whose episodes went past its first turn has no masks (all own tokens)
+            masks = data["masks"] or [[1] * len(c) for c in data["completions"]]
             assert [len(m) for m in masks] == [len(c) for c in data["completions"]]
             # own tokens are the log-probs the engine gave; the observations between turns are 0s
             assert [sum(m) for m in masks] == [len(lp) for lp in data["logprobs"]]
             assert len(episodes["turns"]) == len(masks) and max(episodes["turns"]) <= 3
             assert all((t > 1) == (0 in m) for t, m in zip(episodes["turns"], masks, strict=True))
-    assert any(t > 1 for p in ("a", "b") for d in executor["buffered"][p] for t in d["episodes"]["turns"])
+    # a joint rollout is played once for both: the save keeps it for each policy that has not taken it
+    ids = {p: [r["rollout_id"] for r in executor["buffered"][p]] for p in ("a", "b")}
+    played = set(ids["a"]) | set(ids["b"])
+    assert all(ids[p] == sorted(r for r in played if r >= stopped.rollout_ids[p]) for p in ids), ids
+    # the guesser guesses again after a hint; the keeper picks once per episode
+    assert any(t > 1 for d in executor["buffered"]["a"] for t in d["episodes"]["turns"])
+    assert all(t == 1 for d in executor["buffered"]["b"] for t in d["episodes"]["turns"])
 
     want, got = rows_of(reference, "a"), rows_of(resumed, "a")
     assert sorted(got) == list(range(ROLLOUTS)) and got == want
     assert rows_of(resumed, "a", evals=True) == rows_of(reference, "a", evals=True)
     want_b, got_b = rows_of(reference, "b"), rows_of(resumed, "b")
-    # the follower runs free: it trained as many rollouts as its speed allowed, in each run
+    # the follower keeps to the leader's pace, a rollout ahead or behind: how far it got is timing
     assert sorted(got_b) == list(range(len(got_b))) and len(got_b) >= stopped.rollout_ids["b"]
     common = sorted(set(want_b) & set(got_b))
     assert common and all(got_b[r] == want_b[r] for r in common)
@@ -147,8 +159,9 @@ def test_a_stopped_episode_run_resumes_to_the_uninterrupted_one_bit_for_bit(runs
 
 def test_a_policy_trained_on_episodes_exports_with_hpref_save(runs, tmp_path):
     """`hpref save --policy b` of the reference run: a transformers causal LM whose weights are b's
-    final save (trained on guess-number episodes by best-of-n), not its seeded start. Wrong if an rl
-    save of an episode run did not export, or exported other weights."""
+    final save (the keeper, the second role of the joint episodes, trained by best-of-n), not its
+    seeded start. Wrong if an rl save of a run whose policies meet in one episode did not export the
+    second role's policy, or exported other weights (the first role's, the start)."""
     from transformers import AutoModelForCausalLM
 
     from hpref.models.causal_lm import build_policy_model
@@ -180,17 +193,20 @@ def test_tensorboard_receives_the_episode_figures(runs):
         assert scalars[f"{policy}/eval/success"] == pytest.approx(
             {r: row["eval_success"] for r, row in evals.items()}
         )
-        assert max(scalars[f"{policy}/turns_mean"].values()) > 1.0
+    # the guesser (a) guesses again after "higher" / "lower"; the keeper (b) picks once per episode
+    assert max(scalars["a/turns_mean"].values()) > 1.0
+    assert set(scalars["b/turns_mean"].values()) == {1.0}
 
 
 def test_a_shared_base_plays_both_policies_episodes_through_batched_requests(ray_cluster, tmp_path):
-    """Two LoRA policies of one tiny base on one shared engine (`share_base = true`), guess-number
-    episodes: the run ends, both policies' rows show several turns per episode, and the engine got
-    later turns as `generate_batch` requests holding the episodes' token contexts under each
-    policy's adapter, both policies' in one call. The executor runs in this process over the Ray
-    engine, so its requests can be read. Wrong if a later turn went out without its adapter (the
-    base answered, or the other policy's adapter), one engine call per episode or policy, or re-
-    encoded text instead of the episode's tokens."""
+    """Two LoRA policies of one tiny base on one shared engine (`share_base = true`), one-role
+    guess-number episodes (each policy its own, so both act in every round; the module's only
+    one-role run on Ray): the run ends, both policies' rows show several turns per episode, and
+    the engine got later turns as `generate_batch` requests holding the episodes' token contexts
+    under each policy's adapter, both policies' in one call. The executor runs in this process
+    over the Ray engine, so its requests can be read. Wrong if a later turn went out without its
+    adapter (the base answered, or the other policy's adapter), one engine call per episode or
+    policy, or re-encoded text instead of the episode's tokens."""
     from hpref.rl.rollout.executor import RolloutExecutor
     from tests.rl.local_actor import LocalActor
 
@@ -234,6 +250,7 @@ def test_a_shared_base_plays_both_policies_episodes_through_batched_requests(ray
         tmp_path / "shared",
         num_rollouts=2,
         share_base=True,
+        environment=GUESS,
         eval_interval=0,
         defaults={"model": TINY, "lr": 1e-2, "lora": lora},
         policies={"a": {}, "b": {"lr": 5e-3}},

@@ -233,6 +233,14 @@ class GuessNumberConfig(BaseModel):
         return self
 
 
+def whole_number(text: str) -> int | None:
+    """The whole number an answer ends on (as hpref's tool reward reads it), or None."""
+    from hpref.rl.environments.tool import last_number
+
+    number = last_number(text)
+    return int(number) if number is not None and number.denominator == 1 else None
+
+
 class GuessNumberEpisode:
     """One secret, the policy's guesses, the environment's "higher" / "lower" after each wrong one."""
 
@@ -245,11 +253,9 @@ class GuessNumberEpisode:
         return "policy"
 
     def step(self, turn):
-        from hpref.rl.environments.tool import last_number
         from hpref.rl.rollout_types import Step
 
-        number = last_number(turn.text)  # the number an answer ends on, as hpref's tool reward reads it
-        guess = int(number) if number is not None and number.denominator == 1 else None
+        guess = whole_number(turn.text)
         self.guesses.append(guess)
         if guess == self.secret or len(self.guesses) >= self.config.max_guesses:
             return Step(done=True)
@@ -259,16 +265,19 @@ class GuessNumberEpisode:
             hint = "higher" if guess < self.secret else "lower"
         return Step(observation=hint, role="user")
 
-    def rewards(self) -> dict[str, float]:
+    def score(self) -> float:
         """1 for the secret; otherwise up to 0.5 for how close the last whole number guessed came
         (0 without one): a tiny policy that never finds it still gets a signal to learn from."""
         if self.success():
-            return {"policy": 1.0}
+            return 1.0
         last = next((g for g in reversed(self.guesses) if g is not None), None)
         if last is None:
-            return {"policy": 0.0}
+            return 0.0
         span = self.config.high - self.config.low
-        return {"policy": 0.5 * max(0.0, 1.0 - abs(last - self.secret) / span)}
+        return 0.5 * max(0.0, 1.0 - abs(last - self.secret) / span)
+
+    def rewards(self) -> dict[str, float]:
+        return {"policy": self.score()}
 
     def success(self) -> bool:
         return self.secret in self.guesses
@@ -292,6 +301,95 @@ def build_guess_number(config: GuessNumberConfig) -> GuessNumber:
     return GuessNumber(config)
 
 
+# -- a two-role RL environment: one policy hides the number, another guesses it -------------------
+
+GUESSER, KEEPER = "guesser", "keeper"
+
+
+class GuessNumberDuelConfig(GuessNumberConfig):
+    """`[rl.environment] name = "guess-number-duel", roles = { guesser = "a", keeper = "b" }`:
+    guess-number's parameters, and what the keeper reads."""
+
+    keeper_prompt: str = Field(
+        "Pick a secret whole number from {low} to {high}; your partner will try to guess it. "
+        "Answer with the number only.",
+        description="what the keeper reads ({low}, {high})",
+    )
+
+    @model_validator(mode="after")
+    def _keeper_prompt_fills(self) -> GuessNumberDuelConfig:
+        try:  # refused when the recipe loads, not in the middle of a rollout
+            self.keeper_prompt.format(low=self.low, high=self.high)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"keeper_prompt: only {{low}} and {{high}} can be filled in ({exc!r})") from None
+        return self
+
+
+class GuessNumberDuelEpisode:
+    """The keeper's one turn picks the secret; then the guesser plays guess-number against it.
+
+    Zero-sum: the keeper's reward is minus the guesser's, so it learns to pick the numbers the
+    guesser finds hardest. A keeper that writes no whole number from `low` to `high` forfeits (-1,
+    the worst it can get) and the secret is drawn from the episode's seed, so the guesser plays on.
+    """
+
+    def __init__(self, config: GuessNumberDuelConfig, prompt, drawn: int) -> None:
+        self.config, self.prompt, self.drawn = config, prompt, drawn
+        self.game: GuessNumberEpisode | None = None  # the guessing, once the keeper has picked
+        self.forfeit = False
+
+    def actor(self) -> str:
+        return KEEPER if self.game is None else GUESSER
+
+    def opening(self, role: str):
+        """Each role's own first conversation (`hpref.rl.protocols.OpensPerRole`): the keeper's
+        instruction; the guesser reads the prompt row, as in guess-number."""
+        if role == KEEPER:
+            return (self.config.keeper_prompt.format(low=self.config.low, high=self.config.high),)
+        return tuple(self.prompt)
+
+    def step(self, turn):
+        from hpref.rl.rollout_types import Step
+
+        if self.game is not None:
+            return self.game.step(turn)
+        pick = whole_number(turn.text)
+        self.forfeit = pick is None or not self.config.low <= pick <= self.config.high
+        self.game = GuessNumberEpisode(self.config, self.drawn if self.forfeit else pick)
+        # addressed to the role that acts next (the guesser): the keeper's text itself stays hidden
+        told = f"Your partner picked a whole number from {self.config.low} to {self.config.high}. Guess it."
+        return Step(observation=told, role="user")
+
+    def rewards(self) -> dict[str, float]:
+        guesser = 0.0 if self.game is None else self.game.score()
+        keeper = -1.0 if self.forfeit or self.game is None else -guesser
+        return {GUESSER: guesser, KEEPER: keeper}
+
+    def success(self) -> bool:
+        """The guesser found the secret (the keeper's rows report the same episodes' figure)."""
+        return self.game is not None and self.game.success()
+
+
+class GuessNumberDuel:
+    name = "guess-number-duel"
+    roles = (GUESSER, KEEPER)  # every role needs a policy: [rl.environment] roles
+
+    def __init__(self, config: GuessNumberDuelConfig) -> None:
+        self.config = config
+
+    def start(self, prompt, row, seed: int) -> GuessNumberDuelEpisode:
+        """The forfeit's secret is drawn from the episode's seed alone: a regenerated rollout replays it."""
+        drawn = random.Random(seed).randint(self.config.low, self.config.high)
+        return GuessNumberDuelEpisode(self.config, prompt, drawn)
+
+
+def build_guess_number_duel(config: GuessNumberDuelConfig) -> GuessNumberDuel:
+    """Two roles: the keeper picks the secret, the guesser guesses it ("higher" / "lower" after each
+    wrong guess); zero-sum (the keeper gets minus the guesser's guess-number reward)."""
+    return GuessNumberDuel(config)
+
+
 @hookimpl
 def register_environments(register):
     register(name="guess-number", config=GuessNumberConfig, build=build_guess_number)
+    register(name="guess-number-duel", config=GuessNumberDuelConfig, build=build_guess_number_duel)

@@ -175,6 +175,8 @@ class Driver:
         self.episodes = config.environment.name != "single-turn"
         #: the policies whose trainer learned since its engine last got its weights
         self.unpushed: set[str] = set()
+        #: the policies between a rollout's training and the end of its push (`ahead`: partners wait)
+        self.pushing: set[str] = set()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.began
@@ -192,6 +194,7 @@ class Driver:
             async with self.engine_asleep(p):
                 stats = await self.handles.trainers[p].train(rollout)
             self.unpushed.add(p)
+        self.pushing.add(p)
         self.positions[p] = r + 1
         version = None
         try:
@@ -205,6 +208,7 @@ class Driver:
                 version = await push_weights(trainer, engine, p, self.bucket_bytes)
                 self.unpushed.discard(p)
         finally:
+            self.pushing.discard(p)
             # the rollout trained, and a save may count it, even when its push failed (no version)
             row = rollout_metrics(rollout, stats, version)
             if not learns:
@@ -331,10 +335,14 @@ class Driver:
 
     def ahead(self, p: str) -> bool:
         """Whether `p` plays episodes together with a policy that has not yet taken `p`'s last
-        rollout: their episodes are shared, so each rollout's are trained on by all of them at the
-        same weights (a policy running ahead would make its partners' part of them stale)."""
+        rollout, or whose push is still under way: their episodes are shared, so each rollout's are
+        trained on by all of them at the same weights (a policy running ahead would make its
+        partners' part of them stale; a rollout `p` starts mid-push would meet a partner's weights
+        before or after it, as timing has it, and a resumed run would not replay it)."""
         mine = self.positions[p]
-        return p in self.together and any(self.positions[q] < mine for q in self.together if q != p)
+        return p in self.together and any(
+            self.positions[q] < mine or q in self.pushing for q in self.together if q != p
+        )
 
     async def beat(self) -> None:
         """The run's liveness for `hpref save --now` (hpref.runfolder.heartbeat), from the event loop

@@ -19,7 +19,11 @@ With an environment other than `single-turn` (`[rl.environment]`, issue #49) a r
 trainer's row holds the prompt, every turn and observation, up to `max_context_tokens`, and the
 transformers engine's KV cache grows to that per row over the turns, each later turn's prefill
 forwarding every live episode's context; so there the context bound stands in for prompt +
-`max_new_tokens` (`episode_context`).
+`max_new_tokens` (`episode_context`). When the policies play the episodes together (`[rl.environment]
+roles`, issue #50) a policy's rollout holds a row per episode for each role it plays (self-play: two
+rows per episode), so its trainer counts that many prompt groups; an engine is asked, each round,
+for the episodes whose acting role its policy plays, at most one row per episode, so a shared base's
+engine counts the episodes once, not once per policy it serves (`seated`, `roles_played`).
 
 The activation constants are counted from the tensors autograd saves for a transformers Llama
 block (`benchmarks/rl_plan_memory.py` measures the estimate against real actors' peak RSS).
@@ -108,6 +112,25 @@ def episode_context(config: RLConfig) -> int | None:
     `single-turn`, whose row is a prompt and one answer."""
     environment = config.environment
     return None if environment.name == "single-turn" else environment.max_context_tokens
+
+
+def seated(config: RLConfig, order: list[str], where: str = "recipe") -> dict[str, str] | None:
+    """role -> policy when the policies play the environment's episodes together (`[rl.environment]
+    roles`, as the run seats them: `environments.registry.seated_roles`, whose one-line refusal of a
+    cast that cannot play it raises), else None."""
+    if config.environment.name == "single-turn":
+        return None
+    from hpref.rl.environments.registry import build_environment, seated_roles
+
+    return seated_roles(config, build_environment(config, where), list(order), where)
+
+
+def roles_played(seats: dict[str, str] | None, policies: list[str]) -> int:
+    """The most roles any of `policies` plays (a trainer's prompt groups per prompt: one without
+    seats, each policy then in episodes of its own)."""
+    if not seats:
+        return 1
+    return max(sum(1 for p in seats.values() if p == q) for q in policies)
 
 
 def row_after_prompt(rollout: RolloutConfig, prompt: int, context: int | None) -> int:
@@ -222,15 +245,18 @@ def engine_memory(
     adapters: int = 0,
     adapter_params: int = 0,
     context: int | None = None,
+    together: bool = False,
 ) -> Memory:
     """One engine's memory: the built-in transformers engine (fp32 on CPU), vLLM (its dtype; CPU or
     GPU) or a plugin engine (its weights in fp32 and the baseline: nothing else is known of it).
     `adapters`: the LoRA policies of a shared base it serves (`adapter_params` each), whose rollouts
     it may batch all at once. `context`: an episode's bound (`episode_context`): the transformers
-    engine's rows grow to it over the turns (vLLM's cache is its fixed `kv_cache_gib` or GPU share)."""
+    engine's rows grow to it over the turns (vLLM's cache is its fixed `kv_cache_gib` or GPU share).
+    `together`: the policies play the episodes together, one acting role per episode each round, so
+    the rows are the episodes, however many of the policies the engine serves."""
     name, engine = config.engine.name, config.engine_config
     gpus = engines_on_gpu(config)
-    rows = rollout.prompts_per_rollout * rollout.group_size * max(adapters, 1)
+    rows = rollout.prompts_per_rollout * rollout.group_size * (1 if together else max(adapters, 1))
     shape = dataclasses.replace(shape, params=shape.params + adapters * adapter_params)
     if name == "vllm":
         dtype = 4 if engine.dtype == "float32" else 2

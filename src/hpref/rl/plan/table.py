@@ -28,6 +28,8 @@ from hpref.rl.plan.memory import (
     episode_context,
     model_shape,
     process_baseline,
+    roles_played,
+    seated,
     trainer_memory,
 )
 
@@ -46,6 +48,8 @@ class Row:
     cpus: float
     gpu_ids: list[int]
     memory: Memory
+    #: the policies this actor serves (a shared base's: every policy; the executor's: none)
+    serves: tuple[str, ...] = ()
 
 
 def prompt_lengths(config: RLConfig, order: Sequence[str]) -> dict[str, int]:
@@ -81,10 +85,15 @@ def plan_rows(
     spots = pack(nodes, asks)
     engine_dtype = 2 if config.engine_config.dtype in ("bfloat16", "float16") else 4
     context = episode_context(config)
+    seats = seated(config, list(order))
     rows = []
     for p in hosts:
         policy, rollout = config.policies[p], config.policy_rollout(p)
         shape = model_shape(policy)
+        # a policy's rollout holds each of its roles' rows of every episode: that many prompt groups
+        trains = list(order) if config.share_base else [p]  # the policies its trainer steps
+        groups = rollout.prompts_per_rollout * roles_played(seats, trains)
+        trained = rollout.model_copy(update={"prompts_per_rollout": groups})
         bucket = min(
             int(config.weight_sync_bucket_mb * MIB), shape.params * engine_dtype
         )  # a small model: one
@@ -104,6 +113,7 @@ def plan_rows(
                     adapters=served[0],
                     adapter_params=served[1],
                     context=context,
+                    together=seats is not None,
                 )
             else:
                 gpu = ask.gpus > 0
@@ -112,7 +122,7 @@ def plan_rows(
                 memory = trainer_memory(
                     policy,
                     shape,
-                    rollout,
+                    trained,
                     prompts[p],
                     baseline=baseline,
                     bucket=bucket,
@@ -122,7 +132,7 @@ def plan_rows(
                     context=context,
                 )
             name = ask.name + (f" (shared by {', '.join(order)})" if config.share_base else "")
-            rows.append(Row(name, node, ask.cpus, spot[1] if spot else [], memory))
+            rows.append(Row(name, node, ask.cpus, spot[1] if spot else [], memory, tuple(trains)))
     executor_node = next((n for n in nodes if n.take(EXECUTOR_CPUS, 0) is not None), None)
     rows.append(Row("rollout executor", executor_node, EXECUTOR_CPUS, [], Memory({"baseline": baseline})))
     return rows
@@ -212,6 +222,17 @@ def episode_line(config: RLConfig) -> str:
     )
 
 
+def roles_line(config: RLConfig, seats: dict[str, str], rows: Sequence[Row]) -> str:
+    """Which policy plays each role, on which of the plan's actors, and the policies that play
+    several (self-play: a trainer row per role of each episode, what the estimate counted)."""
+    played = ", ".join(
+        f"{role} by {p} ({', '.join(r.actor for r in rows if p in r.serves)})" for role, p in seats.items()
+    )
+    several = {p: n for p in dict.fromkeys(seats.values()) if (n := list(seats.values()).count(p)) > 1}
+    counted = "".join(f"; {p} trains a row per role of each episode ({n})" for p, n in several.items())
+    return f"roles ({config.environment.name!r} environment, played together): {played}{counted}"
+
+
 def run_plan(
     recipe: Recipe, order: Sequence[str], ray_address: str | None, *, out: Callable[[str], Any] = print
 ) -> int:
@@ -233,6 +254,8 @@ def run_plan(
     from hpref.rl.placement.shared_base import placement_order, resolve_share_base
 
     config = resolve_share_base(config, order, where)  # as the run decides it
+    # a cast that cannot play the environment: the run's own one-line refusal (`check_cast`)
+    seats = seated(config, list(order), where)
     baseline = process_baseline()
     nodes = ray_nodes(ray_address) if ray_address else [local_node()]
     found = []
@@ -257,6 +280,7 @@ def run_plan(
 
     notes = [share_base_line(config)] if len(order) > 1 else []
     notes += [episode_line(config)] if episode_context(config) is not None else []
+    notes += [roles_line(config, seats, rows)] if seats is not None else []
     for line in render(rows, nodes, found, header, notes=notes):
         out(line)
     return 2 if found else 0
