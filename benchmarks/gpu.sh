@@ -183,6 +183,16 @@ timeout 300 "$PY" -m benchmarks.rl_gpu --policy "$OUT/policy-1b" --updates 2 || 
 timeout 600 "$PY" -m benchmarks.rl_shared --gpu --rollouts 2 --rounds 1 --runs alone,shared-2,separate-2 \
   --once "" --engine-adapters "" --out "$OUT/rl-shared-gpu.json" || echo "rl shared (gpu): failed"
 
+# 6b. Policies that meet on one GPU (#50): `benchmarks.rl_debate --gpu`: two SmolLM2 LoRA policies in
+#    `debate` (recipes/rl-debate-smollm2.toml) on vLLM with trainer ranks on the GPU, shared base
+#    (one vLLM engine, an adapter per policy, both policies' turns batched) against apart; 2 updates.
+#    Needs runs/minilm-reward-helpful-f{0,1}-export (README, "Multi-policy RL"). Expect shared at or
+#    under separate's seconds per update (on 2 CPU cores it was x1.49: one engine process on one core).
+if [ -d runs/minilm-reward-helpful-f0-export ]; then
+  timeout 900 "$PY" -m benchmarks.rl_debate --gpu --updates 2 --eval-prompts 4 --runs separate,shared \
+    --out "$OUT/rl-debate-gpu.json" || echo "rl debate (gpu): failed"
+fi
+
 # 7. DPO on one GPU (#38). Not run yet.
 #    a) Offline DPO of SmolLM2-135M (recipes/dpo-smollm2.toml: LoRA r 16, HH-RLHF helpful-base from
 #       ../shared) in bf16 on nccl, packed pairs through flash_varlen / torch_varlen attention, 32 steps of

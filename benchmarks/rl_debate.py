@@ -1,7 +1,7 @@
 """Two policies that meet: SmolLM2-135M-Instruct LoRA policies in `debate`, shared base vs apart (issue #50).
 
     .venv/bin/python -m benchmarks.rl_debate [--updates 4] [--rounds 1] [--runs separate,shared]
-        [--eval-prompts 16] [--reward DIR] [--scorer DIR] [--work DIR] [--out FILE]
+        [--eval-prompts 16] [--reward DIR] [--scorer DIR] [--work DIR] [--out FILE] [--gpu]
         [--policy DIR] [--prompts FILE] [--ray-address ADDR]
 
 What runs: `hpref rl rl-debate-smollm2 --policies a,b` (the shipped recipe: two LoRA policies, HH-RLHF
@@ -11,6 +11,8 @@ rollouts, with an eval before the first update and after the last. `separate`: a
 per policy (`share_base = false`); `shared`: one engine and one trainer for both (`share_base = true`:
 every round's turns of both policies in one batched engine call, one adapter per row). The runs
 alternate round by round (separate, shared, separate, ...); the table gives each one's median.
+`--gpu` puts engines (vLLM) and trainer ranks on the GPU, as `benchmarks.rl_shared --gpu` does
+(`benchmarks/gpu.sh`).
 
 Reported per run: seconds per leader rollout (the leader's loop to its last update over the updates,
 start-up and the final eval excluded, the start's eval included, as `benchmarks.rl_tool` counts) and the
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO, run_measured, write_json
 from benchmarks.rl_real import HELPFUL, ensure_export, hpref_bin
+from benchmarks.rl_shared import GPU_SETTINGS
 
 RECIPE = REPO / "recipes" / "rl-debate-smollm2.toml"
 RUNS = {"separate": "false", "shared": "true"}
@@ -57,6 +60,8 @@ def run_debate(name: str, round_: int, args: argparse.Namespace, reward: Path, s
         "--set", f"rl.rollout.eval_prompts={args.eval_prompts}",
     ]  # fmt: skip
     cmd += ["--set", f'rl.defaults.model={{ path = "{args.policy}" }}'] if args.policy else []
+    for setting in GPU_SETTINGS if args.gpu else ():
+        cmd += ["--set", setting]
     cmd += ["--ray-address", args.ray_address] if args.ray_address else []
     measured = run_measured(cmd, args.work / f"{folder}.log", timeout=4 * 3600)
     if measured["rc"] != 0:
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scorer", type=Path, default=REPO / "runs" / "minilm-reward-helpful-f1-export")
     parser.add_argument("--work", type=Path, default=None, help="the runs' parent (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="write the results (JSON) here")
+    parser.add_argument("--gpu", action="store_true", help="vLLM and trainer ranks on the GPU (gpu.sh)")
     parser.add_argument("--policy", default=None, help="a causal-LM folder instead of SmolLM2")
     parser.add_argument("--prompts", type=Path, default=HELPFUL, help="the prompt file (HH-RLHF pairs)")
     parser.add_argument("--ray-address", default=None, help="a Ray cluster the runs join")
