@@ -65,6 +65,7 @@ LONGEST_MODULES_FIRST = (
     "tests/rl/trainer/test_trainer_group.py",
     "tests/rl/placement/test_placement.py",
     "tests/rl/placement/test_shared_base.py",
+    "tests/rl/environments/test_signal.py",
     "tests/train/test_recipe_reads.py",
     "tests/train/test_learns_pairwise.py",
     "tests/rl/transport/test_weight_sync.py",

@@ -70,7 +70,7 @@ def test_an_exported_judge_judges_online_dpo_pairs_in_both_orders_and_keeps_ties
     assert judge.judges_pairs
     # the second group's answers are the same text: whichever order, the judge reads one sequence
     groups = [["The answer is 42.", "I cannot assist with this request."], ["Red.", "Red."]]
-    pairs, verdicts, opponents, rewards = judged_pairs(judge, PROMPTS, groups)
+    pairs, verdicts, opponents, rewards, _ = judged_pairs(judge, PROMPTS, groups)
     assert pairs == [(0, 1), (2, 3)] and opponents == []
 
     model = PreferenceModel.from_pretrained(str(exports["judge"])).eval()
