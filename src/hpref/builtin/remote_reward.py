@@ -145,6 +145,33 @@ class RemoteReward:
             self._numbers(reply, "scores", len(group)) for reply, group in zip(answers, groups, strict=True)
         ]
 
+    def judge_answers(
+        self, prompts: Sequence[Prompt], pairs: Sequence[tuple[str, str]], *, swap: bool = True
+    ) -> list[tuple[float, float, float]]:
+        """(p_first, p_second, p_tie) of each pair from `hpref serve`'s `POST /v1/judge` (one request
+        per pair, sent together; with `swap` the server judges both orders and averages them)."""
+        from hpref.data.prompts import conversation_messages
+
+        if self.config.shape != "hpref":
+            raise self._error("judging pairs needs hpref serve's /v1/judge (shape = 'hpref')")
+        url = _sibling(self.config.url, "/v1/judge")
+        bodies = [
+            {"conversation": conversation_messages(tuple(p)), "answer_a": a, "answer_b": b, "swap": swap}
+            for p, (a, b) in zip(prompts, pairs, strict=True)
+        ]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), MAX_PARALLEL_REQUESTS))) as pool:
+            replies = list(pool.map(lambda body: self._call("POST", url, body), bodies))
+        return [self._probabilities(reply) for reply in replies]
+
+    def _probabilities(self, reply: Any) -> tuple[float, float, float]:
+        keys = ("p_a", "p_b", "p_tie")
+        values = [reply.get(k) for k in keys] if isinstance(reply, dict) else []
+        if len(values) != 3 or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in values
+        ):
+            raise self._error(f"answered without numbers in 'p_a', 'p_b', 'p_tie': {json.dumps(reply)[:200]}")
+        return (float(values[0]), float(values[1]), float(values[2]))
+
     def _openrlhf(self, prompts: Sequence[Prompt], groups: Sequence[Sequence[str]]) -> list[list[float]]:
         from hpref.data.prompts import conversation_messages
         from hpref.data.transcripts import render_chatml

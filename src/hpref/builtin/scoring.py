@@ -96,6 +96,16 @@ class ExportScorer:
         #: a scalar reward model: each answer scored alone (two sequences per battle)
         self.paired = model.paired
         self.kind = "reward" if self.paired else "judge"
+        #: where the packed forward passes run (`to`): the CPU, or a trainer's device (TRL, verl)
+        self.device: Any = "cpu"
+
+    def to(self, device: Any) -> ExportScorer:
+        """The model moved to `device` (a torch.device or its name); the scorer packs its batches there."""
+        import torch
+
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
 
     @classmethod
     def load(
@@ -110,7 +120,7 @@ class ExportScorer:
         """The export at `path` on the CPU, in eval mode. `formatter` and `max_length` default to what
         the export was trained with (`hpref_checkpoint.json`), else 'pab' and 512; a reward model
         always reads its answers with the 'answers' formatter. `precision` ("fp32", "bf16" or "auto",
-        `hpref.models.precision.resolve_precision`: bf16 on CPUs with AMX or AVX512-BF16) is the
+        `hpref.models.precision.resolve_precision`: on a CPU the one measured faster) is the
         backbone's compute dtype; the weights stay fp32 and the head computes in fp32."""
         from hpref.errors import UserError
         from hpref.models import PreferenceModel
@@ -129,9 +139,9 @@ class ExportScorer:
         built = component.build(component.config(), model.tokenizer, length)
         import torch
 
-        from hpref.models.precision import resolve_precision
+        from hpref.models.precision import ProbeShape, resolve_precision
 
-        dtype = resolve_precision(precision, torch.device("cpu"), model.backbone_config.hidden_size)
+        dtype = resolve_precision(precision, torch.device("cpu"), ProbeShape.of(model.backbone_config))
         return cls(
             model,
             built,
@@ -188,12 +198,14 @@ class ExportScorer:
         import torch
 
         autocast = (
-            torch.autocast("cpu", dtype=self.compute_dtype)
+            torch.autocast(torch.device(self.device).type, dtype=self.compute_dtype)
             if self.compute_dtype is not None
             else contextlib.nullcontext()
         )
         with autocast:
-            logits = packed_logits(self.model, tokenized, micro_batch_tokens=self.micro_batch_tokens)
+            logits = packed_logits(
+                self.model, tokenized, micro_batch_tokens=self.micro_batch_tokens, device=self.device
+            )
         return logits.tolist()
 
     def _davidson(self, pairs: list[tuple[float, float]]) -> list[list[float]]:

@@ -25,13 +25,21 @@ pairwise  chosen/rejected data: HH-RLHF transcripts ("\\n\\nHuman: ...\\n\\nAssi
 chat      supervised fine-tuning data: a `messages` column (TRL's conversational format) whose last
           message is the assistant's answer to learn; both sides of the unlabelled battle are it
           (`hpref.rl.warmup.data`, the warm-up on a user's own answers).
+
+Every reader's `path` may also be data as TRL and verl users hold it (`DatasetTable`): a `datasets`
+`save_to_disk` folder (a `Dataset`, or a `DatasetDict` and its `hf_split`), or a Hugging Face dataset
+name (`owner/name`, with `subset` and `hf_split`) read offline from the local `datasets` cache: no
+download at run time, and a name not in the cache is one line saying so. Rows are the dataset's,
+numbered from 1; the dataset's fingerprint is the data's identity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -101,21 +109,127 @@ def parse_probs(values: list[Any], columns: tuple[str, ...], what: str) -> Probs
 
 
 class FileConfig(DatasetConfig):
-    path: str = Field(description="data file (CSV, Parquet or JSONL; .gz allowed)")
+    path: str = Field(
+        description="data file (CSV, Parquet or JSONL; .gz allowed), a `datasets` save_to_disk folder, "
+        "or a Hugging Face dataset name (owner/name) in the local datasets cache (read offline)"
+    )
     format: Format = Field("auto", description="file format; auto = from the file name")
+    subset: str | None = Field(
+        None, description="a Hugging Face dataset name's configuration (load_dataset's `name`)"
+    )
+    hf_split: str = Field(
+        "train", description="the split of a Hugging Face dataset name or of a saved DatasetDict folder"
+    )
 
 
 class ArenaConfig(FileConfig):
     pass
 
 
+#: a Hugging Face dataset id: `name` or `owner/name` (what `load_dataset` takes for a Hub dataset)
+_DATASET_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+#: what `save_to_disk` writes: a Dataset's folder, or a DatasetDict's
+_SAVED_DATASET_FILES = ("state.json", "dataset_dict.json")
+#: names that are files, never dataset ids: a missing `data.csv` stays a missing file
+_TABLE_SUFFIXES = (".csv", ".parquet", ".pq", ".jsonl", ".json", ".ndjson", ".gz", ".bz2", ".xz", ".zst")
+
+
+def is_dataset_reference(path: str | Path) -> bool:
+    """Whether `path` is data `DatasetTable` reads: a `save_to_disk` folder, or, when no such file
+    or folder exists, a Hugging Face dataset id."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return any((local / name).is_file() for name in _SAVED_DATASET_FILES)
+    if local.exists() or local.suffix.lower() in _TABLE_SUFFIXES:
+        return False
+    return bool(_DATASET_NAME.fullmatch(str(path)))
+
+
+@contextlib.contextmanager
+def _hub_offline():
+    """`datasets` and `huggingface_hub` offline for one load, whatever the process set (both read
+    their switch at import): a name resolves to the local cache or fails, never downloads."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield datasets
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+class DatasetTable:
+    """A `datasets` dataset as a table (what `TableFile` is for a file): `source` for messages,
+    `columns`, `rows()` as `(row_number, dict)` from 1, and `identity`, the dataset's fingerprint."""
+
+    def __init__(self, path: str, subset: str | None = None, split: str = "train") -> None:
+        local = Path(path).expanduser()
+        with _hub_offline() as datasets:
+            if local.is_dir():
+                self.source = str(local)
+                try:
+                    loaded = datasets.load_from_disk(str(local))
+                except (OSError, ValueError) as exc:  # a folder save_to_disk did not finish
+                    detail = " ".join(str(exc).split())
+                    raise DataError(
+                        f"{local}: not a readable datasets save_to_disk folder ({detail})"
+                    ) from None
+            else:
+                self.source = path + (f" ({subset})" if subset else "") + f" [{split}]"
+                loaded = self._load_cached(datasets, path, subset, split)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise DataError(
+                    f"{self.source}: no split '{split}' (hf_split); it has {', '.join(loaded) or 'none'}"
+                )
+            loaded = loaded[split]
+            self.source = f"{self.source} [{split}]"
+        self.dataset = loaded
+        self.columns: list[str] = list(loaded.column_names)
+        self.identity = f"datasets:{loaded._fingerprint}"
+
+    def _load_cached(self, datasets: Any, name: str, subset: str | None, split: str) -> Any:
+        try:
+            return datasets.load_dataset(name, subset, split=split)
+        except (ConnectionError, FileNotFoundError) as exc:  # offline, and not in the cache
+            raise DataError(
+                f"{name}: no such data file or folder, and no dataset of that name in the local "
+                f"Hugging Face cache ({datasets.config.HF_DATASETS_CACHE}); hpref reads datasets "
+                f"offline: run datasets.load_dataset({name!r}) once where the Hub is reachable "
+                f"({type(exc).__name__})"
+            ) from None
+        except ValueError as exc:  # a split or configuration the cached dataset does not have
+            raise DataError(f"{self.source}: {' '.join(str(exc).split())}") from None
+
+    def rows(self) -> Iterator[tuple[int, Any]]:
+        yield from enumerate(self.dataset, start=1)
+
+
+def open_table(
+    path: str | Path, fmt: Format = "auto", subset: str | None = None, split: str = "train"
+) -> TableFile | DatasetTable:
+    """The table at `path`: a file (`TableFile`), or with `fmt = "auto"` a `datasets` folder or name
+    (`DatasetTable`). What every reader of a user's table opens it with."""
+    if fmt == "auto" and is_dataset_reference(path):
+        return DatasetTable(str(path), subset, split)
+    return TableFile(path, fmt)
+
+
+def table_source(table: TableFile | DatasetTable) -> str:
+    """How messages name the table: the file's path, or the dataset's folder or name and split."""
+    return table.source if isinstance(table, DatasetTable) else str(table.path)
+
+
 class TableReader(BattleSource):
-    """A reader of one table file (`FileConfig`): its rows in file order, the file's bytes as the
-    data's identity, and one message for columns it needs and the file lacks."""
+    """A reader of one table (`FileConfig`): a file's rows in file order and its bytes as the data's
+    identity, or a `datasets` dataset's rows and fingerprint (`DatasetTable`), and one message for
+    columns it needs and the table lacks."""
 
     def __init__(self, config: FileConfig, seed: int) -> None:
-        self.file = TableFile(config.path, config.format)
-        super().__init__(config, seed, str(self.file.path))
+        self.file = open_table(config.path, config.format, config.subset, config.hf_split)
+        super().__init__(config, seed, table_source(self.file))
 
     def require_columns(self, needed: Iterable[str]) -> None:
         missing = [c for c in needed if c not in self.file.columns]
@@ -129,6 +243,8 @@ class TableReader(BattleSource):
         return self.file.rows()
 
     def _data_identity(self) -> str:
+        if isinstance(self.file, DatasetTable):
+            return self.file.identity
         return file_digest(self.file.path)
 
 
@@ -216,7 +332,7 @@ class PairwiseReader(TableReader):
             yield number, row
 
     def _data_identity(self) -> str:
-        return f"{file_digest(self.file.path)}:coin-seed={self.seed}"
+        return f"{super()._data_identity()}:coin-seed={self.seed}"
 
     def _stratum(self, battle: Battle) -> Probs:
         # Every pair is "chosen wins" before the coin; stratifying by the coin's A/B label would tie

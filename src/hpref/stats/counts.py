@@ -24,8 +24,8 @@ from hpref.data.readers import (
     ArenaReader,
     PairwiseConfig,
     PairwiseReader,
+    open_table,
 )
-from hpref.data.tables import TableFile
 from hpref.errors import DataError
 from hpref.protocols import Formatter
 
@@ -35,7 +35,7 @@ DUPLICATE_EXAMPLES = 5
 def open_data_file(path: str | Path, seed: int = 0, on_error: str = "raise") -> BattleSource:
     """The right reader for a file: arena schema if it has prompt/response_a/response_b, pairwise if
     it has chosen/rejected."""
-    columns = set(TableFile(path).columns)
+    columns = set(open_table(path).columns)
     if all(c in columns for c in ARENA_TEXT_COLUMNS):
         return ArenaReader(ArenaConfig(path=str(path), on_error=on_error), seed)
     if {"chosen", "rejected"} <= columns:
