@@ -224,9 +224,13 @@ def is_bf16(name: str, width: int = 576) -> bool:
     if precision == "auto":  # what hpref's `auto` picks on this CPU for a model this wide
         import torch
 
-        from hpref.models.precision import resolve_precision
+        from hpref.models.precision import ProbeShape, resolve_precision
 
-        return resolve_precision("auto", torch.device("cpu"), width) == torch.bfloat16
+        # SmolLM2-135M's MLP width and heads at its width; another width: a Llama-style 4x MLP
+        shape = (
+            ProbeShape(576, 1536, 9) if width == 576 else ProbeShape(width, 4 * width, max(1, width // 64))
+        )
+        return resolve_precision("auto", torch.device("cpu"), shape) == torch.bfloat16
     return precision == "bf16"
 
 

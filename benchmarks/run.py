@@ -139,7 +139,7 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
     """hpref's own model, tokenizer and formatter -> the exact token ids the baselines train on."""
     from hpref.components import Components
     from hpref.data.cache import tokenize_dataset
-    from hpref.models.precision import resolve_precision
+    from hpref.models.precision import ProbeShape, resolve_precision
     from hpref.recipe import load_recipe
     from hpref.train.data import tokenize
 
@@ -160,7 +160,7 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
         "eval_rows": len(evald.battles),
         "params": sum(p.numel() for p in model.parameters()),
         "bf16": resolve_precision(
-            recipe.train.precision, torch.device("cpu"), model.backbone_config.hidden_size
+            recipe.train.precision, torch.device("cpu"), ProbeShape.of(model.backbone_config)
         )
         == torch.bfloat16,
         "eval_winners": {b.id: _argmax(b.label) for b in evald.battles},

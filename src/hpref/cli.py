@@ -377,7 +377,7 @@ def serve_cmd(
         32, "--max-batch-size", min=1, help="Concurrent requests scored together in one packed pass."
     ),
     precision: Literal["auto", "fp32", "bf16"] = typer.Option(
-        "auto", "--precision", help="Compute dtype (auto: bf16 on CPUs with AMX or AVX512-BF16)."
+        "auto", "--precision", help="Compute dtype (auto: the one measured faster on this CPU)."
     ),
     max_queued: int = typer.Option(
         64,

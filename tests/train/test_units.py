@@ -216,21 +216,6 @@ def test_checkpoint_metadata_of_a_real_save_is_admitted(tmp_path):
     assert target["step"] == 3
 
 
-def test_auto_precision_follows_the_measurements(monkeypatch):
-    """auto = bf16 on CUDA-less AMX CPUs only for models >= 256 wide (measured faster there), fp32
-    otherwise; explicit settings are obeyed."""
-    from hpref.models import precision
-
-    cpu = torch.device("cpu")
-    assert precision.resolve_precision("fp32", cpu, 4096) == torch.float32
-    assert precision.resolve_precision("bf16", cpu, 64) == torch.bfloat16
-    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
-    assert precision.resolve_precision("auto", cpu, 128) == torch.float32
-    assert precision.resolve_precision("auto", cpu, 384) == torch.bfloat16
-    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: False)
-    assert precision.resolve_precision("auto", cpu, 4096) == torch.float32
-
-
 def test_cpu_peak_is_stated_and_deterministic():
     """MFU needs a peak that does not depend on the neighbours' load: the CPU one is computed from
     the core's FLOP/cycle, the clock and this rank's threads, and says so."""

@@ -3,7 +3,10 @@
 It reports and never judges: every probe catches its own failure and says what it saw, and the
 command exits 0. Extras are looked up in `importlib.metadata` (vLLM or megatron-core take seconds
 and gigabytes to import, and importing one only to print its version could crash on a bad build);
-torch is imported because its build, devices and CPU probes are what the table is about. Ray is
+torch is imported because its build, devices and CPU probes are what the table is about, and
+`precision = "auto"`'s decision on this CPU is measured for the shipped recipes' model shapes
+(`hpref.models.precision`, cached: a second doctor measures nothing) and listed for every shape a
+run measured here. Ray is
 not imported: its address is read where Ray itself finds it and probed with one TCP connect, so a
 doctor never starts a cluster.
 """
@@ -64,15 +67,11 @@ def extras() -> dict[str, str]:
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The first CPU's feature flags (Linux); empty elsewhere."""
-    try:
-        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+    """The first CPU's feature flags (Linux); empty elsewhere (`hpref.models.precision`'s reader,
+    imported here only when called: `hpref.models` imports torch, which may be what is broken)."""
+    from hpref.models.precision import cpu_flags as read_flags
+
+    return read_flags(cpuinfo)
 
 
 def torch_rows() -> dict[str, str]:
@@ -81,7 +80,7 @@ def torch_rows() -> dict[str, str]:
         import torch
     except Exception as exc:  # a broken install is exactly what a doctor should show
         return {"torch": f"cannot import: {type(exc).__name__}: {exc}"}
-    from hpref.models.precision import cpu_has_fast_bf16
+    from hpref.models.precision import cpu_has_fast_bf16, precision_rows
 
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
     if getattr(torch.version, "hip", None):
@@ -98,7 +97,8 @@ def torch_rows() -> dict[str, str]:
     features = [f for f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags]
     rows["cpu"] = f"{platform.machine()}, {os.cpu_count()} cores, flags: {' '.join(features) or 'none'}"
     mkldnn = torch.backends.mkldnn.is_available()
-    rows["cpu bf16"] = f"fast bf16: {cpu_has_fast_bf16()} (oneDNN: {mkldnn})"
+    rows["cpu bf16"] = f"bf16 instructions: {cpu_has_fast_bf16()} (oneDNN: {mkldnn})"
+    rows.update(precision_rows())
     return rows
 
 

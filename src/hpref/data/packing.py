@@ -260,6 +260,16 @@ def _distribute(indices: list[int], lengths: Sequence[int], world_size: int, bud
     return tuple(tuple(tuple(mb) for mb in bins) for bins in per_rank)
 
 
+def spread_and_pack(
+    lengths: Sequence[int], world_size: int, budget: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Items of `lengths` tokens spread over `world_size` ranks and packed into micro-batches of at
+    most `budget` tokens, every rank the same number of them (`FILLER` where nothing is left to
+    split): the step planner's rule (module docstring) for a caller with its own units (the RL
+    trainer's prompt groups, `hpref.rl.trainer.batches`). Per rank, its micro-batches' item indices."""
+    return _distribute(list(range(len(lengths))), lengths, world_size, budget)
+
+
 def _groups(
     rows: Sequence[int], swapped: Sequence[bool], swap: Swap, rng: np.random.Generator
 ) -> list[list[int]]:

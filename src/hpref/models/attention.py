@@ -65,6 +65,11 @@ class VarlenContext:
     #: (`upcast_for_backward`), so a forward without gradient computes exactly what a training
     #: forward does (DPO's reference and its policy, `hpref.models.pair_logprobs`)
     fp32_attention: bool = False
+    #: a boolean `[L, L]` mask per sequence (True: may attend) where it is not plainly causal, None
+    #: for a causal one: the RL trainer's prompt groups, each answer seeing its prompt and itself
+    #: (`hpref.models.pair_logprobs.prefix_tree_mask`); read by `sdpa_segments`, which such a
+    #: context always runs on (no varlen kernel takes a mask)
+    segment_masks: list[torch.Tensor | None] | None = None
     _boundaries: list[int] | None = None
     _segment_ids: torch.Tensor | None = None
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict)
@@ -295,17 +300,20 @@ def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softca
     # One split per tensor, not a slice per segment: a slice's backward writes into a zeroed copy of
     # the whole row, which made the backward O(segments x tokens) per layer.
     segments = zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2), strict=True)
-    for length, (q_seg, k_seg, v_seg) in zip(lengths, segments, strict=True):
+    custom = ctx.segment_masks or [None] * len(lengths)
+    for length, own, (q_seg, k_seg, v_seg) in zip(lengths, custom, segments, strict=True):
         mask = None
         if window is not None and length > window:
             mask = _window_mask(length, causal=causal, window=window, device=q.device)
+        if own is not None:
+            mask = own if mask is None else own & mask
         outputs.append(
             _attend(
                 q_seg,
                 k_seg,
                 v_seg,
                 mask,
-                causal=causal,
+                causal=causal and own is None,
                 scale=scale,
                 softcap=softcap,
                 dropout=dropout,
@@ -409,6 +417,8 @@ def varlen_attention_forward(
     backend = resolve_backend(
         ctx.backend, device=query.device, dtype=query.dtype, softcap=softcap, dropout=dropout
     )
+    if ctx.segment_masks is not None:
+        backend = "sdpa_segments"  # the one path that takes a mask per sequence
     if backend in ("sdpa_segments", "sdpa_block_mask"):
         groups = query.shape[1] // key.shape[1]
         key, value = _expand_kv(key, groups), _expand_kv(value, groups)

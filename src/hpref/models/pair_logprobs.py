@@ -5,7 +5,8 @@ prompt then an answer. The LM (loaded with `attn_implementation = "hpref_varlen"
 attention`) runs its decoder over the row with a `VarlenContext`, so no sequence attends across its
 boundary and nothing is padded; its LM head runs only where an answer token is predicted (with a
 49k-token vocabulary the logits of every prompt position would be most of a step's memory, for
-values the loss never reads), and each answer's token log-probabilities are summed per sequence.
+values the loss never reads), in chunks of tokens whose logits are recomputed in the backward
+(`hpref.models.head_logprobs`), and each answer's token log-probabilities are summed per sequence.
 
 `PackedLogProbs` is the FSDP2 root around the LM (`shard_causal_lm`): FSDP2 gathers a unit's weights
 in its forward hooks, and this computation calls the decoder and the head separately, never the LM's
@@ -15,11 +16,13 @@ own `forward`, so the root must be a module whose forward is the whole computati
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from hpref.models.attention import CONTEXT_KWARG, VarlenContext
+from hpref.models.head_logprobs import fusable_head, head_logprobs
 
 
 def answer_positions(
@@ -37,6 +40,110 @@ def answer_positions(
         of.extend([s] * (start + n - 1 - first))
         start += n
     return torch.tensor(at, dtype=torch.long), torch.tensor(of, dtype=torch.long)
+
+
+def pack_prefix_groups(
+    prefixes: Sequence[list[int]], branches: Sequence[Sequence[list[int]]]
+) -> dict[str, Any]:
+    """Groups of sequences sharing a prefix, packed back to back without padding (the RL trainer's
+    rows: a prompt and its group's answers). Group s is one packed segment, its prefix then every
+    branch but the branch's last token (which predicts nothing); each branch attends to the prefix
+    and, causally, to itself only (`prefix_tree_mask`), at the positions it would have after its own
+    copy of the prefix, so each branch computes what `prefix + branch` alone would, while the prefix
+    runs once. A group of one branch is a plain causal sequence.
+
+    Returns `input_ids`, `position_ids` `[T]`, `cu_seqlens` (int32 `[S + 1]`), `max_seqlen`,
+    `prefix_lengths` and `branch_lengths` (each segment's prefix and its branches' input tokens),
+    and `predict_at [M]`: for every branch token, in (group, branch, token) order, the packed
+    position whose hidden state predicts it (the prefix's last one for a branch's first token)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    cu = [0]
+    at: list[int] = []
+    branch_lengths: list[list[int]] = []
+    for prefix, group in zip(prefixes, branches, strict=True):
+        start, p = len(ids), len(prefix)
+        ids.extend(prefix)
+        positions.extend(range(p))
+        lengths = []
+        for branch in group:
+            first = len(ids)
+            inputs = branch[:-1]
+            ids.extend(inputs)
+            positions.extend(range(p, p + len(inputs)))
+            lengths.append(len(inputs))
+            at.extend([start + p - 1, *range(first, first + len(inputs))][: len(branch)])
+        branch_lengths.append(lengths)
+        cu.append(len(ids))
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "position_ids": torch.tensor(positions, dtype=torch.long),
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "max_seqlen": max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)),
+        "prefix_lengths": [len(p) for p in prefixes],
+        "branch_lengths": branch_lengths,
+        "predict_at": torch.tensor(at, dtype=torch.long),
+    }
+
+
+def prefix_tree_mask(
+    prefix: int, branches: Sequence[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """Boolean `[L, L]` attention mask of one `pack_prefix_groups` segment (True: the query row may
+    attend to the key column): causal, and a branch's token sees the prefix and its own branch only."""
+    owner = torch.tensor([-1] * prefix + [b for b, n in enumerate(branches) for _ in range(n)], device=device)
+    causal = torch.ones(owner.numel(), owner.numel(), dtype=torch.bool, device=device).tril()
+    return causal & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))
+
+
+def use_varlen_attention(lm: nn.Module, on: bool) -> None:
+    """Switch a transformers LM to the varlen attention function (`hpref.models.attention`), or
+    (`on` False) back to the attention it was built with: a padded batch's mask reaches only the
+    latter, packed rows' `cu_seqlens` only the former. A no-op when it already runs the one asked."""
+    from hpref.models.attention import ATTENTION_NAME, register_varlen_attention
+
+    current = lm.config._attn_implementation
+    if on and current != ATTENTION_NAME:
+        lm._hpref_built_attention = current  # type: ignore[assignment]
+        lm.set_attn_implementation(register_varlen_attention())
+    elif not on and current == ATTENTION_NAME and hasattr(lm, "_hpref_built_attention"):
+        lm.set_attn_implementation(lm._hpref_built_attention)
+
+
+def prefix_packed_hidden(lm: nn.Module, packed: dict[str, Any], backend: str = "auto") -> torch.Tensor:
+    """The decoder's last hidden states `[T, H]` over a `pack_prefix_groups` layout. The LM is
+    switched to the varlen attention function (`use_varlen_attention`) and stays on it until a
+    padded batch switches it back: an activation-checkpointed block recomputes its forward in the
+    backward, which must run the same attention. Attention runs in fp32 in every forward (as
+    `PackedLogProbs`), so a reference's forward without gradient computes what the policy's does."""
+    use_varlen_attention(lm, True)
+    cu = packed["cu_seqlens"]
+    masks: list[torch.Tensor | None] = [
+        prefix_tree_mask(p, b, cu.device) if len(b) > 1 else None
+        for p, b in zip(packed["prefix_lengths"], packed["branch_lengths"], strict=True)
+    ]
+    ctx = VarlenContext(
+        backend=backend,
+        cu_seqlens=cu.to(torch.int32),
+        max_seqlen=int(packed["max_seqlen"]),
+        fp32_attention=True,
+        segment_masks=masks if any(m is not None for m in masks) else None,
+    )
+    return lm.get_decoder()(
+        input_ids=packed["input_ids"][None],
+        position_ids=packed["position_ids"][None],
+        use_cache=False,
+        **{CONTEXT_KWARG: ctx},
+    ).last_hidden_state[0]
+
+
+def answer_token_logprobs(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """`[N]` float32 log-probs of `targets` under `head` over `hidden [N, H]`: a plain linear head
+    chunked over tokens with its logits recomputed in the backward (`hpref.models.head_logprobs`:
+    the `[N, V]` logits never held), another head (a LoRA'd one) through its own logits."""
+    if fusable_head(head):
+        return head_logprobs(hidden, head, targets, entropy=False)[0]
+    return -nn.functional.cross_entropy(head(hidden).float(), targets, reduction="none")
 
 
 class PackedLogProbs(nn.Module):
@@ -75,9 +182,8 @@ class PackedLogProbs(nn.Module):
         # and a unit whose parameters get no gradient on one rank would leave FSDP2's gradient
         # reduction uneven across ranks. The extra row counts for nothing (weight 0).
         at = torch.cat([predict_at, predict_at.new_zeros(1)])
-        logits = self.lm.get_output_embeddings()(hidden[at]).float()
         targets = input_ids[(at + 1).clamp(max=input_ids.numel() - 1)]
-        token_logps = -nn.functional.cross_entropy(logits, targets, reduction="none")
+        token_logps = answer_token_logprobs(hidden[at], self.lm.get_output_embeddings(), targets)
         token_logps = token_logps * torch.cat(
             [token_logps.new_ones(predict_at.numel()), token_logps.new_zeros(1)]
         )

@@ -28,6 +28,7 @@ every shard). The model side of the contract is `blocks()`, `head` and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -81,6 +82,67 @@ def parallelize(
         + (f"; {len(replicated)} 4-bit base weights replicated on every rank" if replicated else "")
     )
     return model
+
+
+def checkpoint_blocks(blocks: Iterable[torch.nn.Module]) -> int:
+    """Recompute each block's activations in backward instead of storing them (non-reentrant
+    `torch.utils.checkpoint`, in training mode with gradients on), for blocks that read and write a
+    KV cache too; returns how many blocks it wrapped.
+
+    The hpref rl trainer's causal LM runs a prompt group's answers on the prompt's KV cache
+    (`hpref.rl.policy.group_batch`), which transformers' own per-block checkpointing cannot do: it
+    drops the cache in training (`use_cache=False`), so the answers would no longer see their
+    prompt. Here each block's recomputation first puts the cache back as the block found it in
+    the forward (its layers' tensors are replaced, never written in place, so keeping the references
+    is enough): the replay appends the same keys and values to the same cache and saves tensors
+    of the same shapes. The block's `forward` is wrapped, not `__call__`, so FSDP2's per-block hooks
+    stay outside the recomputation (as with `PreferenceModel.set_activation_checkpointing`)."""
+    count = 0
+    for block in blocks:
+        block.forward = _checkpointed_forward(block, block.forward)
+        count += 1
+    return count
+
+
+#: the keywords a transformers decoder layer takes its KV cache under (renamed across versions)
+_CACHE_KEYWORDS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def _checkpointed_forward(block: torch.nn.Module, forward: Any) -> Any:
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not (block.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        cache = next((kwargs[k] for k in _CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+        found = _cache_state(cache)
+        if cache is not None and found is None:  # a replay would write it twice: refuse, never corrupt
+            raise RuntimeError(f"activation checkpointing: cannot restore a {type(cache).__name__} KV cache")
+
+        def replay(*inputs: Any) -> Any:
+            _restore_cache(cache, found)  # a no-op in the forward itself
+            return forward(*inputs, **kwargs)
+
+        return checkpoint(replay, *args, use_reentrant=False)
+
+    return run
+
+
+def _cache_state(cache: Any) -> list[tuple[Any, dict[str, Any]]] | None:
+    layers = getattr(cache, "layers", None)
+    return None if layers is None else [(layer, dict(vars(layer))) for layer in layers]
+
+
+def _restore_cache(cache: Any, state: list[tuple[Any, dict[str, Any]]] | None) -> None:
+    if state is None:
+        return
+    cache.layers[:] = [layer for layer, _ in state]  # layers a forward appended go
+    for layer, attributes in state:
+        layer.__dict__.clear()
+        layer.__dict__.update(attributes)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -94,7 +94,9 @@ class TrainSection(Section):
     )
     grad_clip: float | None = Field(1.0, gt=0, description="clip the global grad norm (none = off)")
     precision: Literal["auto", "bf16", "fp32"] = Field(
-        "auto", description="compute dtype; auto = bf16 where the hardware does it well"
+        "auto",
+        description="compute dtype; auto = bf16 on CUDA, on a CPU the one measured faster for the model's "
+        "shape (a probe of a second or so, cached per machine: hpref doctor shows it)",
     )
     activation_checkpointing: bool = Field(False, description="recompute each block's activations")
     checkpoint_interval: int = Field(

@@ -132,8 +132,8 @@ class PolicyConfig(Section):
     epochs_per_rollout: int = Field(1, ge=1, description="optimizer passes over each rollout")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto",
-        description="the trainer's compute dtype (fp32 master weights, bf16 autocast); auto = bf16 on a "
-        "bf16 CPU (AVX512-BF16 or AMX) or CUDA for models at least 256 wide, as hpref train decides",
+        description="the trainer's compute dtype (fp32 master weights, bf16 autocast); auto = bf16 on "
+        "CUDA, on a CPU the one measured faster for the model's shape, as hpref train decides",
     )
     micro_batch_tokens: int = Field(
         4096,
@@ -189,6 +189,12 @@ class PolicyConfig(Section):
     gpus_per_rank: float = Field(
         0, ge=0, description="Ray GPUs each trainer rank reserves (0: the rank trains on the CPU)"
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder block's activations in the backward instead of keeping them "
+        "from the forward (one rank and FSDP2 alike; the prompt's KV cache kept): a micro-batch holds "
+        "about one block's activations instead of every block's, for one more forward of the blocks",
+    )
 
     @model_validator(mode="after")
     def _backend_combinations(self) -> PolicyConfig:
@@ -198,6 +204,11 @@ class PolicyConfig(Section):
                 'trainer_backend = "megatron" cannot train LoRA adapters (PEFT wraps transformers '
                 "linears, not megatron's fused ones); drop lora for this policy or use the transformers "
                 "backend"
+            )
+        if self.activation_checkpointing and self.trainer_backend == "megatron":
+            raise ValueError(
+                "activation_checkpointing = true is for the transformers trainer (it wraps the causal LM's "
+                'decoder blocks); drop it for this policy or use trainer_backend = "transformers"'
             )
         if self.trainer_tensor_parallel != 1 and self.trainer_backend != "megatron":
             raise ValueError(

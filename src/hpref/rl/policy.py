@@ -213,26 +213,36 @@ def completion_logprobs(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of the batch's answer tokens under `model` at `temperature` (the
     sampling distribution the engine drew from), shaped like the batch's `mask` and zero where it is
-    0: `[B, L-1]` for a `pad_batch`, `[B, Wc]` for a `group_batch` (`shares_prefix` models only).
+    0: `[B, L-1]` for a `pad_batch`, `[B, Wc]` for a `group_batch` or a `packed_batch`
+    (`shares_prefix` models only).
 
     With `entropy`: (log-probs, entropy), the second the entropy of that distribution at each
     answer position, shaped the same, from the logits the log-probs come from (no second forward
-    pass; without gradient and chunked: `hpref.rl.algorithms.objectives.token_entropy`). A second value
+    pass; without gradient, chunk by chunk with the log-probs: `hpref.models.head_logprobs`). A second value
     returned rather than an output argument: FSDP2's root copies the containers it is called with
     when it moves them to the GPU (`hpref.rl.trainer.sharding`'s `LogProbsRoot`).
 
     A transformers causal LM runs its decoder over every position (the answer attends to the
     prompt) but its LM head only where a completion token is predicted: with a 49k-token vocabulary
     the logits of a few hundred prompt tokens per row would otherwise be most of the step's memory
-    and a fifth of its FLOPs, for values the loss never reads. Other models (the megatron trainer)
-    give full logits."""
+    and a fifth of its FLOPs, for values the loss never reads; and the head runs in chunks of tokens
+    whose logits are recomputed in the backward (`hpref.models.head_logprobs`), so not even the
+    answers' `[N, V]` logits are held. Other models (the megatron trainer) give full logits."""
     from transformers import PreTrainedModel
 
+    from hpref.models.pair_logprobs import prefix_packed_hidden, use_varlen_attention
     from hpref.rl.logprobs import sequence_logprobs, token_entropy
 
+    if isinstance(model, PreTrainedModel):  # a padded layout's mask needs the attention it was built with
+        use_varlen_attention(model, "predict_at" in batch)
     if "group_size" in batch:  # a `group_batch`: each prompt once, its answers on its KV cache
         return _grouped_logprobs(model, batch, temperature, entropy)
     mask = batch["mask"].bool()
+    if "predict_at" in batch:  # a `packed_batch`: padding-free, each prompt once before its answers
+        hidden = prefix_packed_hidden(model, batch)[batch["predict_at"]]
+        return _answer_logprobs(
+            hidden, model.get_output_embeddings(), batch["targets"], mask, temperature, entropy
+        )
     # a transformers causal LM (LoRA injected in place included); a PEFT wrapper or megatron: full logits
     head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     decoder = model.get_decoder() if head is not None else None
@@ -245,16 +255,28 @@ def completion_logprobs(
     hidden = decoder(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
     ).last_hidden_state[:, :-1]
-    return _answer_logprobs(head(hidden[mask]) / temperature, batch["targets"][mask], mask, entropy)
+    return _answer_logprobs(hidden[mask], head, batch["targets"][mask], mask, temperature, entropy)
 
 
 def _answer_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, entropy: bool
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+    entropy: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The log-probs of `targets` under the answer positions' `logits [N, V]` (divided by the
-    temperature already) where `mask` is true, zero elsewhere; with `entropy` their entropies too."""
+    """The log-probs of `targets` under `head` over the answer positions' `hidden [N, H]` at
+    `temperature`, placed where `mask` is true, zero elsewhere; with `entropy` their entropies too.
+    A plain linear head goes through `hpref.models.head_logprobs` (chunked over tokens, the `[N, V]`
+    logits never held, forward or backward); another head (a LoRA'd one) gives its logits."""
+    from hpref.models.head_logprobs import fusable_head, head_logprobs
     from hpref.rl.logprobs import sequence_logprobs, token_entropy
 
+    if fusable_head(head):
+        logprobs, entropies = head_logprobs(hidden, head, targets, temperature, entropy=entropy)
+        return (on_mask(mask, logprobs), on_mask(mask, entropies)) if entropy else on_mask(mask, logprobs)
+    logits = head(hidden) / temperature
     logprobs = on_mask(mask, sequence_logprobs(logits, targets))
     return (logprobs, on_mask(mask, token_entropy(logits))) if entropy else logprobs
 
@@ -320,6 +342,38 @@ def group_batch(
     }
 
 
+def packed_batch(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    group_size: int,
+    masks: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """A rollout's rows without padding (`hpref.models.pair_logprobs.pack_prefix_groups`): whole
+    groups of `group_size` answers to one prompt as one packed sequence each, the prompt once and
+    every answer (an episode: its transcript) attending to it and to itself only; other rows one
+    sequence each. `mask [B, Wc]` is a `group_batch`'s (1 on row i's answer tokens, or its `masks`'
+    1s: an episode's own tokens), and what `completion_logprobs` returns is shaped like it;
+    `predict_at` and `targets` `[M]` are the packed positions predicting those tokens and the tokens."""
+    import torch
+
+    from hpref.models.pair_logprobs import pack_prefix_groups
+
+    size = group_size if group_size > 1 and whole_groups(prompts, group_size) else 1
+    groups = [completions[g : g + size] for g in range(0, len(completions), size)]
+    batch = pack_prefix_groups(prompts[::size], groups)
+    width = max(max(len(c) for c in completions), 1)
+    mask = torch.zeros((len(completions), width), dtype=torch.float32)
+    answer = torch.zeros((len(completions), width), dtype=torch.bool)
+    for i, c in enumerate(completions):
+        mask[i, : len(c)] = 1.0 if masks is None else torch.tensor(masks[i], dtype=torch.float32)
+        answer[i, : len(c)] = True
+    keep = mask.bool()[answer]  # predict_at's entries (every answer token, row by row) that count
+    batch["predict_at"] = batch["predict_at"][keep]
+    batch["targets"] = torch.tensor([t for c in completions for t in c], dtype=torch.long)[keep]
+    batch["mask"] = mask
+    return batch
+
+
 def cache_keyword(module: nn.Module) -> str:
     """The name `module.forward` (and `generate`) takes a KV cache under: transformers renamed
     `past_key_values` to `cache` in 5.2x (the old name deprecated, not gone), and vLLM's CPU build
@@ -368,4 +422,4 @@ def _grouped_logprobs(
         ).last_hidden_state
         last = torch.cat([last, hidden], dim=1)
     mask = batch["mask"].bool()
-    return _answer_logprobs(head(last[mask]) / temperature, answers[mask], mask, entropy)
+    return _answer_logprobs(last[mask], head, answers[mask], mask, temperature, entropy)

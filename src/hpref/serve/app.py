@@ -68,8 +68,8 @@ class ServeSettings:
     max_batch_size: int = 32
     batch_wait_s: float = 0.005
     micro_batch_tokens: int = 16384
-    #: the backbone's compute dtype (`hpref.models.precision`: auto = bf16 on CPUs with AMX or
-    #: AVX512-BF16, as `hpref train` picks); the head computes in fp32 whatever this is
+    #: the backbone's compute dtype (`hpref.models.precision`: auto = the one measured faster on this
+    #: CPU, as `hpref train` picks); the head computes in fp32 whatever this is
     precision: str = "auto"
     token: str | None = field(default=None, repr=False)
     limits: shapes.Limits = field(default_factory=shapes.Limits)

@@ -281,7 +281,7 @@ def build_dpo_setup(recipe: Recipe, info: Any):
     from hpref.models.attention import register_varlen_attention
     from hpref.models.causal_lm import build_policy_model
     from hpref.models.pair_logprobs import disable_dropout, lm_flops_per_token, shard_causal_lm
-    from hpref.models.precision import resolve_precision
+    from hpref.models.precision import ProbeShape, resolve_precision
     from hpref.train.data import Tokenized
     from hpref.train.dpo_data import tokenize_pairs
     from hpref.train.loop import TrainSetup
@@ -315,7 +315,7 @@ def build_dpo_setup(recipe: Recipe, info: Any):
         tokenize_pairs(eval_source.battles(), tokenizer, name="dataset.eval", **kw) if eval_source else None
     )
 
-    dtype = resolve_precision(train_cfg.precision, info.device, lm.config.hidden_size)
+    dtype = resolve_precision(train_cfg.precision, info.device, ProbeShape.of(lm.config))
     reference = None
     reference_mode: Any = nullcontext
     if recipe.lora is not None:

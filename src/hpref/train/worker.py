@@ -68,7 +68,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
     from hpref.components import Components
     from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
-    from hpref.models.precision import resolve_precision
+    from hpref.models.precision import ProbeShape, resolve_precision
     from hpref.train.data import require_labels, tokenize, tokenize_cached
     from hpref.train.loop import TrainSetup
     from hpref.train.metrics import peak_flops
@@ -100,7 +100,7 @@ def build_setup(recipe: Recipe, info: DistInfo):
         + (f", {len(eval_data.battles)} eval battles" if eval_data is not None else ", no eval set")
     )
 
-    dtype = resolve_precision(train_cfg.precision, info.device, model.backbone_config.hidden_size)
+    dtype = resolve_precision(train_cfg.precision, info.device, ProbeShape.of(model.backbone_config))
     parts.parallelize(model, param_dtype=dtype, activation_checkpointing=train_cfg.activation_checkpointing)
     load_initial_weights(model, device=info.device, init_folder=init_weights_folder(recipe.run.run_dir))
     optimizer = parts.optimizer(model)

@@ -39,17 +39,24 @@ def _policy(**keys) -> PolicyConfig:
 
 
 def test_activations_follow_the_saved_tensors_of_a_llama_block():
-    # one group: a 5-token prompt once and 2 answers of 3 tokens = 11 positions; per position and
-    # block (10 x 8 + 4 x 16 + 2 x 4) fp32 values; each answer row repeats its prompt's and its own
-    # keys and values to every head (2 rows x 8 positions x 2 x 8); logits 6 tokens x 50 x 12 bytes
+    # one group packed: a 5-token prompt once and 2 answers of 3 tokens = 11 positions; per position
+    # and block (10 x 8 + 4 x 16 + 2 x 4) fp32 values and the packed attention's fp32 keys and values
+    # repeated to every head (2 x 8); the head's 6 answer hidden states (fp32) and its one chunk of
+    # logits, 6 tokens x 50 x 12 bytes
     fp32 = micro_batch_activations(SHAPE, prompt=5, answers=3, groups=1, group=2, bf16=False)
-    assert fp32 == 2 * (11 * 152 * 4 + 2 * 8 * 2 * 8 * 4) + 6 * 50 * LOGIT_BYTES
-    # bf16 autocast: the 6 hidden-wide norm and residual tensors stay fp32, the rest halves
+    assert fp32 == 2 * (11 * 152 * 4 + 11 * 2 * 8 * 4) + 6 * 8 * 4 + 6 * 50 * LOGIT_BYTES
+    # bf16 autocast: the 6 hidden-wide norm and residual tensors stay fp32, the rest halves; the
+    # attention, fp32 in every forward, adds its query's fp32 copy
     bf16 = micro_batch_activations(SHAPE, prompt=5, answers=3, groups=1, group=2, bf16=True)
-    assert (
-        bf16
-        == 2 * (11 * (6 * 8 * 4 + (4 * 8 + 4 * 16 + 2 * 4) * 2) + 2 * 8 * 2 * 8 * 2) + 6 * 50 * LOGIT_BYTES
+    assert bf16 == (
+        2 * (11 * (6 * 8 * 4 + (4 * 8 + 4 * 16 + 2 * 4) * 2) + 11 * 3 * 8 * 4)
+        + 6 * 8 * 4
+        + 6 * 50 * LOGIT_BYTES
     )
+    # a SmolLM2-sized vocabulary: the head holds one chunk of logits, not every answer token's
+    wide = Shape(**{**SHAPE.__dict__, "vocab": 49152})
+    many = micro_batch_activations(wide, prompt=5, answers=1000, groups=1, group=2, bf16=False)
+    assert many - micro_batch_activations(wide, prompt=5, answers=999, groups=1, group=2, bf16=False) < 49152
 
 
 def test_trainer_terms_shard_over_ranks_and_follow_the_kl_reference():
@@ -339,7 +346,7 @@ def _measure_engine_peaks() -> dict[str, float]:
     """In a fresh process: the transformers engine the plan estimates (8 blocks, 512 wide, every
     head its own keys and values, a narrow MLP: the cache, not the compute, is what is large), one
     rollout of long prompts generated, then one weight sync staged and swapped
-    in as the trainer sends it; the growth of the peak resident set in each phase, the plan's terms
+    in tensor by tensor; the growth of the peak resident set in each phase, the plan's terms
     and the KV cache counted from the model's config."""
     import torch
 
@@ -383,7 +390,7 @@ def _measure_engine_peaks() -> dict[str, float]:
         fh.write("5")
     settled = resident_bytes()
     engine.begin_update(1)
-    for name, shape in engine.shapes.items():  # a trainer's sync: tensor by tensor, staged, then swapped
+    for name, shape in engine.shapes.items():  # a sync in one-tensor parts: staged, then swapped in
         engine.load_weights({name: torch.randn(shape)})
     assert engine.commit_update() == 1
     sync = _peak_bytes() - settled
@@ -406,19 +413,21 @@ def _measure_engine_peaks() -> dict[str, float]:
 @pytest.mark.skipif(not _hwm_resettable(), reason="needs Linux's resettable peak RSS (/proc/self/clear_refs)")
 def test_engine_estimate_bounds_a_measured_engine():
     """The transformers engine's estimate (weights, then the largest of a rollout's KV cache and
-    sampling tensors or a sync's staged copy) against the engine itself, built and run in a fresh
+    sampling tensors or a sync's bucket) against the engine itself, built and run in a fresh
     process (a test worker's heap would hide allocations, as the trainer test above says).
 
     Bounds, from what each term counts: the fp32 weights are exact. A rollout's peak holds the
     weights and the KV cache at least once, and the plan counts the cache twice (`generate`
     concatenates each block's keys and values, old and new alive at once), so the measured growth
     lies between weights + cache and the plan's weights + generation (5% either way: the prompt
-    forward's logits, the allocator). A sync stages one copy of the weights: the plan's term, within
-    10%. So the plan's total is never below the engine's peak, and above it by at most the cache.
-    Wrong if a term were missed, counted in the wrong dtype, or a sync held two copies. Measured
-    here (twice): rollout 0.21 and 0.22 GiB between 0.19 and 0.33, sync 1.00x the weights (0.044
-    GiB). Eight answer tokens: the cache is mostly the long prompts' (repeated for each answer of a
-    group), which costs one prompt forward, not a decode step per token."""
+    forward's logits, the allocator). A sync sent in one-tensor parts waits in the engine's stage
+    file, not its memory (`hpref.rl.engines.staging`), and is read back a tensor at a time: well
+    under a quarter of the weights (it was 1.00x when the engine staged in memory). So the plan's
+    total is never below the engine's peak, and above it by at most the cache. Wrong if a term were
+    missed, counted in the wrong dtype, or a sync held a copy of the weights. Measured here (twice):
+    rollout 0.21 and 0.22 GiB between 0.19 and 0.33. Eight answer tokens: the cache is mostly the
+    long prompts' (repeated for each answer of a group), which costs one prompt forward, not a
+    decode step per token."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -428,5 +437,5 @@ def test_engine_estimate_bounds_a_measured_engine():
     assert m["longest"] == m["rollout_max"], got  # the cache grew to the full answer length
     weights, estimate = m["weights"], m["estimate"]
     assert 0.95 * (weights + m["cache"]) <= m["generation"] <= 1.05 * estimate, got
-    assert 0.9 <= m["sync"] / weights <= 1.1, got
+    assert m["sync"] < 0.25 * weights, got  # measured 0.11x: the read-back's tensors and the allocator
     assert estimate >= max(m["generation"], weights + m["sync"]), got

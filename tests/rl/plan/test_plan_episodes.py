@@ -56,13 +56,14 @@ def test_an_episodes_estimate_grows_with_its_context_bound_and_a_single_turn_is_
         # the engine's 4 rows: each a KV cache of `context` positions (keys and values of every block,
         # fp32, old and new alive while `generate` concatenates) and a step's [rows, vocab] tensors;
         # an episode's later turn forwards every row's context (one answer short) to its logits; a
-        # single turn forwards the 2 prompts; or a sync's staged weights: the largest of the three
+        # single turn forwards the 2 prompts; or a sync's bucket (the default 256 MiB holds the whole
+        # tiny model): the largest of the three
         kv = 4 * context * shape.layers * 2 * shape.kv_width * 4 * 2
         forwarded = 4 * (context - 4) if terms is not single else 2 * PROMPT
         transients = {
             "generation": kv + 4 * 4 * shape.vocab * 4,
             "prompt logits": forwarded * shape.vocab * 4,
-            "staged sync": shape.params * 4,
+            "sync bucket": shape.params * 4,
         }
         largest = max(transients, key=transients.__getitem__)
         assert {k: v for k, v in terms["a engine"].items() if k in transients} == {

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
 FORWARDED_ENV = (
-    "HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME", ACTOR_LOG_DIR_ENV
+    "HPREF_CACHE", "HPREF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY", "HF_HOME", ACTOR_LOG_DIR_ENV,
+    "HPREF_AUTO_PRECISION",  # hpref.models.precision.PIN_ENV: a pinned `auto` holds in every actor
 )  # fmt: skip
 
 

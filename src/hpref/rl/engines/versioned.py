@@ -9,16 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpref.rl.engines.staging import StagedUpdate
+
 
 class VersionedWeights:
     """The weight-update steps every engine shares (the `Engine` protocol's second half).
 
     Three steps so a failed transfer never leaves half-loaded weights serving: `begin_update(version)`
-    opens a staging area, `load_weights(state)` fills it (in parts, if the sender splits it),
-    `commit_update()` checks it is whole (`check_state`) and hands it to the engine's `_swap_in`
-    (or `abort_update()` drops it). An engine sets `policy`, `shapes` (every weight name of its
-    model with its shape) and `version = 0`, and implements `_swap_in(state)`, which must leave the
-    old weights serving when it raises.
+    opens a stage (`hpref.rl.engines.staging.StagedUpdate`: a temporary file, so the parts waiting
+    for the commit are not a second copy of the model in the engine's memory), `load_weights(state)`
+    writes to it (in parts, if the sender splits it), `commit_update()` checks it is whole
+    (`check_state`) and hands them to the engine's `_swap_in` (or `abort_update()` drops it): a
+    mapping that reads each tensor from the stage when asked, so `_swap_in` should copy tensor by
+    tensor (as both built-in engines do) rather than gather them all first. An engine sets
+    `policy`, `shapes` (every weight name of its model with its shape) and `version = 0`, and
+    implements `_swap_in(state)`, which must leave the old weights serving when it raises.
 
     A shared-base engine (`rl.share_base`) serves one LoRA adapter per policy: every step then names
     the `adapter`, which has a version of its own; the engine sets `adapter_shapes` (each adapter's
@@ -76,12 +81,12 @@ class VersionedWeights:
         return None
 
     @property
-    def _stagings(self) -> dict[str | None, tuple[int, dict[str, Any]]]:
+    def _stagings(self) -> dict[str | None, StagedUpdate]:
         """Open updates by adapter (None: the whole model)."""
         return self.__dict__.setdefault("_open_updates", {})
 
     @property
-    def _staging(self) -> tuple[int, dict[str, Any]] | None:
+    def _staging(self) -> StagedUpdate | None:
         """The whole model's open update, if any."""
         return self._stagings.get(None)
 
@@ -98,28 +103,32 @@ class VersionedWeights:
         live = self.get_version(adapter)
         if version < live:
             raise ValueError(f"{self._who(adapter)}: version {version} is older than the live {live}")
-        self._stagings[adapter] = (version, {})
+        self.abort_update(adapter)  # an update left open by a sync that died before its abort
+        self._stagings[adapter] = StagedUpdate(version)
 
     def load_weights(self, state: dict[str, Any], adapter: str | None = None) -> None:
         if adapter not in self._stagings:
             raise RuntimeError(f"{self._who(adapter)}: load_weights without begin_update")
-        self._stagings[adapter][1].update(state)
+        self._stagings[adapter].add(state)
 
     def commit_update(self, adapter: str | None = None) -> int:
         if adapter not in self._stagings:
             raise RuntimeError(f"{self._who(adapter)}: commit_update without begin_update")
-        version, state = self._stagings.pop(adapter)
-        # before the first copy: torch's strict load_state_dict copies every matching tensor and
-        # only then raises for a missing or misshapen one, which left a part of the new weights
-        # serving under the old version
-        self.check_state(state, adapter)
-        if adapter is None:
-            self._swap_in(state)
-            self.version = version
-        else:
-            self._swap_in_adapter(adapter, state)
-            self.__dict__.setdefault("adapter_versions", {})[adapter] = version
-        return version
+        stage = self._stagings.pop(adapter)
+        try:
+            # before the first copy: torch's strict load_state_dict copies every matching tensor and
+            # only then raises for a missing or misshapen one, which left a part of the new weights
+            # serving under the old version
+            self.check_state(stage.meta(), adapter)
+            if adapter is None:
+                self._swap_in(stage.state())
+                self.version = stage.version
+            else:
+                self._swap_in_adapter(adapter, dict(stage.state()))
+                self.__dict__.setdefault("adapter_versions", {})[adapter] = stage.version
+        finally:
+            stage.close()
+        return stage.version
 
     def check_state(self, state: dict[str, Any], adapter: str | None = None) -> None:
         """Every weight name of the model (or of the adapter), each with its shape (and, for an
@@ -150,7 +159,9 @@ class VersionedWeights:
             )
 
     def abort_update(self, adapter: str | None = None) -> None:
-        self._stagings.pop(adapter, None)
+        stage = self._stagings.pop(adapter, None)
+        if stage is not None:
+            stage.close()
 
     def get_version(self, adapter: str | None = None) -> int:
         if adapter is None:

@@ -20,7 +20,7 @@ How it is wired, and why:
   cut (`generation_result`), so both engines and the trainer see the same tokens.
 - **Weight updates through vLLM's own in-place reload** (`Worker.reload_weights`, called on each
   worker by `collective_rpc` through `WeightLoader`, the worker extension), staged like the
-  transformers engine: `begin_update` / `load_weights` fill a staging dict, `commit_update` checks
+  transformers engine: `begin_update` / `load_weights` fill a stage file, `commit_update` checks
   every name and shape against the model's before anything is copied (a bad transfer is refused
   and the old version keeps serving), reloads, and resets the prefix cache (cached KV blocks were
   computed by the old weights). LoRA policies arrive merged (`RLTrainer.update_weights`). Every
@@ -381,7 +381,8 @@ class VLLMEngine(VersionedWeights):
         self._reload(state)  # `commit_update` checked every name and shape before this first copy
 
     def _reload(self, state: dict[str, Any]) -> None:
-        if self.in_process:  # the worker is in this process: the tensors go by reference
+        if self.in_process:  # the worker is in this process: the stage's mapping goes by reference,
+            # and vLLM's reload takes its tensors one at a time from it
             self.llm.collective_rpc("hpref_load_weights", args=(state,))
         else:
             import io
@@ -389,7 +390,8 @@ class VLLMEngine(VersionedWeights):
             import torch
 
             buffer = io.BytesIO()
-            torch.save(state, buffer)
+            # vLLM's worker processes each get the whole state: read from the stage here, once
+            torch.save(dict(state.items()), buffer)
             self.llm.collective_rpc("hpref_load_weights", args=(buffer.getvalue(),))
         # the prefix cache holds KV blocks the old weights computed: a prompt seen before the
         # update would otherwise be answered from them

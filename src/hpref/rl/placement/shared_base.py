@@ -43,6 +43,7 @@ GROUP_KEYS = (
     "threads",
     "reshard_after_forward",
     "precision",
+    "activation_checkpointing",
 )
 
 #: The engine methods that act on one policy's adapter (`AdapterEngine` adds `adapter=`)

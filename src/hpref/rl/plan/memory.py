@@ -5,13 +5,14 @@ hold, counted from the policy's config on the meta device
 - trainer rank (FSDP2 over `ranks`): fp32 weights / ranks (a LoRA base too: frozen, but sharded),
   gradients and AdamW's two moments of what trains / ranks, the frozen KL reference (full
   fine-tuning with `kl_coef` > 0 or `measure_kl`; LoRA's reference is its base with the adapters
-  off), then the largest of what a step adds on top: one micro-batch's saved activations and logits
+  off), then the largest of what a step adds on top: one micro-batch's saved activations and one
+  chunk of the LM head's logits (packed rows, `micro_batch_activations`)
   (with bf16 autocast's bf16 copy of the weights, or two gathered FSDP units with several ranks),
   the optimizer step's temporaries, a weight sync's bucket;
 - engine: its weights in its dtype, its KV cache (vLLM: `kv_cache_gib` on CPU, its
   `gpu_memory_utilization` of a GPU; the transformers engine: the rollout's sequences, with every
   step's logits, which `generate` keeps) or the prompt forward's logits, whichever is larger, or a
-  sync's staged copy;
+  sync's bucket (the rest of a sync waits in a stage file, `hpref.rl.engines.staging`);
 - every actor: the process baseline, measured here (this process after importing torch,
   transformers and the trainer) plus a Ray worker's own (`RAY_WORKER_BYTES`).
 
@@ -48,8 +49,9 @@ MIB = 2**20
 RAY_WORKER_BYTES = 64 * MIB
 #: CUDA's context and kernels in each GPU process (not measured here, where there is no GPU).
 CUDA_CONTEXT_BYTES = 512 * MIB
-#: Bytes per answer token per vocabulary entry at the loss: the fp32 log-softmax autograd keeps, and
-#: in backward its gradient and the gradient of the scaled logits (three fp32 copies).
+#: Bytes per answer token per vocabulary entry of the LM head's chunk (`hpref.models.head_logprobs`):
+#: its fp32 logits, their softmax (in place, as the gradient in the backward) and the compute-dtype
+#: copy the matmul with the weights reads (three fp32-sized copies at most).
 LOGIT_BYTES = 12
 #: A micro-batch's peak resident set over the tensors autograd saves: the forward's temporaries and
 #: what the allocator keeps of them (measured on SmolLM2-135M, one 556-token micro-batch under bf16
@@ -165,21 +167,29 @@ def micro_batch_activations(
     shape: Shape, prompt: int, answers: int, groups: int, group: int, bf16: bool
 ) -> int:
     """Bytes autograd keeps for one micro-batch of `groups` prompt groups (each prompt once, its
-    `group` answers of `answers` tokens on its KV cache, as `hpref.rl.policy.group_batch`).
+    `group` answers of `answers` tokens after it, as `hpref.rl.policy.packed_batch` packs them).
 
     Per decoder position and block, counted from the saved tensors of a transformers Llama block:
     fp32: 10 hidden-wide (norms, residual, q, attention out, o_proj input), 4 intermediate-wide
     (gate, up, SiLU, product) and 2 key/value-wide; under bf16 autocast the norms and residual stay
-    fp32 (6 hidden-wide), the rest is bf16. Each answer row also keeps the keys and values of its
-    prompt and answer repeated to every head (sdpa's grouped-query repeat), and the answers' logits
-    cost `LOGIT_BYTES` per vocabulary entry."""
+    fp32 (6 hidden-wide), the rest is bf16. The packed attention (`hpref.models.attention`'s
+    `sdpa_segments`, fp32 in every forward) keeps each position's keys and values repeated to every
+    head in fp32, and under bf16 an fp32 copy of its query too. The LM head runs in chunks over the
+    answer tokens (`hpref.models.head_logprobs`): one chunk's logits at a time, `LOGIT_BYTES` per
+    vocabulary entry, and the answer positions' hidden states it reads, in fp32."""
+    from hpref.models.head_logprobs import CHUNK_ELEMENTS
+
     h, i, kv = shape.hidden, shape.intermediate, shape.kv_width
     per_position = (6 * h * 4 + (4 * h + 4 * i + 2 * kv) * 2) if bf16 else (10 * h + 4 * i + 2 * kv) * 4
     positions = groups * (prompt + group * answers)
-    rows = groups * group
-    repeated_kv = rows * (prompt + answers) * 2 * h * (2 if bf16 else 4)
-    logits = rows * answers * shape.vocab * LOGIT_BYTES
-    return shape.layers * (positions * per_position + repeated_kv) + logits
+    attention = positions * (3 if bf16 else 2) * h * 4
+    tokens = groups * group * answers
+    chunk = min(tokens, max(1, CHUNK_ELEMENTS // max(shape.vocab, 1)))
+    return (
+        shape.layers * (positions * per_position + attention)
+        + tokens * h * 4
+        + chunk * shape.vocab * LOGIT_BYTES
+    )
 
 
 def trainer_memory(
@@ -284,7 +294,11 @@ def engine_memory(
     prefill = rollout.prompts_per_rollout * prompt * shape.vocab * 4  # the prompt forward's logits
     if context is not None:  # a later turn forwards each live episode's context, up to one answer short
         prefill = max(prefill, rows * (longest - rollout.max_new_tokens) * shape.vocab * 4)
-    transients = {"generation": generation, "prompt logits": prefill, "staged sync": weights}
+    # a sync: one received bucket (a tensor larger than a bucket, the embedding, comes alone), the
+    # rest of it in the stage file until the commit reads it back a tensor at a time
+    bucket = min(int(config.weight_sync_bucket_mb * MIB), weights)
+    sync = max(bucket, shape.vocab * shape.hidden * 4)
+    transients = {"generation": generation, "prompt logits": prefill, "sync bucket": sync}
     largest = max(transients, key=lambda k: transients[k])
     return Memory({"weights": weights, largest: transients[largest], "baseline": baseline})
 

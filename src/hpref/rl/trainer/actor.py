@@ -5,9 +5,10 @@ What a step trains on and its loss are the policy's algorithm's (`hpref.rl.proto
 built by `hpref.rl.algorithms.registry`: `grpo` (`hpref.rl.algorithms.grpo`), `online-dpo`
 (`hpref.rl.algorithms.online_dpo`) or a plugin's); the trainer runs the micro-batches, the optimizer and the
 group's reductions. The
-padding maths is `hpref.rl.policy` (`group_batch`: each prompt once with its group's answers on its
-KV cache; `pad_batch` for the megatron model, which takes no cache). The policy's model is a
-transformers causal LM, or with `trainer_backend = "megatron"` a megatron-core GPTModel
+padding maths is `hpref.rl.policy` (`packed_batch`: rows without padding through the varlen
+attention path, each prompt once before its group's answers; `pad_batch` for the megatron model).
+The policy's model is a transformers causal LM, or with `trainer_backend = "megatron"` a
+megatron-core GPTModel
 (`hpref.models.megatron.causal_lm`) that computes the same log-probs and hands the engine, and a save,
 the transformers layout. Saves are `hpref.rl.trainer.state`'s. With `ranks` > 1 each rank is one
 actor of the policy's trainer group (`hpref.rl.trainer.group`, `hpref.rl.trainer.sharding`): the model sharded
@@ -118,6 +119,11 @@ class TrainerActor:
             # (with LoRA the frozen base is the start: `_reference_logprobs` turns the adapters off)
             start = self.backend.frozen_copy(self.model, self.config.model)
             self.reference = start.to(self.device).eval().requires_grad_(False)
+        if self.config.activation_checkpointing:  # after the copy: the reference runs no backward
+            from hpref.models.lm_adapters import decoder_blocks
+            from hpref.models.parallelize import checkpoint_blocks
+
+            checkpoint_blocks(decoder_blocks(self.model))  # FSDP2's units wrap these blocks, outside
         # a group's forward runs through the roots its backend shards (transformers: FSDP2,
         # `hpref.rl.trainer.sharding.shard_policy`); the KL reference is sharded the same way, so no rank
         # holds a whole copy of either. What the ranks split is the rollout's data (`data_split`).
@@ -322,9 +328,14 @@ class TrainerActor:
 
     def _micro_batches(self, prepared: TrainingRows) -> list[Batch]:
         """This rank's part of the step's rows (`hpref.rl.trainer.batches`)."""
-        pad, cache = self.tokenizer.pad_token_id, shares_prefix(self.model)
+        layout = "packed" if shares_prefix(self.model) else "padded"  # megatron: no varlen, no cache
         return rank_micro_batches(
-            prepared, pad, cache, self.config.micro_batch_tokens, self.data_ranks, self.data_rank
+            prepared,
+            self.tokenizer.pad_token_id,
+            layout,
+            self.config.micro_batch_tokens,
+            self.data_ranks,
+            self.data_rank,
         )
 
     def _reference_logprobs(self, batch: dict[str, Any], temperature: float) -> Any:

@@ -46,11 +46,10 @@ class TransformersBackend:
         return copy.deepcopy(model)
 
     def compute_dtype(self, precision: str, model: nn.Module) -> torch.dtype:
-        from hpref.models.precision import resolve_precision
+        from hpref.models.precision import ProbeShape, resolve_precision
 
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         device = next(model.parameters()).device  # CUDA where Ray gave the rank a GPU
-        return resolve_precision(precision, device, hidden)
+        return resolve_precision(precision, device, ProbeShape.of(getattr(model, "config", None)))
 
     def plain_items(self, model: nn.Module, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
         from hpref.rl.trainer.sharding import plain_items

@@ -140,8 +140,7 @@ def train_warmup(model_config: PolicyModelConfig, warmup: WarmupConfig, folder: 
     import torch
 
     from hpref.models.causal_lm import build_policy_model
-    from hpref.rl.logprobs import sequence_logprobs
-    from hpref.rl.policy import pad_batch
+    from hpref.rl.policy import completion_logprobs, pad_batch
 
     if warmup.threads:
         torch.set_num_threads(warmup.threads)
@@ -160,8 +159,8 @@ def train_warmup(model_config: PolicyModelConfig, warmup: WarmupConfig, folder: 
         batch = pad_batch(
             [p for p, _ in batch_examples], [a for _, a in batch_examples], tokenizer.pad_token_id
         )
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-        logp = sequence_logprobs(logits, batch["targets"])
+        # the trainer's own log-probs: the LM head on answer positions only, chunked (no [B, L, V] logits)
+        logp = completion_logprobs(model, batch, 1.0)
         mask = batch["mask"]
         loss = -(logp * mask).sum() / mask.sum()  # answer tokens only: the prompt is given
         optimizer.zero_grad(set_to_none=True)

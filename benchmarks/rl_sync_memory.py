@@ -1,0 +1,130 @@
+"""The engine side of a weight sync: how much a transformers engine's resident set grows while it
+takes one sync of SmolLM2-135M-Instruct in buckets, as the trainer sends it (issue #51, point 6).
+
+    .venv/bin/python -m benchmarks.rl_sync_memory [--bucket-mb 64] [--policy DIR] [--dtype float32]
+
+What runs, in a fresh process: the engine is built and answers one prompt (the libraries' first
+allocations, not measured), its freed memory is returned, the kernel's peak-RSS mark is reset
+(`/proc/self/clear_refs`), then one sync: `begin_update`, each bucket received the way the weight
+channel receives it (a fresh flat buffer of the bucket's size, cut into views, handed to
+`load_weights`), `commit_update`. Reported: the model's weights, the peak growth over the resident
+set before the sync (VmHWM), in MiB, as a multiple of the weights and of the bucket, and the time.
+
+Before #51 the engine kept every received bucket until the commit (a second copy of the weights);
+it now writes each to a stage file (`hpref.rl.engines.staging`) and reads them back one tensor at
+a time. To measure the tree before the change, run this file with that tree's `src` first on
+`PYTHONPATH`. Linux only (the resettable peak-RSS mark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+MIB = 2**20
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(f"{field}:"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+
+
+def measure(policy: str | None, bucket_mb: int, dtype: str) -> dict:
+    """One sync into a fresh engine, in this (fresh) process."""
+    import torch
+
+    from hpref.memory import release_freed_memory
+    from hpref.recipe.rl import PolicyModelConfig
+    from hpref.rl.engines.transformers_engine import EngineActor
+
+    model = PolicyModelConfig(path=policy) if policy else PolicyModelConfig(name="smollm2")
+    engine = EngineActor("a", model)
+    engine.generate([("hello there",)], 1, 2, 1.0)
+    # new values for every weight; tied ones (SmolLM2's embedding and head) share theirs, as the
+    # trainer's weights do
+    by_storage: dict[int, torch.Tensor] = {}
+    sent = {
+        n: by_storage.setdefault(t.data_ptr(), torch.randn(t.shape).to(getattr(torch, dtype)))
+        for n, t in engine.model.state_dict().items()
+    }
+    weights = sum(t.numel() * t.element_size() for t in by_storage.values())  # tied ones once
+    largest = max(t.numel() * t.element_size() for t in by_storage.values())
+    capacity = bucket_mb * MIB // torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    release_freed_memory()
+    _reset_peak()
+    settled = _status("VmRSS")
+    started = time.perf_counter()
+    engine.begin_update(1)
+    layout: list[tuple[str, tuple[int, ...]]] = []
+    used = 0
+
+    def receive() -> None:  # the channel's receive: a fresh buffer per bucket, cut into views
+        sizes = [math.prod(shape) for _, shape in layout]
+        flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype))
+        views, offset = {}, 0
+        for (name, shape), size in zip(layout, sizes, strict=True):
+            flat[offset : offset + size].copy_(sent[name].reshape(-1))
+            views[name] = flat[offset : offset + size].view(shape)
+            offset += size
+        engine.load_weights(views)
+
+    for name, tensor in sent.items():
+        if layout and used + tensor.numel() > capacity:
+            receive()
+            layout, used = [], 0
+        layout.append((name, tuple(tensor.shape)))
+        used += tensor.numel()
+    if layout:
+        receive()
+    assert engine.commit_update() == 1
+    seconds = time.perf_counter() - started
+    peak = _status("VmHWM") - settled
+    live = engine.model.state_dict()
+    assert all(torch.equal(live[n].to(t.dtype), t) for n, t in sent.items()), "the sync loaded other values"
+    return {
+        "weights_mib": weights / MIB,
+        "bucket_mib": bucket_mb,
+        "peak_growth_mib": peak / MIB,
+        "x_weights": peak / weights,
+        "x_bucket": peak / (bucket_mb * MIB),
+        "largest_tensor_mib": largest / MIB,
+        "sync_s": seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--policy", default=None, help="a causal-LM folder instead of SmolLM2")
+    parser.add_argument("--dtype", default="float32", help="the engine's weight dtype")
+    parser.add_argument("--out", default=None, help="write the result (JSON) here")
+    args = parser.parse_args(argv)
+    if not sys.platform.startswith("linux"):
+        print("skipped: needs Linux's resettable peak RSS (/proc/self/clear_refs)")
+        return 0
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got = pool.submit(measure, args.policy, args.bucket_mb, args.dtype).result(timeout=900)
+    print(
+        f"weights {got['weights_mib']:.0f} MiB, bucket {got['bucket_mib']} MiB: the engine's peak grew "
+        f"{got['peak_growth_mib']:.0f} MiB during the sync ({got['x_weights']:.2f}x the weights, "
+        f"{got['x_bucket']:.2f}x a bucket; the largest tensor, which a bucket can't split, is "
+        f"{got['largest_tensor_mib']:.0f} MiB), {got['sync_s']:.2f} s"
+    )
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(got, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
