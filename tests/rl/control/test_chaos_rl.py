@@ -1,5 +1,7 @@
 """`hpref rl` killed twice and resumed, compared bit for bit with a run never killed: the suite's
-short version of benchmarks/chaos_rl.py, through its own functions."""
+short version of benchmarks/chaos_rl.py, through its own functions, on policies that meet (the
+`signal` game: every episode is both policies', so a kill lands in the middle of their joint
+rollouts)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ ROLLOUTS = 12
 
 
 def write_recipe(folder: Path) -> Path:
-    """One LoRA policy whose trainer group has two ranks (FSDP2 over gloo), the rule reward; the
-    run's name, folder, rollouts and saves are chaos_rl's `--set`s."""
+    """Two LoRA policies playing `signal` (a speaks, b listens; the game scores its episodes), a's
+    trainer group two ranks (FSDP2 over gloo); the run's name, folder, rollouts and saves are
+    chaos_rl's `--set`s."""
     model = ", ".join(f"{k} = {v}" for k, v in TINY.items())
     path = folder / "chaos-rl.toml"
     path.write_text(
@@ -40,18 +43,26 @@ def write_recipe(folder: Path) -> Path:
         [rl.rollout]
         group_size = 2
         prompts_per_rollout = 2
-        max_new_tokens = 4
+        max_new_tokens = 1
 
         [rl.reward]
-        name = "rule"
+        name = "rule"  # read by no one: signal scores its episodes itself
+
+        [rl.environment]
+        name = "signal"
+        names = ["A", "B"]
+        roles = {{ speaker = "a", listener = "b" }}
 
         [rl.defaults]
         lr = 1e-3
         model = {{ {model} }}
+        lora = {{ r = 4 }}
 
         [rl.policies.a]
-        lora = {{ r = 4 }}
         ranks = 2
+
+        [rl.policies.b]
+        model = {{ seed = 1 }}
         """)
     )
     return path
@@ -106,10 +117,11 @@ def actors_of_the_session() -> list[tuple[int, str]]:
 
 
 def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_path, monkeypatch):
-    """One `hpref rl` run SIGKILLed twice at seeded random moments, each resumed with `--resume
-    auto`: first a trainer actor of the LoRA policy's two-rank group (once a save is recorded),
+    """One `hpref rl` run of two policies that meet SIGKILLed twice at seeded random moments, each
+    resumed with `--resume auto`: first a trainer actor (a rank of a's two-rank group, or b's one;
+    once a save is recorded),
     which the run's one line must name with the save `--resume auto` continues from, then the
-    driver (`hpref rl` itself). Its final save must equal the unkilled run's tensor for
+    driver (`hpref rl` itself). Each policy's final save must equal the unkilled run's tensor for
     tensor (the adapter's weights and every AdamW moment), every rollout trained exactly once,
     weight versions rising by one, the trainer's step counts at the record's position, and no actor
     left behind. If this fails, a resume does not restore the adapter or its optimizer state
@@ -122,7 +134,7 @@ def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_p
         cache=Path(os.environ["HPREF_CACHE"]),
         recipe=str(write_recipe(tmp_path)),
         sets={},
-        policies=["a"],
+        policies=["a", "b"],
         targets=["trainer", "leader"],
         kills=2,
         seed=SEED,
@@ -138,20 +150,22 @@ def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_p
     )
     monkeypatch.setattr(chaos_rl, "reference", reference_here)
     result = chaos_rl.run(args)
-    assert result["reference"]["positions"] == {"a": ROLLOUTS}  # the reference ran here, whole
+    assert result["reference"]["positions"]["a"] == ROLLOUTS  # the reference ran here, whole
     assert chaos_rl.failures(result) == [], chaos_rl.table(result)
     trainer, driver = result["kills"]
     assert trainer["target"] == "trainer" and driver["target"] == "leader"
     # one line naming what died and where the resume goes on (was test_actor_death's [trainer] run)
     died = re.fullmatch(
-        r"policy 'a': trainer rank [01] actor died \(\w+\); the run stopped; --resume auto continues "
-        r"from (checkpoints/rollout-\d{6}) \(.*record\.json\)",
+        r"policy '([ab])': trainer (?:rank [01] )?actor died \(\w+\); the run stopped; --resume auto "
+        r"continues from (checkpoints/rollout-\d{6}) \(.*record\.json\)",
         trainer["message"],
     )
     assert trainer["exit_code"] == 1 and died is not None, trainer
-    assert (tmp_path / "runs" / "chaos" / died.group(1) / "a" / "trainer.pt").is_file()
+    assert (tmp_path / "runs" / "chaos" / died.group(2) / died.group(1) / "trainer.pt").is_file()
     assert driver["exit_code"] == -9
-    final = result["checks"]["a"]["final_weights"]
-    # LoRA r=4 on TINY's seven linears: 14 adapter matrices, each with AdamW's step and two moments
-    assert final["equal"] is True and final["position"] == ROLLOUTS and final["tensors"] >= 14 * 3
+    for policy in ("a", "b"):  # both players of every episode, each compared with its unkilled self
+        final = result["checks"][policy]["final_weights"]
+        # LoRA r=4 on TINY's seven linears: 14 adapter matrices, each with AdamW's step and two moments
+        assert final["equal"] is True and final["tensors"] >= 14 * 3, (policy, final)
+    assert result["checks"]["a"]["final_weights"]["position"] == ROLLOUTS
     assert result["checks"]["a"]["rows"] == ROLLOUTS
