@@ -53,3 +53,39 @@ def test_a_model_class_import_skips_sklearn_and_scipy_until_a_deferred_name_is_c
         "metrics True",
         "after True True linear_sum_assignment",
     ], done.stdout
+
+
+def test_a_lora_model_builds_without_bitsandbytes_and_quantized_layers_are_still_found():
+    # Wrong if every process that builds a LoRA model still paid ~1.3 s for bitsandbytes and the
+    # inductor its CPU backend compiles with, if peft's SVD helper lost bitsandbytes, or if peft no
+    # longer recognised a bitsandbytes layer once bitsandbytes is imported (QLoRA would wrap its
+    # 4-bit layers as plain Linear ones).
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    script = textwrap.dedent(
+        """
+        import sys
+        import hpref
+        import transformers
+        from peft import LoraConfig, get_peft_model
+        config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, vocab_size=64)
+        lora_config = LoraConfig(r=2, target_modules=["q_proj"])
+        model = get_peft_model(transformers.LlamaForCausalLM(config), lora_config)
+        import peft.helpers, peft.tuners.lora.model as lora, peft.utils.quantization_utils as quant
+        print("built", "bitsandbytes" in sys.modules, lora.is_bnb_4bit_available(), quant.is_bnb_available())
+        import bitsandbytes
+        print("stand-in", peft.helpers.bnb.functional is bitsandbytes.functional)
+        print("after", lora.is_bnb_available(), lora.is_bnb_4bit_available(), quant.is_bnb_4bit_available())
+        layer = bitsandbytes.nn.Linear4bit(16, 16, bias=False)
+        print("backend", type(quant.resolve_quantization_backend(layer)).__name__)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "built False False False",
+        "stand-in True",
+        "after True True True",
+        "backend Bnb4bitBackend",
+    ], done.stdout

@@ -9,12 +9,31 @@ MiniLM extra; scipy with scikit-learn), for features hpref never uses:
 * `transformers.loss.loss_for_object_detection` and the other detection losses beside it: scipy's
   `linear_sum_assignment`, for the DETR family's matching.
 
-Together ~1.1 s of CPU in every torchrun rank, Ray actor and serve replica (measured on the 2-core
-EPYC of the README's figures: a model class's import went from 4.9 to 4.0 s of CPU). `install()`
-makes those names lazy: each module runs with its availability check answering False to that module
-alone (so it skips the import), then gets the real check back and, where the library is installed,
-a function of the same name that imports the real one on its first call. Assisted decoding and DETR's
-loss behave as before. Where a module was imported before `install()`, it is left as it is.
+and bitsandbytes, whose CPU backend `torch.compile`s at import (which imports torch's inductor):
+~1.3 s of CPU in every process that builds a LoRA model, imported where no layer can be quantized:
+
+* `peft.helpers` (by `import peft`) imports it at its top (inside `try`) for one SVD helper;
+* `peft.tuners.lora.model` and `peft.utils.quantization_utils` import it whenever they wrap a layer,
+  to ask whether the layer is one of bitsandbytes' classes: none can be while bitsandbytes is not
+  imported (quantizing a model imports it first), so they ask `is_bnb_available()` only then.
+
+Together ~2.4 s of CPU in every torchrun rank, Ray actor and serve replica (measured on the 2-core
+EPYC of the README's figures: a model class's import went from 4.9 to 4.0 s of CPU, a model class
+and peft's from 5.7 to 4.4 s). `install()` makes those names lazy. The transformers modules run with
+their availability check answering False to that module alone (so it skips the import), then get the
+real check back and, where the library is installed, a function of the same name that imports the
+real one on its first call. `peft.helpers` runs with its bitsandbytes import failing for it alone,
+then gets, where bitsandbytes is installed, a stand-in module that imports it on first use; the
+other two peft modules get checks that answer False until bitsandbytes is imported. Assisted
+decoding, DETR's loss and QLoRA behave as before (QLoRA's own modules import bitsandbytes as they
+did). Where a module was imported before `install()`, it is left as it is.
+
+One more import rule is about safety, not time: bitsandbytes >= 0.50's CPU backend, on a CPU with
+AVX512-BF16, calls the `kernels` package at import (`get_kernel("kernels-community/...")`): online
+that downloads compiled code from the Hugging Face Hub and runs it in this process, offline it
+prints a warning. transformers >= 5.25 depends on `kernels`, so every install has it. Whoever imports
+bitsandbytes (hpref's QLoRA, peft), it is imported with `kernels` hidden (`HIDDEN_WHILE_IMPORTING`):
+bitsandbytes takes its own fallback (its built-in CPU kernels) and logs why.
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 
 #: (a module or package, the availability check in transformers.utils its code asks, the library
@@ -30,6 +50,23 @@ DEFERRED = (
     ("transformers.generation.candidate_generator", "is_sklearn_available", "sklearn.metrics", "roc_curve"),
     ("transformers.loss.", "is_scipy_available", "scipy.optimize", "linear_sum_assignment"),
 )
+
+
+#: (a module, the library it imports at its top inside `try: ... except ImportError`, the name the
+#: import binds there): the module runs with that import failing for it alone, then the name is bound
+#: to a stand-in that imports the library on its first use.
+DEFERRED_IMPORTS = (("peft.helpers", "bitsandbytes", "bnb"),)
+
+#: (a module, a library, the availability checks the module binds): after the module runs, each check
+#: answers False there until the library is imported (it asks only to find the library's own classes).
+UNTIL_IMPORTED = (
+    ("peft.tuners.lora.model", "bitsandbytes", ("is_bnb_available", "is_bnb_4bit_available")),
+    ("peft.utils.quantization_utils", "bitsandbytes", ("is_bnb_available", "is_bnb_4bit_available")),
+)
+
+
+#: a library -> a module hidden while the library's own top level runs (`import` of it fails there)
+HIDDEN_WHILE_IMPORTING = {"bitsandbytes": "kernels"}
 
 
 def _rule(fullname: str):
@@ -49,16 +86,115 @@ def _on_first_call(source: str, name: str):
     return call
 
 
-class _Defer(importlib.abc.MetaPathFinder):
-    """Finds a module of `DEFERRED` as the normal path finder does, and runs its code with its
-    availability check answering False to it (and only to it)."""
+class _OnFirstUse:
+    """Stands for a module not imported yet: its first attribute read imports it."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+class _RefuseTo(importlib.abc.MetaPathFinder):
+    """Fails `import library` when the code importing it is `importer`'s own top level (a module
+    that `importer` imports meanwhile finds the library as usual)."""
+
+    def __init__(self, library: str, importer: str):
+        self.library, self.importer = library, importer
 
     def find_spec(self, fullname, path, target=None):
+        if fullname != self.library:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", __name__)):
+            frame = frame.f_back  # the import machinery's own frames (and this module's)
+        if frame is not None and frame.f_globals.get("__name__") == self.importer:
+            raise ModuleNotFoundError(f"{fullname} deferred by hpref.lazy_imports", name=fullname)
+        return None
+
+
+def _defer_import(spec, importer: str, library: str, bound: str):
+    """Make `spec`'s module run with its import of `library` failing, then bind the stand-in."""
+    run_module = spec.loader.exec_module
+
+    def exec_module(module):
+        refuse = _RefuseTo(library, importer)
+        sys.meta_path.insert(0, refuse)
+        try:
+            run_module(module)
+        finally:
+            sys.meta_path.remove(refuse)
+        if getattr(module, bound, None) is None and importlib.util.find_spec(library) is not None:
+            setattr(module, bound, _OnFirstUse(library))
+
+    spec.loader.exec_module = exec_module
+
+
+def _until_imported(spec, library: str, checks: tuple[str, ...]):
+    """Make `spec`'s module's `checks` answer False until `library` is imported."""
+    run_module = spec.loader.exec_module
+
+    def exec_module(module):
+        run_module(module)
+        for name in checks:
+            available = getattr(module, name)
+
+            def check(available=available) -> bool:
+                return library in sys.modules and available()
+
+            setattr(module, name, check)
+
+    spec.loader.exec_module = exec_module
+
+
+def _hide_while_running(spec, hidden: str):
+    """Make `spec`'s module run with `hidden` unimportable, then put `hidden` back as it was."""
+    run_module = spec.loader.exec_module
+
+    def exec_module(module):
+        before = sys.modules.get(hidden, _MISSING)
+        sys.modules[hidden] = None  # type: ignore[assignment]  # `from hidden import ...` raises
+        try:
+            run_module(module)
+        finally:
+            if before is _MISSING:
+                sys.modules.pop(hidden, None)
+            else:
+                sys.modules[hidden] = before
+
+    spec.loader.exec_module = exec_module
+
+
+_MISSING = object()
+
+
+class _Defer(importlib.abc.MetaPathFinder):
+    """Finds a module of `DEFERRED` or `DEFERRED_IMPORTS` as the normal path finder does, and runs
+    its code with its availability check answering False, or its library's import failing, to it
+    (and only to it)."""
+
+    def find_spec(self, fullname, path, target=None):
+        imports = [(library, bound) for module, library, bound in DEFERRED_IMPORTS if module == fullname]
+        until = [(library, checks) for module, library, checks in UNTIL_IMPORTED if module == fullname]
         rule = _rule(fullname)
-        if rule is None:
+        if rule is None and not imports and not until and fullname not in HIDDEN_WHILE_IMPORTING:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is None or not hasattr(spec.loader, "exec_module") or not hasattr(spec.loader, "get_source"):
+            return spec
+        if fullname in HIDDEN_WHILE_IMPORTING:
+            _hide_while_running(spec, HIDDEN_WHILE_IMPORTING[fullname])
+            return spec
+        if until:
+            (library, checks), source = until[0], spec.loader.get_source(fullname) or ""
+            if all(name in source for name in checks):
+                _until_imported(spec, *until[0])
+            return spec
+        if imports:
+            (library, bound), source = imports[0], spec.loader.get_source(fullname) or ""
+            if f"import {library} as {bound}" in source and library not in sys.modules:
+                _defer_import(spec, fullname, library, bound)
             return spec
         check_name, source, name = rule
         if f"from {source} import {name}" not in (spec.loader.get_source(fullname) or ""):

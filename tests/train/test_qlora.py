@@ -167,9 +167,10 @@ kernels.get_kernel = get_kernel
 def test_bitsandbytes_imported_through_hpref_fetches_no_hub_kernel():
     """bitsandbytes' CPU backend asks the `kernels` package for a Hub kernel when it is imported on
     an AVX512-BF16 CPU (online: downloaded code run in-process; offline: a warning on the console).
-    Plain `import peft` makes that request (else this CPU never would, and the test skips); after
-    hpref's `require_peft` it must not. If it did, an hpref run that uses LoRA would download and
-    run a stranger's code, and print a warning on every offline command."""
+    Plain `import bitsandbytes` makes that request (else this CPU never would, and the test
+    skips); after `import hpref` it must not, whoever imports bitsandbytes (peft, QLoRA). If it did,
+    an hpref run that uses LoRA would download and run a stranger's code, and print a warning on
+    every offline command."""
     pytest.importorskip("kernels")
 
     def fetched(code):
@@ -178,14 +179,13 @@ def test_bitsandbytes_imported_through_hpref_fetches_no_hub_kernel():
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
-    plain = fetched("import peft")
+    plain = fetched("import bitsandbytes")
     if plain == "[]":
         pytest.skip("bitsandbytes asks for no hub kernel on this CPU (no AVX512-BF16)")
     assert plain == "['kernels-community/quantization-bitsandbytes']"
     through_hpref = (
-        "from hpref.models.adapters import require_peft\n"
-        "require_peft()\n"
-        "import bitsandbytes, peft, sys\n"
+        "import hpref, sys\n"
+        "import bitsandbytes, peft\n"
         # hidden for bitsandbytes' import only: transformers' own `kernels` module is left in place
         "assert sys.modules['kernels'] is kernels\n"
     )

@@ -86,14 +86,11 @@ class LoraState:
 
 
 def require_peft() -> None:
-    """A one-line `UserError` when peft is missing; call it before importing peft. peft imports
-    bitsandbytes when it is installed: `load_bitsandbytes` imports it first, so that its import
-    fetches no code from the Hub and its notes go to the log files, not the console."""
+    """A one-line `UserError` when peft is missing; call it before importing peft. (peft's own
+    imports of bitsandbytes wait until a model is quantized, and then fetch no code from the Hub:
+    `hpref.lazy_imports`.)"""
     if importlib.util.find_spec("peft") is None:
         raise UserError("lora: LoRA adapters need the peft package: pip install 'hpref[lora]'")
-    from hpref.models.quantize import load_bitsandbytes
-
-    load_bitsandbytes()
 
 
 def quantize_problem(settings: LoraSection) -> str | None:

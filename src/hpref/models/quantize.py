@@ -32,6 +32,7 @@ import torch
 from loguru import logger
 from torch import nn
 
+from hpref import lazy_imports
 from hpref.errors import UserError
 
 #: bitsandbytes' quantisation type: NormalFloat4, the QLoRA paper's data type
@@ -60,14 +61,9 @@ def import_bitsandbytes() -> Any:
 
 def load_bitsandbytes() -> Any | None:
     """Import bitsandbytes when it is installed (None when not), never fetching code from the Hub;
-    idempotent. Call it before anything imports peft, which imports bitsandbytes.
-
-    Why: on a CPU with AVX512-BF16, bitsandbytes >= 0.50's CPU backend calls the `kernels` package at
-    import time (`get_kernel("kernels-community/quantization-bitsandbytes")`): online that downloads
-    compiled code from the Hugging Face Hub and runs it in this process, offline it prints a warning.
-    transformers >= 5.25 depends on `kernels`, so every install has it. With `kernels` hidden for the
-    import, bitsandbytes takes its own fallback (its built-in CPU kernels) and logs why; that note
-    and its other import-time notes go to hpref's log files (`hpref.logs.route_stdlib_logs`)."""
+    idempotent. Its import-time notes go to hpref's log files (`hpref.logs.route_stdlib_logs`), and
+    `hpref.lazy_imports` hides the `kernels` package from its import (whoever imports it: its CPU
+    backend would otherwise download compiled code from the Hugging Face Hub and run it)."""
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -75,15 +71,9 @@ def load_bitsandbytes() -> Any | None:
     from hpref.logs import route_stdlib_logs
 
     route_stdlib_logs("bitsandbytes")
-    kernels = sys.modules.get("kernels")
-    sys.modules["kernels"] = None  # type: ignore[assignment]  # `from kernels import ...` raises
-    try:
-        import bitsandbytes
-    finally:
-        if kernels is None:
-            del sys.modules["kernels"]
-        else:
-            sys.modules["kernels"] = kernels
+    lazy_imports.install()  # already, where hpref was imported first; idempotent
+    import bitsandbytes
+
     return bitsandbytes
 
 
