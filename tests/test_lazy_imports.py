@@ -89,3 +89,20 @@ def test_a_lora_model_builds_without_bitsandbytes_and_quantized_layers_are_still
         "after True True True",
         "backend Bnb4bitBackend",
     ], done.stdout
+
+
+def test_the_package_map_transformers_reads_at_import_is_the_standard_librarys():
+    # Wrong if transformers (every process's import) saw another package -> distribution mapping
+    # than `importlib.metadata.packages_distributions()` gives: it decides from it which optional
+    # libraries are installed, and under what distribution name.
+    import importlib.metadata
+
+    from hpref.lazy_imports import packages_distributions
+
+    standard = importlib.metadata.packages_distributions()
+    assert len(standard) > 50  # this venv's packages, not an empty comparison
+    assert packages_distributions() == standard
+    import transformers.utils.import_utils as import_utils
+
+    assert standard == import_utils.PACKAGE_DISTRIBUTION_MAPPING
+    assert importlib.metadata.packages_distributions is not packages_distributions  # put back

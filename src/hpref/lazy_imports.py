@@ -28,6 +28,12 @@ other two peft modules get checks that answer False until bitsandbytes is import
 decoding, DETR's loss and QLoRA behave as before (QLoRA's own modules import bitsandbytes as they
 did). Where a module was imported before `install()`, it is left as it is.
 
+transformers' `transformers.utils.import_utils` (and TRL's) maps every installed package to its
+distribution at import (`importlib.metadata.packages_distributions()`, ~0.35 s of CPU over this venv's
+~125 distributions, mostly `pathlib` objects for each of ~48,000 RECORD lines): while they import,
+that function is `packages_distributions` here, the same mapping read from the same files as text
+(~0.15 s).
+
 One more import rule is about safety, not time: bitsandbytes >= 0.50's CPU backend, on a CPU with
 AVX512-BF16, calls the `kernels` package at import (`get_kernel("kernels-community/...")`): online
 that downloads compiled code from the Hugging Face Hub and runs it in this process, offline it
@@ -43,6 +49,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from collections import defaultdict
 
 #: (a module or package, the availability check in transformers.utils its code asks, the library
 #: module it then imports from, the name). A module there whose source has that import is deferred.
@@ -67,6 +74,75 @@ UNTIL_IMPORTED = (
 
 #: a library -> a module hidden while the library's own top level runs (`import` of it fails there)
 HIDDEN_WHILE_IMPORTING = {"bitsandbytes": "kernels"}
+
+
+#: modules that call `importlib.metadata.packages_distributions()` at import: they get ours
+TEXT_PACKAGE_MAP = ("transformers.utils.import_utils", "trl.import_utils")
+
+
+def packages_distributions() -> dict[str, list[str]]:
+    """`importlib.metadata.packages_distributions()` (Python 3.11's), the same mapping in the same
+    order: each distribution's `top_level.txt`, else the `.py` files its RECORD lists (an egg-info
+    install: the standard library's own reading), and its `Name` from the METADATA headers."""
+    import importlib.metadata as metadata
+
+    mapping: defaultdict[str, list[str]] = defaultdict(list)
+    for dist in metadata.distributions():
+        packages = (dist.read_text("top_level.txt") or "").split() or _top_level_inferred(dist)
+        if packages:
+            name = _name(dist)
+            for package in packages:
+                mapping[package].append(name)
+    return dict(mapping)
+
+
+def _top_level_inferred(dist) -> set[str]:
+    """What `importlib.metadata._top_level_inferred` finds, from RECORD's text: the first part of
+    each `.py` file's path (`PurePosixPath.parts`: no empty or `.` parts), or its stem."""
+    import csv
+    import importlib.metadata as metadata
+
+    record = dist.read_text("RECORD")
+    if record is None:
+        return metadata._top_level_inferred(dist)
+    names = set()
+    for row in csv.reader(record.splitlines()):
+        if not row:
+            continue
+        parts = [part for part in row[0].split("/") if part not in ("", ".")]
+        if row[0].startswith("/"):
+            parts.insert(0, "/")
+        if parts and parts[-1].endswith(".py") and len(parts[-1]) > 3:  # PurePath.suffix == ".py"
+            names.add(parts[0] if len(parts) > 1 else parts[-1][:-3])
+    return names
+
+
+def _name(dist) -> str:
+    """The distribution's first `Name:` header (`dist.metadata["Name"]` without the email parser)."""
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO")
+    for line in (text or "").splitlines():
+        if not line:
+            break  # the headers end at the first blank line
+        if line[:5].lower() == "name:":
+            return line[5:].strip()
+    return dist.metadata["Name"]
+
+
+def _with_text_package_map(spec):
+    """Make `spec`'s module run with `packages_distributions` as `importlib.metadata`'s."""
+    import importlib.metadata as metadata
+
+    run_module = spec.loader.exec_module
+
+    def exec_module(module):
+        standard = metadata.packages_distributions
+        metadata.packages_distributions = packages_distributions
+        try:
+            run_module(module)
+        finally:
+            metadata.packages_distributions = standard
+
+    spec.loader.exec_module = exec_module
 
 
 def _rule(fullname: str):
@@ -178,10 +254,14 @@ class _Defer(importlib.abc.MetaPathFinder):
         imports = [(library, bound) for module, library, bound in DEFERRED_IMPORTS if module == fullname]
         until = [(library, checks) for module, library, checks in UNTIL_IMPORTED if module == fullname]
         rule = _rule(fullname)
-        if rule is None and not imports and not until and fullname not in HIDDEN_WHILE_IMPORTING:
+        special = fullname in HIDDEN_WHILE_IMPORTING or fullname in TEXT_PACKAGE_MAP
+        if rule is None and not imports and not until and not special:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         if spec is None or not hasattr(spec.loader, "exec_module") or not hasattr(spec.loader, "get_source"):
+            return spec
+        if fullname in TEXT_PACKAGE_MAP:
+            _with_text_package_map(spec)
             return spec
         if fullname in HIDDEN_WHILE_IMPORTING:
             _hide_while_running(spec, HIDDEN_WHILE_IMPORTING[fullname])
