@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,40 @@ def test_the_package_map_transformers_reads_at_import_is_the_standard_librarys()
 
     assert standard == import_utils.PACKAGE_DISTRIBUTION_MAPPING
     assert importlib.metadata.packages_distributions is not packages_distributions  # put back
+
+
+def test_transformers_models_structure_is_cached_per_file_state_and_equals_the_scan(tmp_path, monkeypatch):
+    # Wrong if every process still read ~2,400 files at `import transformers` (the cache never hit),
+    # if an edited or upgraded transformers kept a stale structure (a model class missing or in the
+    # wrong file), if a path other than `transformers/models` were cached, or if an unwritable cache
+    # broke the import.
+    from hpref.lazy_imports import cached_structure
+
+    models = tmp_path / "site" / "transformers" / "models"
+    (models / "llama").mkdir(parents=True)
+    (models / "llama" / "modeling_llama.py").write_text("__all__ = ['A']\n")
+    (models / "__init__.py").write_text("")
+    calls = []
+
+    def scan(path):
+        calls.append(str(path))
+        return {"llama": {"files": sorted(p.name for p in (models / "llama").iterdir())}}
+
+    monkeypatch.setenv("HPREF_CACHE", str(tmp_path / "cache"))
+    first = cached_structure(scan)(models)
+    assert calls == [str(models)] and list((tmp_path / "cache" / "transformers").glob("models-*.pickle"))
+    again = cached_structure(scan)  # a new process: only the cache file is shared
+    assert again(models / "__init__.py") == first and again(str(models)) == first and len(calls) == 1
+    (models / "llama" / "modeling_llama.py").write_text("__all__ = ['A', 'B']\n")  # an edit: size differs
+    assert cached_structure(scan)(models) == first and len(calls) == 2
+    other = tmp_path / "site" / "transformers" / "other"
+    assert cached_structure(scan)(other) == first and calls[-1] == str(other)  # not cached: scanned
+    monkeypatch.setenv("HPREF_CACHE", "/proc/no-such-cache")  # unwritable
+    assert cached_structure(scan)(models) == first and len(calls) == 4
+
+    import transformers
+    import transformers.utils.import_utils as import_utils
+
+    folder = str(Path(transformers.__file__).parent / "models")
+    scanned = import_utils.create_import_structure_from_path.__wrapped__(folder)
+    assert import_utils.create_import_structure_from_path(folder) == scanned

@@ -32,7 +32,10 @@ transformers' `transformers.utils.import_utils` (and TRL's) maps every installed
 distribution at import (`importlib.metadata.packages_distributions()`, ~0.35 s of CPU over this venv's
 ~125 distributions, mostly `pathlib` objects for each of ~48,000 RECORD lines): while they import,
 that function is `packages_distributions` here, the same mapping read from the same files as text
-(~0.15 s).
+(~0.15 s). And `import transformers` reads the `__all__` of each of the ~2,400 files under
+`transformers/models` to build its lazy import structure (~0.25 s): that structure is cached in
+`$HPREF_CACHE` (`~/.cache/hpref`), keyed by those files' names, sizes and modification times (~0.03 s
+to check), so an upgrade or an edited file rebuilds it.
 
 One more import rule is about safety, not time: bitsandbytes >= 0.50's CPU backend, on a CPU with
 AVX512-BF16, calls the `kernels` package at import (`get_kernel("kernels-community/...")`): online
@@ -129,7 +132,8 @@ def _name(dist) -> str:
 
 
 def _with_text_package_map(spec):
-    """Make `spec`'s module run with `packages_distributions` as `importlib.metadata`'s."""
+    """Make `spec`'s module run with `packages_distributions` as `importlib.metadata`'s; in
+    transformers' module, cache the `models` import structure (`cached_structure`)."""
     import importlib.metadata as metadata
 
     run_module = spec.loader.exec_module
@@ -141,8 +145,65 @@ def _with_text_package_map(spec):
             run_module(module)
         finally:
             metadata.packages_distributions = standard
+        scan = getattr(module, "create_import_structure_from_path", None)
+        if module.__name__ == "transformers.utils.import_utils" and callable(scan):
+            module.create_import_structure_from_path = cached_structure(scan)
 
     spec.loader.exec_module = exec_module
+
+
+#: bump when the cached structure's layout (transformers' own) could differ for the same files
+STRUCTURE_FORMAT = 1
+
+
+def cached_structure(scan):
+    """`scan` (transformers' `create_import_structure_from_path`), its answer for the `models`
+    folder (or its `__init__.py`) read from and written to the cache; any other path, an unreadable
+    entry or an unwritable cache: `scan` itself."""
+    import functools
+    import hashlib
+    import os
+    import pickle
+
+    @functools.lru_cache
+    def models_structure(folder: str):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(f"{STRUCTURE_FORMAT} {folder}".encode())
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    stat = os.stat(os.path.join(root, name))
+                    digest.update(f"{root}/{name} {stat.st_size} {stat.st_mtime_ns}\n".encode())
+        from hpref.cache_root import cache_root
+
+        path = cache_root() / "transformers" / f"models-{digest.hexdigest()}.pickle"
+        try:
+            return pickle.loads(path.read_bytes())
+        except Exception:  # absent, torn or foreign: rebuilt below
+            pass
+        structure = scan(folder)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.{os.getpid()}")
+            temporary.write_bytes(pickle.dumps(structure))
+            os.replace(temporary, path)  # readers see a whole file or none
+        except OSError:
+            pass
+        return structure
+
+    @functools.wraps(scan)
+    def structure(module_path):
+        path = os.fspath(module_path)
+        folder = os.path.dirname(path) if os.path.isfile(path) else path
+        if (
+            os.path.basename(folder) == "models"
+            and os.path.basename(os.path.dirname(folder)) == "transformers"
+        ):
+            return models_structure(folder)
+        return scan(module_path)
+
+    return structure
 
 
 def _rule(fullname: str):

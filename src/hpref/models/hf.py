@@ -138,7 +138,7 @@ def gguf_folder(file: Path, kind: GgufKind = "base") -> Path:
     """
     from filelock import FileLock  # a dependency of huggingface_hub, so of transformers
 
-    from hpref.models.tokenizer import cache_root
+    from hpref.cache_root import cache_root
 
     root = cache_root() / "gguf"
     suffix = "" if kind == "base" else f"-{kind}"

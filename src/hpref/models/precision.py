@@ -165,7 +165,7 @@ def measured_here() -> dict[ProbeShape, ProbeResult]:
 
 def cache_path() -> Path:
     """`$HPREF_CACHE/precision.json`, else `~/.cache/hpref/precision.json`."""
-    from hpref.models.tokenizer import cache_root
+    from hpref.cache_root import cache_root
 
     return cache_root() / CACHE_FILE
 

@@ -20,10 +20,10 @@ import random
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
-CACHE_ENV = "HPREF_CACHE"
+from hpref.cache_root import cache_root
+
 TOKENIZER_FORMAT = 3  # bump when training or the saved chat template changes: old caches must not be reused
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -45,12 +45,6 @@ CHAT_TEMPLATE = (
 )
 
 TextSource = Callable[[int, int], Iterable[str]]  # (n, seed) -> texts
-
-
-def cache_root() -> Path:
-    """`$HPREF_CACHE`, else `~/.cache/hpref`."""
-    value = os.environ.get(CACHE_ENV)
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "hpref"
 
 
 def default_text_source() -> tuple[str, TextSource]:

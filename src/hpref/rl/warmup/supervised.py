@@ -90,7 +90,7 @@ def cache_key(model: PolicyModelConfig, warmup: WarmupConfig, lora: LoraSection 
 def checkpoint_folder(
     model: PolicyModelConfig, warmup: WarmupConfig, lora: LoraSection | None = None
 ) -> Path:
-    from hpref.models.tokenizer import cache_root
+    from hpref.cache_root import cache_root
 
     return cache_root() / "rl-warmup" / cache_key(model, warmup, lora)
 
