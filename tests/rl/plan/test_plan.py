@@ -29,7 +29,15 @@ from hpref.rl.rollout_types import rollout_of_tokens
 from tests.rl.tiny import TINY, write_rl_recipe
 
 SHAPE = Shape(
-    params=1000, trainable=1000, largest_unit=300, hidden=8, intermediate=16, layers=2, kv_width=4, vocab=50
+    params=1000,
+    trainable=1000,
+    largest_unit=300,
+    hidden=8,
+    intermediate=16,
+    heads=2,
+    layers=2,
+    kv_width=4,
+    vocab=50,
 )
 ROLLOUT = RolloutConfig(group_size=2, prompts_per_rollout=4, max_new_tokens=3)
 
@@ -439,3 +447,28 @@ def test_engine_estimate_bounds_a_measured_engine():
     assert 0.95 * (weights + m["cache"]) <= m["generation"] <= 1.05 * estimate, got
     assert m["sync"] < 0.25 * weights, got  # measured 0.11x: the read-back's tensors and the allocator
     assert estimate >= max(m["generation"], weights + m["sync"]), got
+
+
+def test_auto_plans_bf16_only_where_the_precision_probe_decided_it(monkeypatch, tmp_path):
+    # Wrong if `--plan` still guessed bf16 from CPU flags (the guess #51 replaced: on some CPUs fp32
+    # is faster and `auto` trains in it, with larger activations than the plan then counted), or if
+    # it ran the probe itself (seconds of a dry run, and the cluster's nodes may differ).
+    import hpref.models.precision as precision
+    from hpref.rl.plan.memory import planned_bf16
+
+    wide = Shape(**{**SHAPE.__dict__, "hidden": 576, "intermediate": 1536, "heads": 9})
+    monkeypatch.setattr(precision, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(precision, "probe_timings", lambda shape: pytest.fail("the plan probed"))
+    monkeypatch.setenv("HPREF_CACHE", str(tmp_path))
+    monkeypatch.delenv(precision.PIN_ENV, raising=False)
+    assert planned_bf16("auto", wide, gpu=True) and planned_bf16("bf16", wide, gpu=False)
+    assert not planned_bf16("fp32", wide, gpu=True)
+    assert not planned_bf16("auto", wide, gpu=False)  # not measured here: fp32, the larger
+    key = precision.machine_key(precision.ProbeShape(576, 1536, 9))
+    precision._write_cache(key, {"dtype": "bf16", "fp32_s": 0.2, "bf16_s": 0.1})
+    assert planned_bf16("auto", wide, gpu=False)
+    precision._write_cache(key, {"dtype": "fp32", "fp32_s": 0.1, "bf16_s": 0.2})
+    assert not planned_bf16("auto", wide, gpu=False)
+    assert not planned_bf16("auto", SHAPE, gpu=False)  # narrower than 256: fp32, known
+    monkeypatch.setenv(precision.PIN_ENV, "bf16")
+    assert planned_bf16("auto", wide, gpu=False)

@@ -72,9 +72,24 @@ class Shape:
     largest_unit: int  # an FSDP unit: the largest decoder block, or the root (embeddings, norm, head)
     hidden: int
     intermediate: int
+    heads: int  # attention heads (the precision probe's shape)
     layers: int
     kv_width: int  # key/value heads x head size
     vocab: int
+
+
+def planned_bf16(precision: str, shape: Shape, *, gpu: bool) -> bool:
+    """Whether a trainer of `precision` computes under bf16 autocast: `auto` on a GPU does; on a CPU,
+    what the precision probe decided on this machine (`hpref.models.precision`: pinned, known or
+    cached; the plan never probes), and where it has not run, fp32 (the larger activations)."""
+    if precision != "auto":
+        return precision == "bf16"
+    if gpu:
+        return True
+    from hpref.models.precision import ProbeShape, auto_precision
+
+    probe = ProbeShape(shape.hidden, shape.intermediate, shape.heads)
+    return auto_precision(probe, measure=False).dtype_name == "bf16"
 
 
 def model_shape(policy: PolicyConfig) -> Shape:
@@ -99,6 +114,7 @@ def model_shape(policy: PolicyConfig) -> Shape:
         largest_unit=max(block, params - in_blocks),
         hidden=config.hidden_size,
         intermediate=config.intermediate_size,
+        heads=heads,
         layers=config.num_hidden_layers,
         kv_width=getattr(config, "num_key_value_heads", heads) * head_dim,
         vocab=config.vocab_size,

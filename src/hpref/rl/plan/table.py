@@ -27,6 +27,7 @@ from hpref.rl.plan.memory import (
     engine_memory,
     episode_context,
     model_shape,
+    planned_bf16,
     process_baseline,
     roles_played,
     seated,
@@ -75,7 +76,6 @@ def plan_rows(
     baseline: int,
 ) -> list[Row]:
     """Every actor, where PACK puts it and its memory; the rollout executor last."""
-    from hpref.models.precision import cpu_has_fast_bf16
     from hpref.rl.placement.shared_base import placement_order
 
     # a shared base (`rl.share_base`): the leader's engine and trainer serve every policy
@@ -117,8 +117,7 @@ def plan_rows(
                 )
             else:
                 gpu = ask.gpus > 0
-                wide = shape.hidden >= 256 and cpu_has_fast_bf16()  # hpref.models.precision's rule
-                bf16 = policy.precision == "bf16" or (policy.precision == "auto" and (gpu or wide))
+                bf16 = planned_bf16(policy.precision, shape, gpu=gpu)
                 memory = trainer_memory(
                     policy,
                     shape,
