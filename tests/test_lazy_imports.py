@@ -147,3 +147,31 @@ def test_transformers_models_structure_is_cached_per_file_state_and_equals_the_s
     folder = str(Path(transformers.__file__).parent / "models")
     scanned = import_utils.create_import_structure_from_path.__wrapped__(folder)
     assert import_utils.create_import_structure_from_path(folder) == scanned
+
+
+def test_a_deferred_import_binds_a_stand_in_that_imports_the_library_on_first_use(tmp_path, monkeypatch):
+    # Wrong if a module of `DEFERRED_IMPORTS` changed its import (the rule would silently stop
+    # deferring: vLLM's engines would pay ~1 s for scipy.signal again, peft's LoRA ~1.3 s for
+    # bitsandbytes), if the module kept its own "not installed" placeholder for an installed library
+    # (its feature would fail), or if the library were imported before its first use.
+    import importlib.util
+
+    import hpref.lazy_imports as lazy
+
+    for module, library, bound in lazy.DEFERRED_IMPORTS:
+        top = importlib.util.find_spec(module.split(".")[0])  # the package, not the module: no import
+        if top is not None:
+            source = Path(top.submodule_search_locations[0], *module.split(".")[1:]).with_suffix(".py")
+            assert f"import {library} as {bound}" in source.read_text(), module
+    (tmp_path / "fakeheavy.py").write_text("VALUE = 42\n")
+    (tmp_path / "fakeaudio.py").write_text(
+        "try:\n    import fakeheavy as heavy\nexcept ImportError:\n    heavy = 'not installed'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(lazy, "DEFERRED_IMPORTS", (("fakeaudio", "fakeheavy", "heavy"),))
+    import fakeaudio
+
+    assert "fakeheavy" not in sys.modules and type(fakeaudio.heavy).__name__ == "_OnFirstUse"
+    assert fakeaudio.heavy.VALUE == 42 and "fakeheavy" in sys.modules
+    for name in ("fakeaudio", "fakeheavy"):
+        sys.modules.pop(name, None)

@@ -23,7 +23,8 @@ and peft's from 5.7 to 4.4 s). `install()` makes those names lazy. The transform
 their availability check answering False to that module alone (so it skips the import), then get the
 real check back and, where the library is installed, a function of the same name that imports the
 real one on its first call. `peft.helpers` runs with its bitsandbytes import failing for it alone,
-then gets, where bitsandbytes is installed, a stand-in module that imports it on first use; the
+then gets, where bitsandbytes is installed, a stand-in module that imports it on first use (and
+so does vLLM's `vllm.multimodal.audio` for scipy.signal, ~1 s of every vLLM engine's start); the
 other two peft modules get checks that answer False until bitsandbytes is imported. Assisted
 decoding, DETR's loss and QLoRA behave as before (QLoRA's own modules import bitsandbytes as they
 did). Where a module was imported before `install()`, it is left as it is.
@@ -65,7 +66,11 @@ DEFERRED = (
 #: (a module, the library it imports at its top inside `try: ... except ImportError`, the name the
 #: import binds there): the module runs with that import failing for it alone, then the name is bound
 #: to a stand-in that imports the library on its first use.
-DEFERRED_IMPORTS = (("peft.helpers", "bitsandbytes", "bnb"),)
+DEFERRED_IMPORTS = (
+    ("peft.helpers", "bitsandbytes", "bnb"),
+    # vLLM's audio resampling (a text-only engine never resamples): ~1 s of every engine's start
+    ("vllm.multimodal.audio", "scipy.signal", "scipy_signal"),
+)
 
 #: (a module, a library, the availability checks the module binds): after the module runs, each check
 #: answers False there until the library is imported (it asks only to find the library's own classes).
@@ -262,7 +267,8 @@ def _defer_import(spec, importer: str, library: str, bound: str):
             run_module(module)
         finally:
             sys.meta_path.remove(refuse)
-        if getattr(module, bound, None) is None and importlib.util.find_spec(library) is not None:
+        # the module bound its stand-in for a missing library (None, a placeholder): it is installed
+        if importlib.util.find_spec(library) is not None:
             setattr(module, bound, _OnFirstUse(library))
 
     spec.loader.exec_module = exec_module
