@@ -156,7 +156,7 @@ def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_p
     assert trainer["target"] == "trainer" and driver["target"] == "leader"
     # one line naming what died and where the resume goes on (was test_actor_death's [trainer] run)
     died = re.fullmatch(
-        r"policy '([ab])': trainer (?:rank [01] )?actor died \(\w+\); the run stopped; --resume auto "
+        r"policy '([ab])': trainer (?:rank [01] )?actor died \([^()]+\); the run stopped; --resume auto "
         r"continues from (checkpoints/rollout-\d{6}) \(.*record\.json\)",
         trainer["message"],
     )
