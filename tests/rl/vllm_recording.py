@@ -13,8 +13,8 @@ from hpref.rl.engines.vllm_engine import VLLMEngine, WeightLoader
 class RecordingLoader(WeightLoader):
     """`WeightLoader` that notes the dtypes of each load before vLLM's reload takes it."""
 
-    def hpref_load_weights(self, state: dict[str, Any] | bytes) -> None:
-        state = self.hpref_state(state)
+    def hpref_load_weights(self, state: Any) -> None:
+        # each tensor as the worker reads it (by reference, or from the engine's stage file)
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values()})
         self.hpref_loads = [*getattr(self, "hpref_loads", []), dtypes]
         super().hpref_load_weights(state)

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpref.rl.engines.staging import ALIGN, StagedUpdate  # noqa: E402
+from hpref.rl.engines.staging import ALIGN, StagedUpdate, StageHandle  # noqa: E402
 
 
 def anon_bytes() -> int:
@@ -88,6 +88,37 @@ def test_staged_parts_wait_outside_the_engines_memory(tmp_path, monkeypatch):
     del read
     assert alive() is None
     stage.close()
+
+
+def _sums_in_another_process(handle) -> dict[str, tuple[str, list[int], float]]:
+    """What a vLLM worker process does with a stage's handle: open it, read each tensor."""
+    with handle.opened() as state:
+        return {n: (str(t.dtype), list(t.shape), float(t.double().sum())) for n, t in state.items()}
+
+
+def test_another_process_reads_the_stage_through_its_handle_and_nothing_is_left(tmp_path, monkeypatch):
+    """The handle (what an RPC to vLLM's tensor-parallel workers carries: a path and the entries, no
+    tensors) opens the stage in a spawned process, whose reads give back every tensor; once the
+    stage closes, nothing is left. If this fails, a tensor-parallel engine's workers could not load
+    a sync, or each would need the whole state serialised again (a model's copy per process)."""
+    import json
+    import multiprocessing
+
+    monkeypatch.setenv("HPREF_STAGE_DIR", str(tmp_path))
+    want = {"w": torch.arange(12.0).reshape(3, 4), "h": torch.ones(5, dtype=torch.bfloat16) / 3}
+    stage = StagedUpdate(version=2)
+    stage.add(want)
+    handle = stage.handle()
+    wire = handle.wire()  # what vLLM's RPC (msgpack) carries: strings, ints, lists; no tensor
+    assert len(json.dumps(wire)) < 1024 and StageHandle.from_wire(*json.loads(json.dumps(wire))) == handle
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        got = pool.apply(_sums_in_another_process, (handle,))
+    assert got == {n: (str(t.dtype), list(t.shape), float(t.double().sum())) for n, t in want.items()}
+    stage.close()
+    if sys.platform.startswith("linux"):  # the open file's own path: nothing on disk at any time
+        assert handle.path.startswith(f"/proc/{os.getpid()}/fd/") and os.listdir(tmp_path) == []
+    else:
+        assert not os.path.exists(handle.path)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's resettable peak RSS")

@@ -11,6 +11,12 @@ tensor from the file when asked for it), so the swap holds one tensor beyond the
 pass through the page cache, which the kernel can drop, never the process's own memory. The file
 is unlinked as soon as it is opened: a killed engine leaves nothing on disk.
 
+An engine whose model lives in other processes (vLLM at tensor parallel > 1: its worker processes)
+hands them the stage's `handle()`, a path to the open file (`/proc/<pid>/fd/<n>` on Linux: the file
+has no name of its own) and the entries, and each worker reads the tensors from the file one at a
+time (`StageHandle.opened`): no process holds the whole state, where serialising it for every worker
+held it in the engine and once more in each worker.
+
 `HPREF_STAGE_DIR` (else the system's temporary folder) says where the files go: it needs room for one
 model in the engine's dtype per engine syncing at once.
 """
@@ -21,7 +27,9 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +39,9 @@ STAGE_DIR_ENV = "HPREF_STAGE_DIR"
 
 #: each tensor starts at a multiple of this many bytes in the file (a read lands whole pages)
 ALIGN = 64
+
+#: a staged tensor's place in the file: (offset, shape, dtype)
+Entry = tuple[int, tuple[int, ...], "torch.dtype"]
 
 
 class StagedUpdate:
@@ -49,7 +60,7 @@ class StagedUpdate:
         if sys.platform.startswith("linux"):  # the open file stays readable: the name can go at once
             os.unlink(path)
             self._owned = None
-        self.entries: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        self.entries: dict[str, Entry] = {}
         self.size = 0
 
     def add(self, state: dict[str, Any]) -> None:
@@ -75,23 +86,17 @@ class StagedUpdate:
 
     def read(self, name: str) -> torch.Tensor:
         """The staged value of `name`, read into a tensor of its own."""
-        import torch
-
-        offset, shape, dtype = self.entries[name]
-        out = torch.empty(shape, dtype=dtype)
-        if out.numel():
-            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-            self._file.seek(offset)
-            done = 0
-            while done < len(view):  # a read may stop short of what was asked
-                got = self._file.readinto(view[done:])
-                if not got:
-                    raise OSError(f"the weight stage ended {len(view) - done} bytes short in '{name}'")
-                done += got
-        return out
+        return _read(self._file, name, self.entries[name])
 
     def state(self) -> StagedState:
-        return StagedState(self)
+        return StagedState(self._file, self.entries, self)
+
+    def handle(self) -> StageHandle:
+        """What another process on this machine needs to read the stage (see the module docstring);
+        valid until the stage is closed."""
+        self._file.flush()
+        path = f"/proc/{os.getpid()}/fd/{self._file.fileno()}" if self._owned is None else self._owned
+        return StageHandle(path, dict(self.entries))
 
     def close(self) -> None:
         self._file.close()
@@ -103,16 +108,67 @@ class StagedUpdate:
 class StagedState(Mapping):
     """A commit's state dict: the staged names, each tensor read from the stage when it is asked
     for and not kept, so a loader that copies tensor by tensor (both built-in engines) holds one
-    at a time. Valid until the stage is closed."""
+    at a time. Valid until the stage is closed. `stage`: the `StagedUpdate` it reads, in the
+    engine's process (None in a process that opened a `StageHandle`)."""
 
-    def __init__(self, stage: StagedUpdate) -> None:
-        self._stage = stage
+    def __init__(self, file: IO[bytes], entries: dict[str, Entry], stage: StagedUpdate | None = None) -> None:
+        self._file, self._entries, self.stage = file, entries, stage
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._stage.read(name)
+        return _read(self._file, name, self._entries[name])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._stage.entries)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._stage.entries)
+        return len(self._entries)
+
+
+@dataclass(frozen=True)
+class StageHandle:
+    """A stage as another process reads it: the path to its open file and its entries (small: what
+    an RPC to vLLM's worker processes carries instead of the tensors, as `wire()`'s plain values,
+    since vLLM's RPC encodes msgpack, which knows no `torch.dtype`)."""
+
+    path: str
+    entries: dict[str, Entry]
+
+    def wire(self) -> tuple[str, dict[str, tuple[int, list[int], str]]]:
+        """(path, entries) in strings, ints and lists: `from_wire` rebuilds the handle."""
+        return self.path, {
+            n: (offset, list(shape), str(dtype).removeprefix("torch."))
+            for n, (offset, shape, dtype) in self.entries.items()
+        }
+
+    @classmethod
+    def from_wire(cls, path: str, entries: dict[str, Any]) -> StageHandle:
+        import torch
+
+        return cls(
+            path,
+            {n: (int(o), tuple(shape), getattr(torch, dtype)) for n, (o, shape, dtype) in entries.items()},
+        )
+
+    @contextmanager
+    def opened(self) -> Iterator[StagedState]:
+        """The stage's state, read from the file tensor by tensor, while the block runs."""
+        with open(self.path, "rb", buffering=0) as file:
+            yield StagedState(file, self.entries)
+
+
+def _read(file: IO[bytes], name: str, entry: Entry) -> torch.Tensor:
+    """The tensor `entry` places in `file`, read into a tensor of its own."""
+    import torch
+
+    offset, shape, dtype = entry
+    out = torch.empty(shape, dtype=dtype)
+    if out.numel():
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        file.seek(offset)
+        done = 0
+        while done < len(view):  # a read may stop short of what was asked
+            got = file.readinto(view[done:])
+            if not got:
+                raise OSError(f"the weight stage ended {len(view) - done} bytes short in '{name}'")
+            done += got
+    return out

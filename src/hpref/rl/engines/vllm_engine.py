@@ -33,8 +33,10 @@ How it is wired, and why:
   too (`hpref.logs.divert_output`), so that Ray forwards hpref's own lines only.
 - **In the actor's process** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `uni` executor) at tensor parallel
   1: the state dict reaches the model by reference, with no second process holding a second copy.
-  With `tensor_parallel_size > 1` vLLM starts its own worker processes (`mp` executor) and the
-  update is sent to each of them.
+  With `tensor_parallel_size > 1` vLLM starts its own worker processes (`mp` executor), and each
+  reads the update from the engine's stage file tensor by tensor (`hpref.rl.engines.staging.StageHandle`,
+  the start weights staged the same way): the RPC carries names and offsets, no process holds the
+  whole state.
 - **Log-probs at the sampling temperature** (`logprobs_mode = "processed_logprobs"`), as the trainer
   computes them; greedy answers get the unscaled ones, as in the transformers engine. With `top_k`,
   `top_p`, `min_p` or a `repetition_penalty` vLLM reports the log-prob under the processed
@@ -60,13 +62,14 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hpref.hookspecs import hookimpl
 from hpref.recipe.rl import PolicyModelConfig
 from hpref.recipe.rl_sampling import KNOBS_OFF
 from hpref.rl.engines.requests import generation_result
+from hpref.rl.engines.staging import StagedState, StagedUpdate, StageHandle
 from hpref.rl.engines.versioned import VersionedWeights
 from hpref.rl.engines.vllm_config import VLLMEngineConfig
 from hpref.rl.policy import apply_env, stop_token_ids, trim_completion
@@ -136,24 +139,18 @@ class WeightLoader:
     """vLLM worker extension (`worker_extension_cls`): its methods are added to every vLLM worker, so
     `LLM.collective_rpc("hpref_load_weights", ...)` runs on each of them."""
 
-    def hpref_load_weights(self, state: dict[str, Any] | bytes) -> None:
+    def hpref_load_weights(self, state: Mapping[str, Any]) -> None:
+        """A worker in the engine's process: the state by reference."""
         # vLLM's in-place reload: checkpoint names (q/k/v, gate/up are fused by the model's own
         # loader), processed after loading as at start-up; tensors as given (in the engine's dtype:
-        # `VLLMEngine` refuses others)
-        state = self.hpref_state(state)
+        # `VLLMEngine` refuses others), taken one at a time from the mapping
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
 
-    @staticmethod
-    def hpref_state(state: dict[str, Any] | bytes) -> dict[str, Any]:
-        """The state dict a load was handed. Bytes: as `torch.save` wrote it, for workers in other
-        processes (vLLM's RPC turns tensors into lists); tensors only, so `weights_only` is safe."""
-        if isinstance(state, bytes):
-            import io
-
-            import torch
-
-            return torch.load(io.BytesIO(state), weights_only=True)
-        return state
+    def hpref_load_stage(self, path: str, entries: dict[str, Any]) -> None:
+        """A worker in a process of its own (tensor parallel > 1): the engine's stage, by its
+        handle's `wire()` values, each tensor read from the file when vLLM's loader asks for it."""
+        with StageHandle.from_wire(path, entries).opened() as state:
+            self.hpref_load_weights(state)
 
 
 class VLLMEngine(VersionedWeights):
@@ -380,19 +377,19 @@ class VLLMEngine(VersionedWeights):
     def _swap_in(self, state: dict[str, Any]) -> None:
         self._reload(state)  # `commit_update` checked every name and shape before this first copy
 
-    def _reload(self, state: dict[str, Any]) -> None:
+    def _reload(self, state: Mapping[str, Any]) -> None:
         if self.in_process:  # the worker is in this process: the stage's mapping goes by reference,
             # and vLLM's reload takes its tensors one at a time from it
             self.llm.collective_rpc("hpref_load_weights", args=(state,))
-        else:
-            import io
-
-            import torch
-
-            buffer = io.BytesIO()
-            # vLLM's worker processes each get the whole state: read from the stage here, once
-            torch.save(dict(state.items()), buffer)
-            self.llm.collective_rpc("hpref_load_weights", args=(buffer.getvalue(),))
+        elif isinstance(state, StagedState) and state.stage is not None:  # a sync's commit
+            self.llm.collective_rpc("hpref_load_stage", args=state.stage.handle().wire())
+        else:  # the start weights: staged too, so that no process holds them whole twice
+            stage = StagedUpdate(version=0)
+            try:
+                stage.add(dict(state))
+                self.llm.collective_rpc("hpref_load_stage", args=stage.handle().wire())
+            finally:
+                stage.close()
         # the prefix cache holds KV blocks the old weights computed: a prompt seen before the
         # update would otherwise be answered from them
         self.llm.reset_prefix_cache()
