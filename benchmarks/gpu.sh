@@ -169,8 +169,9 @@ PYEOF
 
 # 5. The RL half on one GPU (#36): a policy's trainer rank on the GPU Ray assigns (gpus_per_rank, bf16
 #    autocast) beside its engine (vLLM when it imports with CUDA, else the transformers engine on CPU,
-#    said in the output), SmolLM2-135M and the ~1B policy of section 4: trainer tokens/s, engine
-#    tokens/s, one bucketed weight sync's seconds, the trainer's peak CUDA memory (one JSON line each).
+#    said in the output), SmolLM2-135M and the ~1B policy of section 4: trainer tokens/s and MFU
+#    (against the datasheet bf16 peak, named in the line), engine tokens/s, one bucketed weight sync's
+#    seconds, the trainer's peak CUDA memory (one JSON line each).
 #    Target: both within 10 minutes on one H100.
 timeout 300 "$PY" -m benchmarks.rl_gpu || echo "rl gpu (smollm2): failed"
 timeout 300 "$PY" -m benchmarks.rl_gpu --policy "$OUT/policy-1b" --updates 2 || echo "rl gpu (1b): failed"

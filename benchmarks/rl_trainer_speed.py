@@ -183,6 +183,7 @@ def measure(
         out[name] = {
             "tokens_per_s": speed,
             "seconds": statistics.median(r["seconds"] for r in rows),
+            "mfu": statistics.median(r["train_mfu"] for r in rows),  # the trainer's own (throughput)
             "peak_added_mib": max(r["peak_added"] for r in rows) / 2**20,
             **{
                 f"d_{key}": max(abs(r[key] - b[key]) for r, b in zip(rows, base, strict=True))
@@ -192,6 +193,7 @@ def measure(
     first = out[layouts[0]]["tokens_per_s"]
     for name in layouts:
         out[name]["ratio"] = out[name]["tokens_per_s"] / first
+    out[layouts[0]]["peak"] = str(trainers[layouts[0]].peak)  # what the MFU is of
     return out
 
 
@@ -259,11 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {load:.2f} on {os.cpu_count()} CPUs; {args.precision}; {args.steps} steps")
     print(f"d: the largest |difference| to {layouts[0]}'s over the steps; peak added: one step's, ", end="")
     print("each layout in its own process" if args.memory else "in this shared process (rough: --memory)")
-    print("| layout | trained tokens/s | ratio | s / step | peak added (MiB) | d loss | d KL | d grad norm |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"MFU: the step's model FLOPs (hpref.rl.trainer.throughput) against {out[layouts[0]]['peak']}")
+    print("| layout | trained tokens/s | ratio | MFU | s / step | peak added (MiB) | d loss | d KL ", end="")
+    print("| d grad norm |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in out.items():
         print(
-            f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['seconds']:.2f} | "
+            f"| {name} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['mfu']:.1%} | {r['seconds']:.2f} | "
             f"{r['peak_added_mib']:.0f} | {r['d_loss']:.2e} | {r['d_kl']:.2e} | {r['d_grad_norm']:.2e} |"
         )
     return 0

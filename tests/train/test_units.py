@@ -219,7 +219,7 @@ def test_checkpoint_metadata_of_a_real_save_is_admitted(tmp_path):
 def test_cpu_peak_is_stated_and_deterministic():
     """MFU needs a peak that does not depend on the neighbours' load: the CPU one is computed from
     the core's FLOP/cycle, the clock and this rank's threads, and says so."""
-    from hpref.train.metrics import cpu_peak
+    from hpref.runtime.peak import cpu_peak
 
     a, b = cpu_peak(torch.float32), cpu_peak(torch.float32)
     assert a == b and a.flops > 0

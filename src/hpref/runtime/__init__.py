@@ -9,6 +9,7 @@ watchdog      the workers' heartbeat and the launcher's check of it; workers die
 stop_signals  SIGTERM and Ctrl-C: a launcher's graceful stop (the ranks save at the next step and
               end; a second signal stops at once), `hpref train`'s
 ray_cluster   starting or joining the Ray cluster (`hpref rl`'s actors, `hpref serve`'s replicas)
+peak          a device's peak FLOP/s, the denominator of every MFU (`hpref train`'s, the RL trainer's)
 checkpoint    a train checkpoint (or run folder) -> the model it holds, with its recipe: the one
               loader `hpref eval` and `hpref save` both use
 

@@ -282,10 +282,10 @@ def build_dpo_setup(recipe: Recipe, info: Any):
     from hpref.models.causal_lm import build_policy_model
     from hpref.models.pair_logprobs import disable_dropout, lm_flops_per_token, shard_causal_lm
     from hpref.models.precision import ProbeShape, resolve_precision
+    from hpref.runtime.peak import peak_flops
     from hpref.train.data import Tokenized
     from hpref.train.dpo_data import tokenize_pairs
     from hpref.train.loop import TrainSetup
-    from hpref.train.metrics import peak_flops
 
     assert recipe.dpo is not None
     settings, train_cfg = recipe.dpo, recipe.train

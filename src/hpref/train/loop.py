@@ -48,11 +48,12 @@ from hpref.runfolder import layout
 from hpref.runfolder.files import write_text_atomic
 from hpref.runfolder.heartbeat import clear_heartbeat, write_heartbeat
 from hpref.runfolder.save_trigger import check_requests_all_ranks
+from hpref.runtime.peak import Peak
 from hpref.runtime.stop_signals import signal_name, stop_requested
 from hpref.train import checkpoint, resume
 from hpref.train.data import Tokenized
 from hpref.train.head_prior import init_head_to_prior
-from hpref.train.metrics import MetricsFile, Peak, summary_table
+from hpref.train.metrics import MetricsFile, summary_table
 from hpref.train.progress import Interval, RunStats, progress_bar, step_flops
 from hpref.train.sharding import init_weights_folder
 from hpref.train.summary import summarise, summary_rows

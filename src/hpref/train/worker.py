@@ -69,9 +69,9 @@ def build_setup(recipe: Recipe, info: DistInfo):
     from hpref.data.formatting import check_pairing
     from hpref.data.packing import StepSampler
     from hpref.models.precision import ProbeShape, resolve_precision
+    from hpref.runtime.peak import peak_flops
     from hpref.train.data import require_labels, tokenize, tokenize_cached
     from hpref.train.loop import TrainSetup
-    from hpref.train.metrics import peak_flops
     from hpref.train.sharding import init_weights_folder, load_initial_weights
 
     parts = Components(recipe)

@@ -32,7 +32,9 @@ GUESS = {"name": "guess-number", "high": 8, "max_guesses": 3, "max_turns": 3, "m
 #: two roles: a keeper (policy b) picks the number, a guesser (policy a) guesses it, zero-sum
 DUEL = {**GUESS, "name": "guess-number-duel", "roles": {"guesser": "a", "keeper": "b"}}
 #: what a row holds of the clock, the machine or the process: never equal across two runs
-TIMED = ("elapsed_s", "gen_tokens_per_s", "train_s", "train_tokens_per_s", "trainer_peak_rss_gib")
+TIMED = (
+    "elapsed_s", "gen_tokens_per_s", "train_s", "train_tokens_per_s", "train_mfu", "trainer_peak_rss_gib",
+)  # fmt: skip
 
 
 def recipe(run_dir: Path, **rl_over):

@@ -116,6 +116,31 @@ def test_only_the_adapter_trains_and_the_base_never_moves(world):
     assert all(float(p.detach().abs().max()) > 0 for p in lora_b)  # B starts at zero: the adapters moved
 
 
+def test_a_steps_mfu_counts_its_batches_with_the_base_frozen_over_every_pass(world, monkeypatch):
+    # Wrong if a LoRA step's MFU counted the frozen base's weight gradients (1.5x too high), if a
+    # second pass over the rollout went uncounted, or if the seconds or the peak were not the
+    # step's (`hpref.rl.trainer.throughput`).
+    import hpref.rl.trainer.actor as actor_module
+    from hpref.rl.trainer.throughput import FlopShape
+
+    cfg, _engine, rollouts = world
+    policy = cfg.policies["a"].model_copy(update={"epochs_per_rollout": 2})
+    t = TrainerActor("a", policy, cfg.update_weights_interval)
+    shapes, flops, batch_flops = set(), [], actor_module.batch_flops
+
+    def counted(shape, batch):
+        shapes.add(shape)
+        flops.append(batch_flops(shape, batch))
+        return flops[-1]
+
+    monkeypatch.setattr(actor_module, "batch_flops", counted)
+    stats = t.train(rollouts[0])
+    dense = FlopShape.of(t.model.config).trained
+    assert shapes == {FlopShape(trained=ADAPTER_PARAMS, frozen=dense, attention=2 * 16)}
+    assert len(flops) == 2 * stats["micro_batches"]  # both passes
+    assert 0 < stats["train_mfu"] == pytest.approx(sum(flops) / (stats["train_s"] * t.peak.flops), rel=1e-9)
+
+
 def test_kl_reference_is_the_base_with_the_adapters_off(world):
     # Wrong if a LoRA policy kept a deep copy of the model as its reference (twice the memory for
     # nothing), or if the reference were not the start: at the first step the KL must be exactly 0,

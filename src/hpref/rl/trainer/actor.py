@@ -2,18 +2,17 @@
 save and load.
 
 What a step trains on and its loss are the policy's algorithm's (`hpref.rl.protocols.Algorithm`,
-built by `hpref.rl.algorithms.registry`: `grpo` (`hpref.rl.algorithms.grpo`), `online-dpo`
-(`hpref.rl.algorithms.online_dpo`) or a plugin's); the trainer runs the micro-batches, the optimizer and the
-group's reductions. The
-padding maths is `hpref.rl.policy` (`packed_batch`: rows without padding through the varlen
-attention path, each prompt once before its group's answers; `pad_batch` for the megatron model).
-The policy's model is a transformers causal LM, or with `trainer_backend = "megatron"` a
-megatron-core GPTModel
-(`hpref.models.megatron.causal_lm`) that computes the same log-probs and hands the engine, and a save,
-the transformers layout. Saves are `hpref.rl.trainer.state`'s. With `ranks` > 1 each rank is one
-actor of the policy's trainer group (`hpref.rl.trainer.group`, `hpref.rl.trainer.sharding`): the model sharded
-over the group, the rollout's prompt groups split between the ranks, and the weights reaching the engine
-through the weight channel (`hpref.rl.transport.weight_channel`).
+built by `hpref.rl.algorithms.registry`: `grpo`, `online-dpo` or a plugin's); the trainer runs the
+micro-batches, the optimizer and the group's reductions. The padding maths is `hpref.rl.policy`
+(`packed_batch`: rows without padding through the varlen attention path, each prompt once before its
+group's answers; `pad_batch` for the megatron model); a step's FLOPs and MFU are
+`hpref.rl.trainer.throughput`'s. The policy's model is a transformers causal LM, or with
+`trainer_backend = "megatron"` a megatron-core GPTModel (`hpref.models.megatron.causal_lm`) that
+computes the same log-probs and hands the engine, and a save, the transformers layout. Saves are
+`hpref.rl.trainer.state`'s. With `ranks` > 1 each rank is one actor of the policy's trainer group
+(`hpref.rl.trainer.group`, `hpref.rl.trainer.sharding`): the model sharded over the group, the
+rollout's prompt groups split between the ranks, and the weights reaching the engine through the
+weight channel (`hpref.rl.transport.weight_channel`).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from hpref.rl.staleness import expected_version
 from hpref.rl.trainer.backends import trainer_backend
 from hpref.rl.trainer.batches import Batch, rank_micro_batches
 from hpref.rl.trainer.slots import PolicySlot, add_adapters, slot_attribute
+from hpref.rl.trainer.throughput import FlopShape, batch_flops, mfu
 
 if TYPE_CHECKING:
     from torch import nn
@@ -108,6 +108,8 @@ class TrainerActor:
     def _build(self) -> None:
         import torch
 
+        from hpref.runtime.peak import peak_flops
+
         self.model, self.tokenizer = self.backend.build(self.config.model)
         self.model.to(self.device)
         self.lora = None  # PEFT's handle when the policy has [lora]; self.model stays the LM it adapts
@@ -153,6 +155,7 @@ class TrainerActor:
             )
         # bf16 autocast or fp32 (`precision`) on the model's device; the megatron trainer computes in fp32
         self.compute_dtype = self.backend.compute_dtype(self.config.precision, self.model)
+        self.peak = peak_flops(self.device, self.compute_dtype)  # each rank's device: `train_mfu`'s
 
     @property
     def wants_reference(self) -> bool:
@@ -233,6 +236,7 @@ class TrainerActor:
             **entropy_metrics(sums),  # the policy's on its own answers, in the last pass as the loss
             train_tokens=float(total_tokens),
             train_tokens_per_s=total_tokens * cfg.epochs_per_rollout / max(seconds, 1e-9),
+            train_mfu=mfu(sums["flops"] * cfg.epochs_per_rollout, seconds, self.world_size, self.peak.flops),
             train_s=seconds,
             # the trainer process's peak RSS so far: a run that grows shows it here, rollout by
             # rollout, before a memory monitor stops it (a two-policy SmolLM2 run was, at update 19)
@@ -273,8 +277,7 @@ class TrainerActor:
         total_tokens: int,
     ) -> dict[str, float]:
         """One pass over the step's micro-batches and one optimizer step; the group's metrics go into
-        `stats` (the first pass also measures the trainer's log-probs against the engine's). Returns
-        the pass's summed statistics (the entropy's among them)."""
+        `stats` (the first pass: the trainer's log-probs against the engine's too). Returns its sums."""
         import torch
 
         from hpref.rl.logprobs import entropy_sums
@@ -283,7 +286,8 @@ class TrainerActor:
         cfg, algorithm = self.config, self.active.algorithm
         model = self.root if self.root is not None else self.model
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"mismatch": 0.0}
+        sums: dict[str, float] = {"mismatch": 0.0, "flops": 0.0}
+        shape = FlopShape.of(self.model.config, None if self.lora is None else self.trainable)
         sums["micro_batches"] = float(sum(not b.get("padding") for b in batches))  # the group's, summed
         worst = 0.0
         for batch in batches:
@@ -295,6 +299,7 @@ class TrainerActor:
             if batch.get("padding"):
                 continue
             own = {**own, **entropy_sums(entropy, batch["mask"], batch["rows"], prepared.sampled)}
+            own["flops"] = batch_flops(shape, batch)  # hpref.rl.trainer.throughput
             for key, value in own.items():
                 sums[key] = sums.get(key, 0.0) + value
             if epoch == 0 and "old" in batch:  # before any step: the trainer's and the engine's view
