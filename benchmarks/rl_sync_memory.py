@@ -113,11 +113,17 @@ def measure(
         receive()
     assert engine.commit_update() == 1
     seconds = time.perf_counter() - started
-    peak = sum(_status("VmHWM", pid) - settled[pid] for pid in pids)
+    grown = {pid: _status("VmHWM", pid) - settled[pid] for pid in pids}
+    peak = sum(grown.values())
+    # per process (its title: vLLM names its engine core and workers), for a tensor-parallel engine
+    names = {pid: "engine" if pid == "self" else psutil.Process(pid).name() for pid in pids}
+    per_process = {f"{names[pid]} ({pid})": round(g / MIB, 1) for pid, g in grown.items()}
     if engine_name == "transformers":
         live = engine.model.state_dict()
         assert all(torch.equal(live[n].to(t.dtype), t) for n, t in sent.items()), "it loaded other values"
     assert engine.generate([("hello there",)], 1, 2, 1.0).tokens > 0  # serving the new version
+    if engine_name == "vllm":  # its engine core's processes, which would keep this one from ending
+        engine.llm.llm_engine.engine_core.shutdown()
     return {
         "engine": engine_name if tp == 1 else f"{engine_name} tp={tp} ({len(pids)} processes)",
         "weights_mib": weights / MIB,
@@ -127,6 +133,7 @@ def measure(
         "x_bucket": peak / (bucket_mb * MIB),
         "largest_tensor_mib": largest / MIB,
         "sync_s": seconds,
+        "per_process_mib": per_process,
     }
 
 
@@ -153,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{got['x_bucket']:.2f}x a bucket; the largest tensor, which a bucket can't split, is "
         f"{got['largest_tensor_mib']:.0f} MiB), {got['sync_s']:.2f} s"
     )
+    if len(got["per_process_mib"]) > 1:
+        print("  by process (MiB):", ", ".join(f"{k} {v:.0f}" for k, v in got["per_process_mib"].items()))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(got, fh, indent=2)

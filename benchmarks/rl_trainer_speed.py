@@ -127,6 +127,8 @@ def _rss() -> int:
 
 def trainer(layout: str, tiny: bool, precision: str) -> Any:
     """A trainer of the `rl-smollm2` recipe's policy whose micro-batches are in `layout`."""
+    import torch
+
     from hpref.recipe.rl import parse_rl_section
     from hpref.rl.trainer.actor import TrainerActor
     from hpref.rl.trainer.batches import rank_micro_batches
@@ -154,7 +156,8 @@ def trainer(layout: str, tiny: bool, precision: str) -> Any:
             pad = self.tokenizer.pad_token_id
             return rank_micro_batches(prepared, pad, layout, self.config.micro_batch_tokens)
 
-    return LayoutTrainer("a", config.policies["a"], 1)
+    # the trainer sets its process's torch threads (an actor's CPUs): the ones `--threads` asked for
+    return LayoutTrainer("a", config.policies["a"], 1, threads=torch.get_num_threads())
 
 
 def measure(
