@@ -272,3 +272,42 @@ def test_gpu_backends_plumbing_against_documented_semantics(monkeypatch, backend
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), ctx, **kwargs
     )
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_a_prefix_tree_attends_piece_by_piece_as_its_whole_mask_does(softcap):
+    """A packed prompt group (`PrefixTree`: a prompt, then answers that each see the prompt and
+    themselves) attended piece by piece gives the outputs and gradients of one masked call over the
+    whole sequence, with an answer of no input token among them, and a plain causal sequence beside
+    it; with a sliding window it falls back to the whole mask. If this fails, the RL trainer's
+    packed rows (whose attention this is) compute another function than the masked square they
+    replace (an answer seeing a sibling, a prompt token seeing an answer, a lost empty answer)."""
+    from hpref.models.attention import PrefixTree, varlen_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    tree = PrefixTree.of(5, [3, 0, 4])
+    # the tree (5 + 3 + 0 + 4 tokens), then a causal sequence of 6; float64, so that the two
+    # summation orders agree to 1e-12 (the soft-capped path's softmax runs in fp32: 1e-6)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if softcap else {"rtol": 1e-12, "atol": 1e-12}
+    q, k, v = (torch.randn(1, 4, 18, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 12, 18], dtype=torch.int32)
+
+    def run(own, window=None):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ctx = VarlenContext(backend="sdpa_segments", cu_seqlens=cu, max_seqlen=12, segment_masks=[own, None])
+        module = torch.nn.Module()
+        out, _ = varlen_attention_forward(
+            module, *leaves, None, scaling=0.3, is_causal=True, softcap=softcap, sliding_window=window,
+            hpref_varlen=ctx,
+        )  # fmt: skip
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return out, [t.grad for t in leaves]
+
+    whole = tree.full_mask()
+    assert whole.shape == (12, 12) and not whole[5:8, 8:].any() and not whole[:5, 5:].any()
+    for window in (None, 7):
+        out, grads = run(tree, window)
+        ref_out, ref_grads = run(whole, window)
+        torch.testing.assert_close(out, ref_out, **tol)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, **tol)

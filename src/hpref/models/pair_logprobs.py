@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpref.models.attention import CONTEXT_KWARG, VarlenContext
+from hpref.models.attention import CONTEXT_KWARG, PrefixTree, VarlenContext
 from hpref.models.head_logprobs import fusable_head, head_logprobs
 
 
@@ -90,10 +90,9 @@ def prefix_tree_mask(
     prefix: int, branches: Sequence[int], device: torch.device | None = None
 ) -> torch.Tensor:
     """Boolean `[L, L]` attention mask of one `pack_prefix_groups` segment (True: the query row may
-    attend to the key column): causal, and a branch's token sees the prefix and its own branch only."""
-    owner = torch.tensor([-1] * prefix + [b for b, n in enumerate(branches) for _ in range(n)], device=device)
-    causal = torch.ones(owner.numel(), owner.numel(), dtype=torch.bool, device=device).tril()
-    return causal & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))
+    attend to the key column): causal, and a branch's token sees the prefix and its own branch only.
+    (The attention itself attends such a segment piece by piece: `hpref.models.attention.PrefixTree`.)"""
+    return PrefixTree.of(prefix, branches, device).full_mask()
 
 
 def use_varlen_attention(lm: nn.Module, on: bool) -> None:
@@ -118,8 +117,8 @@ def prefix_packed_hidden(lm: nn.Module, packed: dict[str, Any], backend: str = "
     `PackedLogProbs`), so a reference's forward without gradient computes what the policy's does."""
     use_varlen_attention(lm, True)
     cu = packed["cu_seqlens"]
-    masks: list[torch.Tensor | None] = [
-        prefix_tree_mask(p, b, cu.device) if len(b) > 1 else None
+    masks: list[PrefixTree | None] = [
+        PrefixTree.of(p, b, cu.device) if len(b) > 1 else None
         for p, b in zip(packed["prefix_lengths"], packed["branch_lengths"], strict=True)
     ]
     ctx = VarlenContext(
