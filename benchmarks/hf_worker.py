@@ -177,6 +177,8 @@ def main(spec_path: str, out_path: str) -> None:
         )
         out["eval_log_loss"] = float(-torch.nn.functional.logsigmoid(chosen - rejected).mean())
         out["eval_rows"] = len(chosen)
+        # each eval pair's own outcome, in the data's order: the benchmark pairs them with hpref's
+        out["eval_hits"] = ((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).tolist()
     else:
         logits = torch.cat(scores)
         labels = torch.tensor(ev["labels"])

@@ -27,11 +27,13 @@ same optimiser settings as the shipped recipe (`minilm-reward`: AdamW, backbone 
 - `hpref-judge`: `hpref train minilm-pairwise` (both answers in one sequence, both orders).
 
 Per contender: pairwise accuracy (score(chosen) > score(rejected), exact ties count half) and
-Bradley-Terry log loss on eval, training seconds, real (non-pad) training tokens per second, pairs
-per second, wall time of the whole process, the peak RSS of its process tree (every rank, sampled
-every 50 ms), what it leaves on disk (hpref: the resumable checkpoint; TRL: `save_model`), and the
-mean 1-minute load average while it ran. Contenders run interleaved (A, B, A, B with --rounds 2);
-the table gives each one's median. Skips cleanly (exit 0, a line) when the data file is absent.
+Bradley-Terry log loss on eval (and, for each comparison, the accuracy difference paired over the
+same eval pairs, with its 95 % interval and the pairs only one side got right), training seconds,
+real (non-pad) training tokens per second, pairs per second, wall time of the whole process, the
+peak RSS of its process tree (every rank, sampled every 50 ms), what it leaves on disk (hpref: the
+resumable checkpoint; TRL: `save_model`), and the mean 1-minute load average while it ran.
+Contenders run interleaved (A, B, A, B with --rounds 2); the table gives each one's median. Skips
+cleanly (exit 0, a line) when the data file is absent.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ def run_contender(name: str, work: Path, recipes: dict[str, Path], prep: dict) -
         return {
             **result,
             "tokens": tokens,
+            "hits": dict(zip(prep["eval_ids"], result.pop("eval_hits", []), strict=False)),
             "accuracy": result["eval_accuracy"],
             "log_loss": result["eval_log_loss"],
         }
@@ -154,8 +157,29 @@ def run_contender(name: str, work: Path, recipes: dict[str, Path], prep: dict) -
         "tokens": result["hpref_tokens"],
         "accuracy": scores["eval_accuracy_ab"],
         "log_loss": scores["eval_log_loss_ab"],
+        "hits": scores["hits"],
         "saved_bytes": saved,
     }
+
+
+def paired_difference(runs: list[dict], refs: list[dict]) -> str | None:
+    """The accuracy difference on the same eval pairs, with its paired 95 % interval (normal
+    approximation over the per-pair differences: the two models' errors on one pair are correlated,
+    so the paired interval is much narrower than two unpaired standard errors) and the discordant
+    pairs (only one of the two right). None where either side kept no per-pair outcomes."""
+    a, b = (next((r["hits"] for r in rs if r.get("hits")), None) for rs in (runs, refs))
+    common = sorted(set(a) & set(b)) if a and b else []
+    if len(common) < 2:
+        return None
+    d = [a[i] - b[i] for i in common]
+    mean = statistics.fmean(d)
+    half = 1.96 * statistics.stdev(d) / len(d) ** 0.5
+    only_a = sum(1 for i in common if a[i] > b[i])
+    only_b = sum(1 for i in common if b[i] > a[i])
+    return (
+        f"paired over {len(common)} eval pairs: {mean:+.3f} (95 % interval {mean - half:+.3f} .. "
+        f"{mean + half:+.3f}; right where the other is wrong: {only_a} vs {only_b})"
+    )
 
 
 def table(results: dict[str, list[dict]], n_train: int, n_eval: int) -> list[str]:
@@ -201,6 +225,9 @@ def table(results: dict[str, list[dict]], n_train: int, n_eval: int) -> list[str
                 f"peak memory {med[name]['peak'] / med[ref]['peak']:.2f}x, "
                 f"accuracy {med[name]['accuracy'] - med[ref]['accuracy']:+.3f}"
             )
+            paired = paired_difference(results[name], results[ref])
+            if paired:
+                rows.append(f"accuracy {name} - {ref}, {paired}")
     return rows
 
 

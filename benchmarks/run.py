@@ -164,6 +164,8 @@ def prepare_baseline_inputs(recipe_path: Path, work: Path, *, pairwise: bool) ->
         )
         == torch.bfloat16,
         "eval_winners": {b.id: _argmax(b.label) for b in evald.battles},
+        # the eval pairs' ids in the order the baselines score them (`_pairwise_ids`)
+        "eval_ids": [b.id for b in eval_src.battles()],
     }
     tok_dir = work / "tokenizer"
     tok.save_pretrained(tok_dir)
@@ -282,17 +284,22 @@ def pairwise_scores(run_dir: Path, winners: dict) -> dict:
     equal rewards do in `hf_worker`."""
     import csv
 
-    hits, losses = [], []
+    ids, hits, losses = [], [], []
     with open(Path(run_dir) / "predictions.csv", newline="", encoding="utf-8") as f:
         for row in csv.DictReader(f):
             pa, pb = float(row["winner_model_a"]), float(row["winner_model_b"])
             win = winners[row["id"]]
+            ids.append(row["id"])
             p_right = (pa if win == 0 else pb) / max(pa + pb, 1e-12)
             # an exact tie counts half, on both sides: a barely trained model, or bf16 logits (the
             # HF baselines' are; hpref's head is fp32), can give pairs exactly equal P(A) and P(B)
             hits.append(1.0 if p_right > 0.5 else 0.5 if p_right == 0.5 else 0.0)
             losses.append(-math.log(max(p_right, 1e-12)))
-    return {"eval_accuracy_ab": sum(hits) / len(hits), "eval_log_loss_ab": sum(losses) / len(losses)}
+    return {
+        "eval_accuracy_ab": sum(hits) / len(hits),
+        "eval_log_loss_ab": sum(losses) / len(losses),
+        "hits": dict(zip(ids, hits, strict=True)),  # per pair, for a paired comparison
+    }
 
 
 def run_baseline(mode: str, prep: dict, work: Path) -> dict:
@@ -501,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
             results["HF Trainer + dyn. padding"] = run_baseline("trainer", prep, work)
         tables += train_rows(f"{case} ({prep['params'] / 1e6:.2f}M params)", prep, results, peak)
         raw[case] = {
-            "prep": {k: v for k, v in prep.items() if k not in ("spec", "eval_winners")},
+            "prep": {k: v for k, v in prep.items() if k not in ("spec", "eval_winners", "eval_ids")},
             "results": results,
         }
         h, b = list(results.values())[0], list(results.values())[-1]

@@ -132,3 +132,27 @@ def test_step_comparison_feeds_trl_the_same_pairs_through_its_own_collator():
     assert ids.tolist() == [[1, 2, 3], [6, 0, 0], [4, 5, 0], [7, 8, 0]]
     assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]]
     assert (int(mask.sum()), ids.numel()) == (plan.num_tokens, 12)
+
+
+def test_the_accuracy_comparison_is_paired_over_the_same_eval_pairs():
+    """Two models right on 6 and 5 of 8 pairs differ by +0.125; paired, the interval comes from the
+    per-pair differences (here 1 - 0 on one pair, equal elsewhere), and the discordant counts are
+    what each alone got right. A table that compared unpaired figures, or pairs by position rather
+    than id, would print other numbers."""
+    ids = [f"p{i}" for i in range(8)]
+    hpref = dict(zip(ids, [1, 1, 1, 1, 1, 1, 0, 0], strict=True))
+    trl = dict(zip(reversed(ids), [0, 0, 1, 1, 1, 1, 1, 0], strict=True))  # stored in another order
+    run = {"train_s": 10.0, "wall_s": 12.0, "peak_rss_gib": 1.0, "load_mean": 1.9, "tokens": 100}
+    results = {
+        "hpref-reward": [{**run, "accuracy": 0.75, "log_loss": 0.6, "hits": hpref}],
+        "trl": [{**run, "accuracy": 0.625, "log_loss": 0.6, "hits": trl}],
+    }
+    rows = real_pairwise.table(results, n_train=80, n_eval=8)
+    # by id the two differ on p0 alone (hpref right): mean 1/8, sd sqrt(0.875 / 7), so the interval
+    # is 0.125 -/+ 1.96 x 0.3536 / sqrt(8); by position they would differ on three pairs (2 vs 1)
+    expected = (
+        "accuracy hpref-reward - trl, paired over 8 eval pairs: +0.125 (95 % interval -0.120 .. "
+        "+0.370; right where the other is wrong: 1 vs 0)"
+    )
+    assert expected in rows, rows
+    assert real_pairwise.paired_difference(results["hpref-reward"], [{"accuracy": 0.6}]) is None
