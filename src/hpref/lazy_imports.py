@@ -12,7 +12,7 @@ MiniLM extra; scipy with scikit-learn), for features hpref never uses:
 and bitsandbytes, whose CPU backend `torch.compile`s at import (which imports torch's inductor):
 ~1.3 s of CPU in every process that builds a LoRA model, imported where no layer can be quantized:
 
-* `peft.helpers` (by `import peft`) imports it at its top (inside `try`) for one SVD helper;
+* `peft.helpers` (by `import peft`, peft < 0.22) imports it at its top (inside `try`) for one SVD helper;
 * `peft.tuners.lora.model` and `peft.utils.quantization_utils` import it whenever they wrap a layer,
   to ask whether the layer is one of bitsandbytes' classes: none can be while bitsandbytes is not
   imported (quantizing a model imports it first), so they ask `is_bnb_available()` only then.
