@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-import tomllib
 
 import pytest
+import tomllib
 
 from tests.conftest import REPO
 
@@ -45,7 +45,8 @@ def test_the_constraints_pin_only_versions_pyproject_allows_and_every_direct_dep
         wanted += project["optional-dependencies"][extra]
     pins = constraints()
     # torch: requirements/cpu-torch.txt pins the CPU build; the Makefile pins what it installs after
-    own_pins = {"torch"} | {normalised(n) for n in re.findall(r"(?:--no-deps|install -q) ([a-z0-9-]+)==", makefile)}
+    installed_after = re.findall(r"(?:--no-deps|install -q) ([a-z0-9-]+)==", makefile)
+    own_pins = {"torch"} | {normalised(n) for n in installed_after}
     for text in wanted:
         requirement = Requirement(text)
         name = normalised(requirement.name)
@@ -53,6 +54,7 @@ def test_the_constraints_pin_only_versions_pyproject_allows_and_every_direct_dep
             continue
         assert name in pins, f"{text}: not pinned in requirements/constraints.txt"
         assert requirement.specifier.contains(Version(pins[name]), prereleases=True), (
-            f"requirements/constraints.txt pins {name}=={pins[name]}, which pyproject.toml's {text!r} rules out"
+            f"requirements/constraints.txt pins {name}=={pins[name]}, "
+            f"which pyproject.toml's {text!r} rules out"
         )
     assert "torch" not in pins, "torch is requirements/cpu-torch.txt's to pin (the CPU build)"
