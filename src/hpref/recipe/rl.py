@@ -200,6 +200,14 @@ class RLConfig(Section):
         "of two apart; `hpref rl --plan` and rl.json say what was decided and why; "
         "hpref.rl.placement.shared_base)",
     )
+    engines_in_executor: bool | None = Field(
+        None,
+        description="each policy's engine runs inside the rollout executor's process, in a thread of its "
+        "own, instead of in a Ray actor process of its own: one process fewer per policy (default: on for "
+        "engines that can be hosted there, the transformers engine, when they run on CPU; off for GPU "
+        "engines and vLLM; set false to spread CPU engines over a multi-node cluster; "
+        "hpref.rl.placement.engine_process)",
+    )
     colocate: bool = Field(
         False,
         description="each policy's engine shares its trainer rank 0's GPU (engines that can sleep release "
@@ -222,6 +230,11 @@ class RLConfig(Section):
         None,
         exclude=True,
         description="(internal) why share_base is what it is (hpref.rl.placement.shared_base)",
+    )
+    engines_in_executor_reason: str | None = Field(
+        None,
+        exclude=True,
+        description="(internal) why engines_in_executor is what it is (hpref.rl.placement.engine_process)",
     )
 
     @model_validator(mode="after")
@@ -354,6 +367,7 @@ def parse_rl_section(
         ("prompts_config", "prompts"),
         ("eval_scorer_config", "eval_scorer"),
         ("share_base_reason", "share_base"),
+        ("engines_in_executor_reason", "engines_in_executor"),
     ):
         if internal in data:
             raise RecipeError(f"{where}: rl.{internal}: unknown key (did you mean '{public}'?)")

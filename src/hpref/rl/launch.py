@@ -162,9 +162,13 @@ def prepare(
             "warmup_checkpoints": warm_started,
             "config": config.model_dump(mode="json"),
             "share_base_reason": config.share_base_reason,
+            "engines_in_executor_reason": config.engines_in_executor_reason,
         },
         indent=2,
     )
+    from hpref.rl.placement.engine_process import engine_process_line
+
+    logger.debug(engine_process_line(config))
     if len(order) > 1:
         from hpref.rl.placement.shared_base import share_base_line, share_base_problem
 

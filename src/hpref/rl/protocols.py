@@ -302,11 +302,10 @@ class Engine(Protocol):
 
 @runtime_checkable
 class EngineConfig(Protocol):
-    """What `hpref rl` reads of an engine's config (`register_engines`' `config`, validated from
-    `[rl.engine]`) beside what the engine's own `build` reads: the placement (`hpref.rl.placement`),
-    the plan (`hpref.rl.plan`), the shared base's checks and the executor's batching read these and
-    nothing else. `EngineConfigBase` declares each with its default; an engine's config inherits it.
-    """
+    """What `hpref rl` reads of an engine's config (`register_engines`' `config`, from `[rl.engine]`)
+    beside what the engine's own `build` reads: the placement (`hpref.rl.placement`, also `hostable`
+    where present), the plan, the shared base's checks and the executor's batching read these and
+    nothing else. `EngineConfigBase` declares each with its default; an engine's config inherits it."""
 
     #: serves several LoRA adapters over one base (`rl.share_base`): the `Engine` calls with `adapter=`
     serves_adapters: bool
@@ -343,6 +342,7 @@ class EngineConfigBase(BaseModel):
 
     serves_adapters: ClassVar[bool] = False
     sampling_knobs: ClassVar[frozenset[str]] = frozenset()
+    hostable: ClassVar[bool] = False  # may run in the rollout executor's process (rl.engines_in_executor)
 
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs each engine actor reserves")
     num_gpus: float = Field(0, ge=0, description="Ray GPUs each engine actor reserves")

@@ -151,13 +151,18 @@ def ray_cause(exc: BaseException) -> BaseException:
 def actor_names(handles: Any) -> dict[str, str]:
     """Ray actor id (hex) -> what it is, for naming an actor that died."""
     names = {}
+    hosted = False
     for p, engine in handles.engines.items():
+        if engine._actor_id == handles.executor._actor_id:  # in the executor's process (`HostedEngine`)
+            hosted = True
+            continue
         names[engine._actor_id.hex()] = f"policy '{p}': engine actor"
     for p, group in handles.trainers.items():
         for rank, trainer in enumerate(group.ranks):
             what = "trainer actor" if len(group.ranks) == 1 else f"trainer rank {rank} actor"
             names[trainer._actor_id.hex()] = f"policy '{p}': {what}"
-    names[handles.executor._actor_id.hex()] = "the rollout executor actor (shared by all policies)"
+    engines = ", hosting the engines" if hosted else ""
+    names[handles.executor._actor_id.hex()] = f"the rollout executor actor (shared by all policies{engines})"
     return names
 
 

@@ -35,6 +35,9 @@ def recipe(run_dir, num_rollouts):
         "policies": {"a": {}, "b": {"model": {"seed": 1}}},
         "eval_interval": 0,
         "save_interval": 1,
+        # engine actors, as vLLM and GPU engines always have (CPU engines would be in the executor's
+        # process, whose death is the executor's: test_engine_process.py names it)
+        "engines_in_executor": False,
     }
     return recipe_from_dict(
         {"run": {"name": run_dir.name, "output_dir": str(run_dir.parent)}, "rl": rl}, resolve=False

@@ -347,7 +347,9 @@ def test_the_plan_says_what_share_base_decided_and_why(tmp_path: Path):
     shared = _invoke("rl", str(recipe), "--policies", "a,b", "--plan", "--set", "rl.share_base=true")
     assert shared.exit_code == 0, shared.output
     assert shared.output.splitlines()[1] == "share_base = true: set in the recipe (rl.share_base = true)"
-    assert "a engine (shared by a, b)" in shared.output and not re.search(r"^b engine", shared.output, re.M)
+    assert "a engine in the rollout executor (shared by a, b)" in shared.output and not re.search(
+        r"^b engine", shared.output, re.M
+    )
 
 
 def _measure_engine_peaks() -> dict[str, float]:

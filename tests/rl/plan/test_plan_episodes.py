@@ -181,8 +181,8 @@ def test_the_plan_prints_the_roles_and_refuses_a_cast_that_cannot_play(tmp_path:
     plan = _invoke("rl", str(recipe), "--policies", "a,b", "--plan", "--set", cast)
     assert plan.exit_code == 0, plan.output
     assert (
-        "roles ('signal' environment, played together): speaker by b (b engine, b trainer 0), "
-        "listener by a (a engine, a trainer 0)"
+        "roles ('signal' environment, played together): speaker by b (b engine in the rollout executor, "
+        "b trainer 0), listener by a (a engine in the rollout executor, a trainer 0)"
     ) in plan.output.splitlines()[:5]
     lonely = 'rl.environment={ name = "signal", roles = { speaker = "a" } }'
     with pytest.raises(

@@ -1,6 +1,8 @@
 """A run's Ray actors: each policy's placement group reserved (the cluster checked first), then the
 engines, the rollout executor and the trainer ranks, each registered for teardown as it is created,
-and torn down in reverse (`Teardown`), also when a policy fails or a signal stops the run.
+and torn down in reverse (`Teardown`), also when a policy fails or a signal stops the run. Engines
+in the rollout executor's process (`rl.engines_in_executor`) are built by the executor from their
+`EngineSpec`s and die with it.
 
     teardown = Teardown()
     handles = create_ray_actors(config, order, teardown, prompts, where)   # Handles for the driver
@@ -73,7 +75,9 @@ def create_ray_actors(
     `prompts`: the built `[rl.prompts]` source (None: the executor builds it)."""
     import ray
 
-    from hpref.rl.placement.resources import EXECUTOR_CPUS, check_cluster, cluster_nodes, reserve
+    from hpref.rl.engines.host import HostedEngine
+    from hpref.rl.placement.engine_process import resolve_engine_process
+    from hpref.rl.placement.resources import check_cluster, cluster_nodes, executor_cpus, reserve
     from hpref.rl.placement.shared_base import AdapterEngine, SharedBase, placement_order, resolve_share_base
     from hpref.rl.rollout.executor import RolloutExecutor
     from hpref.rl.trainer.group import TrainerGroup
@@ -82,25 +86,46 @@ def create_ray_actors(
         config = config.model_copy(update={"engine_config": resolve_engine(config.engine)})
     if config.share_base is None:  # a caller that skipped `preflight`
         config = resolve_share_base(config, order, where)
+    config = resolve_engine_process(config, where)
     # with a shared base, the leader's engine and trainer group serve every policy
     hosts = placement_order(config, order)
     check_cluster(config, hosts, ray.cluster_resources(), where, nodes=cluster_nodes())
     placement = reserve(config, hosts, where=where)
     teardown.add("placement groups", placement.release)
-    engines = start_engines(config, order, hosts, placement, teardown)
-    opts = {"num_cpus": EXECUTOR_CPUS}  # outside the policies' groups (it serves them all)
+    if config.engines_in_executor:  # built by the executor, in its process
+        engines = engine_specs(config, order, hosts)
+    else:
+        engines = start_engines(config, order, hosts, placement, teardown)
+    opts = {"num_cpus": executor_cpus(config, hosts)}  # outside the policies' groups (it serves them all)
     executor = (
         ray.remote(RolloutExecutor)
         .options(**opts)
-        .remote(config, order, engines, env=actor_env(), prompts=prompts)
+        .remote(config, order, engines, env=actor_env(), prompts=prompts, hosted=config.engines_in_executor)
     )
-    teardown.add("rollout executor", kill(executor))
+    hosting = " (and the engines it hosts)" if config.engines_in_executor else ""
+    teardown.add("rollout executor" + hosting, kill(executor))
+    if config.engines_in_executor:  # the driver's and trainers' handles reach them through it
+        hosted = {h: HostedEngine(executor, h) for h in hosts}  # a shared base's: one for all
+        engines = {p: hosted[p if p in hosted else hosts[0]] for p in order}
     trainers = {p: TrainerGroup(p, start_trainer_ranks(config, order, p, placement, teardown)) for p in hosts}
     if config.share_base:  # one group of ranks and one engine, seen by each policy as its own
         base, ranks = SharedBase(), trainers[hosts[0]].ranks
         trainers = {p: TrainerGroup(p, ranks, base) for p in order}
         engines = {p: AdapterEngine(engines[p], p) for p in order}
     return Handles(executor, engines, trainers)
+
+
+def engine_specs(config: RLConfig, order: list[str], hosts: list[str]) -> dict[str, Any]:
+    """Per policy, the `EngineSpec` the rollout executor builds its engine from
+    (`rl.engines_in_executor`); with a shared base every policy's is the leader's one engine."""
+    from hpref.rl.engines.host import EngineSpec
+
+    adapters = {p: config.policies[p].lora for p in order} if config.share_base else None
+    specs = {
+        p: EngineSpec(config.engine.name, config.engine_config, p, config.policies[p].model, adapters)
+        for p in hosts
+    }
+    return {p: specs[p if p in specs else hosts[0]] for p in order}
 
 
 def start_engines(

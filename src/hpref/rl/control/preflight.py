@@ -32,11 +32,13 @@ def check_rl(recipe: Recipe, where: str | Path | None = None, *, machine: bool =
     leaves out what depends on this machine (`hpref recipes check --portable`)."""
     where = str(where if where is not None else recipe._source or "recipe")
     _check_rl_lora(recipe, where, machine)
+    from hpref.rl.placement.engine_process import resolve_engine_process
     from hpref.rl.placement.shared_base import resolve_share_base
 
     assert recipe.rl is not None
     # every declared policy, in the recipe's order: `share_base = true` must hold for any of them
     resolve_share_base(recipe.rl, list(recipe.rl.policies), where)
+    resolve_engine_process(recipe.rl, where)  # `engines_in_executor = true` for a vLLM or GPU engine
     if machine:
         _check_rl_backends(recipe, where)
         check_reward_exports(rl_rewards(recipe.rl), where)  # the exports are this machine's files
@@ -139,10 +141,11 @@ def preflight(recipe: Recipe, policies: list[str]) -> PromptSource:
     check_reward_exports(rl_rewards(config), where)
     prompts = build_prompt_source(config)
     check_rewards_fit_prompts(config, prompts, where)
+    from hpref.rl.placement.engine_process import resolve_engine_process
     from hpref.rl.placement.shared_base import resolve_share_base
 
-    # decided here, once, for the policies that run: the actors, rl.json and the plan read it
-    recipe.rl = resolve_share_base(config, order, where)
+    # decided here, once, for the policies that run: the actors, rl.json and the plan read them
+    recipe.rl = resolve_engine_process(resolve_share_base(config, order, where), where)
     return prompts
 
 

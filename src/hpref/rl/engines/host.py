@@ -1,11 +1,21 @@
 """`EngineHost`, the Ray actor around whichever registered engine component a recipe names
 (`[rl.engine] name = ...`: the built-in `transformers` engine, vLLM, or a plugin's): it builds the
 component inside the actor's process and forwards every `Engine` method (`hpref.rl.protocols`),
-keeping a colocated engine asleep while its trainer steps."""
+keeping a colocated engine asleep while its trainer steps.
+
+An engine may instead run inside the rollout executor's process (`rl.engines_in_executor`,
+`hpref.rl.placement.engine_process`): the launcher sends its `EngineSpec`, the executor builds the
+`EngineHost` there and calls it through an `InProcessEngine` (each call in the engine's own thread),
+and the driver and the trainer groups call it through a `HostedEngine`, which reaches it through
+the executor's `engine_call`. Both are called as the actor is: `await engine.method.remote(...)`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpref.recipe.rl import PolicyModelConfig
@@ -116,3 +126,89 @@ def _adapter(adapter: str | None) -> dict[str, str]:
     """`adapter=` for an engine call on a shared base's adapter; nothing otherwise, so an engine
     plugin that serves no adapters keeps its one-policy signatures."""
     return {"adapter": adapter} if adapter is not None else {}
+
+
+# --------------------------------------------------------------------------------------------------
+# an engine in the rollout executor's process (`rl.engines_in_executor`)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the executor needs to build a policy's `EngineHost` in its own process: the arguments
+    the launcher would have given the engine actor."""
+
+    name: str
+    config: Any
+    policy: str
+    model: PolicyModelConfig
+    adapters: dict[str, Any] | None = None
+
+    def start(self, env: dict[str, str] | None) -> InProcessEngine:
+        """The engine built in this process, called as its actor would be."""
+        host = EngineHost(self.name, self.config, self.policy, self.model, env=env, adapters=self.adapters)
+        return InProcessEngine(host, self.policy)
+
+
+class _InThread:
+    """`method.remote(...)` of an `InProcessEngine`: the call submitted to the engine's thread now,
+    as a Ray call is sent when made, and awaited as Ray's ObjectRef is."""
+
+    def __init__(self, thread: ThreadPoolExecutor, method: Any) -> None:
+        self._thread, self._method = thread, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+        return asyncio.wrap_future(self._thread.submit(self._method, *args, **kwargs))
+
+
+class InProcessEngine:
+    """An `EngineHost` in this process, called as its actor is. Each engine has one thread of its
+    own, so calls run one at a time and in the order they were made, as on a one-thread actor, while
+    the executor's event loop and the other policies' engines go on (torch releases the GIL in its
+    kernels, so two engines still generate on two cores)."""
+
+    def __init__(self, host: EngineHost, policy: str) -> None:
+        self.host = host
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{policy}")
+
+    def __getattr__(self, name: str) -> _InThread:
+        return _InThread(self._thread, getattr(self.host, name))
+
+
+class _ThroughExecutor:
+    """`method.remote(...)` of a `HostedEngine`: the executor's `engine_call` of that method."""
+
+    def __init__(
+        self, executor: Any, policy: str, method: str, options: dict[str, Any] | None = None
+    ) -> None:
+        self._executor, self._policy, self._method = executor, policy, method
+        self._options = options or {}
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._executor.engine_call
+        if self._options:
+            call = call.options(**self._options)
+        return call.remote(self._policy, self._method, *args, **kwargs)
+
+    def options(self, **options: Any) -> _ThroughExecutor:
+        return _ThroughExecutor(self._executor, self._policy, self._method, {**self._options, **options})
+
+
+class HostedEngine:
+    """The driver's handle of a policy's engine in the rollout executor's process: called as the
+    engine actor would be, each call goes to the executor's `engine_call`. Ray's own questions to an
+    actor (`__ray_ready__`, `_actor_id`) go to the executor, whose process the engine lives and dies
+    in (`hpref.runtime.ray_cluster.actor_names` names it so)."""
+
+    def __init__(self, executor: Any, policy: str) -> None:
+        self.executor, self.policy = executor, policy
+
+    @property
+    def _actor_id(self) -> Any:
+        return self.executor._actor_id
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__ray_"):
+            return getattr(self.executor, name)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _ThroughExecutor(self.executor, self.policy, name)

@@ -41,6 +41,7 @@ class TransformersEngineConfig(EngineConfigBase):
 
     #: serves several LoRA adapters over one base (`rl.share_base`; PEFT's mixed-adapter batches)
     serves_adapters: ClassVar[bool] = True
+    hostable: ClassVar[bool] = True  # sampling draws from per-request generators (`sampling`)
     #: the sampling knobs `generate` takes (`hpref.recipe.rl_sampling`): all of them
     sampling_knobs: ClassVar[frozenset[str]] = frozenset(KNOBS_OFF)
     #: runs on the CPU (or whatever device torch defaults to), in the policy's float32 weights

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hpref.rl.placement.resources import ActorAsk, bundles
+from hpref.rl.placement.resources import HOSTED, ActorAsk, bundles
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -67,7 +67,8 @@ def pack(
 ) -> dict[ActorAsk, tuple[Node, list[int]] | None]:
     """Where Ray's PACK would put each actor: a policy's bundles all on the first node that holds
     them together, else each bundle on the first node with room (first fit, in `nodes` order);
-    None for an actor whose bundle fits nowhere. Policies are placed in order, as `reserve` asks."""
+    None for an actor whose bundle fits nowhere. Policies are placed in order, as `reserve` asks. An
+    engine in the rollout executor's process (`HOSTED`) is not here: it goes where the executor goes."""
     out: dict[ActorAsk, tuple[Node, list[int]] | None] = {}
     for policy_asks in asks.values():
         wanted = bundles(policy_asks)
@@ -84,7 +85,8 @@ def pack(
                     break
             placed.append(spot)
         for ask in policy_asks:
-            out[ask] = placed[ask.bundle]
+            if ask.bundle != HOSTED:
+                out[ask] = placed[ask.bundle]
     return out
 
 

@@ -42,12 +42,15 @@ EXECUTOR_CPUS = 0.25
 RESERVE_TIMEOUT_S = 60.0
 
 Role = Literal["engine", "trainer"]
+#: The `bundle` of an engine hosted by the rollout executor (`rl.engines_in_executor`): in no group
+HOSTED = -1
 
 
 @dataclass(frozen=True)
 class ActorAsk:
     """What one actor of a policy asks Ray for: `bundle` is its bundle's index in the policy's
-    placement group (the engine and trainer rank 0 share bundle 0 when colocated on a GPU)."""
+    placement group (the engine and trainer rank 0 share bundle 0 when colocated on a GPU;
+    `HOSTED`: an engine in the rollout executor's process, whose CPUs the executor asks)."""
 
     policy: str
     role: Role
@@ -89,12 +92,17 @@ def colocated(config: RLConfig, policy: str) -> bool:
 
 
 def actor_asks(config: RLConfig, order: Sequence[str]) -> dict[str, list[ActorAsk]]:
-    """Per policy: its engine, then trainer ranks 0 .. ranks-1, each with its Ray CPUs and GPUs."""
+    """Per policy: its engine, then trainer ranks 0 .. ranks-1, each with its Ray CPUs and GPUs (an
+    engine in the rollout executor's process in no bundle: `HOSTED`)."""
     engine_cpus, engine_gpus = engine_resources(config)
     out: dict[str, list[ActorAsk]] = {}
     for p in order:
         policy = config.policies[p]
-        if colocated(config, p):
+        if config.engines_in_executor:
+            asks = [ActorAsk(p, "engine", None, engine_cpus, engine_gpus, HOSTED)]
+            asks.append(ActorAsk(p, "trainer", 0, policy.cpus_per_rank, policy.gpus_per_rank, 0))
+            first = 1
+        elif colocated(config, p):
             half = max(engine_gpus, policy.gpus_per_rank) / 2  # one device, split for Ray's books
             asks = [ActorAsk(p, "engine", None, engine_cpus, half, 0)]
             asks.append(ActorAsk(p, "trainer", 0, policy.cpus_per_rank, half, 0))
@@ -116,6 +124,8 @@ def bundles(asks: Sequence[ActorAsk]) -> list[dict[str, float]]:
     resource of 0 in a bundle, so a CPU-only bundle names no GPU)."""
     out: list[dict[str, float]] = []
     for ask in asks:
+        if ask.bundle == HOSTED:
+            continue
         if ask.bundle == len(out):
             out.append({"CPU": 0.0, "GPU": 0.0})
         out[ask.bundle]["CPU"] += ask.cpus
@@ -195,7 +205,7 @@ def _check_total(
 ) -> None:
     """The run's CPUs (the rollout executor's included) or GPUs against the cluster's total."""
     unit = "GPU" if what == "gpus" else "CPU"
-    extra = EXECUTOR_CPUS if what == "cpus" else 0.0
+    extra = executor_cpus(config, order) if what == "cpus" else 0.0
     asked = extra + sum(b.get(unit, 0.0) for p in order for b in bundles(asks[p]))
     if asked <= have + 1e-9:
         return
@@ -205,11 +215,17 @@ def _check_total(
     key = max(by_key, key=lambda k: (by_key[k], not k.startswith("rl.engine")))
     described = {p: _describe(config, p, what, unit) for p in order}
     detail = "; ".join(f"policy {p}: {text}" for p, text in described.items() if text != "none")
-    if extra:
-        detail += f"; the rollout executor {extra:g}"
+    if extra:  # its own CPUs; those of the engines it hosts are their policies' above
+        detail += f"; the rollout executor {EXECUTOR_CPUS:g}"
     raise RecipeError(
         f"{where}: {key}: the run asks {asked:g} {unit}s ({detail}), the Ray cluster has {have:g}"
     )
+
+
+def executor_cpus(config: RLConfig, order: Sequence[str]) -> float:
+    """The rollout executor's Ray CPUs: its own and those of the engines it hosts."""
+    hosted = engine_resources(config)[0] * len(order) if config.engines_in_executor else 0.0
+    return EXECUTOR_CPUS + hosted
 
 
 def _amount(resources: Mapping[str, float]) -> str:

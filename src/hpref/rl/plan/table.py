@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpref.rl.placement.nodes import Node, local_node, pack, ray_nodes
-from hpref.rl.placement.resources import EXECUTOR_CPUS, actor_asks, check_cluster
+from hpref.rl.placement.resources import EXECUTOR_CPUS, HOSTED, actor_asks, check_cluster, executor_cpus
 from hpref.rl.plan.memory import (
     GIB,
     MIB,
@@ -86,7 +86,7 @@ def plan_rows(
     engine_dtype = 2 if config.engine_config.dtype in ("bfloat16", "float16") else 4
     context = episode_context(config)
     seats = seated(config, list(order))
-    rows = []
+    rows, hosted = [], []
     for p in hosts:
         policy, rollout = config.policies[p], config.policy_rollout(p)
         shape = model_shape(policy)
@@ -98,7 +98,7 @@ def plan_rows(
             int(config.weight_sync_bucket_mb * MIB), shape.params * engine_dtype
         )  # a small model: one
         for ask in asks[p]:
-            spot = spots[ask]
+            spot = spots.get(ask)  # None for an engine in the executor's process: placed with it below
             node = spot[0] if spot else None
             gpu_memory = node.gpu_memory if node else None
             if ask.role == "engine":
@@ -108,7 +108,8 @@ def plan_rows(
                     shape,
                     rollout,
                     prompts[p],
-                    baseline=baseline,
+                    # in the executor's process: its model and caches, not a process of its own
+                    baseline=0 if ask.bundle == HOSTED else baseline,
                     gpu_memory=gpu_memory,
                     adapters=served[0],
                     adapter_params=served[1],
@@ -131,8 +132,14 @@ def plan_rows(
                     context=context,
                 )
             name = ask.name + (f" (shared by {', '.join(order)})" if config.share_base else "")
+            if ask.bundle == HOSTED:
+                name = name.replace(" engine", " engine in the rollout executor", 1)
+                hosted.append(len(rows))
             rows.append(Row(name, node, ask.cpus, spot[1] if spot else [], memory, tuple(trains)))
-    executor_node = next((n for n in nodes if n.take(EXECUTOR_CPUS, 0) is not None), None)
+    cpus = executor_cpus(config, hosts)  # its own and its hosted engines'
+    executor_node = next((n for n in nodes if n.take(cpus, 0) is not None), None)
+    for i in hosted:
+        rows[i].node = executor_node
     rows.append(Row("rollout executor", executor_node, EXECUTOR_CPUS, [], Memory({"baseline": baseline})))
     return rows
 
@@ -250,9 +257,11 @@ def run_plan(
     # a missing folder or a LoRA target the model lacks: the run's own one-line refusals, not a traceback
     check_policy_models(config, list(order), where)
     check_policy_lora(config, list(order), where)
+    from hpref.rl.placement.engine_process import resolve_engine_process
     from hpref.rl.placement.shared_base import placement_order, resolve_share_base
 
-    config = resolve_share_base(config, order, where)  # as the run decides it
+    # as the run decides them
+    config = resolve_engine_process(resolve_share_base(config, order, where), where)
     # a cast that cannot play the environment: the run's own one-line refusal (`check_cast`)
     seats = seated(config, list(order), where)
     baseline = process_baseline()
@@ -275,11 +284,13 @@ def run_plan(
         f"{sum(n.cpus for n in nodes):g} CPUs, {total_gpus or 'no'} GPUs); prompts up to "
         f"{max(prompts.values())} tokens (the first {PROMPT_SAMPLE}); nothing was started"
     )
+    from hpref.rl.placement.engine_process import engine_process_line
     from hpref.rl.placement.shared_base import share_base_line
 
     notes = [share_base_line(config)] if len(order) > 1 else []
     notes += [episode_line(config)] if episode_context(config) is not None else []
     notes += [roles_line(config, seats, rows)] if seats is not None else []
+    notes += [engine_process_line(config)]
     for line in render(rows, nodes, found, header, notes=notes):
         out(line)
     return 2 if found else 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpref.data.prompts import Prompt
 from hpref.errors import UserError
@@ -26,15 +26,12 @@ from hpref.rl.rollout.episodes import Played
 from hpref.rl.rollout.evaluation import answers_report
 from hpref.rl.rollout.joint import first_role
 from hpref.rl.rollout.pairing import JudgedPairs, judged_pairs
-from hpref.rl.rollout.players import Players
+from hpref.rl.rollout.players import Players, engines_here
 from hpref.rl.rollout.prompts import build_prompt_source, rollout_prompts, sample_seed
 from hpref.rl.rollout.rewards import RewardSet, build_reward
 from hpref.rl.rollout_types import Rollout, Verdict
 from hpref.rl.staleness import staleness_decision
 from hpref.runfolder.layout import EXECUTOR_STATE
-
-if TYPE_CHECKING:
-    pass
 
 
 class RolloutExecutor:
@@ -53,6 +50,7 @@ class RolloutExecutor:
         engines: dict[str, Any],
         env: dict[str, str] | None = None,
         prompts: Any = None,
+        hosted: bool = False,
     ) -> None:
         apply_env(env)
         from hpref.recipe.rl import resolve_reward
@@ -73,7 +71,8 @@ class RolloutExecutor:
         # a reward's ground truth means something only for the prompts it was made for
         self.truth = self.reward.true_utility if self.prompts.ground_truth else None
         self.policies = list(policies)
-        self.engines = engines
+        #: each policy's engine actor, or (`hosted`: rl.engines_in_executor) started here from its spec
+        self.engines = engines = engines_here(engines, env) if hosted else engines
         #: each policy's algorithm: what its rollouts carry (judged pairs for online DPO)
         self.algorithms = {p: build_algorithm(p, self.config.policies[p]) for p in self.policies}
         if any(a.needs_preferences for a in self.algorithms.values()) and not self.reward.judges_pairs:
@@ -98,6 +97,10 @@ class RolloutExecutor:
         self._answers: dict[tuple[str, int], list[list[str]]] = {}
         # each policy's starting checkpoint's greedy eval episodes
         self._start_answers: dict[str, Played] = {}
+
+    async def engine_call(self, policy: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The driver's and trainer groups' call of an engine built here (`HostedEngine`)."""
+        return await getattr(self.engines[policy], method).remote(*args, **kwargs)
 
     async def _together(self, policy: str, rollout_id: int, fresh: bool) -> tuple[list[Prompt], Played]:
         """The policy's part of the rollout's episodes played together, played once for every seated

@@ -3,7 +3,8 @@ policy its own episodes (`hpref.rl.rollout.episodes`), or together, the policies
 environment's roles (`hpref.rl.rollout.joint`); the requests each turn sends to an engine (or, on a
 shared base, through the `RequestBatcher` with the policy's adapter), and what a policy's tokenizer
 does for its episodes. The rollout executor asks it for episodes and keeps everything else (buffers,
-rewards, evals, saves)."""
+rewards, evals, saves). Engines in the executor's own process (`rl.engines_in_executor`) are
+started there from their specs (`engines_here`) and called as their actors would be."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ from hpref.rl.rollout.batching import RequestBatcher
 from hpref.rl.rollout.episodes import Bounds, Played, TurnCodec, play_episodes
 from hpref.rl.rollout.joint import Judge, Seating, play_together
 from hpref.rl.rollout_types import Generation, GenerationRequest
+
+
+def engines_here(specs: dict[str, Any], env: dict[str, str] | None) -> dict[str, Any]:
+    """Each policy's engine started in this process from its `hpref.rl.engines.host.EngineSpec`, once
+    per hosting policy (a shared base's one engine serves every policy)."""
+    started: dict[str, Any] = {}
+    for spec in specs.values():
+        if spec.policy not in started:
+            started[spec.policy] = spec.start(env)
+    return {p: started[spec.policy] for p, spec in specs.items()}
 
 
 class Players:

@@ -1,0 +1,228 @@
+"""Which process runs each policy's engine (`rl.engines_in_executor`): the decision and its refusals,
+what the placement reserves and the plan says for engines in the rollout executor's process, and a
+run whose engines live in the executor training exactly as one with engine actors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hpref.errors import RecipeError
+from hpref.recipe.rl import parse_rl_section
+from hpref.rl.placement.engine_process import HOSTED_REASON, engine_process_line, resolve_engine_process
+from hpref.rl.placement.resources import (
+    EXECUTOR_CPUS,
+    HOSTED,
+    actor_asks,
+    bundles,
+    check_cluster,
+    executor_cpus,
+)
+from tests.rl.tiny import TINY
+
+
+def rl_config(engine=None, **over):
+    data = {
+        "defaults": {"model": TINY},
+        "policies": {"a": {}, "b": {"model": {"seed": 1}}},
+        "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 4},
+        **over,
+    }
+    if engine is not None:
+        data["engine"] = engine
+    return parse_rl_section(data)
+
+
+def test_cpu_transformers_engines_go_into_the_executor_and_the_recipe_overrides_it():
+    # Wrong if the default put CPU engines in processes of their own (the suite's and a laptop's
+    # runs pay ~4.3 CPU-s of imports per engine for nothing), put a vLLM or GPU engine in the
+    # executor (vLLM's worker processes and a GPU want a process of their own), or if the recipe's
+    # word did not hold
+    default = resolve_engine_process(rl_config())
+    assert default.engines_in_executor is True and default.engines_in_executor_reason == HOSTED_REASON
+    assert engine_process_line(default).startswith("engines_in_executor = true (in the rollout executor's")
+    off = resolve_engine_process(rl_config(engines_in_executor=False))
+    assert off.engines_in_executor is False
+    assert off.engines_in_executor_reason == "set in the recipe (rl.engines_in_executor = false)"
+    vllm = resolve_engine_process(rl_config({"name": "vllm"}))
+    assert vllm.engines_in_executor is False and "not hostable" in vllm.engines_in_executor_reason
+    gpu = resolve_engine_process(rl_config({"name": "vllm", "num_gpus": 1}))
+    assert gpu.engines_in_executor is False
+    # a decided config comes back as it was (the actors and the plan resolve it again)
+    assert resolve_engine_process(default) is default
+
+
+def test_engines_in_the_executor_are_refused_for_an_engine_that_cannot_be_hosted():
+    # Wrong if `engines_in_executor = true` on vLLM started a run whose engines could not work, or
+    # the refusal did not name the key and the way out
+    with pytest.raises(RecipeError) as err:
+        resolve_engine_process(rl_config({"name": "vllm"}, engines_in_executor=True), "r.toml")
+    assert str(err.value) == (
+        "r.toml: rl.engines_in_executor = true, but the 'vllm' engine cannot run in the rollout "
+        "executor's process (set it to false)"
+    )
+
+
+def test_hosted_engines_reserve_no_bundle_and_the_executor_asks_their_cpus():
+    # Wrong if a hosted engine still reserved a bundle in its policy's group (CPUs held by no
+    # process), or the executor that runs the engines did not ask for their CPUs, so the cluster
+    # check would pass a run its engines' CPUs do not fit
+    hosted = resolve_engine_process(rl_config())
+    asks = actor_asks(hosted, ["a", "b"])
+    for p in ("a", "b"):
+        engine, trainer = asks[p]
+        assert (engine.role, engine.bundle) == ("engine", HOSTED)
+        assert bundles(asks[p]) == [{"CPU": trainer.cpus}]  # the trainer rank's bundle alone
+    assert executor_cpus(hosted, ["a", "b"]) == EXECUTOR_CPUS + 2 * asks["a"][0].cpus
+    apart = resolve_engine_process(rl_config(engines_in_executor=False))
+    assert [len(bundles(asks)) for asks in actor_asks(apart, ["a", "b"]).values()] == [2, 2]
+    assert executor_cpus(apart, ["a", "b"]) == EXECUTOR_CPUS
+    # the same total either way, and the refusal counts the executor's own CPUs once
+    total = executor_cpus(hosted, ["a", "b"]) + sum(b["CPU"] for p in "ab" for b in bundles(asks[p]))
+    with pytest.raises(RecipeError) as err:
+        check_cluster(hosted, ["a", "b"], {"CPU": total - 0.1}, "r.toml")
+    assert f"the run asks {total:g} CPUs" in str(err.value)
+    assert str(err.value).count("the rollout executor") == 1
+    assert f"the rollout executor {EXECUTOR_CPUS:g})" in str(err.value)
+    check_cluster(hosted, ["a", "b"], {"CPU": total}, "r.toml")
+
+
+def test_the_plan_puts_hosted_engines_in_the_executor_process_without_a_baseline_of_their_own():
+    # Wrong if `hpref rl --plan` showed an engine process that does not exist (its own baseline
+    # memory, its own node) for an engine that lives in the rollout executor
+    pytest.importorskip("torch")
+    from hpref.rl.placement.nodes import Node
+    from hpref.rl.plan.table import plan_rows
+
+    config = resolve_engine_process(rl_config())
+    nodes = [Node("n1", 2.0, 0, 16 << 30)]
+    rows = plan_rows(config, ["a", "b"], nodes, {"a": 10, "b": 10}, baseline=300 << 20)
+    engines = [r for r in rows if " engine" in r.actor]
+    executor = rows[-1]
+    assert [r.actor for r in engines] == [
+        "a engine in the rollout executor",
+        "b engine in the rollout executor",
+    ]
+    assert all(r.node is executor.node is nodes[0] for r in engines)
+    assert all(not r.memory.terms.get("baseline") for r in engines)
+    trainers = [r for r in rows if "trainer" in r.actor]
+    assert all(r.memory.terms.get("baseline") == 300 << 20 for r in trainers)
+
+
+def test_a_dead_executor_that_hosts_the_engines_is_named_as_such():
+    # Wrong if the one line of a run whose executor died (and with it every engine it hosted) named
+    # an engine actor that never existed, or did not say the engines went with it
+    from types import SimpleNamespace
+
+    from hpref.rl.engines.host import HostedEngine
+    from hpref.runtime.ray_cluster import actor_names
+
+    def actor(hex_id):
+        return SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: hex_id))
+
+    executor = actor("e0")
+    handles = SimpleNamespace(
+        executor=executor,
+        engines={p: HostedEngine(executor, p) for p in ("a", "b")},
+        trainers={p: SimpleNamespace(ranks=[actor(f"t{p}")]) for p in ("a", "b")},
+    )
+    assert actor_names(handles) == {
+        "ta": "policy 'a': trainer actor",
+        "tb": "policy 'b': trainer actor",
+        "e0": "the rollout executor actor (shared by all policies, hosting the engines)",
+    }
+
+
+def _titles_during(run, sink: set[str]):
+    """`run()` while a thread collects the titles of this process's `ray::` descendants."""
+    import os
+
+    import psutil
+    from benchmarks.common import tree_pids
+
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for pid in tree_pids(os.getpid()):
+                try:
+                    title = " ".join(psutil.Process(pid).cmdline())
+                except psutil.Error:
+                    continue
+                if title.startswith("ray::"):
+                    sink.add(title.split()[0])
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        return run()
+    finally:
+        done.set()
+        thread.join(timeout=5)
+
+
+@pytest.mark.slow
+def test_a_run_with_engines_in_the_executor_trains_bit_for_bit_as_one_with_engine_actors(
+    ray_cluster, tmp_path
+):
+    # Wrong if hosting the engines in the executor's process changed what a policy generates or
+    # learns (a shared RNG between the two engines' threads, calls out of order, a weight sync that
+    # reached the wrong engine), if it still started engine actors, or if rl.json did not say
+    # where the engines ran and why
+    pytest.importorskip("peft")
+    import json
+
+    from benchmarks.chaos_rl import compare_saves
+
+    from hpref.recipe import recipe_from_dict
+    from hpref.rl.control.record import read_record
+    from hpref.rl.launch import run_rl
+
+    def recipe(run_dir, **over):
+        rl = {
+            "num_rollouts": 2,
+            "staleness_limit": 0,  # each rollout from the step before it's weights: not timing's
+            "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 5},
+            "reward": {"name": "rule"},
+            "defaults": {"model": TINY, "lr": 1e-2, "lora": {"r": 4}, "precision": "fp32"},
+            "policies": {"a": {"algorithm": {"kl_coef": 0.05}}, "b": {"model": {"seed": 1}}},
+            **over,
+        }
+        run = {"name": run_dir.name, "output_dir": str(run_dir.parent)}
+        return recipe_from_dict({"run": run, "rl": rl})
+
+    hosted_dir, actors_dir = tmp_path / "hosted", tmp_path / "actors"
+    seen = {"hosted": set(), "actors": set()}
+    assert _titles_during(lambda: run_rl(recipe(hosted_dir), ["a", "b"]), seen["hosted"]) == 0
+    run = lambda: run_rl(recipe(actors_dir, engines_in_executor=False), ["a", "b"])  # noqa: E731
+    assert _titles_during(run, seen["actors"]) == 0
+    assert "ray::EngineHost" not in seen["hosted"] and "ray::RolloutExecutor" in seen["hosted"]
+    assert "ray::EngineHost" in seen["actors"]  # the watch does see engine actors where they are
+    written = json.loads((hosted_dir / "rl.json").read_text())
+    assert written["config"]["engines_in_executor"] is True
+    assert written["engines_in_executor_reason"] == HOSTED_REASON
+    # the leader's final save (its adapter and every AdamW moment), tensor for tensor
+    final = {d: d / read_record(d).save_dir / "a" for d in (hosted_dir, actors_dir)}
+    same = compare_saves(final[hosted_dir], final[actors_dir])
+    assert same["equal"] and same["tensors"] >= 14 * 3, same
+    for p in ("a", "b"):  # every rollout both runs trained: the same answers, loss and KL
+        rows = {d: _rows(d, p) for d in (hosted_dir, actors_dir)}
+        common = sorted(set(rows[hosted_dir]) & set(rows[actors_dir]))
+        assert common[:1] == [0], (p, common)
+        for r in common:
+            for key in ("reward_mean", "loss", "kl", "grad_norm"):
+                assert rows[hosted_dir][r][key] == rows[actors_dir][r][key], (p, r, key)
+
+
+def _rows(run_dir, policy):
+    import json
+
+    rows = {}
+    for line in (run_dir / "metrics" / f"{policy}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            rows[row["rollout"]] = row
+    return rows
