@@ -157,8 +157,13 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path, log_me
     # both policies started from their own cached warm-up checkpoint, and the resume reused it
     warm = summary["warmup_checkpoints"]
     assert set(warm) == {"a", "b"} and warm["a"] != warm["b"]  # different seeds, different starts
-    config = json.loads((run_dir / "rl.json").read_text())["config"]
+    written = json.loads((run_dir / "rl.json").read_text())
+    config = written["config"]
     assert config["policies"]["a"]["model"]["path"] == warm["a"]
+    # CPU engines ran in the rollout executor's process, and rl.json says so and why
+    from hpref.rl.placement.engine_process import HOSTED_REASON
+
+    assert config["engines_in_executor"] is True and written["engines_in_executor_reason"] == HOSTED_REASON
     # keep_last = 1: one save survives, and it is the one the record points to
     saves = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saves == [final.save_dir.split("/")[-1]] == ["rollout-000003"]

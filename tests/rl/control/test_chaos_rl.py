@@ -74,9 +74,11 @@ def reference_here(args: argparse.Namespace) -> dict:
     never killed, so nothing about its process is under test, and a new interpreter's imports and
     teardown cost ~8 s. The same command line, cache and home as the benchmark's, its console
     where `chaos_rl.check` reads the `saved` lines of a run, and the benchmark's check that the
-    run's actors all ended after it."""
+    run's actors all ended after it. Its engines are actors of their own (`rl.engines_in_executor =
+    false`) where the chaos runs' are in their rollout executor's process (the CPU default): the
+    final saves compared bit for bit then also show that hosting the engines changes nothing."""
     started = time.monotonic()
-    command = chaos_rl.rl_command(args, "ref", resume=False)
+    command = chaos_rl.rl_command(args, "ref", resume=False) + ["--set", "rl.engines_in_executor=false"]
     assert command[: len(chaos_rl.HPREF)] == chaos_rl.HPREF
     with pytest.MonkeyPatch.context() as env:
         for name, value in chaos_rl.run_env(args.work, args.cache).items():
@@ -124,8 +126,10 @@ def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_p
     driver (`hpref rl` itself). Each policy's final save must equal the unkilled run's tensor for
     tensor (the adapter's weights and every AdamW moment), every rollout trained exactly once,
     weight versions rising by one, the trainer's step counts at the record's position, and no actor
-    left behind. If this fails, a resume does not restore the adapter or its optimizer state
-    exactly (or regenerates a rollout from other weights), a dead rank is not noticed (a hang) or
+    left behind. The reference's engines are actors of their own, the chaos runs' are in their
+    executor's process (`reference_here`). If this fails, a resume does not restore the adapter or
+    its optimizer state exactly (or regenerates a rollout from other weights), engines hosted in the
+    executor generate or sync otherwise than engine actors, a dead rank is not noticed (a hang) or
     not named (a traceback, a line blaming the survivor), the driver's actors outlive it, or a
     rollout is replayed or skipped. Runs join the suite's cluster
     (no cluster start per run); the unkilled reference runs in this process (`reference_here`)."""

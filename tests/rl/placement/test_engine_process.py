@@ -1,11 +1,10 @@
 """Which process runs each policy's engine (`rl.engines_in_executor`): the decision and its refusals,
-what the placement reserves and the plan says for engines in the rollout executor's process, and a
-run whose engines live in the executor training exactly as one with engine actors."""
+what the placement reserves and the plan says for engines in the rollout executor's process, and the
+line that names a dead executor hosting them. That a run with hosted engines trains bit for bit as
+one with engine actors is tests/rl/control/test_chaos_rl.py's (its reference has engine actors); that
+a default run starts no engine actor, test_stop_signals.py's actor counts."""
 
 from __future__ import annotations
-
-import threading
-import time
 
 import pytest
 
@@ -133,96 +132,3 @@ def test_a_dead_executor_that_hosts_the_engines_is_named_as_such():
         "tb": "policy 'b': trainer actor",
         "e0": "the rollout executor actor (shared by all policies, hosting the engines)",
     }
-
-
-def _titles_during(run, sink: set[str]):
-    """`run()` while a thread collects the titles of this process's `ray::` descendants."""
-    import os
-
-    import psutil
-    from benchmarks.common import tree_pids
-
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            for pid in tree_pids(os.getpid()):
-                try:
-                    title = " ".join(psutil.Process(pid).cmdline())
-                except psutil.Error:
-                    continue
-                if title.startswith("ray::"):
-                    sink.add(title.split()[0])
-            time.sleep(0.2)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    try:
-        return run()
-    finally:
-        done.set()
-        thread.join(timeout=5)
-
-
-@pytest.mark.slow
-def test_a_run_with_engines_in_the_executor_trains_bit_for_bit_as_one_with_engine_actors(
-    ray_cluster, tmp_path
-):
-    # Wrong if hosting the engines in the executor's process changed what a policy generates or
-    # learns (a shared RNG between the two engines' threads, calls out of order, a weight sync that
-    # reached the wrong engine), if it still started engine actors, or if rl.json did not say
-    # where the engines ran and why
-    pytest.importorskip("peft")
-    import json
-
-    from benchmarks.chaos_rl import compare_saves
-
-    from hpref.recipe import recipe_from_dict
-    from hpref.rl.control.record import read_record
-    from hpref.rl.launch import run_rl
-
-    def recipe(run_dir, **over):
-        rl = {
-            "num_rollouts": 2,
-            "staleness_limit": 0,  # each rollout from the step before it's weights: not timing's
-            "rollout": {"group_size": 2, "prompts_per_rollout": 2, "max_new_tokens": 5},
-            "reward": {"name": "rule"},
-            "defaults": {"model": TINY, "lr": 1e-2, "lora": {"r": 4}, "precision": "fp32"},
-            "policies": {"a": {"algorithm": {"kl_coef": 0.05}}, "b": {"model": {"seed": 1}}},
-            **over,
-        }
-        run = {"name": run_dir.name, "output_dir": str(run_dir.parent)}
-        return recipe_from_dict({"run": run, "rl": rl})
-
-    hosted_dir, actors_dir = tmp_path / "hosted", tmp_path / "actors"
-    seen = {"hosted": set(), "actors": set()}
-    assert _titles_during(lambda: run_rl(recipe(hosted_dir), ["a", "b"]), seen["hosted"]) == 0
-    run = lambda: run_rl(recipe(actors_dir, engines_in_executor=False), ["a", "b"])  # noqa: E731
-    assert _titles_during(run, seen["actors"]) == 0
-    assert "ray::EngineHost" not in seen["hosted"] and "ray::RolloutExecutor" in seen["hosted"]
-    assert "ray::EngineHost" in seen["actors"]  # the watch does see engine actors where they are
-    written = json.loads((hosted_dir / "rl.json").read_text())
-    assert written["config"]["engines_in_executor"] is True
-    assert written["engines_in_executor_reason"] == HOSTED_REASON
-    # the leader's final save (its adapter and every AdamW moment), tensor for tensor
-    final = {d: d / read_record(d).save_dir / "a" for d in (hosted_dir, actors_dir)}
-    same = compare_saves(final[hosted_dir], final[actors_dir])
-    assert same["equal"] and same["tensors"] >= 14 * 3, same
-    for p in ("a", "b"):  # every rollout both runs trained: the same answers, loss and KL
-        rows = {d: _rows(d, p) for d in (hosted_dir, actors_dir)}
-        common = sorted(set(rows[hosted_dir]) & set(rows[actors_dir]))
-        assert common[:1] == [0], (p, common)
-        for r in common:
-            for key in ("reward_mean", "loss", "kl", "grad_norm"):
-                assert rows[hosted_dir][r][key] == rows[actors_dir][r][key], (p, r, key)
-
-
-def _rows(run_dir, policy):
-    import json
-
-    rows = {}
-    for line in (run_dir / "metrics" / f"{policy}.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            rows[row["rollout"]] = row
-    return rows
