@@ -8,17 +8,17 @@ with `--resume auto` each time, and check the result against a run that was neve
   `rl-smollm2`: two SmolLM2 LoRA policies), `save_interval = 1`, no evals, every save kept, run once
   as a user runs it (`hpref rl` in its own process, session and local Ray cluster, a private
   `HPREF_HOME`, no `RAY_` variables).
-- **Chaos**: the same recipe and seeds under another run name. Once the (re)started run has trained
-  its first new leader rollout, a seeded RNG draws a delay and a target: a rollout engine actor
-  (`ray::EngineHost`; where `engine` may be drawn, both runs set `rl.engines_in_executor = false`,
-  as CPU engines otherwise live in the executor's process), a policy trainer actor
-  (`ray::TrainerActor`), the reward actor (the rollout executor, `ray::RolloutExecutor`, which holds
-  the reward) or the leader's driver (`hpref rl`, its whole process group). Actors are found by
-  their Ray process titles among the processes of the run's own session (so other runs on the
-  machine are never touched) and get SIGKILL. The run must then end by itself (exit code and its one
-  ERROR line are kept) and is restarted with `--resume auto`; recovery is the time from the restart
-  to the first leader rollout past the last one trained before the run stopped
-  (`metrics/<leader>.jsonl`).
+- **Chaos**: the same recipe and seeds under another run name. Once the (re)started run has trained its
+  first new leader rollout, a seeded RNG draws a delay and a target: a rollout engine actor
+  (`ray::EngineHost`; where `engine` may be drawn, both runs set `rl.engines_in_executor = false`, as CPU
+  engines otherwise live in the executor's process), a policy trainer actor (`ray::TrainerActor`), the
+  reward actor (the rollout executor, `ray::RolloutExecutor`, which holds the reward; where `reward` may
+  be drawn, both runs set `rl.executor_in_driver = false`, as a CPU run's executor otherwise lives in the
+  driver) or the leader's driver (`hpref rl`, its whole process group). Actors are found by their Ray
+  process titles among the processes of the run's own session (so other runs on the machine are never
+  touched) and get SIGKILL. The run must then end by itself (exit code and its one ERROR line are kept)
+  and is restarted with `--resume auto`; recovery is the time from the restart to the first leader rollout
+  past the last one trained before the run stopped (`metrics/<leader>.jsonl`).
 - **Checks**: every rollout id exactly once per policy in `metrics/<policy>.jsonl`, weight versions
   rising by one, each trainer's step count (`trainer.pt`: rollouts done, version, AdamW steps) equal
   to the record's position, no Ray process left behind after a run ended, and the final save of each
@@ -92,6 +92,8 @@ def rl_command(args: argparse.Namespace, name: str, resume: bool) -> list[str]:
     targets = getattr(args, "targets", None)  # None: drawn from KINDS, `engine` among them
     if targets is None or "engine" in targets:  # engine actors to kill, in the reference too
         sets["rl.engines_in_executor"] = "false"
+    if targets is None or "reward" in targets:  # an executor actor to kill (CPU runs keep it in the driver)
+        sets["rl.executor_in_driver"] = "false"
     cmd = [*HPREF, "rl", args.recipe, "--policies", ",".join(args.policies)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]

@@ -12,8 +12,9 @@ linear), HH-RLHF helpful-base prompts from ../shared, 8 prompts x 4 answers of a
   times it), `shared-N` N policies on one base (`rl.share_base = true`: one engine, one trainer),
   `separate-2` two policies with an engine and a trainer each (`share_base = false`, what hpref did
   before); a name may end in `-vllm` (the vLLM engine), `-ttK` / `-etK` (K torch threads per trainer /
-  engine), `-ex` / `-ea` (engines in the rollout executor's process / actors of their own; unset: the
-  default, `rl.engines_in_executor`), and `--gpu` puts engines and trainers on the GPU
+  engine), `-ex` / `-ea` (engines in the rollout executor's actor process / actors of their own), `-ed`
+  (engines in the executor, the executor in the driver; unset: the defaults, `rl.engines_in_executor`
+  and `rl.executor_in_driver`), and `--gpu` puts engines and trainers on the GPU
   (`benchmarks/gpu.sh` section 6). Per run: the leader's loop time to its last update over the
   rollouts (start-up excluded), the median time between its updates, the peak PSS of the whole process
   tree (driver, every Ray actor, Ray's daemons; RSS in brackets) and the mean load. The runs alternate
@@ -54,7 +55,8 @@ EXTRA_POLICIES = "cdefgh"  # policies beyond a and b, as the recipe's a
 def run_args(name: str) -> tuple[list[str], list[str]]:
     """(policies, --set settings) of a run: `alone`, `shared-N` or `separate-N`, then any of
     `-vllm` (the vLLM engine), `-ttK` (K torch threads per trainer), `-etK` (K per engine), `-ex` /
-    `-ea` (the engines in the rollout executor's process / in actors of their own)."""
+    `-ea` (the engines in the rollout executor's actor process / in actors of their own), `-ed` (the
+    engines in the executor, the executor in the driver's process)."""
     kind, *options = name.split("-")
     count = 1 if kind == "alone" else int(options.pop(0))
     policies = ["a", "b", *EXTRA_POLICIES][:count]
@@ -67,8 +69,9 @@ def run_args(name: str) -> tuple[list[str], list[str]]:
             sets.append(f"rl.defaults.threads={int(option[2:])}")
         elif option.startswith("et"):
             sets.append(f"rl.engine.threads={int(option[2:])}")
-        elif option in ("ex", "ea"):  # engines in the executor's process, or actors of their own
-            sets.append(f"rl.engines_in_executor={'true' if option == 'ex' else 'false'}")
+        elif option in ("ex", "ea", "ed"):  # engines in the executor's actor, in actors, in the driver
+            sets.append(f"rl.engines_in_executor={'false' if option == 'ea' else 'true'}")
+            sets.append(f"rl.executor_in_driver={'true' if option == 'ed' else 'false'}")
         else:
             raise SystemExit(f"unknown run option '{option}' in {name}")
     return policies, sets

@@ -504,10 +504,12 @@ def test_rl_writes_resolved_recipe_and_log_before_the_run(tmp_path, monkeypatch,
     assert exit_info.value.code == 0 and seen["policies"] == ["b", "a"]
     recipe = load_recipe(REPO / "recipes" / "rl-arena.toml", [f"run.output_dir={tmp_path}", "run.seed=5"])
     # the resolved recipe says what `share_base` decided (rl-arena's policies train every weight)
-    # and where the engines run (CPU transformers engines: in the rollout executor's process)
-    recipe.rl = recipe.rl.model_copy(update={"share_base": False, "engines_in_executor": True})
+    # and where the engines run (CPU transformers engines: in the rollout executor's process, the
+    # executor in the driver's)
+    decided = {"share_base": False, "engines_in_executor": True, "executor_in_driver": True}
+    recipe.rl = recipe.rl.model_copy(update=decided)
     assert seen["recipe"] == recipe.to_toml() and "share_base = false" in seen["recipe"]
-    assert "engines_in_executor = true" in seen["recipe"]
+    assert "engines_in_executor = true" in seen["recipe"] and "executor_in_driver = true" in seen["recipe"]
     log = (recipe.run.run_dir / "logs" / "rl.log").read_text()
     assert "resolved recipe in recipe.toml" in log and "probe: inside the run" in log
 

@@ -160,10 +160,12 @@ def test_run_stop_resume_and_refuse_a_wrong_leader(ray_cluster, tmp_path, log_me
     written = json.loads((run_dir / "rl.json").read_text())
     config = written["config"]
     assert config["policies"]["a"]["model"]["path"] == warm["a"]
-    # CPU engines ran in the rollout executor's process, and rl.json says so and why
-    from hpref.rl.placement.engine_process import HOSTED_REASON
+    # CPU engines ran in the rollout executor's process, the executor in the driver's, and rl.json
+    # says so and why
+    from hpref.rl.placement.engine_process import HOSTED_REASON, IN_DRIVER_REASON
 
     assert config["engines_in_executor"] is True and written["engines_in_executor_reason"] == HOSTED_REASON
+    assert config["executor_in_driver"] is True and written["executor_in_driver_reason"] == IN_DRIVER_REASON
     # keep_last = 1: one save survives, and it is the one the record points to
     saves = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saves == [final.save_dir.split("/")[-1]] == ["rollout-000003"]

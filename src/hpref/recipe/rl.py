@@ -208,6 +208,13 @@ class RLConfig(Section):
         "engines and vLLM; set false to spread CPU engines over a multi-node cluster; "
         "hpref.rl.placement.engine_process)",
     )
+    executor_in_driver: bool | None = Field(
+        None,
+        description="the rollout executor (prompts, rewards, buffers, and the engines it hosts) runs in the "
+        "`hpref rl` process itself instead of a Ray actor process of its own: one process fewer per run "
+        "(default: on when the engines are in the executor, i.e. CPU transformers engines; off otherwise; "
+        "hpref.rl.placement.engine_process)",
+    )
     colocate: bool = Field(
         False,
         description="each policy's engine shares its trainer rank 0's GPU (engines that can sleep release "
@@ -235,6 +242,11 @@ class RLConfig(Section):
         None,
         exclude=True,
         description="(internal) why engines_in_executor is what it is (hpref.rl.placement.engine_process)",
+    )
+    executor_in_driver_reason: str | None = Field(
+        None,
+        exclude=True,
+        description="(internal) why executor_in_driver is what it is (hpref.rl.placement.engine_process)",
     )
 
     @model_validator(mode="after")
@@ -368,6 +380,7 @@ def parse_rl_section(
         ("eval_scorer_config", "eval_scorer"),
         ("share_base_reason", "share_base"),
         ("engines_in_executor_reason", "engines_in_executor"),
+        ("executor_in_driver_reason", "executor_in_driver"),
     ):
         if internal in data:
             raise RecipeError(f"{where}: rl.{internal}: unknown key (did you mean '{public}'?)")

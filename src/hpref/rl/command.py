@@ -77,7 +77,11 @@ def rl_command(request: RlRequest) -> int:
         return run_plan(loaded, ids, request.ray_address)
     from loguru import logger
 
+    from hpref.memory import cap_onednn_cache
     from hpref.rl.control.stop import StopNow, StopSignals, stopped_line
+
+    # before this process's first matmul: CPU engines may run here (`rl.executor_in_driver`)
+    cap_onednn_cache()
 
     # SIGTERM, Ctrl-C: before the policies' loops, a stop at once; in them, a save first
     with StopSignals(loaded.rl.stop_timeout_s) as signals:

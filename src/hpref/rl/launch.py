@@ -163,12 +163,14 @@ def prepare(
             "config": config.model_dump(mode="json"),
             "share_base_reason": config.share_base_reason,
             "engines_in_executor_reason": config.engines_in_executor_reason,
+            "executor_in_driver_reason": config.executor_in_driver_reason,
         },
         indent=2,
     )
-    from hpref.rl.placement.engine_process import engine_process_line
+    from hpref.rl.placement.engine_process import engine_process_line, executor_process_line
 
     logger.debug(engine_process_line(config))
+    logger.debug(executor_process_line(config))
     if len(order) > 1:
         from hpref.rl.placement.shared_base import share_base_line, share_base_problem
 

@@ -152,17 +152,20 @@ def actor_names(handles: Any) -> dict[str, str]:
     """Ray actor id (hex) -> what it is, for naming an actor that died."""
     names = {}
     hosted = False
+    executor = getattr(handles.executor, "_actor_id", None)  # None: in the driver, no actor
     for p, engine in handles.engines.items():
-        if engine._actor_id == handles.executor._actor_id:  # in the executor's process (`HostedEngine`)
+        engine_id = getattr(engine, "_actor_id", None)
+        if engine_id is None or engine_id == executor:  # in the executor's process (`HostedEngine`)
             hosted = True
             continue
-        names[engine._actor_id.hex()] = f"policy '{p}': engine actor"
+        names[engine_id.hex()] = f"policy '{p}': engine actor"
     for p, group in handles.trainers.items():
         for rank, trainer in enumerate(group.ranks):
             what = "trainer actor" if len(group.ranks) == 1 else f"trainer rank {rank} actor"
             names[trainer._actor_id.hex()] = f"policy '{p}': {what}"
-    engines = ", hosting the engines" if hosted else ""
-    names[handles.executor._actor_id.hex()] = f"the rollout executor actor (shared by all policies{engines})"
+    if executor is not None:
+        engines = ", hosting the engines" if hosted else ""
+        names[executor.hex()] = f"the rollout executor actor (shared by all policies{engines})"
     return names
 
 
@@ -194,6 +197,8 @@ def dead_actor(handles: Any, names: dict[str, str], timeout_s: float = 15.0) -> 
 
     ranks = [rank for group in handles.trainers.values() for rank in group.ranks]
     for actor in [*ranks, *handles.engines.values(), handles.executor]:
+        if getattr(actor, "_actor_id", None) is None:  # in the driver's process: not an actor
+            continue
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
         except RayActorError:

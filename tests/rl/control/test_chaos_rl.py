@@ -75,8 +75,9 @@ def reference_here(args: argparse.Namespace) -> dict:
     teardown cost ~8 s. The same command line, cache and home as the benchmark's, its console
     where `chaos_rl.check` reads the `saved` lines of a run, and the benchmark's check that the
     run's actors all ended after it. Its engines are actors of their own (`rl.engines_in_executor =
-    false`) where the chaos runs' are in their rollout executor's process (the CPU default): the
-    final saves compared bit for bit then also show that hosting the engines changes nothing."""
+    false`), and so is its executor, where the chaos runs' engines are in their rollout executor and
+    the executor in the driver's process (the CPU defaults): the final saves compared bit for bit
+    then also show that hosting the engines, and the executor in the driver, change nothing."""
     started = time.monotonic()
     command = chaos_rl.rl_command(args, "ref", resume=False) + ["--set", "rl.engines_in_executor=false"]
     assert command[: len(chaos_rl.HPREF)] == chaos_rl.HPREF
@@ -119,20 +120,19 @@ def actors_of_the_session() -> list[tuple[int, str]]:
 
 
 def test_rl_killed_twice_resumes_to_the_reference_bit_for_bit(ray_cluster, tmp_path, monkeypatch):
-    """One `hpref rl` run of two policies that meet SIGKILLed twice at seeded random moments, each
-    resumed with `--resume auto`: first a trainer actor (a rank of a's two-rank group, or b's one;
-    once a save is recorded),
-    which the run's one line must name with the save `--resume auto` continues from, then the
-    driver (`hpref rl` itself). Each policy's final save must equal the unkilled run's tensor for
-    tensor (the adapter's weights and every AdamW moment), every rollout trained exactly once,
-    weight versions rising by one, the trainer's step counts at the record's position, and no actor
-    left behind. The reference's engines are actors of their own, the chaos runs' are in their
-    executor's process (`reference_here`). If this fails, a resume does not restore the adapter or
-    its optimizer state exactly (or regenerates a rollout from other weights), engines hosted in the
-    executor generate or sync otherwise than engine actors, a dead rank is not noticed (a hang) or
-    not named (a traceback, a line blaming the survivor), the driver's actors outlive it, or a
-    rollout is replayed or skipped. Runs join the suite's cluster
-    (no cluster start per run); the unkilled reference runs in this process (`reference_here`)."""
+    """One `hpref rl` run of two policies that meet SIGKILLed twice at seeded random moments, each resumed
+    with `--resume auto`: first a trainer actor (a rank of a's two-rank group, or b's one; once a save is
+    recorded), which the run's one line must name with the save `--resume auto` continues from, then the
+    driver (`hpref rl` itself). Each policy's final save must equal the unkilled run's tensor for tensor
+    (the adapter's weights and every AdamW moment), every rollout trained exactly once, weight versions
+    rising by one, the trainer's step counts at the record's position, and no actor left behind. The
+    reference's engines and executor are actors of their own, the chaos runs' engines are in their
+    executor, in the driver's process (`reference_here`). If this fails, a resume does not restore the
+    adapter or its optimizer state exactly (or regenerates a rollout from other weights), engines hosted
+    in the executor, or the executor in the driver, generate or sync otherwise than actors do, a dead rank
+    is not noticed (a hang) or not named (a traceback, a line blaming the survivor), the driver's actors
+    outlive it, or a rollout is replayed or skipped. Runs join the suite's cluster (no cluster start per
+    run); the unkilled reference runs in this process (`reference_here`)."""
     args = argparse.Namespace(
         work=tmp_path,
         cache=Path(os.environ["HPREF_CACHE"]),

@@ -243,7 +243,8 @@ def test_a_shared_base_plays_both_policies_episodes_through_batched_requests(ray
 
         engine = Recorded(engine_of(handles.engines[order[0]]))
         local = LocalActor(RolloutExecutor(config, order, {p: engine for p in order}))
-        local._actor_id = handles.executor._actor_id  # named as the actor it stands in for
+        # named as the actor it stands in for (none: the executor it replaces ran in this process)
+        local._actor_id = getattr(handles.executor, "_actor_id", None)
         handles.executor = local
         return handles
 

@@ -130,7 +130,8 @@ def test_plan_reads_the_joined_clusters_nodes_and_their_gpu_memory(head, tmp_pat
     assert f"on the Ray cluster at {address} (1 node, 2 CPUs, 2 GPUs)" in out, out
     assert re.search(r"^a trainer 0 +\S+ +0\.25 +0 +[0-9.]+ +[0-9.]+ ", out, re.MULTILINE), out
     assert re.search(r"^b trainer 0 +\S+ +0\.25 +- ", out, re.MULTILINE), out
-    assert "1.25 of 2 CPUs, 1 of 2 GPUs (74.5 GiB each, H100: 80 GB as sold)" in out, out
+    # Ray's CPUs: the two trainers' (the CPU engines and their executor are the driver's own)
+    assert "0.5 of 2 CPUs, 1 of 2 GPUs (74.5 GiB each, H100: 80 GB as sold)" in out, out
     assert out.rstrip().splitlines()[-1] == "fits", out
     assert not (tmp_path / "runs").exists()  # nothing was started, no run folder
     assert _pids_with(f"127.0.0.1:{address.rpartition(':')[2]}"), "the head is gone after the plan"

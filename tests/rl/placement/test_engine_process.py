@@ -1,8 +1,9 @@
-"""Which process runs each policy's engine (`rl.engines_in_executor`): the decision and its refusals,
-what the placement reserves and the plan says for engines in the rollout executor's process, and the
-line that names a dead executor hosting them. That a run with hosted engines trains bit for bit as
-one with engine actors is tests/rl/control/test_chaos_rl.py's (its reference has engine actors); that
-a default run starts no engine actor, test_stop_signals.py's actor counts."""
+"""Which process runs each policy's engine (`rl.engines_in_executor`) and the rollout executor
+(`rl.executor_in_driver`): the decisions and their refusals, what the placement reserves and the plan says
+for engines in the rollout executor's process and an executor in the driver's, and the line that names a
+dead executor hosting them (and no executor at all when it was the driver). That a run with hosted engines
+trains bit for bit as one with engine actors is tests/rl/control/test_chaos_rl.py's (its reference has
+engine actors); that a default run starts no engine actor, test_stop_signals.py's actor counts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import pytest
 
 from hpref.errors import RecipeError
 from hpref.recipe.rl import parse_rl_section
-from hpref.rl.placement.engine_process import HOSTED_REASON, engine_process_line, resolve_engine_process
+from hpref.rl.placement.engine_process import (
+    HOSTED_REASON,
+    IN_DRIVER_REASON,
+    engine_process_line,
+    executor_process_line,
+    resolve_engine_process,
+)
 from hpref.rl.placement.resources import (
     EXECUTOR_CPUS,
     HOSTED,
@@ -53,6 +60,32 @@ def test_cpu_transformers_engines_go_into_the_executor_and_the_recipe_overrides_
     assert resolve_engine_process(default) is default
 
 
+def test_the_executor_comes_into_the_driver_with_the_engines_it_hosts_and_the_recipe_overrides_it():
+    # Wrong if a CPU run still started an executor actor (~5 CPU-s of imports for a process that only
+    # calls engines living in it), if engine actors (vLLM, GPU, or the recipe's false) left the
+    # executor outside Ray's placement, if the recipe's word did not hold, or if `true` beside engine
+    # actors started a run rather than saying in one line what to change
+    default = resolve_engine_process(rl_config())
+    assert default.executor_in_driver is True and default.executor_in_driver_reason == IN_DRIVER_REASON
+    assert executor_process_line(default).startswith("executor_in_driver = true (in the hpref rl process)")
+    actor = resolve_engine_process(rl_config(executor_in_driver=False))
+    assert (actor.engines_in_executor, actor.executor_in_driver) == (True, False)
+    assert actor.executor_in_driver_reason == "set in the recipe (rl.executor_in_driver = false)"
+    for apart in (rl_config(engines_in_executor=False), rl_config({"name": "vllm"})):
+        resolved = resolve_engine_process(apart)
+        assert (
+            resolved.executor_in_driver is False
+            and "actors of their own" in resolved.executor_in_driver_reason
+        )
+    with pytest.raises(RecipeError) as err:
+        resolve_engine_process(rl_config(engines_in_executor=False, executor_in_driver=True), "r.toml")
+    assert str(err.value) == (
+        "r.toml: rl.executor_in_driver = true, but the engines run in actors of their own "
+        "(rl.engines_in_executor = false, a vLLM or a GPU engine): the executor comes into the driver "
+        "only with the engines it hosts (set it to false)"
+    )
+
+
 def test_engines_in_the_executor_are_refused_for_an_engine_that_cannot_be_hosted():
     # Wrong if `engines_in_executor = true` on vLLM started a run whose engines could not work, or
     # the refusal did not name the key and the way out
@@ -68,7 +101,7 @@ def test_hosted_engines_reserve_no_bundle_and_the_executor_asks_their_cpus():
     # Wrong if a hosted engine still reserved a bundle in its policy's group (CPUs held by no
     # process), or the executor that runs the engines did not ask for their CPUs, so the cluster
     # check would pass a run its engines' CPUs do not fit
-    hosted = resolve_engine_process(rl_config())
+    hosted = resolve_engine_process(rl_config(executor_in_driver=False))
     asks = actor_asks(hosted, ["a", "b"])
     for p in ("a", "b"):
         engine, trainer = asks[p]
@@ -86,6 +119,15 @@ def test_hosted_engines_reserve_no_bundle_and_the_executor_asks_their_cpus():
     assert str(err.value).count("the rollout executor") == 1
     assert f"the rollout executor {EXECUTOR_CPUS:g})" in str(err.value)
     check_cluster(hosted, ["a", "b"], {"CPU": total}, "r.toml")
+    # in the driver (the default for CPU engines), Ray reserves nothing for it or its engines: the
+    # cluster holds the trainers
+    driver = resolve_engine_process(rl_config())
+    assert executor_cpus(driver, ["a", "b"]) == 0.0
+    trainers = sum(b["CPU"] for p in "ab" for b in bundles(actor_asks(driver, ["a", "b"])[p]))
+    check_cluster(driver, ["a", "b"], {"CPU": trainers}, "r.toml")
+    with pytest.raises(RecipeError) as err:
+        check_cluster(driver, ["a", "b"], {"CPU": trainers - 0.1}, "r.toml")
+    assert "the rollout executor" not in str(err.value)
 
 
 def test_the_plan_puts_hosted_engines_in_the_executor_process_without_a_baseline_of_their_own():
@@ -95,19 +137,25 @@ def test_the_plan_puts_hosted_engines_in_the_executor_process_without_a_baseline
     from hpref.rl.placement.nodes import Node
     from hpref.rl.plan.table import plan_rows
 
-    config = resolve_engine_process(rl_config())
     nodes = [Node("n1", 2.0, 0, 16 << 30)]
-    rows = plan_rows(config, ["a", "b"], nodes, {"a": 10, "b": 10}, baseline=300 << 20)
-    engines = [r for r in rows if " engine" in r.actor]
-    executor = rows[-1]
-    assert [r.actor for r in engines] == [
-        "a engine in the rollout executor",
-        "b engine in the rollout executor",
-    ]
-    assert all(r.node is executor.node is nodes[0] for r in engines)
-    assert all(not r.memory.terms.get("baseline") for r in engines)
-    trainers = [r for r in rows if "trainer" in r.actor]
-    assert all(r.memory.terms.get("baseline") == 300 << 20 for r in trainers)
+    for in_driver, name, cpus in (
+        (False, "rollout executor", EXECUTOR_CPUS),
+        (True, "rollout executor (in hpref rl)", 0),
+    ):
+        config = resolve_engine_process(rl_config(executor_in_driver=in_driver))
+        rows = plan_rows(config, ["a", "b"], nodes, {"a": 10, "b": 10}, baseline=300 << 20)
+        engines = [r for r in rows if " engine" in r.actor]
+        executor = rows[-1]
+        assert [r.actor for r in engines] == [
+            "a engine in the rollout executor",
+            "b engine in the rollout executor",
+        ]
+        # in the driver: one process's baseline, the driver's, and no Ray CPUs of its own
+        assert (executor.actor, executor.cpus, executor.memory.terms["baseline"]) == (name, cpus, 300 << 20)
+        assert all(r.node is executor.node is nodes[0] for r in engines)
+        assert all(not r.memory.terms.get("baseline") for r in engines)
+        trainers = [r for r in rows if "trainer" in r.actor]
+        assert all(r.memory.terms.get("baseline") == 300 << 20 for r in trainers)
 
 
 def test_a_dead_executor_that_hosts_the_engines_is_named_as_such():
@@ -132,3 +180,15 @@ def test_a_dead_executor_that_hosts_the_engines_is_named_as_such():
         "tb": "policy 'b': trainer actor",
         "e0": "the rollout executor actor (shared by all policies, hosting the engines)",
     }
+    # the executor and its engines in the driver: no actor of theirs to name (a trainer's death
+    # is still named; nothing answers for the driver's own objects)
+    from hpref.rl.control.actors import InDriverExecutor
+    from hpref.rl.engines.host import InProcessEngine
+
+    here = InProcessEngine(SimpleNamespace(), "a")
+    try:
+        in_driver = InDriverExecutor(SimpleNamespace(engines={"a": here, "b": here}))
+        handles = SimpleNamespace(executor=in_driver, engines=in_driver.engines, trainers=handles.trainers)
+        assert actor_names(handles) == {"ta": "policy 'a': trainer actor", "tb": "policy 'b': trainer actor"}
+    finally:
+        in_driver.stop()

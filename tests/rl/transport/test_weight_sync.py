@@ -75,15 +75,14 @@ class HalfTransfer:
 
     @property
     def receive_weights(self):
-        def remote(layout_ref):
+        def remote(layout):  # the bucket's names and shapes (the driver reads them off the stream)
             if not self.breaking:
-                return self.handle.receive_weights.remote(layout_ref)
-            return self._mislabelled(layout_ref)
+                return self.handle.receive_weights.remote(layout)
+            return self._mislabelled(layout)
 
         return self._method(remote)
 
-    async def _mislabelled(self, layout_ref):
-        layout = await layout_ref
+    async def _mislabelled(self, layout):
         if self.buckets == 0:
             self.before = await self._generate()
         else:

@@ -12,6 +12,8 @@ in the rollout executor's process (`rl.engines_in_executor`) are built by the ex
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
     from hpref.rl.placement.resources import Reservation
     from hpref.rl.protocols import PromptSource
+    from hpref.rl.rollout.executor import RolloutExecutor
+    from hpref.rl.trainer.group import TrainerGroup
 
 CLOSE_TIMEOUT_S = 30.0  # how long teardown waits for an actor's own close() before killing it
 FORWARDED_ENV = (
@@ -78,7 +82,7 @@ def create_ray_actors(
     from hpref.rl.engines.host import HostedEngine
     from hpref.rl.placement.engine_process import resolve_engine_process
     from hpref.rl.placement.resources import check_cluster, cluster_nodes, executor_cpus, reserve
-    from hpref.rl.placement.shared_base import AdapterEngine, SharedBase, placement_order, resolve_share_base
+    from hpref.rl.placement.shared_base import placement_order, resolve_share_base
     from hpref.rl.rollout.executor import RolloutExecutor
     from hpref.rl.trainer.group import TrainerGroup
 
@@ -92,6 +96,16 @@ def create_ray_actors(
     check_cluster(config, hosts, ray.cluster_resources(), where, nodes=cluster_nodes())
     placement = reserve(config, hosts, where=where)
     teardown.add("placement groups", placement.release)
+    if config.executor_in_driver:  # the executor and its engines in this process (the trainers first:
+        # their processes start while this one builds the engines)
+        trainers = {
+            p: TrainerGroup(p, start_trainer_ranks(config, order, p, placement, teardown)) for p in hosts
+        }
+        executor = InDriverExecutor(
+            RolloutExecutor(config, order, engine_specs(config, order, hosts), prompts=prompts, hosted=True)
+        )
+        teardown.add("rollout executor (in this process, with its engines)", executor.stop)
+        return _views(config, order, hosts, executor, executor.engines, trainers)
     if config.engines_in_executor:  # built by the executor, in its process
         engines = engine_specs(config, order, hosts)
     else:
@@ -108,11 +122,67 @@ def create_ray_actors(
         hosted = {h: HostedEngine(executor, h) for h in hosts}  # a shared base's: one for all
         engines = {p: hosted[p if p in hosted else hosts[0]] for p in order}
     trainers = {p: TrainerGroup(p, start_trainer_ranks(config, order, p, placement, teardown)) for p in hosts}
-    if config.share_base:  # one group of ranks and one engine, seen by each policy as its own
+    return _views(config, order, hosts, executor, engines, trainers)
+
+
+def _views(
+    config: RLConfig,
+    order: list[str],
+    hosts: list[str],
+    executor: Any,
+    engines: dict[str, Any],
+    trainers: dict[str, TrainerGroup],
+) -> Handles:
+    """The driver's handles; with a shared base, one group of ranks and one engine seen by each
+    policy as its own."""
+    from hpref.rl.placement.shared_base import AdapterEngine, SharedBase
+    from hpref.rl.trainer.group import TrainerGroup
+
+    if config.share_base:
         base, ranks = SharedBase(), trainers[hosts[0]].ranks
         trainers = {p: TrainerGroup(p, ranks, base) for p in order}
         engines = {p: AdapterEngine(engines[p], p) for p in order}
     return Handles(executor, engines, trainers)
+
+
+class _Call:
+    """`method.remote(...)` of an `InDriverExecutor`: the call started now on the running event loop
+    (a coroutine method as a task, as a Ray call is sent when made) and awaited as an ObjectRef is."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = method
+
+    def remote(self, *args: Any, **kwargs: Any) -> asyncio.Future:
+        result = self._method(*args, **kwargs)
+        if inspect.isawaitable(result):
+            return asyncio.ensure_future(result)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(result)
+        return done
+
+
+class InDriverExecutor:
+    """The rollout executor in the driver's process (`rl.executor_in_driver`), called as its actor
+    was: `await executor.get.remote(r, p)`. Its coroutines run on the driver's event loop, where the
+    drive awaits them (on its actor they ran on the actor's loop: the same interleaving of one
+    thread's coroutines); its engines each run in a thread of their own (`InProcessEngine`), its
+    rewards' forward passes in threads too (`asyncio.to_thread`), so the loop is never held by a
+    model. It is no Ray actor: nothing for Ray to place, kill or name (`_actor_id` is absent)."""
+
+    def __init__(self, executor: RolloutExecutor) -> None:
+        self.executor = executor
+        #: each policy's engine (a shared base's: one for all), called directly, not through Ray
+        self.engines = executor.engines
+
+    def __getattr__(self, name: str) -> _Call:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Call(getattr(self.executor, name))
+
+    def stop(self) -> None:
+        """Teardown: the engines take no more calls (a generation in flight ends in its thread)."""
+        for engine in {id(e): e for e in self.engines.values()}.values():
+            engine.stop_thread()
 
 
 def engine_specs(config: RLConfig, order: list[str], hosts: list[str]) -> dict[str, Any]:

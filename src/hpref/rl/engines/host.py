@@ -171,7 +171,14 @@ class InProcessEngine:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{policy}")
 
     def __getattr__(self, name: str) -> _InThread:
+        if name.startswith("_"):  # not an engine method (`_actor_id`: this is no Ray actor)
+            raise AttributeError(name)
         return _InThread(self._thread, getattr(self.host, name))
+
+    def stop_thread(self) -> None:
+        """No more calls: those queued are dropped; one running finishes in its thread (a generation
+        in flight: the process waits for it at exit, bounded by one batch of `max_new_tokens`)."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 class _ThroughExecutor:

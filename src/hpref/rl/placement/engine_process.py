@@ -1,5 +1,6 @@
 """Which process runs each policy's engine (`rl.engines_in_executor`): a Ray actor of its own, or a
-thread of the rollout executor's process.
+thread of the rollout executor's process; and which runs the rollout executor
+(`rl.executor_in_driver`): a Ray actor of its own, or the `hpref rl` process itself.
 
 An engine actor is a process that imports torch, transformers and its model classes before it
 generates a token: ~4.3 CPU-seconds on the 2-core CPU of docs/getting-started.md, for a tiny model as
@@ -17,6 +18,14 @@ transformers engine; a vLLM engine keeps its own process, its GPU and its worker
 they run on CPU: a GPU engine wants a device and a process of its own. The executor's Ray CPUs then
 include the hosted engines' (`executor_cpus`), so what the cluster check and the placement reserve
 is unchanged in sum.
+
+The executor with the engines it hosts then comes into the driver too, unless the recipe says
+otherwise: its actor was one more process of the same imports (~5 CPU-seconds), and every call
+the driver made to it a trip through Ray. In the driver it is the object it was in its actor,
+its coroutines run on the driver's event loop and each engine in its thread
+(`hpref.rl.engines.host.InDriverExecutor`); Ray then reserves nothing for it (its CPUs and memory
+are the driver's node's, outside the cluster's count). Engine actors (vLLM, GPUs) keep an executor
+actor, which Ray places beside them.
 """
 
 from __future__ import annotations
@@ -38,6 +47,14 @@ HOSTED_REASON = (
 )
 
 
+#: Why an unset `executor_in_driver` is on when the engines are in the executor.
+IN_DRIVER_REASON = (
+    "the engines are in the rollout executor (CPU engines): in the hpref rl process it saves the executor's "
+    "own process (~5 CPU-s of imports and a few hundred MiB) and a trip through Ray for each of its calls; "
+    "rl.executor_in_driver = false gives it an actor"
+)
+
+
 def engine_process_decision(config: RLConfig) -> tuple[bool, str]:
     """(in the executor, reason) for `config`'s engines: as the recipe says, or (unset) in the
     executor when the engine component can be hosted there and runs on CPU."""
@@ -55,11 +72,23 @@ def engine_process_decision(config: RLConfig) -> tuple[bool, str]:
     return True, HOSTED_REASON
 
 
+def executor_process_decision(config: RLConfig) -> tuple[bool, str]:
+    """(in the driver, reason) for the rollout executor of `config`, whose engines are decided: as
+    the recipe says, or (unset) in the driver exactly when the engines are in the executor."""
+    if config.executor_in_driver is not None:
+        said = "true" if config.executor_in_driver else "false"
+        return bool(config.executor_in_driver), f"set in the recipe (rl.executor_in_driver = {said})"
+    if config.engines_in_executor:
+        return True, IN_DRIVER_REASON
+    return False, "the engines are actors of their own; the executor is one too, placed by Ray"
+
+
 def resolve_engine_process(config: RLConfig, where: str = "recipe") -> RLConfig:
-    """`config` with `engines_in_executor` decided (`engine_process_decision`) and the reason kept;
-    `engines_in_executor = true` for an engine that cannot be hosted, or on a GPU, is one
-    `RecipeError` line."""
-    if config.engines_in_executor is not None and config.engines_in_executor_reason is not None:
+    """`config` with `engines_in_executor` and `executor_in_driver` decided (`engine_process_decision`,
+    `executor_process_decision`) and the reasons kept; `engines_in_executor = true` for an engine that
+    cannot be hosted, or on a GPU, and `executor_in_driver = true` with engine actors, are one
+    `RecipeError` line each."""
+    if config.engines_in_executor_reason is not None and config.executor_in_driver_reason is not None:
         return config
     from hpref.rl.placement.resources import engine_config, engines_on_gpu
 
@@ -75,7 +104,15 @@ def resolve_engine_process(config: RLConfig, where: str = "recipe") -> RLConfig:
                 "(rl.engine.num_gpus); a GPU engine runs in an actor of its own (set it to false)"
             )
     hosted, reason = engine_process_decision(config)
-    return config.model_copy(update={"engines_in_executor": hosted, "engines_in_executor_reason": reason})
+    if config.executor_in_driver and not hosted:
+        raise RecipeError(
+            f"{where}: rl.executor_in_driver = true, but the engines run in actors of their own "
+            "(rl.engines_in_executor = false, a vLLM or a GPU engine): the executor comes into the driver "
+            "only with the engines it hosts (set it to false)"
+        )
+    config = config.model_copy(update={"engines_in_executor": hosted, "engines_in_executor_reason": reason})
+    in_driver, why = executor_process_decision(config)
+    return config.model_copy(update={"executor_in_driver": in_driver, "executor_in_driver_reason": why})
 
 
 def engine_process_line(config: RLConfig) -> str:
@@ -83,4 +120,12 @@ def engine_process_line(config: RLConfig) -> str:
     where = "in the rollout executor's process" if config.engines_in_executor else "in actors of their own"
     return f"engines_in_executor = {'true' if config.engines_in_executor else 'false'} ({where}): " + str(
         config.engines_in_executor_reason
+    )
+
+
+def executor_process_line(config: RLConfig) -> str:
+    """What a decided `config` says of its rollout executor's process (the plan, the run's log)."""
+    where = "in the hpref rl process" if config.executor_in_driver else "in an actor of its own"
+    return f"executor_in_driver = {'true' if config.executor_in_driver else 'false'} ({where}): " + str(
+        config.executor_in_driver_reason
     )

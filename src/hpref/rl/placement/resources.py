@@ -223,7 +223,10 @@ def _check_total(
 
 
 def executor_cpus(config: RLConfig, order: Sequence[str]) -> float:
-    """The rollout executor's Ray CPUs: its own and those of the engines it hosts."""
+    """The rollout executor's Ray CPUs: its own and those of the engines it hosts; none in the
+    driver's process (`rl.executor_in_driver`: Ray reserves nothing for it)."""
+    if config.executor_in_driver:
+        return 0.0
     hosted = engine_resources(config)[0] * len(order) if config.engines_in_executor else 0.0
     return EXECUTOR_CPUS + hosted
 

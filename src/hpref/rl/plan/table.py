@@ -136,12 +136,20 @@ def plan_rows(
                 name = name.replace(" engine", " engine in the rollout executor", 1)
                 hosted.append(len(rows))
             rows.append(Row(name, node, ask.cpus, spot[1] if spot else [], memory, tuple(trains)))
-    cpus = executor_cpus(config, hosts)  # its own and its hosted engines'
+    cpus = executor_cpus(config, hosts)  # its own and its hosted engines' (in the driver: none)
     executor_node = next((n for n in nodes if n.take(cpus, 0) is not None), None)
     for i in hosted:
         rows[i].node = executor_node
-    rows.append(Row("rollout executor", executor_node, EXECUTOR_CPUS, [], Memory({"baseline": baseline})))
+    rows.append(executor_row(config, executor_node, baseline))
     return rows
+
+
+def executor_row(config: RLConfig, node: Node | None, baseline: int) -> Row:
+    """The rollout executor's row; in the driver (`rl.executor_in_driver`) Ray reserves nothing for
+    it, and its process (one baseline) is the driver's."""
+    if config.executor_in_driver:
+        return Row("rollout executor (in hpref rl)", node, 0.0, [], Memory({"baseline": baseline}))
+    return Row("rollout executor", node, EXECUTOR_CPUS, [], Memory({"baseline": baseline}))
 
 
 def problems(rows: Sequence[Row], nodes: Sequence[Node]) -> list[str]:
@@ -284,13 +292,13 @@ def run_plan(
         f"{sum(n.cpus for n in nodes):g} CPUs, {total_gpus or 'no'} GPUs); prompts up to "
         f"{max(prompts.values())} tokens (the first {PROMPT_SAMPLE}); nothing was started"
     )
-    from hpref.rl.placement.engine_process import engine_process_line
+    from hpref.rl.placement.engine_process import engine_process_line, executor_process_line
     from hpref.rl.placement.shared_base import share_base_line
 
     notes = [share_base_line(config)] if len(order) > 1 else []
     notes += [episode_line(config)] if episode_context(config) is not None else []
     notes += [roles_line(config, seats, rows)] if seats is not None else []
-    notes += [engine_process_line(config)]
+    notes += [engine_process_line(config), executor_process_line(config)]
     for line in render(rows, nodes, found, header, notes=notes):
         out(line)
     return 2 if found else 0

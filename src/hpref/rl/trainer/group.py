@@ -151,7 +151,9 @@ async def _push(group: TrainerGroup, engine: Any, policy: str, bucket_bytes: int
 
         async def forward() -> None:
             async for layout in streams[0]:
-                await engine.receive_weights.remote(layout)
+                # its names and shapes, read here: an engine in this process (`rl.executor_in_driver`)
+                # takes values, where Ray would resolve a ref for an actor
+                await engine.receive_weights.remote(await layout)
 
         async def drain(stream: Any) -> None:
             async for ref in stream:
