@@ -192,3 +192,35 @@ def test_a_dead_executor_that_hosts_the_engines_is_named_as_such():
         assert actor_names(handles) == {"ta": "policy 'a': trainer actor", "tb": "policy 'b': trainer actor"}
     finally:
         in_driver.stop()
+
+
+def test_an_engine_in_this_process_calls_from_a_thread_on_its_own_torch_threads(monkeypatch):
+    # Wrong if an engine hosted in the executor (in the driver's process, by default) generated on
+    # every core whatever `rl.engine.threads` says: OpenMP keeps a thread count per thread, so the
+    # count the engine set in the thread that built it does not reach the thread its calls run in
+    # (measured: two SmolLM2 engines in the driver on two threads each, 2x their trainers' step time)
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpref.rl.engines.host import InProcessEngine
+
+    set_in = []
+    monkeypatch.setattr(
+        torch, "set_num_threads", lambda n: set_in.append((threading.current_thread().name, n))
+    )
+    engine = InProcessEngine(
+        SimpleNamespace(get_version=lambda: threading.current_thread().name), "a", threads=3
+    )
+
+    async def two_calls():
+        return [await engine.get_version.remote(), await engine.get_version.remote()]
+
+    try:
+        first, second = asyncio.run(two_calls())
+    finally:
+        engine.stop_thread()
+    assert first == second and first.startswith("engine-a")  # one thread of its own, calls in it
+    assert set_in == [(first, 3)]  # set there, once, to the engine's count

@@ -146,7 +146,18 @@ class EngineSpec:
     def start(self, env: dict[str, str] | None) -> InProcessEngine:
         """The engine built in this process, called as its actor would be."""
         host = EngineHost(self.name, self.config, self.policy, self.model, env=env, adapters=self.adapters)
-        return InProcessEngine(host, self.policy)
+        return InProcessEngine(host, self.policy, getattr(self.config, "threads", None))
+
+
+def _torch_threads(threads: int) -> None:
+    """An engine thread's torch threads. OpenMP keeps a thread count per thread: the engine's own
+    `torch.set_num_threads` ran in the thread that built it, and a new thread starts from the
+    process's default, all the cores (an actor's process had Ray's OMP_NUM_THREADS, from its CPUs;
+    the driver's has no such bound: two SmolLM2 engines in it ran on two threads each, 2x their
+    trainers' step time)."""
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 class _InThread:
@@ -166,9 +177,11 @@ class InProcessEngine:
     the executor's event loop and the other policies' engines go on (torch releases the GIL in its
     kernels, so two engines still generate on two cores)."""
 
-    def __init__(self, host: EngineHost, policy: str) -> None:
+    def __init__(self, host: EngineHost, policy: str, threads: int | None = None) -> None:
         self.host = host
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{policy}")
+        # `threads`: the engine's torch threads, set in its own thread (`_torch_threads`)
+        start = {"initializer": _torch_threads, "initargs": (threads,)} if threads else {}
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{policy}", **start)
 
     def __getattr__(self, name: str) -> _InThread:
         if name.startswith("_"):  # not an engine method (`_actor_id`: this is no Ray actor)
