@@ -6,7 +6,10 @@
 #
 # 1. Correctness: the flash_varlen and torch_varlen packed-attention paths must give, per sequence,
 #    the logits each sequence gets when run alone (bf16 tolerance), as tests/models/test_attention.py
-#    checks for the CPU paths.
+#    checks for the CPU paths. 1b: a packed prompt group (`PrefixTree`: a prompt, then answers that
+#    each see it and themselves) through both kernels on gathered keys (`GatheredKeys`: one call a
+#    layer, the kernels' bottom-right causal rule) against the piece-by-piece SDPA path, outputs and
+#    gradients: the rule the CPU test assumes of the kernels, checked on the kernels.
 # 2. Speed: tokens/s and MFU (hpref's own, against the GPU datasheet bf16 peak) of a ~1B Llama-shaped
 #    decoder (hidden 2048, 16 layers, MLP 8192: ~0.97B non-embedding parameters) trained by
 #    `hpref train` for a few steps, once per attention backend.
@@ -44,6 +47,35 @@ with torch.inference_mode():
             continue
         err = (got - ref).abs().max().item()
         print(f"{backend}: max |packed - alone| logit difference {err:.4f} -> {'OK' if err < 0.05 else 'FAIL'}")
+PYEOF
+
+"$PY" - <<'PYEOF'
+import torch
+from hpref.models.attention import PrefixTree, VarlenContext, varlen_attention_forward
+
+gen = torch.Generator().manual_seed(0)
+tree = PrefixTree.of(180, [64, 0, 41, 63], device="cuda")  # a GRPO group; an empty answer among them
+lengths = [37, 180 + 64 + 41 + 63, 90]  # a plain causal sequence on each side of it
+cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+qkv = [torch.randn(1, h, sum(lengths), 64, generator=gen).cuda().bfloat16() for h in (8, 2, 2)]
+
+def attend(backend):
+    leaves = [t.clone().requires_grad_(True) for t in qkv]
+    ctx = VarlenContext(backend=backend, cu_seqlens=cu, max_seqlen=max(lengths), segment_masks=[None, tree, None])
+    out, _ = varlen_attention_forward(torch.nn.Module(), *leaves, None, is_causal=True, hpref_varlen=ctx)
+    (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+    return [out, *(t.grad for t in leaves)]
+
+ref = attend("sdpa_segments")
+for backend in ("flash_varlen", "torch_varlen"):
+    try:
+        got = attend(backend)
+    except Exception as exc:  # missing package or kernel: report, keep going
+        print(f"{backend} prefix tree: unavailable ({exc})")
+        continue
+    errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(got, ref)]
+    ok = all(e < 0.05 for e in errs)
+    print(f"{backend} prefix tree: max |difference| out/dq/dk/dv {errs} -> {'OK' if ok else 'FAIL'}")
 PYEOF
 
 # the ~1B decoder (tiny-llama's settings, random init) and the run shape sections 2-4 and 5b share
@@ -175,6 +207,17 @@ PYEOF
 #    Target: both within 10 minutes on one H100.
 timeout 300 "$PY" -m benchmarks.rl_gpu || echo "rl gpu (smollm2): failed"
 timeout 300 "$PY" -m benchmarks.rl_gpu --policy "$OUT/policy-1b" --updates 2 || echo "rl gpu (1b): failed"
+
+# 5c. The RL trainer's layouts on the GPU (#51): `benchmarks.rl_trainer_speed --gpu`: the shipped
+#    SmolLM2 LoRA recipe's policy, GRPO with KL, bf16 autocast, the prompt-group layout against the
+#    packed one (its prompt groups in one varlen kernel call a layer) on the same rollouts,
+#    interleaved: trained tokens/s, MFU against the datasheet bf16 rate, each step's peak CUDA
+#    memory; then the tool recipe's multi-turn episodes. On 2 CPU cores packed was 1.22x (GRPO) and
+#    1.55x (episodes) of the group layout in fp32 (benchmarks/README.md); expect more here, where
+#    padding is the work a GPU wastes and the CPU path's call per answer is gone.
+timeout 300 "$PY" -m benchmarks.rl_trainer_speed --gpu --precision bf16 --steps 6 || echo "rl trainer speed (gpu): failed"
+timeout 300 "$PY" -m benchmarks.rl_trainer_speed --gpu --precision bf16 --steps 6 --episodes \
+  || echo "rl trainer speed (gpu, episodes): failed"
 
 # 6. LoRA policies on one shared base on one GPU (#37): `benchmarks.rl_shared --gpu`: SmolLM2 LoRA
 #    policies on vLLM (multi-LoRA: one LLM, an adapter per policy) with trainer ranks on the GPU, two

@@ -2,7 +2,7 @@
 (issue #51).
 
     .venv/bin/python -m benchmarks.rl_trainer_speed [--steps 3] [--threads 2] [--episodes]
-        [--layouts group,packed] [--precision fp32] [--memory] [--tiny]
+        [--layouts group,packed] [--precision fp32] [--memory] [--tiny] [--gpu]
     .venv/bin/python -m benchmarks.rl_trainer_speed --layouts packed@fp32,packed@bf16   # precisions
 
 Two `TrainerActor`s of the shipped `rl-smollm2` recipe's policy (SmolLM2-135M-Instruct from the
@@ -23,7 +23,10 @@ every 5 ms; with `--memory` the high-water mark of a step of each layout in a pr
 since in the shared one a step reuses the pages the other trainer freed), and the largest
 difference of loss, KL and gradient norm to the first layout over the steps (the same rollouts from
 the same weights: in fp32 they must agree to rounding). `--tiny`: a config-built tiny Llama
-instead of SmolLM2 (the suite's smoke test).
+instead of SmolLM2 (the suite's smoke test). `--gpu`: the trainers on the first CUDA device
+(`gpus_per_rank` 1; the packed layout's prompt groups then go to the varlen kernel in one call per
+layer, `hpref.models.attention.GatheredKeys`), their peak the CUDA memory a step allocates over the
+trainer before it, MFU against the GPU's datasheet rate (benchmarks/gpu.sh; not run here).
 """
 
 from __future__ import annotations
@@ -88,19 +91,31 @@ def sampled_with(model: Any, rollout: Any) -> Any:
     group, rows = rollout.group_size, len(rollout.completions)
     masks = rollout.masks or [[1] * len(c) for c in rollout.completions]
     logprobs = []
+    device = next(model.parameters()).device
     with torch.no_grad():
         for g in range(0, rows, group):
             pick = slice(g, g + group)
             batch = packed_batch(rollout.prompt_ids[pick], rollout.completions[pick], group, masks[pick])
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             values = completion_logprobs(model, batch, rollout.temperature)
             logprobs += [row[m.bool()].tolist() for row, m in zip(values, batch["mask"], strict=True)]
     return dataclasses.replace(rollout, logprobs=logprobs)
 
 
 class PeakRss:
-    """The largest resident set of this process while the block runs, over its start (bytes)."""
+    """The largest resident set of this process while the block runs, over its start (bytes); with
+    `gpu`, the CUDA memory allocated at most while it runs, over the allocation at its start."""
+
+    def __init__(self, gpu: bool = False):
+        self.gpu = gpu
 
     def __enter__(self) -> PeakRss:
+        if self.gpu:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+            self.start = self.peak = torch.cuda.memory_allocated()
+            return self
         self.start = self.peak = _rss()
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
@@ -112,6 +127,11 @@ class PeakRss:
             self.peak = max(self.peak, _rss())
 
     def __exit__(self, *exc: object) -> None:
+        if self.gpu:
+            import torch
+
+            self.peak = torch.cuda.max_memory_allocated()
+            return
         self.done.set()
         self.thread.join()
         self.peak = max(self.peak, _rss())
@@ -126,7 +146,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def trainer(layout: str, tiny: bool, precision: str) -> Any:
+def trainer(layout: str, tiny: bool, precision: str, gpu: bool = False) -> Any:
     """A trainer of the `rl-smollm2` recipe's policy whose micro-batches are in `layout`; a layout
     named `packed@bf16` is the packed layout in that precision, whatever `precision` says (so two
     precisions can step side by side on the same rollouts)."""
@@ -151,6 +171,7 @@ def trainer(layout: str, tiny: bool, precision: str) -> Any:
                 "lora": {"r": 16, "alpha": 32},
                 "micro_batch_tokens": 1024,
                 "precision": precision,
+                "gpus_per_rank": 1 if gpu else 0,
             },
             "policies": {"a": {}},
         },
@@ -167,21 +188,31 @@ def trainer(layout: str, tiny: bool, precision: str) -> Any:
 
 
 def measure(
-    steps: int, layouts: list[str], *, episodes: bool = False, tiny: bool = False, precision: str = "fp32"
+    steps: int,
+    layouts: list[str],
+    *,
+    episodes: bool = False,
+    tiny: bool = False,
+    precision: str = "fp32",
+    gpu: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Per layout: `tokens_per_s` (median over steps), `ratio` (to the first layout), `peak_added_mib`
     (the largest over steps), `seconds` (per step), and the largest |difference| over the steps of
     `loss`, `kl` and `grad_norm` to the first layout's (`d_loss`, `d_kl`, `d_grad_norm`)."""
-    trainers = {name: trainer(name, tiny, precision) for name in layouts}
+    trainers = {name: trainer(name, tiny, precision, gpu) for name in layouts}
     vocab = trainers[layouts[0]].model.config.vocab_size
     stats: dict[str, list[dict[str, float]]] = {name: [] for name in layouts}
     first = trainers[layouts[0]].model  # every trainer's weights before the first step
     for step, rollout in enumerate([sampled_with(first, r) for r in rollouts(steps, episodes, vocab)]):
         order = layouts if step % 2 == 0 else layouts[::-1]  # interleaved, the order alternating
         for name in order:
-            with PeakRss() as peak:
+            with PeakRss(gpu) as peak:
                 start = time.perf_counter()
                 got = trainers[name].train(rollout)
+                if gpu:
+                    import torch
+
+                    torch.cuda.synchronize()
                 seconds = time.perf_counter() - start
             stats[name].append({**got, "seconds": seconds, "peak_added": peak.added})
     base = stats[layouts[0]]
@@ -256,15 +287,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny config-built Llama (a smoke test)")
     parser.add_argument("--memory", action="store_true", help="each layout's step peak in its own process")
+    parser.add_argument("--gpu", action="store_true", help="the trainers on the first CUDA device")
     parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # the `--memory` worker: print one figure
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     options = {"episodes": args.episodes, "tiny": args.tiny, "precision": args.precision}
+    if args.memory and args.gpu:
+        parser.error("--memory measures host memory; with --gpu the table's peak is each step's CUDA peak")
     if args.peak_of:
         print(step_peak_mib(args.peak_of, **options))
         return 0
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-    out = measure(args.steps, layouts, **options)
+    out = measure(args.steps, layouts, **options, gpu=args.gpu)
     if args.memory:
         flags = ["--threads", str(args.threads), "--precision", args.precision]
         flags += ["--episodes"] * args.episodes + ["--tiny"] * args.tiny
@@ -273,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     print(f"load average {load:.2f} on {os.cpu_count()} CPUs; {args.precision}; {args.steps} steps")
     print(f"d: the largest |difference| to {layouts[0]}'s over the steps; peak added: one step's, ", end="")
-    print("each layout in its own process" if args.memory else "in this shared process (rough: --memory)")
+    if args.gpu:
+        print("CUDA memory allocated, over the trainer's before the step")
+    else:
+        print("each layout in its own process" if args.memory else "in this shared process (rough: --memory)")
     peaks = dict.fromkeys(r["peak"] for r in out.values())
     print(f"MFU: the step's model FLOPs (hpref.rl.trainer.throughput) against {' / '.join(peaks)}")
     print("| layout | trained tokens/s | ratio | MFU | s / step | peak added (MiB) | d loss | d KL ", end="")

@@ -195,19 +195,24 @@ def test_attention_mask_is_rejected():
         varlen_attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 1, 3, 3))
 
 
-def _fake_varlen(q, k, v, cu, *, scale, left, right, causal, softcap=None):
+def _fake_varlen(q, k, v, cu, *, scale, left, right, causal, softcap=None, cu_k=None):
     """flash-attn's documented varlen semantics on [T, H, D], written independently with loops.
 
-    Key j is visible from query i (same sequence) when i - left <= j <= i + right (-1 = unbounded)
-    and, if causal, j <= i. KV heads are shared by groups of query heads.
+    Sequence n's queries are `q[cu[n]:cu[n+1]]`, its keys `k[cu_k[n]:cu_k[n+1]]` (`cu_k`: `cu`
+    when not given). With `shift` = its keys' count minus its queries' (the mask aligned to the
+    bottom right, flash-attn >= 2.1's documented rule), key j is visible from query i when
+    i + shift - left <= j <= i + shift + right (-1 = unbounded) and, if causal, j <= i + shift.
+    KV heads are shared by groups of query heads.
     """
     out = torch.empty_like(q)
     groups = q.shape[1] // k.shape[1]
-    bounds = cu.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        i = torch.arange(end - start)[:, None]
-        j = torch.arange(end - start)[None, :]
-        allowed = torch.ones(end - start, end - start, dtype=torch.bool)
+    bounds, key_bounds = cu.tolist(), (cu if cu_k is None else cu_k).tolist()
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        k_start, k_end = key_bounds[n], key_bounds[n + 1]
+        shift = (k_end - k_start) - (end - start)
+        i = torch.arange(end - start)[:, None] + shift
+        j = torch.arange(k_end - k_start)[None, :]
+        allowed = torch.ones(end - start, k_end - k_start, dtype=torch.bool)
         if left >= 0:
             allowed &= j >= i - left
         if right >= 0:
@@ -215,11 +220,11 @@ def _fake_varlen(q, k, v, cu, *, scale, left, right, causal, softcap=None):
         if causal:
             allowed &= j <= i
         for h in range(q.shape[1]):
-            scores = q[start:end, h] @ k[start:end, h // groups].T * scale
+            scores = q[start:end, h] @ k[k_start:k_end, h // groups].T * scale
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            out[start:end, h] = probs @ v[start:end, h // groups]
+            out[start:end, h] = probs @ v[k_start:k_end, h // groups]
     return out
 
 
@@ -279,9 +284,11 @@ def test_a_prefix_tree_attends_piece_by_piece_as_its_whole_mask_does(softcap):
     """A packed prompt group (`PrefixTree`: a prompt, then answers that each see the prompt and
     themselves) attended piece by piece gives the outputs and gradients of one masked call over the
     whole sequence, with an answer of no input token among them, and a plain causal sequence beside
-    it; with a sliding window it falls back to the whole mask. If this fails, the RL trainer's
-    packed rows (whose attention this is) compute another function than the masked square they
-    replace (an answer seeing a sibling, a prompt token seeing an answer, a lost empty answer)."""
+    it; with a sliding window too, whose distances are positions in the sequence (the last answer's
+    first token is 5 from the prompt's first, though 8 places after it in the row). If this fails,
+    the RL trainer's packed rows (whose attention this is) compute another function than the masked
+    square they replace (an answer seeing a sibling, a prompt token seeing an answer, a lost empty
+    answer, a window over the packed places)."""
     from hpref.models.attention import PrefixTree, varlen_attention_forward
 
     gen = torch.Generator().manual_seed(0)
@@ -292,9 +299,9 @@ def test_a_prefix_tree_attends_piece_by_piece_as_its_whole_mask_does(softcap):
     q, k, v = (torch.randn(1, 4, 18, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     cu = torch.tensor([0, 12, 18], dtype=torch.int32)
 
-    def run(own, window=None):
+    def run(own, window=None, plain=None):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        ctx = VarlenContext(backend="sdpa_segments", cu_seqlens=cu, max_seqlen=12, segment_masks=[own, None])
+        ctx = VarlenContext(backend="sdpa_segments", cu_seqlens=cu, max_seqlen=12, segment_masks=[own, plain])
         module = torch.nn.Module()
         out, _ = varlen_attention_forward(
             module, *leaves, None, scaling=0.3, is_causal=True, softcap=softcap, sliding_window=window,
@@ -305,9 +312,74 @@ def test_a_prefix_tree_attends_piece_by_piece_as_its_whole_mask_does(softcap):
 
     whole = tree.full_mask()
     assert whole.shape == (12, 12) and not whole[5:8, 8:].any() and not whole[:5, 5:].any()
-    for window in (None, 7):
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8])  # the prompt, then each answer
+    for window in (None, 4):
         out, grads = run(tree, window)
-        ref_out, ref_grads = run(whole, window)
+        # the reference: the whole square, the window over the tokens' positions in the mask itself
+        near = positions[:, None] - positions[None, :] < (window or 99)
+        plain = torch.ones(6, 6, dtype=torch.bool).tril()
+        plain &= torch.arange(6)[:, None] - torch.arange(6)[None, :] < (window or 99)
+        ref_out, ref_grads = run(whole & near, plain=plain)
         torch.testing.assert_close(out, ref_out, **tol)
         for got, want in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("backend", ["flash_varlen", "torch_varlen"])
+def test_the_gpu_kernels_attend_a_prefix_tree_in_one_call_on_gathered_keys(monkeypatch, backend, window):
+    """On a GPU a packed prompt group goes to the varlen kernel in one call: its queries as packed,
+    each piece's keys gathered (the prompt's own; an answer's, the prompt's then its own) and the
+    kernel's bottom-right causal rule doing the rest (`GatheredKeys`). The kernels cannot run here:
+    a CPU function with their documented semantics stands in (`_fake_varlen`), so this checks the
+    layout handed to them, not the kernels (benchmarks/gpu.sh section 1 does, on a GPU). Outputs
+    and the gradients of q, k and v must equal the tested piece-by-piece path on the same tree
+    (GQA, an empty answer, a plain causal sequence beside it, a sliding window); a boolean mask
+    must still go to `sdpa_segments`. If this fails, a GPU RL trainer's packed rows compute another
+    attention than the CPU's (an answer seeing a sibling, a prompt seeing an answer)."""
+    from hpref.models import attention
+    from hpref.models.attention import PrefixTree, varlen_attention_forward
+
+    calls = []
+
+    def fake_flash(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap):  # fmt: skip
+        calls.append((cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), max_seqlen_q, max_seqlen_k))
+        left, right = window_size
+        return _fake_varlen(q, k, v, cu_seqlens_q, cu_k=cu_seqlens_k, scale=softmax_scale, left=left,
+                            right=right, causal=causal)  # fmt: skip
+
+    def fake_torch(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+        left, right = window_size
+        return _fake_varlen(q, k, v, cu_q, cu_k=cu_k, scale=scale, left=left, right=right, causal=right == 0)
+
+    monkeypatch.setattr(attention, "_flash_varlen_func", lambda: fake_flash)
+    monkeypatch.setattr(attention, "_torch_varlen_func", lambda: fake_torch)
+    monkeypatch.setattr(attention, "resolve_backend", lambda requested, **_: requested)
+    gen = torch.Generator().manual_seed(0)
+    # a plain causal sequence of 4, then a tree of a 5-token prompt and answers of 3, 0 and 4
+    q = torch.randn(1, 4, 16, 8, generator=gen, dtype=torch.float64)
+    k, v = torch.randn(2, 1, 2, 16, 8, generator=gen, dtype=torch.float64)  # 2 KV heads for 4
+    cu = torch.tensor([0, 4, 16], dtype=torch.int32)
+    tree = PrefixTree.of(5, [3, 0, 4])
+
+    def run(name, own):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ctx = VarlenContext(backend=name, cu_seqlens=cu, max_seqlen=12, segment_masks=[None, own])
+        out, _ = varlen_attention_forward(torch.nn.Module(), *leaves, None, scaling=0.3, is_causal=True,
+                                          sliding_window=window, hpref_varlen=ctx)  # fmt: skip
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        return out, [t.grad for t in leaves]
+
+    got, got_grads = run(backend, tree)
+    # the pieces: the causal 4, the prompt's 5, the answers' 3 and 4 (the empty one dropped), their
+    # keys the prompt's 5 before each answer's own
+    assert calls == [([0, 4, 9, 12, 16], [0, 4, 9, 17, 26], 5, 9)]
+    want, want_grads = run("sdpa_segments", tree)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    calls.clear()
+    masked, _ = run(backend, tree.full_mask())  # a boolean mask: no kernel takes it
+    assert calls == [] and (window is not None or torch.allclose(masked, want))

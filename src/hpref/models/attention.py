@@ -17,7 +17,9 @@ Backends (`attention = ...` in the model config):
   sdpa_block_mask  one SDPA call over the whole row with a block-diagonal (and causal) boolean mask;
                    fewer kernel launches, but O(T^2) mask memory.
   flash_varlen     `flash_attn.flash_attn_varlen_func` (CUDA, fp16/bf16; supports softcap, sliding
-                   window, dropout). UNTESTED on the development machine (no GPU there).
+                   window, dropout); prompt groups as one call over `GatheredKeys`. UNTESTED on
+                   the development machine (no GPU there; the layout is tested against the kernels'
+                   documented semantics).
   torch_varlen     `torch.nn.attention.varlen.varlen_attn` (torch >= 2.9, CUDA, fp16/bf16; no softcap,
                    no attention dropout). UNTESTED on the development machine (no GPU there).
   auto             resolved per call by `resolve_backend` from what the tensors and installed
@@ -34,6 +36,7 @@ backends, which read nothing but the `cu_seqlens` tensor and `max_seqlen`.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -69,12 +72,13 @@ class VarlenContext:
     fp32_attention: bool = False
     #: per sequence, where it is not plainly causal: a `PrefixTree` (the RL trainer's prompt groups,
     #: each answer seeing its prompt and itself) or a boolean `[L, L]` mask (True: may attend); None
-    #: for a causal one. Read by `sdpa_segments`, which such a context always runs on (no varlen
-    #: kernel takes a mask)
+    #: for a causal one. Trees and causal sequences run on every backend (the GPU kernels on
+    #: `GatheredKeys`); a boolean mask only on `sdpa_segments` (no varlen kernel takes a mask)
     segment_masks: list[PrefixTree | torch.Tensor | None] | None = None
     _boundaries: list[int] | None = None
     _segment_ids: torch.Tensor | None = None
     _masks: dict[tuple[bool, int | None], torch.Tensor] = field(default_factory=dict)
+    _gathered: GatheredKeys | None = None
 
     @property
     def boundaries(self) -> list[int]:
@@ -97,6 +101,18 @@ class VarlenContext:
         if key not in self._masks:
             self._masks[key] = block_diagonal_mask(self.segment_ids(), causal=causal, window=window)
         return self._masks[key]
+
+    def trees_only(self) -> bool:
+        """Whether every sequence is causal or a `PrefixTree`: what a varlen kernel can attend
+        (`GatheredKeys`); a boolean mask needs `sdpa_segments`."""
+        masks = self.segment_masks or []
+        return all(m is None or isinstance(m, PrefixTree) for m in masks)
+
+    def gathered_keys(self) -> GatheredKeys:
+        """The varlen kernels' layout of this row (`GatheredKeys`), built once per forward."""
+        if self._gathered is None:
+            self._gathered = GatheredKeys.of(self)
+        return self._gathered
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,60 @@ class PrefixTree:
         )
         causal = torch.ones(owner.numel(), owner.numel(), dtype=torch.bool, device=device).tril()
         return causal & ((owner[:, None] == owner[None, :]) | (owner[None, :] == -1))
+
+
+@dataclass(frozen=True)
+class GatheredKeys:
+    """A row with `PrefixTree` sequences as a varlen kernel takes it: the queries in their packed
+    order, cut into pieces (a tree's prefix, then each branch; a plain sequence whole), and each
+    piece's keys gathered one piece after another (`index`, into the row's tokens): the prefix's
+    own, a branch's prefix and then itself. flash-attn and torch's varlen kernel align the causal
+    mask to the bottom right where a piece has more keys than queries, so a branch's i-th token sees
+    the prefix and its own first i + 1 tokens: the tree's rule in one kernel call per layer, not a
+    call per branch. A gathered key's place in its piece is its position in the sequence (a branch's
+    keys are the prefix, then the branch), so a sliding window keeps its meaning too. The cost is
+    the prefix's keys and values once more per branch (their gradient summed back by
+    `index_select`'s backward)."""
+
+    cu_q: torch.Tensor  # int32 [pieces + 1]
+    cu_k: torch.Tensor  # int32 [pieces + 1]
+    max_q: int
+    max_k: int
+    index: torch.Tensor  # long [sum of the pieces' key lengths]
+
+    @classmethod
+    def of(cls, ctx: VarlenContext) -> GatheredKeys:
+        bounds = ctx.boundaries
+        owners = ctx.segment_masks or [None] * (len(bounds) - 1)
+        q_lengths: list[int] = []
+        k_lengths: list[int] = []
+        ranges: list[tuple[int, int]] = []  # the key index, as (start, end) runs
+        for start, end, own in zip(bounds[:-1], bounds[1:], owners, strict=True):
+            if not isinstance(own, PrefixTree):  # causal: its own keys
+                q_lengths.append(end - start)
+                k_lengths.append(end - start)
+                ranges.append((start, end))
+                continue
+            prefix = (start, start + own.prefix)
+            pieces, at = [(own.prefix, [prefix])], prefix[1]
+            for branch in own.branches:
+                pieces.append((branch, [prefix, (at, at + branch)]))
+                at += branch
+            for queries, runs in pieces:
+                if queries:  # an empty piece has nothing to attend (a kernel need not see it)
+                    q_lengths.append(queries)
+                    k_lengths.append(sum(b - a for a, b in runs))
+                    ranges.extend(runs)
+        device = ctx.cu_seqlens.device  # built on the host, then one copy each to the GPU
+        index = torch.cat([torch.arange(a, b) for a, b in ranges])
+        cumulative = lambda lengths: torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)  # noqa: E731
+        return cls(
+            cu_q=cumulative(q_lengths).to(device),
+            cu_k=cumulative(k_lengths).to(device),
+            max_q=max(q_lengths),
+            max_k=max(k_lengths),
+            index=index.to(device),
+        )
 
 
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -344,12 +414,10 @@ def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softca
     segments = zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2), strict=True)
     custom = ctx.segment_masks or [None] * len(lengths)
     for length, own, (q_seg, k_seg, v_seg) in zip(lengths, custom, segments, strict=True):
-        if isinstance(own, PrefixTree) and window is None:
-            common = {"scale": scale, "softcap": softcap, "dropout": dropout}
+        if isinstance(own, PrefixTree):
+            common = {"scale": scale, "softcap": softcap, "dropout": dropout, "window": window}
             outputs.append(_attend_tree(q_seg, k_seg, v_seg, own, **common))
             continue
-        if isinstance(own, PrefixTree):  # a sliding window as well: the whole square, masked
-            own = own.full_mask()
         mask = None
         if window is not None and length > window:
             mask = _window_mask(length, causal=causal, window=window, device=q.device)
@@ -370,17 +438,27 @@ def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softca
     return torch.cat(outputs, dim=2).to(dtype)
 
 
-def _attend_tree(q, k, v, tree: PrefixTree, *, scale, softcap, dropout) -> torch.Tensor:
+def _attend_tree(q, k, v, tree: PrefixTree, *, scale, softcap, dropout, window=None) -> torch.Tensor:
     """One `PrefixTree` sequence's attention (`[1, H, L, D]`), each piece against the keys it may
-    see: the prefix causally, then each branch against the prefix and itself."""
+    see: the prefix causally, then each branch against the prefix and itself. A sliding window
+    counts positions in the sequence (a branch's first token follows the prefix's last), not places
+    in the packed row, where a later branch sits after its siblings."""
     sizes = [tree.prefix, *tree.branches]
     qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
     common = {"scale": scale, "softcap": softcap, "dropout": dropout}
-    outputs = [_attend(qs[0], ks[0], vs[0], None, causal=True, **common)]
+    prefix_mask = None
+    if window is not None and tree.prefix > window:
+        prefix_mask = _window_mask(tree.prefix, causal=True, window=window, device=q.device)
+    outputs = [_attend(qs[0], ks[0], vs[0], prefix_mask, causal=True, **common)]
     for i, mask in enumerate(tree.branch_masks, start=1):
-        if not tree.branches[i - 1]:  # an answer of one token: nothing of it is an input
+        branch = tree.branches[i - 1]
+        if not branch:  # an answer of one token: nothing of it is an input
             outputs.append(vs[i])
             continue
+        if window is not None:  # the branch's keys are the prefix, then itself: positions 0..p+b-1
+            queries = torch.arange(tree.prefix, tree.prefix + branch, device=q.device)
+            keys = torch.arange(tree.prefix + branch, device=q.device)
+            mask = mask & (queries[:, None] - keys[None, :] < window)
         keys, values = torch.cat([ks[0], ks[i]], dim=2), torch.cat([vs[0], vs[i]], dim=2)
         outputs.append(_attend(qs[i], keys, values, mask, causal=False, **common))
     return torch.cat(outputs, dim=2)
@@ -395,17 +473,29 @@ def _flash_window(window: int | None) -> tuple[int, int]:
     return (-1, -1) if window is None else (window - 1, window - 1)
 
 
+def _kernel_layout(k, v, ctx: VarlenContext) -> tuple[torch.Tensor, ...]:
+    """`[T, H, D]` keys and values and the (query, key) offsets and longest lengths a varlen kernel
+    takes: the row as packed, or, with prefix trees in it, each piece's keys gathered (`GatheredKeys`)."""
+    k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)
+    if ctx.segment_masks is None:
+        return k, v, ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_seqlen, ctx.max_seqlen
+    layout = ctx.gathered_keys()
+    k, v = k.index_select(0, layout.index), v.index_select(0, layout.index)
+    return k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k
+
+
 def _flash_varlen(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
     """flash-attn's varlen kernel on `[T, H, D]` views. Untested here: the dev machine has no GPU."""
     func = _flash_varlen_func()
+    k, v, cu_q, cu_k, max_q, max_k = _kernel_layout(k, v, ctx)
     out = func(
         q[0].transpose(0, 1),
-        k[0].transpose(0, 1),
-        v[0].transpose(0, 1),
-        cu_seqlens_q=ctx.cu_seqlens,
-        cu_seqlens_k=ctx.cu_seqlens,
-        max_seqlen_q=ctx.max_seqlen,
-        max_seqlen_k=ctx.max_seqlen,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
         dropout_p=dropout,
         softmax_scale=scale,
         causal=causal,
@@ -422,20 +512,24 @@ def _torch_varlen(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap
         window_size = (-1, 0) if causal else (-1, -1)
     else:
         window_size = (window - 1, 0) if causal else (window - 1, window - 1)
+    k, v, cu_q, cu_k, max_q, max_k = _kernel_layout(k, v, ctx)
     out = func(
         q[0].transpose(0, 1).contiguous(),  # kernel layout requirements are unverified here: be safe
-        k[0].transpose(0, 1).contiguous(),
-        v[0].transpose(0, 1).contiguous(),
-        ctx.cu_seqlens,
-        ctx.cu_seqlens,
-        ctx.max_seqlen,
-        ctx.max_seqlen,
+        k.contiguous(),
+        v.contiguous(),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
         scale=scale,
         window_size=window_size,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1).unsqueeze(0)
 
+
+#: the varlen kernels (GPU): causal sequences and prefix trees, not boolean masks
+_KERNELS = ("flash_varlen", "torch_varlen")
 
 _IMPLEMENTATIONS = {
     "sdpa_segments": _sdpa_segments,
@@ -481,8 +575,8 @@ def varlen_attention_forward(
     backend = resolve_backend(
         ctx.backend, device=query.device, dtype=query.dtype, softcap=softcap, dropout=dropout
     )
-    if ctx.segment_masks is not None:
-        backend = "sdpa_segments"  # the one path that takes a mask per sequence
+    if ctx.segment_masks is not None and not (backend in _KERNELS and causal and ctx.trees_only()):
+        backend = "sdpa_segments"  # the one path that takes a boolean mask per sequence
     if backend in ("sdpa_segments", "sdpa_block_mask"):
         groups = query.shape[1] // key.shape[1]
         key, value = _expand_kv(key, groups), _expand_kv(value, groups)

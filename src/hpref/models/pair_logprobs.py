@@ -113,8 +113,10 @@ def prefix_packed_hidden(lm: nn.Module, packed: dict[str, Any], backend: str = "
     """The decoder's last hidden states `[T, H]` over a `pack_prefix_groups` layout. The LM is
     switched to the varlen attention function (`use_varlen_attention`) and stays on it until a
     padded batch switches it back: an activation-checkpointed block recomputes its forward in the
-    backward, which must run the same attention. Attention runs in fp32 in every forward (as
-    `PackedLogProbs`), so a reference's forward without gradient computes what the policy's does."""
+    backward, which must run the same attention. On the CPU path attention runs in fp32 in every
+    forward (as `PackedLogProbs`), so a reference's forward without gradient computes what the
+    policy's does; on a GPU both run the varlen kernel, each prompt group in one call
+    (`hpref.models.attention.GatheredKeys`)."""
     use_varlen_attention(lm, True)
     cu = packed["cu_seqlens"]
     masks: list[PrefixTree | None] = [
