@@ -186,6 +186,43 @@ def test_bf16_training_attention_upcasts_inside_and_stays_bf16_outside():
         assert not upcast_for_backward(q, None)
 
 
+def test_under_autocast_a_training_attention_runs_in_fp32_and_hands_back_bf16(monkeypatch):
+    """The RL trainer trains under bf16 autocast over fp32 weights: RoPE's fp32 tables leave q and k
+    in fp32 and v in bf16, and CPU autocast casts SDPA's inputs to bf16 whatever they are, so the
+    fp32 detour above never happened there and the backward ran bf16's slower kernel (3.2 vs 1.2
+    ms a call on SmolLM2). With a backward to come, SDPA must get fp32 with autocast off, and the
+    layer bf16 back (what the call under autocast gives); without one (inference, a reference
+    without `fp32_attention`) it stays on autocast's bf16. If this fails, the RL trainer's bf16 step
+    is back on the slow kernel (~15 % of a SmolLM2 step on the 2-core EPYC)."""
+    from hpref.models import attention
+    from hpref.models.attention import varlen_attention_forward
+
+    seen = []
+    real = attention.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 4, 9, 8, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 4, 9, 8, generator=gen).bfloat16().requires_grad_(True)
+    ctx = VarlenContext(
+        backend="sdpa_segments", cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32), max_seqlen=5
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = varlen_attention_forward(torch.nn.Module(), q, k, v, None, hpref_varlen=ctx)
+        assert out.dtype == torch.bfloat16
+        out.float().sum().backward()
+        assert seen == [(torch.float32, torch.float32, torch.float32, False)] * 2
+        assert q.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
+        seen.clear()
+        with torch.no_grad():
+            out, _ = varlen_attention_forward(torch.nn.Module(), q, k, v, None, hpref_varlen=ctx)
+        assert out.dtype == torch.bfloat16 and [s[3] for s in seen] == [True, True]
+
+
 def test_attention_mask_is_rejected():
     """The packed function builds its own masks; a padded-batch mask would mean the caller is wrong."""
     from hpref.models.attention import varlen_attention_forward

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from hpref.errors import UserError
+from hpref.models.head_logprobs import compute_dtype
 
 ATTENTION_NAME = "hpref_varlen"
 CONTEXT_KWARG = "hpref_varlen"
@@ -384,28 +385,50 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=1)
 
 
-def upcast_for_backward(q: torch.Tensor, softcap: float | None) -> bool:
+def upcast_for_backward(
+    q: torch.Tensor, softcap: float | None, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+) -> bool:
     """True when a CPU bf16 attention call that autograd will differentiate is cheaper in fp32.
 
-    SDPA's fused CPU kernel is slower in bf16 than in fp32 once its backward runs: one thread,
+    bf16 is what the call would compute in (`attention_dtype`): the tensors' own dtype, or under
+    autocast (the RL trainer's forward) autocast's, whatever dtype RoPE's fp32 tables left q and k
+    in. SDPA's fused CPU kernel is slower in bf16 than in fp32 once its backward runs: one thread,
     CPU seconds, 48 packed sequences of 40-300 tokens, forward + backward, bf16 / fp32-with-casts:
     12 heads x 32 (MiniLM) 277 / 169 ms, 4 x 32 causal (tiny-llama) 113 / 63 ms, 8 x 64 causal
     291 / 212 ms. Forward alone is faster in bf16 (37 / 56 ms), so inference keeps bf16.
     """
+    given = [t for t in (q, k, v) if t is not None]
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
+        and attention_dtype(q, v) == torch.bfloat16
         and softcap is None
-        and q.requires_grad
+        and any(t.requires_grad for t in given)
         and torch.is_grad_enabled()
     )
 
 
+def attention_dtype(q: torch.Tensor, v: torch.Tensor | None = None) -> torch.dtype:
+    """The dtype SDPA computes in here: autocast's where it is on for `q`'s device (CPU autocast
+    casts SDPA's inputs to it), else the inputs' promoted dtype (`head_logprobs.compute_dtype`)."""
+    return compute_dtype(q, q if v is None else v)
+
+
 def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
-    dtype = q.dtype
-    fp32 = ctx.fp32_attention and q.dtype == torch.bfloat16 and softcap is None
-    if fp32 or upcast_for_backward(q, softcap):  # one cast per layer, not one per sequence
-        q, k, v = q.float(), k.float(), v.float()
+    dtype = attention_dtype(q, v)
+    fp32 = ctx.fp32_attention and dtype == torch.bfloat16 and softcap is None
+    common = {"causal": causal, "scale": scale, "window": window, "softcap": softcap, "dropout": dropout}
+    if not (fp32 or upcast_for_backward(q, softcap, k, v)):
+        return _each_segment(q, k, v, ctx, **common)
+    # one cast per layer, not one per sequence; and autocast off while it attends: CPU autocast
+    # runs SDPA in bf16, casting fp32 inputs straight back (under the RL trainer's autocast the
+    # attention backward ran bf16's slower kernel: 3.2 vs 1.2 ms a call on SmolLM2). What comes
+    # back is in the dtype the call would have given.
+    with torch.autocast(q.device.type, enabled=False):
+        return _each_segment(q.float(), k.float(), v.float(), ctx, **common).to(dtype)
+
+
+def _each_segment(q, k, v, ctx: VarlenContext, *, causal, scale, window, softcap, dropout) -> torch.Tensor:
+    """`sdpa_segments`' attention in `q`'s dtype: a call per packed sequence (per piece of a tree)."""
     outputs = []
     bounds = ctx.boundaries
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -435,7 +458,7 @@ def _sdpa_segments(q, k, v, ctx: VarlenContext, *, causal, scale, window, softca
                 dropout=dropout,
             )
         )
-    return torch.cat(outputs, dim=2).to(dtype)
+    return torch.cat(outputs, dim=2)
 
 
 def _attend_tree(q, k, v, tree: PrefixTree, *, scale, softcap, dropout, window=None) -> torch.Tensor:
