@@ -51,7 +51,8 @@ PYEOF
 
 "$PY" - <<'PYEOF'
 import torch
-from hpref.models.attention import PrefixTree, VarlenContext, varlen_attention_forward
+from hpref.models.attention import varlen_attention_forward
+from hpref.models.packed_layout import PrefixTree, VarlenContext
 
 gen = torch.Generator().manual_seed(0)
 tree = PrefixTree.of(180, [64, 0, 41, 63], device="cuda")  # a GRPO group; an empty answer among them

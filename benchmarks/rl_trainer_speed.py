@@ -25,7 +25,7 @@ difference of loss, KL and gradient norm to the first layout over the steps (the
 the same weights: in fp32 they must agree to rounding). `--tiny`: a config-built tiny Llama
 instead of SmolLM2 (the suite's smoke test). `--gpu`: the trainers on the first CUDA device
 (`gpus_per_rank` 1; the packed layout's prompt groups then go to the varlen kernel in one call per
-layer, `hpref.models.attention.GatheredKeys`), their peak the CUDA memory a step allocates over the
+layer, `hpref.models.packed_layout.GatheredKeys`), their peak the CUDA memory a step allocates over the
 trainer before it, MFU against the GPU's datasheet rate (benchmarks/gpu.sh; not run here).
 """
 

@@ -26,10 +26,11 @@ def train(folder: str, tp_size: int, sequence_parallel: bool) -> dict | None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from hpref.models.attention import CONTEXT_KWARG, VarlenContext
+    from hpref.models.attention import CONTEXT_KWARG
     from hpref.models.megatron import MegatronBackbone
     from hpref.models.megatron.convert import megatron_to_hf, shape_of
     from hpref.models.megatron.sequence_parallel import sum_partial_gradients
+    from hpref.models.packed_layout import VarlenContext
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

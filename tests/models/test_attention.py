@@ -10,12 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpref.models.attention import (
-    VarlenContext,
-    block_diagonal_mask,
-    resolve_backend,
-    segment_ids_from_cu_seqlens,
-)
+from hpref.models.attention import resolve_backend
+from hpref.models.packed_layout import VarlenContext, block_diagonal_mask, segment_ids_from_cu_seqlens
 
 from .conftest import (
     model_from_config,
@@ -326,7 +322,8 @@ def test_a_prefix_tree_attends_piece_by_piece_as_its_whole_mask_does(softcap):
     the RL trainer's packed rows (whose attention this is) compute another function than the masked
     square they replace (an answer seeing a sibling, a prompt token seeing an answer, a lost empty
     answer, a window over the packed places)."""
-    from hpref.models.attention import PrefixTree, varlen_attention_forward
+    from hpref.models.attention import varlen_attention_forward
+    from hpref.models.packed_layout import PrefixTree
 
     gen = torch.Generator().manual_seed(0)
     tree = PrefixTree.of(5, [3, 0, 4])
@@ -375,7 +372,8 @@ def test_the_gpu_kernels_attend_a_prefix_tree_in_one_call_on_gathered_keys(monke
     must still go to `sdpa_segments`. If this fails, a GPU RL trainer's packed rows compute another
     attention than the CPU's (an answer seeing a sibling, a prompt seeing an answer)."""
     from hpref.models import attention
-    from hpref.models.attention import PrefixTree, varlen_attention_forward
+    from hpref.models.attention import varlen_attention_forward
+    from hpref.models.packed_layout import PrefixTree
 
     calls = []
 

@@ -16,13 +16,14 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is the optional [megatron] extra")
 
 from hpref.errors import UserError  # noqa: E402
-from hpref.models.attention import CONTEXT_KWARG, VarlenContext  # noqa: E402
+from hpref.models.attention import CONTEXT_KWARG  # noqa: E402
 from hpref.models.megatron import MegatronBackbone  # noqa: E402
 from hpref.models.megatron.convert import (  # noqa: E402
     hf_to_megatron,
     megatron_to_hf,
     shape_of,  # noqa: E402
 )
+from hpref.models.packed_layout import VarlenContext  # noqa: E402
 
 WORKER = Path(__file__).with_name("megatron_tp_worker.py")
 LENGTHS = [5, 9, 3]

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpref.models.attention import CONTEXT_KWARG, PrefixTree, VarlenContext
+from hpref.models.attention import CONTEXT_KWARG
 from hpref.models.head_logprobs import fusable_head, head_logprobs
+from hpref.models.packed_layout import PrefixTree, VarlenContext
 
 
 def answer_positions(
@@ -91,7 +92,7 @@ def prefix_tree_mask(
 ) -> torch.Tensor:
     """Boolean `[L, L]` attention mask of one `pack_prefix_groups` segment (True: the query row may
     attend to the key column): causal, and a branch's token sees the prefix and its own branch only.
-    (The attention itself attends such a segment piece by piece: `hpref.models.attention.PrefixTree`.)"""
+    (The attention itself attends such a segment piece by piece: `hpref.models.packed_layout.PrefixTree`.)"""
     return PrefixTree.of(prefix, branches, device).full_mask()
 
 
@@ -116,7 +117,7 @@ def prefix_packed_hidden(lm: nn.Module, packed: dict[str, Any], backend: str = "
     backward, which must run the same attention. On the CPU path attention runs in fp32 in every
     forward (as `PackedLogProbs`), so a reference's forward without gradient computes what the
     policy's does; on a GPU both run the varlen kernel, each prompt group in one call
-    (`hpref.models.attention.GatheredKeys`)."""
+    (`hpref.models.packed_layout.GatheredKeys`)."""
     use_varlen_attention(lm, True)
     cu = packed["cu_seqlens"]
     masks: list[PrefixTree | None] = [

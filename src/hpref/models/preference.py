@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from hpref.models.attention import CONTEXT_KWARG, VarlenContext
+from hpref.models.attention import CONTEXT_KWARG
 from hpref.models.heads import (
     ClassificationHead,
     RewardHead,
@@ -53,6 +53,7 @@ from hpref.models.heads import (
     seeded_head_state,
     seeded_reward_head_state,
 )
+from hpref.models.packed_layout import VarlenContext
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpref.errors import UserError
-from hpref.models.attention import CONTEXT_KWARG, VarlenContext, varlen_attention_forward
+from hpref.models.attention import CONTEXT_KWARG, varlen_attention_forward
 from hpref.models.megatron.convert import MegatronShape
+from hpref.models.packed_layout import VarlenContext
 
 
 def require_megatron() -> None:

@@ -215,7 +215,8 @@ class MegatronCausalLM(nn.Module):
         """Logits `[B, L, V]` of a right-padded batch (zeros at padding positions)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        from hpref.models.attention import CONTEXT_KWARG, VarlenContext
+        from hpref.models.attention import CONTEXT_KWARG
+        from hpref.models.packed_layout import VarlenContext
 
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)

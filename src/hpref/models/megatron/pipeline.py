@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from hpref.models.attention import CONTEXT_KWARG, VarlenContext
+from hpref.models.attention import CONTEXT_KWARG
 from hpref.models.megatron.preference import MegatronPreferenceModel
+from hpref.models.packed_layout import VarlenContext
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
